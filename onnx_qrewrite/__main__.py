@@ -1,0 +1,4 @@
+from onnx_qrewrite.cli import main
+
+if __name__ == "__main__":
+    main()

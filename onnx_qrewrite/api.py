@@ -1,0 +1,130 @@
+"""The Python entry point: ``rewrite`` accepts a path, an ``onnx.ModelProto`` or an
+``onnx_ir.Model`` and returns the same kind of model it was given, with a report."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+
+import onnx
+
+from onnx_qrewrite import engine, model_io
+from onnx_qrewrite.catalogue import Catalogue, load_catalogue
+from onnx_qrewrite.errors import InternalError, UsageError
+from onnx_qrewrite.report import RewriteReport
+
+if TYPE_CHECKING:
+    import onnx_ir
+
+__all__ = ["rewrite", "RewriteResult", "load_rules"]
+
+ModelLike = Union[str, os.PathLike, onnx.ModelProto, "onnx_ir.Model"]
+
+
+def load_rules(
+    paths: Iterable[str | os.PathLike[str]] = (),
+    *,
+    only: Sequence[str] | None = None,
+    skip: Sequence[str] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    include_shipped: bool = True,
+) -> Catalogue:
+    """The shipped catalogue plus ``paths``, selected with ``only``/``skip``, options overridden."""
+    catalogue = load_catalogue(paths, include_shipped=include_shipped)
+    catalogue = catalogue.select(only, skip)
+    if options:
+        catalogue = catalogue.with_options(options)
+    return catalogue
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    """The rewritten model (same kind as given) and what was done to it."""
+
+    model: Any
+    report: RewriteReport
+    #: Folder the model's external data is read from (the input's folder for a path input).
+    source_dir: Path | None = None
+    source_path: Path | None = None
+
+    def save(self, path: str | os.PathLike[str], *, reference_external_data: bool = False) -> model_io.SaveInfo:
+        """Write the model atomically; see :func:`onnx_qrewrite.model_io.save_model`."""
+        out = Path(path)
+        if self.source_path is not None and out.resolve() == self.source_path.resolve():
+            raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
+        proto = self.model
+        if not isinstance(proto, onnx.ModelProto):
+            import onnx_ir as ir
+
+            proto = ir.serde.serialize_model(proto)
+        return model_io.save_model(
+            proto, out, source_dir=self.source_dir, reference_external_data=reference_external_data
+        )
+
+
+def _to_proto(model: ModelLike) -> tuple[onnx.ModelProto, str, Path | None, Path | None]:
+    """A private copy to edit, the kind given, and where external data lives."""
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        return model_io.load_model(path), "path", path.parent, path
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return copy, "proto", None, None
+    try:
+        import onnx_ir as ir
+    except ImportError:  # pragma: no cover
+        ir = None
+    if ir is not None and isinstance(model, ir.Model):
+        proto = ir.serde.serialize_model(model)
+        base = None
+        for value in model.graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                base = Path(tensor.base_dir)
+                break
+        return proto, "ir", base, None
+    raise UsageError(f"rewrite() takes a path, onnx.ModelProto or onnx_ir.Model, not {type(model).__name__}")
+
+
+def rewrite(
+    model: ModelLike,
+    *,
+    rules: Catalogue | Iterable[str | os.PathLike[str]] | None = None,
+    only: Sequence[str] | None = None,
+    skip: Sequence[str] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    target_opset: int | None = None,
+    keep_opset: bool = False,
+    allow_unlowered: bool = False,
+    check: bool = True,
+) -> RewriteResult:
+    """Rewrite every node the rules match; the input is never modified.
+
+    ``rules``: a :class:`Catalogue`, or rule files added to the shipped ones. ``options`` overrides
+    rule options, e.g. ``{"dql-expand": {"semantics": "spec"}}``. Raises
+    :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
+    """
+    if isinstance(rules, Catalogue):
+        catalogue = rules.select(only, skip)
+        if options:
+            catalogue = catalogue.with_options(options)
+    else:
+        catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
+    proto, kind, source_dir, source_path = _to_proto(model)
+    opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
+    rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None)
+    if check and report.changed and rewritten.ByteSize() < 2**31 - 2**26:
+        try:
+            onnx.checker.check_model(rewritten)
+        except onnx.checker.ValidationError as exc:
+            raise InternalError(f"the rewritten model fails the ONNX checker (a bug, please report it): "
+                                f"{str(exc).strip().splitlines()[0]}") from None
+    result_model: Any = rewritten
+    if kind == "ir":
+        import onnx_ir as ir
+
+        result_model = ir.serde.deserialize_model(rewritten)
+    return RewriteResult(result_model, report, source_dir, source_path)

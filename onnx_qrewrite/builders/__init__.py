@@ -1,0 +1,252 @@
+"""Mechanism: how a replacement is built. Policy (which rule uses which builder, for which dtypes
+and opsets) lives in the rule files under ``rules/``.
+
+A builder is a small object with three methods, in the spirit of onnxscript's rewrite rules:
+
+``quantized_dtype(site)``
+    The dtype a rule's ``when.dtypes`` condition is checked against (None: unknown).
+``check(site, options) -> Plan``
+    Decides whether it can rewrite this node and what it needs (for example a minimum
+    default-domain opset). Raises :class:`NoMatch` with a reason when it cannot: the engine then
+    tries the next rule and reports the reason if none fits.
+``build(site, emit, options, plan)``
+    Emits the replacement nodes through an :class:`Emitter`. Must write the original node's output
+    names, so nothing downstream changes.
+
+Builders register themselves by name with :func:`register`; rule files refer to that name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnx_qrewrite import _protowire
+from onnx_qrewrite.graph import NameAllocator, Scope
+
+__all__ = [
+    "Builder",
+    "NoMatch",
+    "Plan",
+    "Site",
+    "Emitter",
+    "ConstantPool",
+    "register",
+    "get_builder",
+    "builder_names",
+]
+
+
+class NoMatch(Exception):
+    """The builder cannot rewrite this node; the message says why (shown as a near miss)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a builder needs to rewrite one node."""
+
+    #: Lowest default-domain opset the emitted ops need (0: whatever the model has).
+    min_opset: int = 0
+    #: Free-form notes shown in reports (for example "per-axis, axis=0 (Quark kernel default)").
+    notes: tuple[str, ...] = ()
+    #: Anything ``check`` worked out that ``build`` reuses.
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Site:
+    """A node in its scope: everything a builder may look at."""
+
+    node: onnx.NodeProto
+    scope: Scope
+
+    @property
+    def label(self) -> str:
+        """How reports and errors name the node."""
+        n = self.node
+        name = n.name or (f"<unnamed {n.op_type} -> {n.output[0]}>" if n.output else f"<unnamed {n.op_type}>")
+        return name if self.scope.path == "main" else f"{name} (in {self.scope.path})"
+
+    def input(self, i: int) -> str:
+        """Name of input ``i``; '' when absent (optional inputs may be missing or empty)."""
+        return self.node.input[i] if i < len(self.node.input) else ""
+
+    def attribute(self, name: str, default: Any = None) -> Any:
+        for attr in self.node.attribute:
+            if attr.name == name:
+                return helper.get_attribute_value(attr)
+        return default
+
+    def has_attribute(self, name: str) -> bool:
+        return any(a.name == name for a in self.node.attribute)
+
+    def elem_type(self, value: str) -> int | None:
+        return self.scope.elem_type(value) if value else None
+
+    def constant(self, value: str) -> np.ndarray | None:
+        return self.scope.constant(value) if value else None
+
+
+class Builder(Protocol):
+    name: str
+
+    def quantized_dtype(self, site: Site) -> str | None: ...
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan: ...
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None: ...
+
+
+_REGISTRY: dict[str, Builder] = {}
+
+
+def register(builder: Builder) -> Builder:
+    _REGISTRY[builder.name] = builder
+    return builder
+
+
+def get_builder(name: str) -> Builder | None:
+    _load_builtin_builders()
+    return _REGISTRY.get(name)
+
+
+def builder_names() -> list[str]:
+    _load_builtin_builders()
+    return sorted(_REGISTRY)
+
+
+def _load_builtin_builders() -> None:
+    # Imported lazily so that importing the package stays cheap; each module registers on import.
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+class ConstantPool:
+    """Shared constants for one root scope (the main graph, or one local function).
+
+    The main graph gets initializers (visible to every subgraph through outer scope); a function
+    gets Constant nodes at the top of its body, since functions have no initializers. Equal values
+    share one name, so a model with 20k rewrites still adds only a handful of constants.
+    """
+
+    def __init__(self, root: Scope, names: NameAllocator):
+        self._root = root
+        self._names = names
+        self._by_value: dict[tuple[int, tuple[int, ...], bytes], str] = {}
+        self.constant_nodes: list[bytes] = []
+
+    def get(self, array: np.ndarray) -> str:
+        tensor = numpy_helper.from_array(np.asarray(array))
+        key = (tensor.data_type, tuple(tensor.dims), tensor.raw_data or tensor.SerializeToString())
+        name = self._by_value.get(key)
+        if name is not None:
+            return name
+        flat = np.asarray(array).ravel()
+        hint = "_".join(f"{v:g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:4])
+        name = self._names.fresh(f"qrw_const_{np.asarray(array).dtype}_{hint}".replace("-", "m"))
+        tensor.name = name
+        container = self._root.container
+        if isinstance(container, onnx.GraphProto):
+            container.initializer.append(tensor)
+        else:
+            attr = helper.make_attribute("value", tensor)
+            self.constant_nodes.append(
+                _protowire.encode_node(
+                    "Constant", (), (name,), self._names.fresh(f"{name}_node"),
+                    attributes=_protowire.encode_attribute(attr),
+                )
+            )
+        self._root.invalidate()
+        self._by_value[key] = name
+        return name
+
+
+_ATTR_CACHE: dict[tuple[str, Any], bytes] = {}
+
+
+def _encode_attributes(attrs: Mapping[str, Any]) -> bytes:
+    parts = []
+    for name, value in attrs.items():
+        if isinstance(value, onnx.AttributeProto):
+            parts.append(_protowire.encode_attribute(value))
+            continue
+        key = (name, value) if isinstance(value, (int, float, str, bytes)) else None
+        encoded = _ATTR_CACHE.get(key) if key is not None else None
+        if encoded is None:
+            encoded = _protowire.encode_attribute(helper.make_attribute(name, value))
+            if key is not None:
+                _ATTR_CACHE[key] = encoded
+        parts.append(encoded)
+    return b"".join(parts)
+
+
+class Emitter:
+    """Creates the replacement nodes of one rewrite, with model-wide unique, deterministic names.
+
+    Every created node carries metadata ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin`` so a
+    verifier (or a person) can trace it back to the rule and the node it replaced.
+    """
+
+    RULE_KEY = "onnx_qrewrite.rule"
+    ORIGIN_KEY = "onnx_qrewrite.origin"
+
+    def __init__(self, site: Site, rule_id: str, names: NameAllocator, constants: ConstantPool):
+        self.site = site
+        self._names = names
+        self._constants = constants
+        node = site.node
+        origin = node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
+        self._prefix = origin
+        self._metadata = _protowire.encode_metadata(
+            [(self.RULE_KEY, rule_id), (self.ORIGIN_KEY, node.name)]
+        )
+        self.nodes: list[bytes] = []
+        self.created: list[tuple[str, str]] = []  # (node name, op_type)
+
+    @property
+    def opset(self) -> int:
+        return self.site.scope.default_opset
+
+    def fresh(self, hint: str) -> str:
+        return self._names.fresh(f"{self._prefix}/{hint}")
+
+    def const(self, value: Any, dtype: Any = None) -> str:
+        """Name of a shared constant holding ``value``."""
+        return self._constants.get(np.asarray(value, dtype=dtype))
+
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        outputs: Sequence[str] | int = 1,
+        *,
+        domain: str = "",
+        hint: str | None = None,
+        **attrs: Any,
+    ) -> list[str]:
+        """Append one node; ``outputs`` is a list of names to write, or how many fresh ones."""
+        if isinstance(outputs, int):
+            outputs = [self.fresh(f"{hint or op_type}_output_{i}") for i in range(outputs)]
+        else:
+            outputs = [o if o else self.fresh(f"{hint or op_type}_unused") for o in outputs]
+        name = self.fresh(hint or op_type)
+        self.nodes.append(
+            _protowire.encode_node(
+                op_type, inputs, outputs, name, domain=domain,
+                attributes=_encode_attributes(attrs), metadata=self._metadata,
+            )
+        )
+        self.created.append((name, op_type))
+        return list(outputs)
+
+    def op1(self, op_type: str, inputs: Sequence[str], output: str | None = None, **kw: Any) -> str:
+        """Single-output convenience form of :meth:`op`."""
+        return self.op(op_type, inputs, [output] if output else 1, **kw)[0]

@@ -1,0 +1,115 @@
+"""DynamicQuantizeLinear -> primitive ops.
+
+``semantics = "onnxruntime"`` (default) reproduces onnxruntime's kernel bit for bit::
+
+    lo, hi   = Min(ReduceMin(x), 0), Max(ReduceMax(x), 0)
+    y_scale  = Where(Equal(hi, lo), 1, (hi - lo) / 255)          # (1)
+    zp0      = 0 - lo / y_scale
+    y_zp     = Cast<uint8>(Round(Where(IsNaN(zp0), 255, Clip(zp0, 0, 255))))   # (2)
+    y        = QuantizeLinear(x, y_scale, y_zp)
+
+(1) onnxruntime uses scale 1.0 when max == min (all zeros); the spec body divides 0/0. The guard
+    tests ``Equal(hi, lo)``, never ``scale == 0``: for tiny denormal ranges the scale underflows to
+    0.0 while hi != lo, and onnxruntime keeps that 0.0 (NUMERICS.md: 495,582 of 1,000 values
+    differ with the wrong guard).
+(2) onnxruntime computes ``max(qmin, min(qmax, zp0))`` with std::min/max, which turns a NaN zero
+    point (input holding -inf, or all NaN) into 255; the spec's Clip/Cast gives 0.
+
+``semantics = "spec"`` emits the ONNX function body exactly as onnx defines it (taken from the
+installed onnx's schema), for users who want the specification, not one runtime's behaviour.
+
+Every op used exists with these forms at default-domain opsets 11-26: ReduceMin/ReduceMax with
+keepdims=0 and no axes reduce over all dimensions at every version (axes became an input at 18,
+which we never pass).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+from onnx import defs
+
+from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.graph import dtype_name
+
+SEMANTICS = ("onnxruntime", "spec")
+
+
+@functools.lru_cache(maxsize=None)
+def spec_body(opset: int) -> onnx.FunctionProto:
+    """The function body onnx defines for DynamicQuantizeLinear, as visible at ``opset``."""
+    schema = defs.get_schema("DynamicQuantizeLinear", opset, "")
+    function = onnx.FunctionProto()
+    function.ParseFromString(schema.get_function_with_opset_version(opset))
+    return function
+
+
+class DynamicQuantizeLinearBuilder:
+    name = "dynamic_quantize_linear"
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return "uint8"  # DynamicQuantizeLinear always produces uint8
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        semantics = options.get("semantics", "onnxruntime")
+        if semantics not in SEMANTICS:
+            raise NoMatch(f"option semantics={semantics!r} is not one of {', '.join(SEMANTICS)}")
+        if len(site.node.input) != 1 or not site.node.input[0]:
+            raise InvalidModelError(f"node {site.label}: DynamicQuantizeLinear takes exactly one input")
+        elem = site.elem_type(site.node.input[0])
+        if elem is not None and elem != onnx.TensorProto.FLOAT:
+            raise InvalidModelError(
+                f"node {site.label}: DynamicQuantizeLinear input {site.node.input[0]!r} is "
+                f"{dtype_name(elem)}; the operator takes float32 only"
+            )
+        return Plan(min_opset=11, notes=(f"semantics={semantics}",))
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        outputs = list(site.node.output) + [""] * (3 - len(site.node.output))
+        if options.get("semantics", "onnxruntime") == "spec":
+            self._build_spec(site, emit, outputs)
+        else:
+            self._build_onnxruntime(site.node.input[0], emit, outputs)
+
+    @staticmethod
+    def _build_onnxruntime(x: str, emit: Emitter, outputs: list[str]) -> None:
+        y, y_scale, y_zero_point = outputs
+        zero = emit.const(0.0, np.float32)
+        one = emit.const(1.0, np.float32)
+        qmax = emit.const(255.0, np.float32)
+        x_min = emit.op1("ReduceMin", [x], keepdims=0)
+        x_max = emit.op1("ReduceMax", [x], keepdims=0)
+        lo = emit.op1("Min", [x_min, zero])
+        hi = emit.op1("Max", [x_max, zero])
+        span = emit.op1("Sub", [hi, lo], hint="Range")
+        ratio = emit.op1("Div", [span, qmax], hint="RangeOver255")
+        flat = emit.op1("Equal", [hi, lo], hint="RangeIsZero")
+        scale = emit.op1("Where", [flat, one, ratio], y_scale, hint="Scale")
+        lo_scaled = emit.op1("Div", [lo, scale], hint="MinScaled")
+        zp_fp = emit.op1("Sub", [zero, lo_scaled], hint="InitialZeroPoint")
+        zp_nan = emit.op1("IsNaN", [zp_fp])
+        zp_clipped = emit.op1("Clip", [zp_fp, zero, qmax])
+        zp_guarded = emit.op1("Where", [zp_nan, qmax, zp_clipped], hint="NaNZeroPointTo255")
+        zp_rounded = emit.op1("Round", [zp_guarded])
+        zp = emit.op1("Cast", [zp_rounded], y_zero_point, to=onnx.TensorProto.UINT8, hint="ZeroPoint")
+        emit.op1("QuantizeLinear", [x, scale, zp], y)
+
+    @staticmethod
+    def _build_spec(site: Site, emit: Emitter, outputs: list[str]) -> None:
+        body = spec_body(max(11, site.scope.default_opset))
+        rename = {body.input[0]: site.node.input[0]}
+        for formal, actual in zip(body.output, outputs):
+            if actual:
+                rename[formal] = actual
+        for node in body.node:
+            ins = [rename.setdefault(i, emit.fresh(i)) if i else "" for i in node.input]
+            outs = [rename.setdefault(o, emit.fresh(o)) for o in node.output]
+            emit.op(node.op_type, ins, outs, domain=node.domain, hint=node.op_type,
+                    **{a.name: a for a in node.attribute})
+
+
+register(DynamicQuantizeLinearBuilder())

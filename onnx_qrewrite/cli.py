@@ -1,0 +1,80 @@
+"""Command-line interface: one module per subcommand under ``commands/``, registered here.
+
+Subcommands load lazily, so ``onnx-qrewrite rules`` does not pay for importing onnxruntime. Every
+error becomes one line on stderr and the exit code of the contract in :mod:`onnx_qrewrite.errors`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
+
+__all__ = ["main"]
+
+#: name -> "module:attribute" of the click command
+SUBCOMMANDS = {
+    "rewrite": "onnx_qrewrite.commands.rewrite:rewrite_command",
+    "verify": "onnx_qrewrite.commands.verify:verify_command",
+    "inspect": "onnx_qrewrite.commands.inspect:inspect_command",
+    "rules": "onnx_qrewrite.commands.rules:rules_command",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = SUBCOMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            return None
+
+    def invoke(self, ctx: click.Context):  # noqa: ANN201
+        try:
+            return super().invoke(ctx)
+        except QRewriteError as exc:
+            click.echo(f"onnx-qrewrite: error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            click.echo("onnx-qrewrite: interrupted", err=True)
+            ctx.exit(130)
+        except Exception as exc:  # noqa: BLE001 - the contract: internal errors exit 5, one line
+            logging.getLogger("onnx_qrewrite").debug("internal error", exc_info=True)
+            click.echo(
+                f"onnx-qrewrite: internal error: {type(exc).__name__}: {exc} "
+                "(a bug; run with -v for the traceback and please report it)",
+                err=True,
+            )
+            ctx.exit(EXIT_INTERNAL)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="onnx-qrewrite", prog_name="onnx-qrewrite")
+@click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors; no summary, no progress.")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
+    """Rewrite quantized ONNX models into portable standard ONNX, and prove it.
+
+    Exit codes: 0 ok, 1 verification disagreed, 2 usage error, 3 invalid input model,
+    4 a rule could not be applied, 5 internal error.
+    """
+    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.basicConfig(level=level, format="onnx-qrewrite: %(levelname)s: %(message)s", stream=sys.stderr)
+    ctx.obj = {"quiet": quiet, "verbose": verbose}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""One module per subcommand; ``onnx_qrewrite.cli`` registers them."""

@@ -1,0 +1,32 @@
+"""``onnx-qrewrite rules``: the catalogue, one line per rule."""
+
+from __future__ import annotations
+
+import click
+
+from onnx_qrewrite.commands.options import load_selected_rules, rule_selection
+
+
+@click.command("rules")
+@rule_selection
+@click.option("--long", "long_", is_flag=True, help="Also show conditions, options and the source file.")
+def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) -> None:  # noqa: ANN001
+    """List the available rules: id, what it matches, what it emits."""
+    catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics)
+    width = max((len(r.id) for r in catalogue), default=0)
+    for rule in catalogue:
+        click.echo(f"{rule.id.ljust(width)}  {rule.describe_match()}  ->  {rule.emits or rule.builder}")
+        if long_:
+            click.echo(f"{'':{width}}  {rule.summary}")
+            conds = []
+            if rule.dtypes is not None:
+                conds.append("dtypes " + ",".join(sorted(rule.dtypes)))
+            if rule.min_opset is not None or rule.max_opset is not None:
+                conds.append(f"opset {rule.min_opset or ''}..{rule.max_opset or ''}")
+            if rule.requires_opset:
+                conds.append("needs opset " + ", ".join(f"{k}:{v}" for k, v in rule.requires_opset.items()))
+            if conds:
+                click.echo(f"{'':{width}}  when: {'; '.join(conds)}")
+            if rule.options:
+                click.echo(f"{'':{width}}  options: {dict(rule.options)}")
+            click.echo(f"{'':{width}}  from {rule.source}")

@@ -1,0 +1,74 @@
+"""Errors with the exit codes of the command-line contract.
+
+Every subcommand maps outcomes to the same codes so that CI can tell "the outputs differ" from
+"the tool was called wrongly" from "the model is broken":
+
+====  ==========================================================
+code  meaning
+====  ==========================================================
+0     success (for ``verify``: the models agree)
+1     verification ran and the models disagree
+2     usage error (bad option, unreadable rule file, ...)
+3     invalid input model (missing, empty, corrupt, fails the checker)
+4     a rule matched a node but could not be applied
+5     internal error (a bug in onnx-qrewrite)
+====  ==========================================================
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_DISAGREE",
+    "EXIT_USAGE",
+    "EXIT_INVALID_MODEL",
+    "EXIT_CANNOT_LOWER",
+    "EXIT_INTERNAL",
+    "QRewriteError",
+    "UsageError",
+    "InvalidModelError",
+    "LoweringError",
+    "InternalError",
+]
+
+EXIT_OK = 0
+EXIT_DISAGREE = 1
+EXIT_USAGE = 2
+EXIT_INVALID_MODEL = 3
+EXIT_CANNOT_LOWER = 4
+EXIT_INTERNAL = 5
+
+
+class QRewriteError(Exception):
+    """Base class: the message is one line a user can act on."""
+
+    exit_code: int = EXIT_INTERNAL
+
+
+class UsageError(QRewriteError):
+    """An option, rule file or argument is wrong."""
+
+    exit_code = EXIT_USAGE
+
+
+class InvalidModelError(QRewriteError):
+    """The input model cannot be read or is not a valid ONNX model."""
+
+    exit_code = EXIT_INVALID_MODEL
+
+
+class LoweringError(QRewriteError):
+    """A rule matched a node but cannot rewrite it (unsupported dtype, malformed node, opset)."""
+
+    exit_code = EXIT_CANNOT_LOWER
+
+    def __init__(self, message: str, *, node: str | None = None, rule: str | None = None):
+        super().__init__(message)
+        self.node = node
+        self.rule = rule
+
+
+class InternalError(QRewriteError):
+    """A bug in onnx-qrewrite: the rewrite produced something invalid."""
+
+    exit_code = EXIT_INTERNAL

@@ -1,0 +1,235 @@
+"""Where nodes live in a model: scopes (main graph, subgraphs, local functions), names, types.
+
+A rewrite must see every node a runtime will execute: the main graph, the bodies of If/Loop/Scan
+(at any depth) and model-local functions (onnx_ir's ``all_nodes()`` skips the latter). A *scope* is
+one node list plus what it can see: its own values, its outer scopes' values, and its opsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+__all__ = [
+    "Scope",
+    "iter_scopes",
+    "NameAllocator",
+    "default_opset",
+    "dtype_name",
+]
+
+_DTYPE_NAMES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT16: "uint16",
+    onnx.TensorProto.INT16: "int16",
+    onnx.TensorProto.UINT32: "uint32",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.UINT64: "uint64",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.UINT4: "uint4",
+    onnx.TensorProto.INT4: "int4",
+    onnx.TensorProto.FLOAT8E4M3FN: "float8e4m3fn",
+    onnx.TensorProto.FLOAT8E4M3FNUZ: "float8e4m3fnuz",
+    onnx.TensorProto.FLOAT8E5M2: "float8e5m2",
+    onnx.TensorProto.FLOAT8E5M2FNUZ: "float8e5m2fnuz",
+}
+
+
+def dtype_name(elem_type: int) -> str:
+    """Readable name of an ONNX element type, as used in rule files and reports."""
+    return _DTYPE_NAMES.get(elem_type, onnx.TensorProto.DataType.Name(elem_type).lower())
+
+
+def default_opset(opset_imports) -> int | None:
+    for entry in opset_imports:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return None
+
+
+@dataclasses.dataclass(eq=False)
+class Scope:
+    """One node list and the values visible from it.
+
+    ``path`` names the scope in reports: ``main``, ``main/<node>.<attr>`` for a subgraph,
+    ``function:<domain>.<name>`` for a model-local function.
+    """
+
+    container: onnx.GraphProto | onnx.FunctionProto
+    path: str
+    opsets: dict[str, int]
+    parent: Scope | None
+    base_dir: str | None = None
+    _types: dict[str, int] | None = dataclasses.field(default=None, repr=False)
+    _producers: dict[str, onnx.NodeProto] | None = dataclasses.field(default=None, repr=False)
+    _initializers: dict[str, onnx.TensorProto] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def is_function(self) -> bool:
+        return isinstance(self.root.container, onnx.FunctionProto)
+
+    @property
+    def root(self) -> Scope:
+        scope = self
+        while scope.parent is not None:
+            scope = scope.parent
+        return scope
+
+    @property
+    def default_opset(self) -> int:
+        return self.opsets.get("", self.opsets.get("ai.onnx", 0))
+
+    # -- values --------------------------------------------------------------------------------
+
+    def _index(self) -> None:
+        types: dict[str, int] = {}
+        producers: dict[str, onnx.NodeProto] = {}
+        inits: dict[str, onnx.TensorProto] = {}
+        c = self.container
+        if isinstance(c, onnx.GraphProto):
+            for vi in (*c.input, *c.output, *c.value_info):
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                    types[vi.name] = vi.type.tensor_type.elem_type
+            for t in c.initializer:
+                types[t.name] = t.data_type
+                inits[t.name] = t
+        else:
+            for vi in c.value_info:
+                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                    types[vi.name] = vi.type.tensor_type.elem_type
+        for node in c.node:
+            for out in node.output:
+                if out:
+                    producers[out] = node
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        types[node.output[0]] = attr.t.data_type
+        self._types, self._producers, self._initializers = types, producers, inits
+
+    def invalidate(self) -> None:
+        """Forget cached indexes after the node list or value_info changed."""
+        self._types = self._producers = self._initializers = None
+
+    def elem_type(self, name: str) -> int | None:
+        """Element type of a value visible here, or None when the model does not say."""
+        scope: Scope | None = self
+        while scope is not None:
+            if scope._types is None:
+                scope._index()
+            found = scope._types.get(name)  # type: ignore[union-attr]
+            if found is not None:
+                return found
+            scope = scope.parent
+        return None
+
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        if self._producers is None:
+            self._index()
+        return self._producers.get(name)  # type: ignore[union-attr]
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """Value of an initializer or Constant output visible here; None when computed at run time.
+
+        Only small tensors (scales, zero points) are asked for, so reading one external tensor
+        here does not defeat lazy loading of the weights.
+        """
+        scope: Scope | None = self
+        while scope is not None:
+            if scope._initializers is None:
+                scope._index()
+            tensor = scope._initializers.get(name)  # type: ignore[union-attr]
+            if tensor is not None:
+                return numpy_helper.to_array(tensor, base_dir=self.root.base_dir or "")
+            node = scope._producers.get(name)  # type: ignore[union-attr]
+            if node is not None:
+                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    for attr in node.attribute:
+                        if attr.name == "value":
+                            return numpy_helper.to_array(attr.t)
+                return None
+            if isinstance(scope.container, onnx.GraphProto) and any(
+                i.name == name for i in scope.container.input
+            ):
+                return None
+            scope = scope.parent
+        return None
+
+
+def _subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.name, attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for i, g in enumerate(attr.graphs):
+                yield f"{attr.name}[{i}]", g
+
+
+def _walk(scope: Scope) -> Iterator[Scope]:
+    """Post-order: a subgraph is visited before the scope that holds it, so that a parent node is
+    serialized only after its bodies were rewritten."""
+    for node in scope.container.node:
+        for attr_name, g in _subgraphs(node):
+            label = node.name or (node.output[0] if node.output else node.op_type)
+            child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.base_dir)
+            yield from _walk(child)
+    yield scope
+
+
+def iter_scopes(model: onnx.ModelProto, base_dir: str | None = None) -> list[Scope]:
+    """Every node list of the model, innermost first, local functions included."""
+    opsets = {o.domain: o.version for o in model.opset_import}
+    scopes = list(_walk(Scope(model.graph, "main", opsets, None, base_dir)))
+    for fn in model.functions:
+        fn_opsets = {o.domain: o.version for o in fn.opset_import} or opsets
+        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, base_dir)))
+    return scopes
+
+
+class NameAllocator:
+    """Fresh names, unique across the whole model (ONNX requires uniqueness across nested scopes;
+    onnx_ir's ``val_N`` names are unique only per graph) and deterministic for a given input."""
+
+    def __init__(self, model: onnx.ModelProto):
+        used: set[str] = set()
+        for scope in iter_scopes(model):
+            c = scope.container
+            if isinstance(c, onnx.GraphProto):
+                used.update(v.name for v in c.input)
+                used.update(v.name for v in c.output)
+                used.update(v.name for v in c.value_info)
+                used.update(t.name for t in c.initializer)
+            else:
+                used.update(c.input)
+                used.update(c.output)
+            for node in c.node:
+                used.update(node.input)
+                used.update(node.output)
+                used.add(node.name)
+        used.discard("")
+        self._used = used
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._used
+
+    def reserve(self, name: str) -> None:
+        self._used.add(name)
+
+    def fresh(self, base: str) -> str:
+        name = base
+        n = 0
+        while name in self._used:
+            n += 1
+            name = f"{base}_{n}"
+        self._used.add(name)
+        return name

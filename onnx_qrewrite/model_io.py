@@ -1,0 +1,258 @@
+"""Reading and writing models built for real sizes.
+
+- Weights stored as external data stay on disk: models are loaded with
+  ``load_external_data=False`` (1 GiB of weights: 73 MiB RSS instead of 2.1 GiB, ENGINE_NOTES.md).
+- Writing streams each external tensor's bytes from the input's data file to the output's, in
+  bounded chunks (``os.copy_file_range`` where the kernel offers it), or, opt-in, references the
+  input's data file in place when the output sits in the same folder (zero copy).
+- Models whose protobuf would pass 2 GB are written with their large tensors as external data.
+- Everything is written to temporary files in the destination folder and renamed into place only
+  when complete: a failure never leaves a partial file, and the input is never touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from onnx_qrewrite.errors import InvalidModelError, UsageError
+
+__all__ = ["load_model", "save_model", "check_model", "SaveInfo", "external_tensors"]
+
+_PROTOBUF_LIMIT = 2**31 - 1
+#: Headroom for fields other than tensor payloads when deciding whether to externalize.
+_LIMIT_MARGIN = 64 * 2**20
+#: Tensors at least this large move to external data when a model must be split.
+_EXTERNALIZE_THRESHOLD = 1024
+_ALIGN = 64
+_CHUNK = 64 * 2**20
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
+    """Parse ``path`` without loading external weights; every failure is an InvalidModelError."""
+    p = Path(path)
+    if not p.exists():
+        raise InvalidModelError(f"{p}: no such file")
+    if p.is_dir():
+        raise InvalidModelError(f"{p}: is a directory, not an ONNX model file")
+    try:
+        size = p.stat().st_size
+        if size == 0:
+            raise InvalidModelError(f"{p}: the file is empty")
+        model = onnx.load(str(p), load_external_data=False)
+    except InvalidModelError:
+        raise
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise InvalidModelError(f"{p}: not a valid ONNX model (cannot parse the protobuf: {_first_line(exc)}); "
+                                "is the file truncated or corrupt?") from None
+    except OSError as exc:
+        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise InvalidModelError(f"{p}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?")
+    if check:
+        check_model(p, what=str(p))
+    return model
+
+
+def check_model(model: onnx.ModelProto | Path, *, what: str) -> None:
+    """Run onnx's checker; a path is checked by the C++ checker directly (handles external data
+    and models over 2 GB)."""
+    try:
+        onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
+    except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
+        raise InvalidModelError(f"{what}: fails the ONNX checker: {_first_line(exc)}") from None
+
+
+def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            yield tensor
+
+
+def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _copy_range(src, dst, offset: int, length: int) -> None:
+    src_fd, dst_fd = src.fileno(), dst.fileno()
+    remaining = length
+    if hasattr(os, "copy_file_range"):
+        try:
+            while remaining:
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, 1 << 30), offset + length - remaining)
+                if n == 0:
+                    break
+                remaining -= n
+        except OSError:
+            pass  # e.g. across file systems on old kernels: fall back to plain reads
+    src.seek(offset + length - remaining)
+    dst.seek(0, os.SEEK_END)
+    while remaining:
+        chunk = src.read(min(remaining, _CHUNK))
+        if not chunk:
+            raise InvalidModelError(f"{src.name}: external data ends before offset {offset + length}")
+        dst.write(chunk)
+        remaining -= len(chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveInfo:
+    path: Path
+    data_path: Path | None  # the external data file written, if any
+    referenced: tuple[str, ...]  # input data files referenced in place (zero copy)
+    external_bytes: int  # bytes of external data written (or referenced)
+
+
+def save_model(
+    model: onnx.ModelProto,
+    path: str | os.PathLike[str],
+    *,
+    source_dir: str | os.PathLike[str] | None = None,
+    reference_external_data: bool = False,
+) -> SaveInfo:
+    """Write ``model`` atomically; external weights are streamed from ``source_dir`` or referenced.
+
+    ``model`` itself is updated to point at the data file it was written with, so that the caller's
+    model and the file on disk agree.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"{out}: is a directory; give a file name for the output model")
+    folder = out.parent if str(out.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"{out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{out}: cannot write to the folder {folder} (permission denied)")
+
+    ext = list(external_tensors(model))
+    src_dir = Path(source_dir) if source_dir is not None else None
+    if ext and src_dir is None:
+        raise UsageError(f"{out}: the model references external data but its source folder is unknown")
+    same_folder = src_dir is not None and folder.resolve() == src_dir.resolve()
+    if reference_external_data and ext and not same_folder:
+        raise UsageError(
+            f"{out}: --reference-external-data needs the output in the input's folder ({src_dir}); "
+            "elsewhere the weights are copied"
+        )
+
+    data_name = out.name + ".data"
+    temps: list[Path] = []
+    try:
+        data_tmp = None
+        written = 0
+        referenced: set[str] = set()
+        too_big = model.ByteSize() > _PROTOBUF_LIMIT - _LIMIT_MARGIN
+        if reference_external_data:
+            for t in ext:
+                info = _external_info(t)
+                referenced.add(info["location"])
+                written += int(info.get("length", 0) or 0)
+        elif ext or too_big:
+            fd, name = tempfile.mkstemp(prefix=f".{data_name}.", suffix=".tmp", dir=folder)
+            data_tmp = Path(name)
+            temps.append(data_tmp)
+            with os.fdopen(fd, "wb") as dst:
+                handles: dict[str, object] = {}
+                try:
+                    for t in ext:
+                        info = _external_info(t)
+                        location = info["location"]
+                        src = handles.get(location)
+                        if src is None:
+                            src_path = src_dir / location  # type: ignore[operator]
+                            try:
+                                src = handles[location] = open(src_path, "rb")
+                            except OSError as exc:
+                                raise InvalidModelError(
+                                    f"{src_path}: cannot read external data of tensor {t.name!r}: "
+                                    f"{exc.strerror or exc}"
+                                ) from None
+                        offset = int(info.get("offset", 0) or 0)
+                        length = int(info["length"]) if "length" in info else os.fstat(src.fileno()).st_size - offset
+                        pad = (-written) % _ALIGN
+                        dst.write(b"\0" * pad)
+                        written += pad
+                        dst.flush()
+                        _copy_range(src, dst, offset, length)
+                        _set_external(t, data_name, written, length)
+                        written += length
+                    if too_big:
+                        written = _externalize_large(model, dst, data_name, written)
+                finally:
+                    for h in handles.values():
+                        h.close()  # type: ignore[attr-defined]
+                dst.flush()
+                os.fsync(dst.fileno())
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
+        model_tmp = Path(name)
+        temps.append(model_tmp)
+        with os.fdopen(fd, "wb") as f:
+            f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        data_path = None
+        if data_tmp is not None:
+            data_path = folder / data_name
+            os.replace(data_tmp, data_path)
+            temps.remove(data_tmp)
+        os.replace(model_tmp, out)
+        temps.remove(model_tmp)
+        for written_path in (out, data_path):
+            if written_path is not None:
+                os.chmod(written_path, _FILE_MODE)  # mkstemp creates 0600; give what open() would
+    except OSError as exc:
+        raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        for tmp in temps:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+    return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
+
+
+def _externalize_large(model: onnx.ModelProto, dst, data_name: str, written: int) -> int:
+    """Move in-memory tensors of at least 1 KiB into the data file: the model passes 2 GB."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for t in _get_all_tensors(model):
+        if uses_external_data(t) or not t.HasField("raw_data") or len(t.raw_data) < _EXTERNALIZE_THRESHOLD:
+            continue
+        pad = (-written) % _ALIGN
+        dst.write(b"\0" * pad)
+        written += pad
+        dst.write(t.raw_data)
+        _set_external(t, data_name, written, len(t.raw_data))
+        written += len(t.raw_data)
+        t.ClearField("raw_data")
+    return written

@@ -1,0 +1,76 @@
+"""Opset bookkeeping: raising the default-domain opset when a standard op needs it, and dropping
+vendor-domain imports a rewrite left unused."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx
+
+from onnx_qrewrite.errors import LoweringError, UsageError
+from onnx_qrewrite.graph import default_opset, iter_scopes
+from onnx_qrewrite.report import OpsetChange, RewriteReport
+
+__all__ = ["MAX_RUNTIME_OPSET", "model_default_opset", "raise_default_opset", "drop_unused_vendor_imports"]
+
+logger = logging.getLogger(__name__)
+
+#: onnxruntime 1.31.1 refuses default-domain opset 27 unless an environment flag is set (onnx 1.23
+#: defines 28): never raise a model past what the runtime loads.
+MAX_RUNTIME_OPSET = 26
+
+
+def model_default_opset(model: onnx.ModelProto) -> int | None:
+    return default_opset(model.opset_import)
+
+
+def raise_default_opset(model: onnx.ModelProto, target: int, report: RewriteReport, *, why: str) -> onnx.ModelProto:
+    """The whole model converted to default-domain opset ``target`` with onnx's version converter.
+
+    Only succeeds if the converter succeeds and its result passes the checker; the IR version is
+    kept (onnxruntime 1.31 loads IR <= 13, and the converter does not need a newer one).
+    """
+    current = model_default_opset(model) or 0
+    if target <= current:
+        return model
+    if target > MAX_RUNTIME_OPSET:
+        raise UsageError(f"--target-opset {target}: above {MAX_RUNTIME_OPSET}, the highest onnxruntime 1.31 loads")
+    if model.functions:
+        raise LoweringError(
+            f"cannot raise the opset from {current} to {target} ({why}): the model has local functions, "
+            "which onnx's version converter does not convert; use --keep-opset"
+        )
+    from onnx import version_converter
+
+    try:
+        converted = version_converter.convert_version(model, target)
+        converted.ir_version = model.ir_version
+        onnx.checker.check_model(converted)
+    except Exception as exc:  # the converter raises bare RuntimeErrors from C++
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LoweringError(
+            f"cannot raise the opset from {current} to {target} ({why}): {message}; use --keep-opset "
+            "to keep the opset and decompose instead"
+        ) from None
+    logger.info("raised default-domain opset %d -> %d (%s)", current, target, why)
+    report.opset_changes.append(OpsetChange("", current, target, why))
+    return converted
+
+
+def drop_unused_vendor_imports(model: onnx.ModelProto, rewritten_domains: set[str], report: RewriteReport) -> None:
+    """Remove opset imports of vendor domains whose nodes the rewrite replaced, if none is left.
+
+    Imports the rewrite did not touch stay as they were (Quark writes imports of domains it never
+    uses; removing them is not our business).
+    """
+    candidates = {d for d in rewritten_domains if d not in ("", "ai.onnx")}
+    if not candidates:
+        return
+    used = {node.domain for scope in iter_scopes(model) for node in scope.container.node}
+    used.update(f.domain for f in model.functions)
+    for domain in sorted(candidates - used):
+        for i, entry in enumerate(model.opset_import):
+            if entry.domain == domain:
+                report.opset_changes.append(OpsetChange(domain, entry.version, None, "no node uses it any more"))
+                del model.opset_import[i]
+                break

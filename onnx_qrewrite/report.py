@@ -1,0 +1,112 @@
+"""What a rewrite did, as data: for the CLI's summary, JSON reports and pipelines that assert on it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import onnx
+
+__all__ = ["AppliedRewrite", "Unlowered", "OpsetChange", "RewriteReport", "count_ops"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedRewrite:
+    """One node replaced by one rule."""
+
+    rule: str
+    node: str
+    op_type: str
+    domain: str
+    scope: str
+    created_nodes: tuple[str, ...]
+    created_ops: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlowered:
+    """A node some rule matched by op but none could rewrite; kept only with ``allow_unlowered``."""
+
+    node: str
+    op_type: str
+    domain: str
+    scope: str
+    reasons: tuple[str, ...]  # "rule-id: why it did not apply", one per candidate rule
+
+
+@dataclasses.dataclass(frozen=True)
+class OpsetChange:
+    domain: str
+    before: int | None
+    after: int | None
+    why: str
+
+
+def _op_key(domain: str, op_type: str) -> str:
+    return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
+
+
+def count_ops(model: onnx.ModelProto) -> collections.Counter[str]:
+    """Op counts over every scope (subgraphs and local functions included)."""
+    from onnx_qrewrite.graph import iter_scopes
+
+    counts: collections.Counter[str] = collections.Counter()
+    for scope in iter_scopes(model):
+        for node in scope.container.node:
+            counts[_op_key(node.domain, node.op_type)] += 1
+    return counts
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    rewrites: list[AppliedRewrite] = dataclasses.field(default_factory=list)
+    unlowered: list[Unlowered] = dataclasses.field(default_factory=list)
+    opset_changes: list[OpsetChange] = dataclasses.field(default_factory=list)
+    ops_before: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    ops_after: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rewrites or self.opset_changes)
+
+    def by_rule(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.rewrites:
+            counts[r.rule] = counts.get(r.rule, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rewrites": [dataclasses.asdict(r) for r in self.rewrites],
+            "by_rule": self.by_rule(),
+            "unlowered": [dataclasses.asdict(u) for u in self.unlowered],
+            "opset_changes": [dataclasses.asdict(c) for c in self.opset_changes],
+            "ops_before": dict(sorted(self.ops_before.items())),
+            "ops_after": dict(sorted(self.ops_after.items())),
+            "warnings": list(self.warnings),
+        }
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable summary: per rule how many nodes, opset changes, op counts that moved."""
+        lines = []
+        by_rule = self.by_rule()
+        if not by_rule:
+            lines.append("no rule applied; the model is unchanged")
+        for rule, n in by_rule.items():
+            lines.append(f"  {rule}: {n} node{'s' if n != 1 else ''} rewritten")
+        for c in self.opset_changes:
+            before = "none" if c.before is None else c.before
+            after = "removed" if c.after is None else c.after
+            lines.append(f"  opset {c.domain or 'ai.onnx'}: {before} -> {after} ({c.why})")
+        for u in self.unlowered:
+            lines.append(f"  left in place: {u.node} ({_op_key(u.domain, u.op_type)}): {'; '.join(u.reasons)}")
+        moved = sorted(k for k in set(self.ops_before) | set(self.ops_after) if self.ops_before[k] != self.ops_after[k])
+        if moved:
+            width = max(len(k) for k in moved)
+            lines.append(f"  {'op'.ljust(width)}  before  after")
+            for k in moved:
+                lines.append(f"  {k.ljust(width)}  {self.ops_before[k]:>6}  {self.ops_after[k]:>5}")
+        return lines
