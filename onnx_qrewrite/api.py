@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 __all__ = ["rewrite", "RewriteResult", "load_rules"]
 
+#: The checker takes a ModelProto only below protobuf's 2 GB limit.
+_CHECKABLE_IN_MEMORY = 2**31 - 2**26
+
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, "onnx_ir.Model"]
 
 
@@ -72,6 +75,8 @@ def _to_proto(model: ModelLike) -> tuple[onnx.ModelProto, str, Path | None, Path
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
+        if copy.ByteSize() < _CHECKABLE_IN_MEMORY:
+            model_io.check_model(copy, what="input model")
         return copy, "proto", None, None
     try:
         import onnx_ir as ir
@@ -116,7 +121,7 @@ def rewrite(
     proto, kind, source_dir, source_path = _to_proto(model)
     opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
     rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None)
-    if check and report.changed and rewritten.ByteSize() < 2**31 - 2**26:
+    if check and report.changed and rewritten.ByteSize() < _CHECKABLE_IN_MEMORY:
         try:
             onnx.checker.check_model(rewritten)
         except onnx.checker.ValidationError as exc:

@@ -1,0 +1,202 @@
+"""DynamicQuantizeLinear expansion: bit-exact with onnxruntime's kernel, at every opset we claim.
+
+NUMERICS.md records where onnxruntime's kernel and the ONNX function body differ (all-zero input,
+NaN zero point); each trap has a case here. NaN-containing inputs are not compared: the kernel
+itself is not deterministic there (it depends on NaN position and thread count).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.inliner
+import pytest
+from onnx import TensorProto, helper
+
+import onnx_qrewrite
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
+
+OPSETS = [11, 13, 17, 18, 21, 26]
+KERNEL_OPS = [
+    "ReduceMin", "ReduceMax", "Min", "Max", "Sub", "Div", "Equal", "Where", "Div", "Sub",
+    "IsNaN", "Clip", "Where", "Round", "Cast", "QuantizeLinear",
+]
+
+
+def dql_model(opset: int, rank: int = 1) -> onnx.ModelProto:
+    shape = [f"d{i}" for i in range(rank)]
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zero_point"], name="dql")
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, shape),
+         helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, [])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def _f32(*v) -> np.ndarray:
+    return np.array(v, dtype=np.float32)
+
+
+rng = np.random.default_rng(1234)
+EDGE_CASES = {
+    "all_zeros": np.zeros(16, np.float32),
+    "all_negative_zeros": np.full(16, -0.0, np.float32),
+    "one_element": _f32(3.7),
+    "one_zero": _f32(0.0),
+    "one_negative": _f32(-2.5),
+    "ties_k_plus_half": np.concatenate([_f32(0.0, 255.0), np.arange(255, dtype=np.float32) + 0.5]),
+    "negative_ties": np.concatenate([_f32(-255.0, 0.0), -(np.arange(255, dtype=np.float32) + 0.5)]),
+    "denormals": _f32(1e-40, -3e-39, 2e-45, 0.0, 1.1e-38),
+    "tiny_denormals_scale_underflows": _f32(0.0, 1.4e-45, 2.8e-45),
+    "tiny_denormal_negative": _f32(-1.4e-45, 0.0),
+    "near_1e38": _f32(1e38, -1e38, 5e37, 0.0, 3.3e38),
+    "range_overflows_to_inf": _f32(3.0e38, -3.0e38, 1.0),
+    "pos_inf": _f32(1.0, np.inf, -2.0),
+    "neg_inf": _f32(1.0, -np.inf, 2.0),
+    "both_inf": _f32(np.inf, -np.inf, 0.5),
+    "only_pos_inf": _f32(np.inf, np.inf),
+    "all_negative": -rng.uniform(0.1, 50, 999).astype(np.float32),
+    "all_positive": rng.uniform(0.1, 50, 999).astype(np.float32),
+    "normal_large": rng.standard_normal((64, 257)).astype(np.float32),
+    "uniform_large": rng.uniform(-7, 3, (3, 5, 7, 11)).astype(np.float32),
+    "cauchy": rng.standard_cauchy(4096).astype(np.float32),
+    "constant_positive": np.full((4, 4), 7.25, np.float32),
+}
+
+
+class _Pair:
+    """Original and rewritten DQL model of each input rank, built once per opset."""
+
+    def __init__(self, opset: int, semantics: str = "onnxruntime"):
+        self.opset, self._semantics, self._cache = opset, semantics, {}
+
+    def __call__(self, x: np.ndarray) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+        if x.ndim not in self._cache:
+            original = dql_model(self.opset, x.ndim)
+            options = {"dql-expand": {"semantics": self._semantics}}
+            self._cache[x.ndim] = (original, onnx_qrewrite.rewrite(original, options=options).model)
+        return self._cache[x.ndim]
+
+
+@pytest.fixture(scope="module", params=OPSETS)
+def models_at_opset(request):
+    pair = _Pair(request.param)
+    original, rewritten = pair(np.zeros(1, np.float32))
+    return request.param, original, rewritten, pair
+
+
+@rule_marker("dql-expand", "positive")
+def test_expansion_is_primitive_and_valid(models_at_opset):
+    opset, original, rewritten, _ = models_at_opset
+    assert op_types(rewritten) == KERNEL_OPS
+    onnx.checker.check_model(rewritten, full_check=True)
+    onnx.shape_inference.infer_shapes(rewritten, check_type=True, strict_mode=True)
+    assert rewritten.ir_version == original.ir_version
+    assert [(o.domain, o.version) for o in rewritten.opset_import] == [("", opset)]
+    assert [o.name for o in rewritten.graph.output] == ["y", "y_scale", "y_zero_point"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_edge_battery_bit_exact_with_onnxruntime_kernel(models_at_opset, threads):
+    opset, _, _, pair = models_at_opset
+    for name, x in EDGE_CASES.items():
+        original, rewritten = pair(x)
+        want = run(original, {"x": x}, threads=threads)
+        got = run(rewritten, {"x": x}, threads=threads)
+        for out in ("y", "y_scale", "y_zero_point"):
+            assert_bitwise_equal(got[out], want[out], f"opset {opset}, {name}, {out}")
+
+
+def test_bit_exact_with_graph_optimisation_on():
+    pair = _Pair(17)
+    for name, x in EDGE_CASES.items():
+        original, rewritten = pair(x)
+        want, got = run(original, {"x": x}, opt="all"), run(rewritten, {"x": x}, opt="all")
+        for out in want:
+            assert_bitwise_equal(got[out], want[out], f"{name}, {out}")
+
+
+def test_documented_kernel_traps_hold():
+    """The cases where the kernel and the spec differ: the rewrite follows the kernel."""
+    rewritten = onnx_qrewrite.rewrite(dql_model(13)).model
+    zeros = run(rewritten, {"x": np.zeros(8, np.float32)})
+    assert zeros["y_scale"] == np.float32(1.0) and zeros["y_zero_point"] == 0
+    neg_inf = run(rewritten, {"x": _f32(1.0, -np.inf)})
+    assert neg_inf["y_zero_point"] == 255
+    # Tiny denormal range: the scale underflows to 0.0 while max != min, and stays 0.0.
+    tiny = run(rewritten, {"x": _f32(0.0, 1.4e-45)})
+    assert tiny["y_scale"] == np.float32(0.0)
+
+
+def test_onnx_conformance_cases_reproduce_after_rewrite():
+    from onnx.backend.test.case.node import collect_testcases
+
+    cases = [c for c in collect_testcases(op_type="DynamicQuantizeLinear") if not c.name.endswith("_expanded")]
+    assert len(cases) >= 3
+    for case in cases:
+        result = onnx_qrewrite.rewrite(case.model)
+        assert "DynamicQuantizeLinear" not in op_types(result.model)
+        for inputs, outputs in case.data_sets:
+            feeds = {i.name: v for i, v in zip(case.model.graph.input, inputs)}
+            got = run(result.model, feeds)
+            for o, want in zip(case.model.graph.output, outputs):
+                assert_bitwise_equal(got[o.name], np.asarray(want), f"{case.name}: {o.name}")
+
+
+def test_spec_semantics_emit_the_onnx_function_body():
+    original = dql_model(13, rank=1)
+    spec = onnx_qrewrite.rewrite(original, options={"dql-expand": {"semantics": "spec"}}).model
+    inlined = onnx.inliner.inline_selected_functions(
+        original, [("", "DynamicQuantizeLinear")], inline_schema_functions=True
+    )
+    assert op_types(spec) == op_types(inlined)
+    onnx.checker.check_model(spec, full_check=True)
+    for name in ("cauchy", "all_positive", "ties_k_plus_half", "all_zeros", "neg_inf"):
+        x = EDGE_CASES[name]
+        want, got = run(inlined, {"x": x}), run(spec, {"x": x})
+        for out in want:
+            assert_bitwise_equal(got[out], want[out], f"{name}, {out}")
+    # ... and the spec body really differs from the kernel where NUMERICS.md says it does.
+    zeros = run(spec, {"x": np.zeros(4, np.float32)})
+    assert zeros["y_scale"] == 0.0  # the kernel gives 1.0
+    assert run(spec, {"x": _f32(1.0, -np.inf)})["y_zero_point"] == 0
+
+
+@pytest.mark.parametrize("opset", [11, 18, 26])
+def test_spec_semantics_valid_at_opset(opset):
+    x = EDGE_CASES["normal_large"]
+    spec = onnx_qrewrite.rewrite(dql_model(opset, 2), options={"dql-expand": {"semantics": "spec"}}).model
+    onnx.checker.check_model(spec, full_check=True)
+    assert_bitwise_equal(run(spec, {"x": x})["y"], run(dql_model(opset, 2), {"x": x})["y"], "y")
+
+
+@rule_marker("dql-expand", "negative")
+def test_rule_not_applied_below_its_opset_or_when_skipped():
+    # Opset 27 is valid ONNX but above what onnxruntime 1.31 loads: the rule declines, and the
+    # node it cannot lower is named with the reason (exit code 4 on the command line).
+    with pytest.raises(onnx_qrewrite.LoweringError, match=r"node dql .*dql-expand: model opset 27 is above"):
+        onnx_qrewrite.rewrite(dql_model(27))
+    skipped = onnx_qrewrite.rewrite(dql_model(13), skip=["dql-expand"])
+    assert op_types(skipped.model) == ["DynamicQuantizeLinear"]
+    assert not skipped.report.changed
+
+
+def test_non_float_input_is_rejected_with_the_node_name():
+    model = dql_model(13)
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT32
+    with pytest.raises(onnx_qrewrite.InvalidModelError, match=r"node dql: .*'x' is int32.*float32 only"):
+        onnx_qrewrite.rewrite(model)
+
+
+def test_report_names_each_rewrite():
+    result = onnx_qrewrite.rewrite(dql_model(17))
+    (rw,) = result.report.rewrites
+    assert (rw.rule, rw.node, rw.op_type, rw.domain, rw.scope) == ("dql-expand", "dql", "DynamicQuantizeLinear", "", "main")
+    assert list(rw.created_ops) == KERNEL_OPS
+    assert result.report.by_rule() == {"dql-expand": 1}
+    assert result.report.ops_before["DynamicQuantizeLinear"] == 1 and result.report.ops_after["DynamicQuantizeLinear"] == 0
+    meta = {(p.key, p.value) for p in result.model.graph.node[0].metadata_props}
+    assert meta == {("onnx_qrewrite.rule", "dql-expand"), ("onnx_qrewrite.origin", "dql")}
