@@ -1,0 +1,175 @@
+"""The command line: real processes, real exit codes, one-line errors, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import SAMPLES, SHARED_MODELS, run
+
+SAMPLE = SAMPLES / "dynamic_mlp.onnx"
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnx_qrewrite", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_rewrite_sample_prints_summary_and_writes_valid_model(tmp_path):
+    out = tmp_path / "out.onnx"
+    report = tmp_path / "report.json"
+    proc = cli("rewrite", SAMPLE, "-o", out, "--report", report)
+    assert proc.returncode == 0, proc.stderr
+    assert "dql-expand: 3 nodes rewritten" in proc.stdout
+    assert "DynamicQuantizeLinear" in proc.stdout  # op counts before/after
+    model = onnx.load(out)
+    onnx.checker.check_model(model, full_check=True)
+    assert not any(n.op_type == "DynamicQuantizeLinear" for n in model.graph.node)
+    data = json.loads(report.read_text())
+    assert data["by_rule"] == {"dql-expand": 3} and len(data["rewrites"]) == 3
+    feeds = dict(np.load(SAMPLES / "dynamic_mlp.inputs.npz"))
+    want = dict(np.load(SAMPLES / "dynamic_mlp.outputs.npz"))
+    got = run(model, feeds)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_output_is_byte_identical_across_runs_and_rewriting_again_changes_nothing(tmp_path):
+    a, b, c = tmp_path / "a.onnx", tmp_path / "b.onnx", tmp_path / "c.onnx"
+    assert cli("-q", "rewrite", SAMPLE, "-o", a).returncode == 0
+    assert cli("-q", "rewrite", SAMPLE, "-o", b).returncode == 0
+    assert a.read_bytes() == b.read_bytes()
+    proc = cli("rewrite", a, "-o", c)
+    assert proc.returncode == 0 and "no rule applied" in proc.stdout
+    assert c.read_bytes() == a.read_bytes()
+
+
+def test_quiet_prints_nothing(tmp_path):
+    proc = cli("-q", "rewrite", SAMPLE, "-o", tmp_path / "o.onnx")
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+
+def test_rules_lists_one_line_per_rule():
+    proc = cli("rules")
+    assert proc.returncode == 0
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("dql-expand"))
+    assert "DynamicQuantizeLinear" in line and "QuantizeLinear" in line.split("->")[1]
+
+
+def _dql_int_model() -> onnx.ModelProto:
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "zp"], name="bad_dql")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.INT32, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def _checker_failure_model() -> onnx.ModelProto:
+    node = helper.make_node("Relu", ["undefined_input"], ["y"], name="r")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+BAD_INPUTS = {
+    "missing": (None, "no such file"),
+    "empty": (b"", "the file is empty"),
+    "corrupt": (bytes(range(256)) * 8, "not a valid ONNX model"),
+    "truncated": (SAMPLE.read_bytes()[: len(SAMPLE.read_bytes()) // 2], "not a valid ONNX model"),
+    "checker": (_checker_failure_model().SerializeToString(), "fails the ONNX checker"),
+    "dql_int_input": (_dql_int_model().SerializeToString(), "node bad_dql: DynamicQuantizeLinear input 'x' is int32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_invalid_input_model_exits_3_names_file_and_writes_nothing(tmp_path, case):
+    content, message = BAD_INPUTS[case]
+    model = tmp_path / f"{case}.onnx"
+    if content is not None:
+        model.write_bytes(content)
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    proc = cli("rewrite", model, "-o", out)
+    assert proc.returncode == 3, proc.stderr
+    line = _one_error_line(proc)
+    assert message in line
+    if case != "dql_int_input":
+        assert str(model) in line
+    assert list(out.parent.iterdir()) == []
+
+
+def test_unwritable_output_exits_2_and_writes_nothing(tmp_path):
+    proc = cli("rewrite", SAMPLE, "-o", tmp_path / "no" / "such" / "dir" / "o.onnx")
+    assert proc.returncode == 2
+    assert "does not exist" in _one_error_line(proc)
+    proc = cli("rewrite", SAMPLE, "-o", tmp_path)
+    assert proc.returncode == 2
+
+
+def test_refuses_to_overwrite_the_input(tmp_path):
+    model = tmp_path / "m.onnx"
+    model.write_bytes(SAMPLE.read_bytes())
+    proc = cli("rewrite", model, "-o", model)
+    assert proc.returncode == 2 and "refusing to overwrite the input" in _one_error_line(proc)
+    assert model.read_bytes() == SAMPLE.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--only", "no-such-rule"], "--only: no rule 'no-such-rule'"),
+        (["--skip", "nope"], "--skip: no rule 'nope'"),
+        (["--rule-option", "garbage"], "expected RULE_ID.KEY=VALUE"),
+        (["--rule-option", "nope.key=1"], "option for unknown rule 'nope'"),
+        (["--rules", "/no/such/rules.toml"], "rule file not found"),
+        (["--keep-opset", "--target-opset", "21"], "contradict"),
+        (["--target-opset", "30"], "above 26"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
+    out = tmp_path / "o.onnx"
+    proc = cli("rewrite", SAMPLE, "-o", out, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert message in _one_error_line(proc)
+    assert not out.exists()
+
+
+def test_bad_rule_file_exits_2_naming_file_and_rule(tmp_path):
+    rules = tmp_path / "mine.toml"
+    rules.write_text('[[rule]]\nid = "x"\nsummary = "s"\nbuilder = "no_such_builder"\nmatch = {op = "Foo"}\n')
+    proc = cli("rewrite", SAMPLE, "-o", tmp_path / "o.onnx", "--rules", rules)
+    assert proc.returncode == 2
+    line = _one_error_line(proc)
+    assert str(rules) in line and "rule 'x'" in line and "unknown builder 'no_such_builder'" in line
+
+
+def test_cannot_lower_exits_4_and_writes_nothing(tmp_path):
+    model = tmp_path / "m27.onnx"
+    m = onnx.load(SAMPLE)
+    m.opset_import[0].version = 27  # valid ONNX, above what onnxruntime 1.31 loads
+    onnx.save(m, model)
+    proc = cli("rewrite", model, "-o", tmp_path / "o.onnx")
+    assert proc.returncode == 4
+    assert "cannot be lowered" in _one_error_line(proc)
+    assert not (tmp_path / "o.onnx").exists()
+    proc = cli("rewrite", model, "-o", tmp_path / "o.onnx", "--allow-unlowered")
+    assert proc.returncode == 0 and "left in place" in proc.stdout
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).parent / "onnx-qrewrite"
+    proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "onnx-qrewrite" in proc.stdout
