@@ -122,11 +122,8 @@ def rewrite(
     opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
     rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None)
     if check and report.changed and rewritten.ByteSize() < _CHECKABLE_IN_MEMORY:
-        try:
-            onnx.checker.check_model(rewritten)
-        except onnx.checker.ValidationError as exc:
-            raise InternalError(f"the rewritten model fails the ONNX checker (a bug, please report it): "
-                                f"{str(exc).strip().splitlines()[0]}") from None
+        model_io.check_model(rewritten, what="the rewritten model (a bug, please report it)",
+                             base_dir=source_dir, error=InternalError)
     result_model: Any = rewritten
     if kind == "ir":
         import onnx_ir as ir

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Iterator
 
 import onnx
 from google.protobuf.message import DecodeError
 
-from onnx_qrewrite.errors import InvalidModelError, UsageError
+from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError
 
 __all__ = ["load_model", "save_model", "check_model", "SaveInfo", "external_tensors"]
 
@@ -74,13 +75,38 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.Mode
     return model
 
 
-def check_model(model: onnx.ModelProto | Path, *, what: str) -> None:
+_CWD_LOCK = threading.Lock()
+
+
+def check_model(
+    model: onnx.ModelProto | Path,
+    *,
+    what: str,
+    base_dir: str | os.PathLike[str] | None = None,
+    error: type[QRewriteError] = InvalidModelError,
+) -> None:
     """Run onnx's checker; a path is checked by the C++ checker directly (handles external data
-    and models over 2 GB)."""
+    and models over 2 GB).
+
+    onnx's in-memory checker resolves external data locations against the *working directory*
+    and accepts no model folder, so for an in-memory model that references external data we point
+    the working directory at ``base_dir`` for the duration of the check (under a lock). Without a
+    ``base_dir`` such a model cannot be checked in memory, and is not.
+    """
+    if not isinstance(model, Path) and any(True for _ in external_tensors(model)):
+        if base_dir is None:
+            return
+        with _CWD_LOCK:
+            previous = os.getcwd()
+            os.chdir(base_dir)
+            try:
+                return check_model(model, what=what, error=error)
+            finally:
+                os.chdir(previous)
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
-        raise InvalidModelError(f"{what}: fails the ONNX checker: {_first_line(exc)}") from None
+        raise error(f"{what}: fails the ONNX checker: {_first_line(exc)}") from None
 
 
 def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
