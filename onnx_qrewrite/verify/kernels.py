@@ -10,8 +10,11 @@ Measured semantics reproduced here (AMD Quark 0.13 CPU kernels, oneDNN):
 
   - the output type is the zero point's type; a scale with one element is per-tensor, otherwise
     it is 1-D along ``axis``, and a missing ``axis`` attribute means **0** (not the documented 1);
-  - integer types: ``saturate(nearbyint(x / scale) + zp)``, the division in float32, rounding half
-    to even, the sum and the saturation in float64 (exact for 32-bit zero points), NaN -> qmin;
+  - integer types: ``saturate(int64(nearbyint(x / scale)) + zp)``, the division in float32,
+    rounding half to even. Where ``x / scale`` is NaN, infinite or at least 2**63 in magnitude the
+    kernel's float->int64 conversion gives INT64_MIN (x86 "integer indefinite") and the zero point
+    is added to that with int64 wrap-around: +inf gives qmin, and -1.65e38 / 2 with zp -5 gives
+    qmax (both in the vectors; NUMERICS.md's plain "saturate" holds for in-range values only);
   - bfloat16: ``bf16(x / scale + float(zp))``, round to nearest even, no saturation;
   - float16: scale and zero point are **ignored**: ``f16(clip(x, -65504, 65504))``.
 
@@ -95,11 +98,13 @@ def quark_quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axi
         if out_dtype.kind not in "iu" or out_dtype.itemsize > 4:
             raise ValueError(f"ExtendedQuantizeLinear has no kernel for zero point type {out_dtype}")
         info = np.iinfo(out_dtype)
-        # np.rint rounds half to even like nearbyint in the default rounding mode. The sum and the
-        # saturation are exact in float64 for every 32-bit zero point.
-        total = np.rint(scaled).astype(np.float64) + zp.astype(np.float64)
-        saturated = np.clip(total, float(info.min), float(info.max))
-        saturated = np.where(np.isnan(saturated), float(info.min), saturated)  # NaN gave qmin on x86
+        rounded = np.rint(scaled)  # half to even, like nearbyint in the default rounding mode
+        # The kernel converts to int64 the x86 way: NaN, inf and |v| >= 2**63 become INT64_MIN
+        # (the "integer indefinite" value); the zero point is then added in int64, wrapping.
+        in_range = np.abs(rounded) < np.float32(2.0**63)  # False for NaN and inf too
+        as_int64 = np.where(in_range, np.where(in_range, rounded, 0).astype(np.int64), np.iinfo(np.int64).min)
+        total = as_int64 + zp.astype(np.int64)  # numpy integer arrays wrap like the kernel
+        saturated = np.clip(total, info.min, info.max)
     return saturated.astype(out_dtype)
 
 

@@ -1,0 +1,173 @@
+"""onnxruntime sessions for both sides of a verification, created with identical settings.
+
+The settings matter for the verdict: onnxruntime's graph optimisation changes QDQ numerics (it
+fuses Q/DQ pairs into integer kernels), so the two models are always compared under the same
+optimisation level and thread count. The default level is ``disable``: it compares what each op
+computes, which is what a rewrite must preserve; ``all`` shows what a deployment would see.
+
+Tensors onnxruntime's Python binding cannot exchange as numpy arrays (bfloat16, float8, int4) are
+passed as OrtValues built from bit patterns and read back from raw memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnx_qrewrite.errors import InvalidModelError, UsageError
+from onnx_qrewrite.verify import reference_ops
+
+__all__ = ["OPT_LEVELS", "SessionSettings", "ModelRunner"]
+
+logger = logging.getLogger(__name__)
+
+#: ``--ort-opt-level`` choices, in increasing order of rewriting by onnxruntime.
+OPT_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+# ONNX types onnxruntime's numpy conversion does not handle: exchanged as raw bits.
+_RAW_TYPES: dict[str, tuple[int, np.dtype]] = {
+    f"tensor({TensorProto.DataType.Name(t).lower()})": (t, np.dtype(helper.tensor_dtype_to_np_dtype(t)))
+    for t in (
+        TensorProto.BFLOAT16,
+        TensorProto.FLOAT8E4M3FN,
+        TensorProto.FLOAT8E4M3FNUZ,
+        TensorProto.FLOAT8E5M2,
+        TensorProto.FLOAT8E5M2FNUZ,
+    )
+}
+_PACKED_4BIT = ("tensor(int4)", "tensor(uint4)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSettings:
+    """What both sessions share (``custom_op_library`` is registered for the original only)."""
+
+    opt_level: str = "disable"
+    threads: int = 1
+    custom_op_library: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.opt_level not in OPT_LEVELS:
+            raise UsageError(f"--ort-opt-level: expected one of {', '.join(OPT_LEVELS)}, got {self.opt_level!r}")
+        if self.threads < 0:
+            raise UsageError(f"--threads: expected a count >= 0 (0: onnxruntime's default), got {self.threads}")
+        if self.custom_op_library is not None and not Path(self.custom_op_library).is_file():
+            raise UsageError(f"--custom-op-library: {self.custom_op_library}: no such file")
+
+    def session_options(self) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.graph_optimization_level = OPT_LEVELS[self.opt_level]
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1
+        options.log_severity_level = 3  # errors only: warnings would interleave with the report
+        return options
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _to_ortvalue(array: np.ndarray) -> ort.OrtValue:
+    array = np.ascontiguousarray(array)
+    for onnx_type, dtype in _RAW_TYPES.values():
+        if array.dtype == dtype:
+            bits = array.view(np.dtype(f"u{dtype.itemsize}"))
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_type)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def _from_ortvalue(value: ort.OrtValue) -> np.ndarray:
+    type_name = value.data_type()
+    if type_name not in _RAW_TYPES and type_name not in _PACKED_4BIT:
+        return value.numpy()
+    shape = tuple(value.shape())
+    raw = np.empty(value.tensor_size_in_bytes(), np.uint8)
+    if raw.size:
+        ctypes.memmove(raw.ctypes.data, value.data_ptr(), raw.size)
+    if type_name in _RAW_TYPES:
+        return raw.view(_RAW_TYPES[type_name][1]).reshape(shape)
+    # Two 4-bit elements per byte, the first in the low nibble (ONNX's packing).
+    count = int(np.prod(shape, dtype=np.int64))
+    nibbles = np.empty(raw.size * 2, np.uint8)
+    nibbles[0::2], nibbles[1::2] = raw & 0x0F, raw >> 4
+    nibbles = nibbles[:count]
+    if type_name == "tensor(int4)":
+        return ((nibbles.astype(np.int8) ^ 8) - 8).astype(ml_dtypes.int4).reshape(shape)
+    return nibbles.astype(ml_dtypes.uint4).reshape(shape)
+
+
+class ModelRunner:
+    """One model in one onnxruntime session; the label names the model in every error."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        *,
+        label: str,
+        settings: SessionSettings,
+        reference_kernels: bool = False,
+        register_custom_library: bool = False,
+    ) -> None:
+        """``reference_kernels``: retarget vendor nodes to the numpy kernels first;
+        ``register_custom_library``: load ``settings.custom_op_library`` into this session."""
+        self.label = label
+        options = settings.session_options()
+        if register_custom_library and settings.custom_op_library is not None:
+            try:
+                options.register_custom_ops_library(str(settings.custom_op_library))
+            except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types here
+                raise UsageError(
+                    f"--custom-op-library: {settings.custom_op_library}: cannot load: {_first_line(exc)}"
+                ) from None
+        if reference_kernels:
+            try:
+                model = reference_ops.retarget_vendor_nodes(model)
+                needs_kernels = any(o.domain == reference_ops.REFERENCE_DOMAIN for o in model.opset_import)
+            except InvalidModelError as exc:
+                raise InvalidModelError(f"{label}: {exc}") from None
+            if needs_kernels:
+                options.register_custom_ops_library(reference_ops.register_reference_kernels())
+        self.model = model
+        try:
+            self.session = ort.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
+            raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {_first_line(exc)}") from None
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        #: output name -> onnxruntime type string, e.g. "tensor(float)"
+        self.output_types = {o.name: o.type for o in self.session.get_outputs()}
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Run once; every output as a numpy array (bfloat16/float8/int4 as ml_dtypes arrays)."""
+        names = list(outputs) if outputs is not None else list(self.output_types)
+        reference_ops.take_kernel_errors()  # start clean
+        try:
+            values = self.session.run_with_ort_values(
+                names, {name: _to_ortvalue(feeds[name]) for name in self.input_names}
+            )
+        except KeyError as exc:
+            raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
+        except Exception as exc:  # noqa: BLE001 - a kernel failed at run time
+            kernel_errors = reference_ops.take_kernel_errors()
+            reason = kernel_errors[0] if kernel_errors else _first_line(exc)
+            raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {reason}") from None
+        kernel_errors = reference_ops.take_kernel_errors()
+        if kernel_errors:
+            raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {kernel_errors[0]}")
+        return {name: _from_ortvalue(v) for name, v in zip(names, values)}
