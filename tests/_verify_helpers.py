@@ -84,3 +84,203 @@ def mark(node: onnx.NodeProto, rule: str, origin: str) -> onnx.NodeProto:
         entry = node.metadata_props.add()
         entry.key, entry.value = key, value
     return node
+
+
+# -- a toy Quark model and hand-made rewrites of it ----------------------------------------------
+
+TOY_INPUT_SCALE = np.float32(0.05)
+
+
+def _init(name: str, array) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.asarray(array), name)
+
+
+def toy_quark_model() -> onnx.ModelProto:
+    """x -> Q/DQ (int8) -> MatMul with per-channel int8 weights (axis absent: 0) -> Add -> Q/DQ (zp 3).
+
+    Outputs both the quantized ``yq`` (compared exactly) and the dequantized ``y`` (float)."""
+    rng = np.random.default_rng(7)
+    q, dq = "ExtendedQuantizeLinear", "ExtendedDequantizeLinear"
+    d = "com.amd.quark"
+    nodes = [
+        helper.make_node(q, ["x", "sx", "zx"], ["xq"], domain=d, name="qx"),
+        helper.make_node(dq, ["xq", "sx", "zx"], ["xd"], domain=d, name="dqx"),
+        helper.make_node(dq, ["wq", "sw", "zw"], ["wd"], domain=d, name="dqw"),
+        helper.make_node("MatMul", ["xd", "wd"], ["h"], name="mm"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="add"),
+        helper.make_node(q, ["hb", "sy", "zy"], ["yq"], domain=d, name="qy"),
+        helper.make_node(dq, ["yq", "sy", "zy"], ["y"], domain=d, name="dqy"),
+    ]
+    initializers = [
+        _init("sx", TOY_INPUT_SCALE), _init("zx", np.int8(0)),
+        _init("wq", rng.integers(-127, 127, size=(4, 4)).astype(np.int8)),
+        _init("sw", np.array([0.01, 0.02, 0.03, 0.04], np.float32)), _init("zw", np.zeros(4, np.int8)),
+        _init("b", rng.standard_normal(4).astype(np.float32)),
+        _init("sy", np.float32(0.04)), _init("zy", np.int8(3)),
+    ]
+    graph = helper.make_graph(
+        nodes, "toy_quark",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("yq", TensorProto.INT8, ["batch", 4])],
+        initializer=initializers,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(d, 1)], ir_version=8)
+
+
+TOY_BREAKS = ("scale-ulp", "zero-point", "axis", "round-clip")
+#: The original node whose replacement each break damages.
+TOY_BROKEN_ORIGIN = {"scale-ulp": "qx", "zero-point": "qx", "axis": "dqw", "round-clip": "qy"}
+
+
+def toy_rewrite(original: onnx.ModelProto, broken: str | None = None) -> onnx.ModelProto:
+    """The toy model in standard ONNX, as the engine would write it, optionally with one bug.
+
+    ``qy`` is lowered as the decomposition Div -> Round -> Add(zp) -> Clip -> Cast (exact for
+    int8 at in-range values); ``round-clip`` swaps the Round and Clip nodes of that chain."""
+    assert broken in (None, *TOY_BREAKS)
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
+    graph = model.graph
+    sx, zx = "sx", "zx"
+    if broken == "scale-ulp":
+        sx = "sx_next"
+        graph.initializer.append(_init(sx, np.nextafter(TOY_INPUT_SCALE, np.float32(1))))
+    if broken == "zero-point":
+        zx = "zx_plus_one"
+        graph.initializer.append(_init(zx, np.int8(1)))
+    graph.initializer.extend([_init("qy_zp_f", np.float32(3)), _init("qy_lo", np.float32(-128)),
+                              _init("qy_hi", np.float32(127))])
+    dqw_axis = {} if broken == "axis" else {"axis": 0}  # Quark's absent axis means 0; ONNX's means 1
+    round_clip = [
+        helper.make_node("Round", ["qy_div"], ["qy_a"], name="qy_round"),
+        helper.make_node("Add", ["qy_a", "qy_zp_f"], ["qy_b"], name="qy_add_zp"),
+        helper.make_node("Clip", ["qy_b", "qy_lo", "qy_hi"], ["qy_c"], name="qy_clip"),
+    ]
+    if broken == "round-clip":
+        round_clip = [
+            helper.make_node("Clip", ["qy_div", "qy_lo", "qy_hi"], ["qy_a"], name="qy_clip"),
+            helper.make_node("Add", ["qy_a", "qy_zp_f"], ["qy_b"], name="qy_add_zp"),
+            helper.make_node("Round", ["qy_b"], ["qy_c"], name="qy_round"),
+        ]
+    nodes = [
+        mark(helper.make_node("QuantizeLinear", ["x", sx, zx], ["xq"], name="qx_q"), "test.quantize", "qx"),
+        mark(helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"], name="dqx_dq"), "test.dequantize", "dqx"),
+        mark(helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], name="dqw_dq", **dqw_axis),
+             "test.dequantize", "dqw"),
+        graph.node[3], graph.node[4],
+        mark(helper.make_node("Div", ["hb", "sy"], ["qy_div"], name="qy_div"), "test.quantize-decomposed", "qy"),
+        *(mark(n, "test.quantize-decomposed", "qy") for n in round_clip),
+        mark(helper.make_node("Cast", ["qy_c"], ["yq"], name="qy_cast", to=TensorProto.INT8),
+             "test.quantize-decomposed", "qy"),
+        mark(helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dqy_dq"), "test.dequantize", "dqy"),
+    ]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del model.opset_import[:]
+    model.opset_import.append(helper.make_opsetid("", 13))
+    onnx.checker.check_model(model)
+    return model
+
+
+def scale_ulp_inputs(rows: int = 8) -> dict[str, np.ndarray]:
+    """Inputs whose int8 quantization changes when the scale grows by one ulp: values at the
+    rounding ties x = (k + 0.5) * scale, where x / scale and x / nextafter(scale) round apart."""
+    s, s_next = TOY_INPUT_SCALE, np.nextafter(TOY_INPUT_SCALE, np.float32(1))
+    candidates = ((np.arange(-120, 120, dtype=np.float32) + np.float32(0.5)) * s).astype(np.float32)
+    candidates = np.concatenate([candidates, np.nextafter(candidates, np.float32(np.inf)),
+                                 np.nextafter(candidates, np.float32(-np.inf))])
+    flips = candidates[np.rint(candidates / s) != np.rint(candidates / s_next)]
+    assert flips.size >= rows * 4, flips.size
+    return {"x": flips[: rows * 4].reshape(rows, 4)}
+
+
+# -- DynamicQuantizeLinear, expanded by hand --------------------------------------------------------
+
+
+def dql_model() -> onnx.ModelProto:
+    """x -> DynamicQuantizeLinear, with all three outputs as graph outputs."""
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zero_point"], name="dql")
+    graph = helper.make_graph(
+        [node], "dql",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, ["batch", 16]),
+         helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
+         helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, [])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def expand_dql(original: onnx.ModelProto, *, zero_range_guard: bool = True) -> onnx.ModelProto:
+    """The DQL expanded as NUMERICS.md prescribes (spec body + onnxruntime's two guards); without
+    ``zero_range_guard`` the scale is the spec's plain (max - min) / 255."""
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
+    graph = model.graph
+    (dql,) = graph.node
+    x, (y, y_scale, y_zp) = dql.input[0], dql.output
+    graph.initializer.extend([_init(n, np.float32(v)) for n, v in
+                              (("q_zero", 0), ("q_one", 1), ("q_range", 255), ("q_nan_zp", 255))])
+    scale_out = y_scale if not zero_range_guard else "dql_scale_raw"
+    nodes = [
+        helper.make_node("ReduceMin", [x], ["dql_min0"], keepdims=0),
+        helper.make_node("Min", ["dql_min0", "q_zero"], ["dql_min"]),
+        helper.make_node("ReduceMax", [x], ["dql_max0"], keepdims=0),
+        helper.make_node("Max", ["dql_max0", "q_zero"], ["dql_max"]),
+        helper.make_node("Sub", ["dql_max", "dql_min"], ["dql_span"]),
+        helper.make_node("Div", ["dql_span", "q_range"], [scale_out]),
+    ]
+    if zero_range_guard:
+        nodes += [helper.make_node("Equal", ["dql_max", "dql_min"], ["dql_flat"]),
+                  helper.make_node("Where", ["dql_flat", "q_one", "dql_scale_raw"], [y_scale])]
+    nodes += [
+        helper.make_node("Div", ["dql_min", y_scale], ["dql_min_scaled"]),
+        helper.make_node("Sub", ["q_zero", "dql_min_scaled"], ["dql_zp0"]),
+        helper.make_node("IsNaN", ["dql_zp0"], ["dql_zp_nan"]),
+        helper.make_node("Clip", ["dql_zp0", "q_zero", "q_range"], ["dql_zp_clip"]),
+        helper.make_node("Where", ["dql_zp_nan", "q_nan_zp", "dql_zp_clip"], ["dql_zp_sel"]),
+        helper.make_node("Round", ["dql_zp_sel"], ["dql_zp_round"]),
+        helper.make_node("Cast", ["dql_zp_round"], [y_zp], to=TensorProto.UINT8),
+        helper.make_node("QuantizeLinear", [x, y_scale, y_zp], [y]),
+    ]
+    for i, node in enumerate(nodes):
+        node.name = f"dql_expanded_{i}_{node.op_type}"
+        mark(node, "test.dql-expand", dql.name)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    return model
+
+
+def quark_to_standard(original: onnx.ModelProto, *, bump_zero_point_of: str | None = None) -> onnx.ModelProto:
+    """A real Quark model with every integer Extended Q/DQ replaced by standard QuantizeLinear /
+    DequantizeLinear at opset 21 (int16 needs it); ``bump_zero_point_of`` names an original Q node
+    whose replacement gets its zero point off by one."""
+    model = onnx.ModelProto()
+    model.CopyFrom(original)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    new_nodes = []
+    for node in graph.node:
+        if node.domain != "com.amd.quark":
+            new_nodes.append(node)
+            continue
+        quantize = node.op_type == "ExtendedQuantizeLinear"
+        inputs = list(node.input)
+        if quantize and node.name == bump_zero_point_of:
+            zp = onnx.numpy_helper.to_array(inits[inputs[2]])
+            bumped = _init(f"{inputs[2]}_plus_one", (zp.astype(np.int64) + 1).astype(zp.dtype))
+            graph.initializer.append(bumped)
+            inputs[2] = bumped.name
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        op = "QuantizeLinear" if quantize else "DequantizeLinear"
+        new_nodes.append(mark(helper.make_node(op, inputs, list(node.output), name=f"{node.name}_std", axis=axis),
+                              "test.quark-to-standard", node.name))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    kept = [o for o in model.opset_import if o.domain not in ("", "ai.onnx", "com.amd.quark")]
+    del model.opset_import[:]
+    model.opset_import.extend([helper.make_opsetid("", 21), *kept])
+    model.ir_version = 10  # opset 21 needs IR 10
+    onnx.checker.check_model(model)
+    return model

@@ -45,6 +45,7 @@ __all__ = [
     "REFERENCE_DOMAIN",
     "vendor_kind",
     "find_vendor_nodes",
+    "iter_all_nodes",
     "retarget_vendor_nodes",
     "register_reference_kernels",
     "take_kernel_errors",
@@ -227,6 +228,13 @@ def _walk(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
         yield node
         for sub in _subgraphs(node):
             yield from _walk(sub)
+
+
+def iter_all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
+    """Every node: main graph, If/Loop/Scan bodies at any depth, model-local functions."""
+    yield from _walk(model.graph)
+    for function in model.functions:
+        yield from function.node
 
 
 def find_vendor_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:

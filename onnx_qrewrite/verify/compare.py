@@ -1,0 +1,261 @@
+"""Element-wise comparison of one value of the original and the rewritten model.
+
+Integer and quantized values must match exactly (or within ``lsb`` units); floating values within
+``atol + rtol * |original|``. Both sides NaN at the same place, or the same infinity, count as an
+exact match; NaN on one side only is always a mismatch. The statistics say not only *whether* the
+models agree but *how*: the worst element (index, both values), the exact-match rate, and NaN/inf
+counts on each side, because a quantization bug often shows up as one saturated element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from onnx_qrewrite.errors import UsageError
+
+__all__ = [
+    "DEFAULT_FLOAT_TOLERANCES",
+    "Tolerance",
+    "Tolerances",
+    "Worst",
+    "ValueComparison",
+    "parse_tolerance_option",
+    "is_integer_dtype",
+    "compare_values",
+    "merge_comparisons",
+]
+
+#: (atol, rtol) per floating dtype when no ``--atol`` / ``--rtol`` is given: about one unit in the
+#: last place for the narrow types, a few for float32/float64. The default session settings compare
+#: the two models op for op, where a correct rewrite is exact, so these are tight on purpose.
+DEFAULT_FLOAT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-12, 1e-12),
+    "float32": (1e-6, 1e-5),
+    "float16": (1e-3, 1e-3),
+    "bfloat16": (1e-2, 1e-2),
+    "float8_e4m3fn": (0.125, 0.125),
+    "float8_e4m3fnuz": (0.125, 0.125),
+    "float8_e5m2": (0.25, 0.25),
+    "float8_e5m2fnuz": (0.25, 0.25),
+}
+_INTEGER_EXTRA = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
+
+
+def is_integer_dtype(dtype: np.dtype) -> bool:
+    """Integers, bools and the 4-bit ml_dtypes: compared exactly (or within ``lsb``)."""
+    return dtype.kind in "iub" or dtype in _INTEGER_EXTRA
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """The tolerance applied to one value; ``atol``/``rtol`` for floats, ``lsb`` for integers."""
+
+    atol: float
+    rtol: float
+    lsb: int
+
+    def describe(self, integer: bool) -> str:
+        if integer:
+            return "exact" if self.lsb == 0 else f"lsb {self.lsb}"
+        return f"atol {self.atol:g}, rtol {self.rtol:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """What the user asked for: defaults (``None``: by dtype) and per-output overrides."""
+
+    atol: float | None = None
+    rtol: float | None = None
+    lsb: int = 0
+    output_atol: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    output_rtol: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    output_lsb: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_options(cls, atol: Sequence[str] = (), rtol: Sequence[str] = (), lsb: Sequence[str] = ()) -> "Tolerances":
+        """From Polygraphy-style option values: ``1e-5`` (default) or ``name:1e-4`` (one output)."""
+        atol_default, atol_per = parse_tolerance_option(atol, "--atol", float)
+        rtol_default, rtol_per = parse_tolerance_option(rtol, "--rtol", float)
+        lsb_default, lsb_per = parse_tolerance_option(lsb, "--lsb", int)
+        return cls(atol_default, rtol_default, int(lsb_default or 0), atol_per, rtol_per, lsb_per)
+
+    def output_names(self) -> set[str]:
+        return {*self.output_atol, *self.output_rtol, *self.output_lsb}
+
+    def for_value(self, name: str, dtype: np.dtype) -> Tolerance:
+        default_atol, default_rtol = DEFAULT_FLOAT_TOLERANCES.get(dtype.name, (0.0, 0.0))
+        atol = self.output_atol.get(name, default_atol if self.atol is None else self.atol)
+        rtol = self.output_rtol.get(name, default_rtol if self.rtol is None else self.rtol)
+        return Tolerance(atol, rtol, self.output_lsb.get(name, self.lsb))
+
+
+def parse_tolerance_option(values: Sequence[str], option: str, kind: type) -> tuple[float | int | None, dict]:
+    """Split ``[value | name:value, ...]`` into a default and per-name values, checked now, before
+    any inference runs. The name is everything before the last ``:`` (names like ``out:0`` work)."""
+    default = None
+    per_name: dict[str, float | int] = {}
+    for text in values:
+        name, sep, raw = str(text).rpartition(":")
+        try:
+            value = kind(raw)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise UsageError(f"{option}: expected {expected} or NAME:VALUE, got {text!r}") from None
+        if not (value >= 0 and math.isfinite(value)):
+            raise UsageError(f"{option}: must be a finite value >= 0, got {text!r}")
+        if sep and not name:
+            raise UsageError(f"{option}: empty output name in {text!r}")
+        if sep:
+            per_name[name] = value
+        else:
+            default = value
+    return default, per_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Worst:
+    """The element with the largest absolute error."""
+
+    sample: str
+    index: tuple[int, ...]
+    original: float | int
+    rewritten: float | int
+    abs_error: float
+    rel_error: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueComparison:
+    """How one value (an output, or an intermediate during localisation) compares, over samples."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    tolerance: Tolerance
+    integer: bool  # compared as integers (exact / lsb), not as floats (atol / rtol)
+    elements: int = 0
+    mismatches: int = 0
+    exact_matches: int = 0
+    max_abs_error: float = 0.0
+    max_rel_error: float = 0.0
+    worst: Worst | None = None
+    nan_original: int = 0
+    nan_rewritten: int = 0
+    inf_original: int = 0
+    inf_rewritten: int = 0
+    problem: str | None = None  # why no element-wise comparison was possible
+    failed_samples: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and self.mismatches == 0
+
+    @property
+    def exact_match_rate(self) -> float:
+        return self.exact_matches / self.elements if self.elements else 1.0
+
+    @property
+    def tolerance_text(self) -> str:
+        return self.tolerance.describe(self.integer)
+
+
+def _scalar(value: np.generic) -> float | int:
+    return int(value) if isinstance(value, (int, np.integer, np.bool_)) else float(value)
+
+
+def _errors(original: np.ndarray, rewritten: np.ndarray, tol: Tolerance) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per element: exact match, within tolerance, absolute error, |original| (for rel error)."""
+    if is_integer_dtype(original.dtype):
+        a = original.astype(np.int64) if original.dtype in _INTEGER_EXTRA else original
+        b = rewritten.astype(np.int64) if rewritten.dtype in _INTEGER_EXTRA else rewritten
+        # |a - b| exactly for every integer type: the modular uint64 difference of max and min.
+        hi, lo = np.maximum(a, b), np.minimum(a, b)
+        diff = hi.astype(np.uint64) - lo.astype(np.uint64)
+        exact = diff == 0
+        within = diff <= np.uint64(tol.lsb)
+        magnitude = np.abs(a.astype(np.float64))
+        return exact, within, diff.astype(np.float64), magnitude
+    a = original.astype(np.float64)
+    b = rewritten.astype(np.float64)
+    both_nan = np.isnan(a) & np.isnan(b)
+    exact = (a == b) | both_nan
+    with np.errstate(invalid="ignore", over="ignore"):
+        abs_error = np.where(exact, 0.0, np.abs(a - b))
+    abs_error = np.where(np.isnan(abs_error), np.inf, abs_error)  # NaN on one side, inf - inf
+    with np.errstate(invalid="ignore"):  # rtol 0 times an infinite original
+        bound = tol.atol + tol.rtol * np.abs(a)
+    # An infinite error is never within tolerance, however large the original (inf vs -inf).
+    within = exact | (np.isfinite(abs_error) & (abs_error <= bound))
+    return exact, within, abs_error, np.abs(a)
+
+
+def compare_values(name: str, sample: str, original: np.ndarray, rewritten: np.ndarray, tol: Tolerance) -> ValueComparison:
+    """Compare one value of one sample."""
+    original, rewritten = np.asarray(original), np.asarray(rewritten)
+    floating = not is_integer_dtype(original.dtype)
+    base = dict(name=name, dtype=original.dtype.name, shape=tuple(original.shape), tolerance=tol, integer=not floating)
+    if original.dtype != rewritten.dtype:
+        return ValueComparison(
+            **base, problem=f"dtype differs: original {original.dtype.name}, rewritten {rewritten.dtype.name}",
+            failed_samples=(sample,),
+        )
+    if original.shape != rewritten.shape:
+        return ValueComparison(
+            **base, problem=f"shape differs: original {list(original.shape)}, rewritten {list(rewritten.shape)}",
+            failed_samples=(sample,),
+        )
+    exact, within, abs_error, magnitude = _errors(original, rewritten, tol)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel_error = np.where(abs_error == 0, 0.0, np.where(np.isinf(abs_error), np.inf, abs_error / magnitude))
+    counts = {}
+    for side, values in (("original", original), ("rewritten", rewritten)):
+        as_float = values.astype(np.float64) if floating else None
+        counts[f"nan_{side}"] = int(np.isnan(as_float).sum()) if floating else 0
+        counts[f"inf_{side}"] = int(np.isinf(as_float).sum()) if floating else 0
+    mismatches = int(original.size - np.count_nonzero(within))
+    worst = None
+    if original.size and abs_error.max() > 0:
+        flat = int(np.argmax(abs_error))
+        index = tuple(int(i) for i in np.unravel_index(flat, original.shape))
+        worst = Worst(
+            sample, index, _scalar(original[index]), _scalar(rewritten[index]),
+            float(abs_error[index]), float(rel_error[index]),
+        )
+    return ValueComparison(
+        **base,
+        elements=int(original.size),
+        mismatches=mismatches,
+        exact_matches=int(np.count_nonzero(exact)),
+        max_abs_error=float(abs_error.max()) if original.size else 0.0,
+        max_rel_error=float(rel_error.max()) if original.size else 0.0,
+        worst=worst,
+        failed_samples=(sample,) if mismatches else (),
+        **counts,
+    )
+
+
+def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
+    """One value over several samples: counts add up, the worst element is the worst of all."""
+    first = parts[0]
+    problems = [p for p in parts if p.problem]
+    worst_part = max(parts, key=lambda p: p.max_abs_error)
+    return dataclasses.replace(
+        first,
+        elements=sum(p.elements for p in parts),
+        mismatches=sum(p.mismatches for p in parts),
+        exact_matches=sum(p.exact_matches for p in parts),
+        max_abs_error=worst_part.max_abs_error,
+        max_rel_error=max(p.max_rel_error for p in parts),
+        worst=worst_part.worst,
+        nan_original=sum(p.nan_original for p in parts),
+        nan_rewritten=sum(p.nan_rewritten for p in parts),
+        inf_original=sum(p.inf_original for p in parts),
+        inf_rewritten=sum(p.inf_rewritten for p in parts),
+        problem=problems[0].problem if problems else None,
+        failed_samples=tuple(s for p in parts for s in p.failed_samples),
+    )

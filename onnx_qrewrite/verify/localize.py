@@ -1,0 +1,121 @@
+"""Find the first node of the rewritten model whose output differs from the original's.
+
+The rewrite keeps the output names of the nodes it replaces (the Cast or QuantizeLinear that now
+produces ``y`` is compared with the vendor node that produced ``y``), and nodes it creates carry
+``metadata_props`` ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin``. So: expose every value the
+two main graphs share as an extra graph output, run both models once on the failing sample, and
+walk the rewritten graph in topological order (the order ONNX requires nodes to be listed in); the
+first shared value that differs names the node and, through its metadata, the rule to blame.
+
+Values are exposed without a declared type: onnxruntime infers it when it loads the model, which
+covers every main-graph tensor a session can produce; non-tensor values are skipped.
+
+With graph optimisation on, extra outputs can prevent some fusions, so the localisation run may
+see slightly different numerics from the comparison run; the default level (``disable``) has no
+such effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import onnx
+
+from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
+from onnx_qrewrite.verify.inputs import Sample
+from onnx_qrewrite.verify.session import ModelRunner
+
+__all__ = ["RULE_KEY", "ORIGIN_KEY", "Localization", "localize"]
+
+logger = logging.getLogger(__name__)
+
+#: metadata_props keys the rewrite engine writes on every node it creates.
+RULE_KEY = "onnx_qrewrite.rule"
+ORIGIN_KEY = "onnx_qrewrite.origin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Localization:
+    """Where the rewritten model first departs from the original, on one sample."""
+
+    sample: str
+    compared_values: int
+    node: str | None = None  # the rewritten node's name (or its first output when unnamed)
+    op_type: str | None = None
+    domain: str | None = None
+    rule: str | None = None  # from metadata_props; None for a node the rewrite did not create
+    origin: str | None = None  # the original node it replaces
+    comparison: ValueComparison | None = None
+    note: str | None = None
+
+    @property
+    def found(self) -> bool:
+        return self.comparison is not None
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {o.name for o in copy.graph.output}
+    for name in names:
+        if name not in present:
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    return copy
+
+
+def localize(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    sample: Sample,
+    tolerances: Tolerances,
+    make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+) -> Localization:
+    """Run both models with their shared intermediate values exposed and name the first differing
+    node. ``make_runner(model, side)`` opens a session for ``side`` ("original" / "rewritten")
+    with the same settings as the comparison run."""
+    produced_by_original = {out for node in original.graph.node for out in node.output if out}
+    candidates = [
+        (node, out) for node in rewritten.graph.node for out in node.output if out and out in produced_by_original
+    ]
+    names = list(dict.fromkeys(out for _, out in candidates))
+    if not names:
+        return Localization(sample.name, 0, note="the two models share no intermediate value names")
+    original_runner = make_runner(_with_outputs(original, names), "original")
+    rewritten_runner = make_runner(_with_outputs(rewritten, names), "rewritten")
+    tensors = [
+        n for n in names
+        if original_runner.output_types.get(n, "").startswith("tensor(")
+        and rewritten_runner.output_types.get(n, "").startswith("tensor(")
+    ]
+    expected = original_runner.run(sample.feeds, tensors)
+    actual = rewritten_runner.run(sample.feeds, tensors)
+    compared = 0
+    for node, out in candidates:
+        if out not in expected:
+            continue
+        compared += 1
+        original_value = expected[out]
+        comparison = compare_values(
+            out, sample.name, original_value, actual[out], tolerances.for_value(out, original_value.dtype)
+        )
+        if not comparison.passed:
+            meta = {p.key: p.value for p in node.metadata_props}
+            logger.info("first differing value: %s (node %s)", out, node.name or out)
+            return Localization(
+                sample.name,
+                compared,
+                node=node.name or out,
+                op_type=node.op_type,
+                domain=node.domain or "ai.onnx",
+                rule=meta.get(RULE_KEY),
+                origin=meta.get(ORIGIN_KEY),
+                comparison=comparison,
+            )
+    return Localization(
+        sample.name,
+        compared,
+        note=f"none of the {compared} values both models produce differs on sample {sample.name!r}; "
+        "the difference arises in nodes whose outputs have no counterpart in the original",
+    )

@@ -1,0 +1,343 @@
+"""The verification report: one object, three renderings (table, JSON, JUnit XML).
+
+The JSON form follows ``report.schema.json`` next to this module (JSON Schema 2020-12). JSON has no
+infinity or NaN, so non-finite numbers are written as the strings ``"inf"``, ``"-inf"`` and
+``"nan"``. The JUnit form has one test case per output so that CI systems list each model and
+output, with the statistics in the failure text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
+from onnx_qrewrite.verify.inputs import GenerationOptions, Sample
+from onnx_qrewrite.verify.localize import Localization
+from onnx_qrewrite.verify.session import SessionSettings
+
+__all__ = ["SCHEMA_PATH", "VerifySettings", "VerifyReport"]
+
+#: The JSON Schema every ``--report`` file validates against.
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
+TOOL_NAME = "onnx-qrewrite"
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifySettings:
+    """Everything that decided the verdict besides the models themselves."""
+
+    session: SessionSettings
+    tolerances: Tolerances
+    generation: GenerationOptions | None  # None: inputs were given
+    inputs_file: str | None = None
+    reference_kernels: bool = False  # vendor nodes of the original ran on the numpy kernels
+    vendor_nodes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The verdict, per-output statistics, the inputs used and, on failure, the first bad node."""
+
+    original: str
+    rewritten: str
+    outputs: tuple[ValueComparison, ...]
+    samples: tuple[Sample, ...]
+    settings: VerifySettings
+    versions: dict[str, str | None]
+    localization: Localization | None = None
+    duration_seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.outputs) and all(o.passed for o in self.outputs)
+
+    @property
+    def verdict(self) -> str:
+        return "PASSED" if self.passed else "FAILED"
+
+    @property
+    def exit_code(self) -> int:
+        from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_OK
+
+        return EXIT_OK if self.passed else EXIT_DISAGREE
+
+    @property
+    def summary(self) -> str:
+        """The final ``PASSED | ...`` / ``FAILED | ...`` line."""
+        n_samples = len(self.samples)
+        where = f"on {n_samples} sample{'s' * (n_samples != 1)} (opt-level {self.settings.session.opt_level})"
+        if self.passed:
+            n = len(self.outputs)
+            return f"PASSED | {n} output{'s' * (n != 1)} agree{'s' * (n == 1)} {where}"
+        failed = [o.name for o in self.outputs if not o.passed]
+        text = f"FAILED | {len(failed)} of {len(self.outputs)} outputs differ {where}: {', '.join(failed)}"
+        loc = self.localization
+        if loc is not None and loc.found:
+            text += f"; first differing node {loc.node!r}"
+            if loc.rule:
+                text += f" (rule {loc.rule})"
+        return text
+
+    # -- JSON -------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report as plain data (see ``report.schema.json``)."""
+        s = self.settings
+        generation = s.generation
+        return {
+            "tool": {"name": TOOL_NAME, "version": self.versions.get(TOOL_NAME)},
+            "versions": {k: v for k, v in self.versions.items() if k != TOOL_NAME},
+            "models": {"original": self.original, "rewritten": self.rewritten},
+            "settings": {
+                "ort_opt_level": s.session.opt_level,
+                "threads": s.session.threads,
+                "custom_op_library": None if s.session.custom_op_library is None else str(s.session.custom_op_library),
+                "reference_kernels": s.reference_kernels,
+                "vendor_nodes": s.vendor_nodes,
+                "tolerances": {
+                    "atol": s.tolerances.atol,
+                    "rtol": s.tolerances.rtol,
+                    "lsb": s.tolerances.lsb,
+                    "per_output": _per_output(s.tolerances),
+                    "float_defaults": {k: {"atol": a, "rtol": r} for k, (a, r) in DEFAULT_FLOAT_TOLERANCES.items()},
+                },
+                "inputs": {
+                    "source": "generated" if generation is not None else "file",
+                    "file": s.inputs_file,
+                    "samples": None if generation is None else generation.samples,
+                    "seed": None if generation is None else generation.seed,
+                    "int_range": None if generation is None else list(generation.int_range),
+                    "battery": None if generation is None else generation.battery,
+                    "input_shapes": {} if generation is None else {k: list(v) for k, v in generation.shapes.items()},
+                },
+            },
+            "inputs": {"samples": [_sample_dict(sample) for sample in self.samples]},
+            "outputs": [_comparison_dict(o) for o in self.outputs],
+            "verdict": self.verdict.lower(),
+            "summary": self.summary,
+            "localization": None if self.localization is None else _localization_dict(self.localization),
+            "duration_seconds": round(self.duration_seconds, 6),
+        }
+
+    def write_json(self, path: str | os.PathLike[str]) -> None:
+        _write_text(path, json.dumps(self.to_dict(), indent=2) + "\n", "--report")
+
+    # -- JUnit ------------------------------------------------------------------------------
+
+    def to_junit(self) -> ET.Element:
+        """``<testsuites>`` with one ``<testsuite>`` per model pair and one test case per output."""
+        failures = sum(not o.passed for o in self.outputs)
+        suites = ET.Element("testsuites", name=f"{TOOL_NAME} verify", tests=str(len(self.outputs)),
+                            failures=str(failures), errors="0", time=f"{self.duration_seconds:.3f}")
+        suite = ET.SubElement(suites, "testsuite", name=self.rewritten, tests=str(len(self.outputs)),
+                              failures=str(failures), errors="0", skipped="0", time=f"{self.duration_seconds:.3f}")
+        properties = ET.SubElement(suite, "properties")
+        for name, value in (
+            ("original", self.original),
+            ("rewritten", self.rewritten),
+            ("ort_opt_level", self.settings.session.opt_level),
+            ("threads", str(self.settings.session.threads)),
+            ("samples", ", ".join(s.name for s in self.samples)),
+        ):
+            ET.SubElement(properties, "property", name=name, value=value)
+        classname = Path(self.rewritten).stem if self.rewritten else "model"
+        for output in self.outputs:
+            case = ET.SubElement(suite, "testcase", classname=classname, name=output.name, time="0")
+            if not output.passed:
+                failure = ET.SubElement(case, "failure", message=_failure_message(output), type="mismatch")
+                failure.text = "\n".join(_stats_lines(output) + _localization_lines(self.localization))
+        return suites
+
+    def write_junit(self, path: str | os.PathLike[str]) -> None:
+        tree = ET.ElementTree(self.to_junit())
+        ET.indent(tree)
+        _write_text(path, ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n", "--junit")
+
+    # -- table ------------------------------------------------------------------------------
+
+    def to_table(self) -> str:
+        """The human-readable report: settings, one row per output, localisation, verdict line."""
+        s = self.settings
+        original = self.original
+        if s.reference_kernels:
+            original += f" ({s.vendor_nodes} vendor node{'s' * (s.vendor_nodes != 1)} on the numpy reference kernels)"
+        elif s.session.custom_op_library is not None:
+            original += f" (custom ops from {s.session.custom_op_library})"
+        threads = s.session.threads or "default"
+        lines = [
+            f"original:  {original}",
+            f"rewritten: {self.rewritten}",
+            f"settings:  onnxruntime opt-level {s.session.opt_level}, threads {threads}; "
+            f"samples: {', '.join(sample.name for sample in self.samples)}",
+            "",
+        ]
+        header = ("output", "dtype", "shape", "verdict", "tolerance", "max abs err", "max rel err",
+                  "worst element (sample index: original -> rewritten)", "mismatches", "exact")
+        rows = [header]
+        for o in self.outputs:
+            rows.append((
+                o.name, o.dtype, _fmt_shape(o.shape), "PASSED" if o.passed else "FAILED", o.tolerance_text,
+                _fmt(o.max_abs_error), _fmt(o.max_rel_error), _fmt_worst(o) if o.problem is None else o.problem,
+                f"{o.mismatches}/{o.elements}", f"{100 * o.exact_match_rate:.2f}%",
+            ))
+            if o.nan_original or o.nan_rewritten or o.inf_original or o.inf_rewritten:
+                rows.append(("", "", "", "", "", "", "",
+                             f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten}"
+                             " (original / rewritten)", "", ""))
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        loc_lines = _localization_lines(self.localization)
+        if loc_lines:
+            lines += [""] + loc_lines
+        lines += ["", self.summary]
+        return "\n".join(lines)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _write_text(path: str | os.PathLike[str], text: str, option: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{option}: {path}: cannot write: {exc.strerror or exc}") from None
+
+
+def _num(value: float | int | None) -> float | int | str | None:
+    """A JSON-safe number: non-finite floats become "inf", "-inf" or "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def _fmt(value: float | int) -> str:
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _fmt_worst(o: ValueComparison) -> str:
+    w = o.worst
+    if w is None:
+        return "-"
+    return f"{w.sample} {_fmt_shape(w.index)}: {_fmt(w.original)} -> {_fmt(w.rewritten)}"
+
+
+def _per_output(t: Tolerances) -> dict[str, dict[str, float | int]]:
+    per: dict[str, dict[str, float | int]] = {}
+    for key, values in (("atol", t.output_atol), ("rtol", t.output_rtol), ("lsb", t.output_lsb)):
+        for name, value in values.items():
+            per.setdefault(name, {})[key] = value
+    return per
+
+
+def _sample_dict(sample: Sample) -> dict[str, Any]:
+    inputs = []
+    for name, array in sample.feeds.items():
+        as_float = np.asarray(array).astype(np.float64)
+        finite = as_float[np.isfinite(as_float)]
+        inputs.append({
+            "name": name,
+            "dtype": array.dtype.name,
+            "shape": list(array.shape),
+            "min": _num(float(finite.min())) if finite.size else None,
+            "max": _num(float(finite.max())) if finite.size else None,
+        })
+    return {"name": sample.name, "inputs": inputs}
+
+
+def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
+    worst = None
+    if o.worst is not None:
+        w = o.worst
+        worst = {
+            "sample": w.sample,
+            "index": list(w.index),
+            "original": _num(w.original),
+            "rewritten": _num(w.rewritten),
+            "abs_error": _num(w.abs_error),
+            "rel_error": _num(w.rel_error),
+        }
+    return {
+        "name": o.name,
+        "dtype": o.dtype,
+        "shape": list(o.shape),
+        "verdict": "passed" if o.passed else "failed",
+        "comparison": "integer" if o.integer else "float",
+        "tolerance": {"atol": o.tolerance.atol, "rtol": o.tolerance.rtol, "lsb": o.tolerance.lsb, "text": o.tolerance_text},
+        "elements": o.elements,
+        "mismatches": o.mismatches,
+        "exact_matches": o.exact_matches,
+        "exact_match_rate": o.exact_match_rate,
+        "max_abs_error": _num(o.max_abs_error),
+        "max_rel_error": _num(o.max_rel_error),
+        "worst": worst,
+        "nan": {"original": o.nan_original, "rewritten": o.nan_rewritten},
+        "inf": {"original": o.inf_original, "rewritten": o.inf_rewritten},
+        "problem": o.problem,
+        "failed_samples": list(dict.fromkeys(o.failed_samples)),
+    }
+
+
+def _localization_dict(loc: Localization) -> dict[str, Any]:
+    return {
+        "found": loc.found,
+        "sample": loc.sample,
+        "node": loc.node,
+        "op_type": loc.op_type,
+        "domain": loc.domain,
+        "rule": loc.rule,
+        "origin": loc.origin,
+        "value": None if loc.comparison is None else loc.comparison.name,
+        "compared_values": loc.compared_values,
+        "comparison": None if loc.comparison is None else _comparison_dict(loc.comparison),
+        "note": loc.note,
+    }
+
+
+def _failure_message(o: ValueComparison) -> str:
+    if o.problem:
+        return o.problem
+    return (f"{o.mismatches} of {o.elements} elements differ ({o.tolerance_text}); "
+            f"max abs error {_fmt(o.max_abs_error)}, max rel error {_fmt(o.max_rel_error)}")
+
+
+def _stats_lines(o: ValueComparison) -> list[str]:
+    return [
+        f"output {o.name}: {o.dtype} {_fmt_shape(o.shape)}, tolerance {o.tolerance_text}",
+        _failure_message(o),
+        f"worst element: {_fmt_worst(o)}",
+        f"exact matches: {o.exact_matches}/{o.elements} ({100 * o.exact_match_rate:.2f}%)",
+        f"NaN original/rewritten: {o.nan_original}/{o.nan_rewritten}; inf: {o.inf_original}/{o.inf_rewritten}",
+        f"failing samples: {', '.join(dict.fromkeys(o.failed_samples)) or '-'}",
+    ]
+
+
+def _localization_lines(loc: Localization | None) -> list[str]:
+    if loc is None:
+        return []
+    if not loc.found:
+        return [f"localisation: {loc.note}"]
+    c = loc.comparison
+    assert c is not None
+    made_by = f"rule {loc.rule}" if loc.rule else "not created by the rewrite"
+    origin = f", replacing original node {loc.origin!r}" if loc.origin else ""
+    return [
+        f"first differing node: {loc.node!r} ({loc.domain}::{loc.op_type}, {made_by}{origin})",
+        f"  value {c.name!r} on sample {loc.sample!r}: {_failure_message(c)}; worst {_fmt_worst(c)}",
+    ]
