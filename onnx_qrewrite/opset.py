@@ -45,7 +45,9 @@ def raise_default_opset(model: onnx.ModelProto, target: int, report: RewriteRepo
     try:
         converted = version_converter.convert_version(model, target)
         converted.ir_version = model.ir_version
-        onnx.checker.check_model(converted)
+        checkable = _without_external_initializers(converted)
+        if checkable is not None:
+            onnx.checker.check_model(checkable)
     except Exception as exc:  # the converter raises bare RuntimeErrors from C++
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LoweringError(
@@ -55,6 +57,35 @@ def raise_default_opset(model: onnx.ModelProto, target: int, report: RewriteRepo
     logger.info("raised default-domain opset %d -> %d (%s)", current, target, why)
     report.opset_changes.append(OpsetChange("", current, target, why))
     return converted
+
+
+def _without_external_initializers(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """What the in-memory checker can check after a conversion.
+
+    onnx's in-memory checker resolves external data locations against the working directory,
+    not the model's folder, so a model with external weights fails it wherever it is run from.
+    The converter passes external tensors through untouched (they are never loaded), so the
+    main graph's external initializers are checked as graph inputs of the same type and shape.
+    None when external tensors remain elsewhere (subgraphs, Constant nodes): not checked here;
+    the rewritten model is checked again before it is written.
+    """
+    from onnx_qrewrite.model_io import external_tensors
+
+    if not any(True for _ in external_tensors(model)):
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    inputs = {i.name for i in graph.input}
+    kept = []
+    for tensor in graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            kept.append(tensor)
+        elif tensor.name not in inputs:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return None if any(True for _ in external_tensors(copy)) else copy
 
 
 def drop_unused_vendor_imports(model: onnx.ModelProto, rewritten_domains: set[str], report: RewriteReport) -> None:

@@ -1,0 +1,305 @@
+"""What the quantize/dequantize builders share: reading a vendor Q/DQ node (its inputs, quantized
+dtype, granularity and axis) and emitting scale and zero point in the shape an emitted op needs.
+
+A vendor node is read once, in ``check``; every way it can be malformed becomes a :class:`NoMatch`
+naming the node's input and the reason, so the engine reports it (exit code 4) or, with
+``--allow-unlowered``, leaves the node in place with that reason as the warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Mapping
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.builders import Emitter, NoMatch, Site
+from onnx_qrewrite.graph import Scope, dtype_name
+
+__all__ = [
+    "INTEGER_RANGES",
+    "QDQNode",
+    "read_qdq",
+    "value_shape",
+    "option",
+    "per_tensor_operand",
+    "broadcast_operand",
+    "normalized_axis",
+]
+
+#: Saturation bounds of the integer quantized types (the types' full ranges).
+INTEGER_RANGES: dict[str, tuple[int, int]] = {
+    "uint8": (0, 255),
+    "int8": (-128, 127),
+    "uint16": (0, 65535),
+    "int16": (-32768, 32767),
+    "uint32": (0, 2**32 - 1),
+    "int32": (-(2**31), 2**31 - 1),
+    "uint4": (0, 15),
+    "int4": (-8, 7),
+}
+
+PER_TENSOR = "per-tensor"
+PER_AXIS = "per-axis"
+#: A scale computed at run time whose shape the model does not record: per-tensor or per-axis is
+#: decided at run time by its element count, exactly as the vendor kernel and onnxruntime's
+#: QuantizeLinear/DequantizeLinear both do.
+DYNAMIC = "decided at run time"
+
+_FLOAT = onnx.TensorProto.FLOAT
+
+
+def option(options: Mapping[str, Any], key: str, allowed: tuple[Any, ...] | type, default: Any) -> Any:
+    """A rule option, validated: a value outside ``allowed`` makes the rule give way, with why."""
+    value = options.get(key, default)
+    if isinstance(allowed, tuple):
+        if value not in allowed:
+            raise NoMatch(f"option {key}={value!r} is not one of {', '.join(repr(a) for a in allowed)}")
+    elif not isinstance(value, allowed) or isinstance(value, bool) and allowed is int:
+        raise NoMatch(f"option {key}={value!r} must be of type {allowed.__name__}")
+    return value
+
+
+_SHAPES: "weakref.WeakKeyDictionary[Scope, dict[str, tuple[int | None, ...] | None]]" = weakref.WeakKeyDictionary()
+
+
+def _recorded_shapes(scope: Scope) -> dict[str, tuple[int | None, ...] | None]:
+    """Shapes a scope's own container records (initializers, inputs, outputs, value_info), indexed
+    once per scope: a model with 20k Q/DQ nodes must not scan its initializers 20k times."""
+    shapes = _SHAPES.get(scope)
+    if shapes is None:
+        shapes = {}
+        container = scope.container
+        infos = container.value_info
+        if isinstance(container, onnx.GraphProto):
+            infos = [*container.input, *container.output, *container.value_info]
+        for vi in infos:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+                shapes[vi.name] = tuple(
+                    d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim
+                )
+            else:
+                shapes.setdefault(vi.name, None)  # declared here, shape unknown: do not look outside
+        if isinstance(container, onnx.GraphProto):
+            for tensor in container.initializer:
+                shapes[tensor.name] = tuple(tensor.dims)
+        _SHAPES[scope] = shapes
+    return shapes
+
+
+def value_shape(scope: Scope, name: str) -> tuple[int | None, ...] | None:
+    """Static shape of a value visible from ``scope`` (None: unknown; None entries: unknown dims).
+
+    Looks at Constant nodes, initializers and the value_info/input/output records of each scope
+    from the innermost outwards.
+    """
+    if not name:
+        return None
+    current: Scope | None = scope
+    while current is not None:
+        producer = current.producer(name)
+        if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+            for attr in producer.attribute:
+                if attr.name == "value":
+                    return tuple(attr.t.dims)
+                if attr.name in ("value_float", "value_int", "value_string"):
+                    return ()
+                if attr.name in ("value_floats", "value_ints", "value_strings"):
+                    return (len(onnx.helper.get_attribute_value(attr)),)
+        recorded = _recorded_shapes(current)
+        if name in recorded or producer is not None:
+            return recorded.get(name)
+        current = current.parent
+    return None
+
+
+def normalized_axis(axis: int, rank: int, site: Site) -> int:
+    if not -rank <= axis < rank:
+        raise NoMatch(f"malformed node: axis {axis} is out of range for input {site.input(0)!r} of rank {rank}")
+    return axis % rank
+
+
+@dataclasses.dataclass(frozen=True)
+class QDQNode:
+    """A vendor quantize or dequantize node as its kernel sees it."""
+
+    quantize: bool
+    x: str
+    scale: str
+    zero_point: str  # '' when absent
+    dtype: str  # the quantized type: y's for quantize, x's for dequantize
+    granularity: str  # PER_TENSOR, PER_AXIS or DYNAMIC
+    axis: int  # the axis the kernel uses (attribute, or the kernel's default), as written
+    axis_given: bool
+    x_shape: tuple[int | None, ...] | None
+    scale_shape: tuple[int | None, ...] | None
+    zp_shape: tuple[int | None, ...] | None
+    scale_value: np.ndarray | None
+    zp_value: np.ndarray | None
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.x_shape is None else len(self.x_shape)
+
+    def describe(self, axis_default_origin: str) -> str:
+        if self.granularity == PER_TENSOR:
+            return "per-tensor"
+        axis = f"axis={self.axis}" + ("" if self.axis_given else f" ({axis_default_origin} default)")
+        return f"{self.granularity}, {axis}" if self.granularity == DYNAMIC else f"per-axis, {axis}"
+
+
+def quantized_dtype(site: Site, *, quantize: bool) -> str:
+    """The quantized type of a Q/DQ node, or NoMatch saying what the model does not record.
+
+    Quantize: the zero point's type (the output type), uint8 when there is no zero point.
+    Dequantize: x's type, else the zero point's.
+    """
+    zp = site.input(2)
+    candidates = [zp] if quantize else [site.input(0), zp]
+    for name in candidates:
+        elem = site.elem_type(name)
+        if elem:
+            return dtype_name(elem)
+    if quantize and not zp:
+        return "uint8"
+    if quantize:
+        elem = site.elem_type(site.node.output[0]) if site.node.output else None
+        if elem:
+            return dtype_name(elem)
+    what = "zero point" if quantize else "input and zero point"
+    names = " / ".join(repr(n) for n in candidates if n)
+    raise NoMatch(
+        f"the type of the {what} {names} is not recorded in the model (computed at run time, no value_info); "
+        "run onnx shape inference on the model first (onnx.shape_inference.infer_shapes)"
+    )
+
+
+def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNode:
+    """Read a vendor Q/DQ node; raises NoMatch naming the input and the reason when malformed.
+
+    Options used: ``axis_default`` (the kernel's axis when the attribute is absent) and
+    ``require_zero_point`` (the kernel takes exactly three inputs).
+    """
+    node = site.node
+    axis_default = option(options, "axis_default", int, 1)
+    require_zp = option(options, "require_zero_point", (True, False), False)
+    n_inputs = len(node.input)
+    if require_zp and (n_inputs != 3 or not all(node.input)):
+        raise NoMatch(f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
+                      + (" with an empty one" if n_inputs == 3 else ""))
+    if n_inputs not in (2, 3) or not node.input[0] or not node.input[1]:
+        raise NoMatch(f"malformed node: {node.op_type} takes inputs (x, scale[, zero point]), it has {n_inputs}")
+    if len(node.output) != 1 or not node.output[0]:
+        raise NoMatch(f"malformed node: {node.op_type} has one output, it has {len(node.output)}")
+    unknown_attrs = sorted({a.name for a in node.attribute} - {"axis"})
+    if unknown_attrs:
+        raise NoMatch(f"attribute(s) {', '.join(unknown_attrs)} not supported (only 'axis')")
+    x, scale = node.input[0], node.input[1]
+    zp = site.input(2)
+    dtype = quantized_dtype(site, quantize=quantize)
+
+    float_input = x if quantize else None
+    for name, what in ((float_input, "x"), (scale, "scale")):
+        if not name:
+            continue
+        elem = site.elem_type(name)
+        if elem is not None and elem != _FLOAT:
+            raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; only float32 is supported")
+    if not quantize:
+        for name, what in ((x, "x"), (zp, "zero point")):
+            elem = site.elem_type(name)
+            if elem is not None and dtype_name(elem) != dtype:
+                raise NoMatch(f"malformed node: {what} {name!r} is {dtype_name(elem)}, x is {dtype}")
+
+    scale_value = site.constant(scale)
+    zp_value = site.constant(zp) if zp else None
+    x_shape = value_shape(site.scope, x)
+    scale_shape = tuple(scale_value.shape) if scale_value is not None else value_shape(site.scope, scale)
+    zp_shape = tuple(zp_value.shape) if zp_value is not None else (value_shape(site.scope, zp) if zp else None)
+    axis_given = site.has_attribute("axis")
+    axis = int(site.attribute("axis", axis_default))
+
+    granularity = DYNAMIC
+    if scale_shape is not None and all(d is not None for d in scale_shape):
+        size = int(np.prod(scale_shape, dtype=np.int64))
+        if size == 1:
+            granularity = PER_TENSOR
+        elif len(scale_shape) == 1:
+            granularity = PER_AXIS
+        else:
+            raise NoMatch(f"malformed node: scale {scale!r} has shape {list(scale_shape)}; "
+                          "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)")
+    if zp and zp_shape is not None and scale_shape is not None and None not in zp_shape and None not in scale_shape:
+        if int(np.prod(zp_shape, dtype=np.int64)) != int(np.prod(scale_shape, dtype=np.int64)):
+            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}, scale {scale!r} "
+                          f"has shape {list(scale_shape)}; they must have the same number of elements")
+        if granularity == PER_AXIS and len(zp_shape) != 1:
+            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}; per-axis needs 1-D")
+    if granularity != PER_TENSOR and x_shape is not None:
+        if len(x_shape) == 0:
+            raise NoMatch(f"malformed node: x {x!r} is a scalar but the scale may have several elements")
+        a = normalized_axis(axis, len(x_shape), site)
+        dim = x_shape[a]
+        if granularity == PER_AXIS and dim is not None and scale_shape[0] != dim:  # type: ignore[index]
+            raise NoMatch(f"malformed node: scale {scale!r} has {scale_shape[0]} elements but x {x!r} "  # type: ignore[index]
+                          f"has {dim} along axis {axis}")
+    return QDQNode(
+        quantize=quantize, x=x, scale=scale, zero_point=zp, dtype=dtype, granularity=granularity,
+        axis=axis, axis_given=axis_given, x_shape=x_shape, scale_shape=scale_shape, zp_shape=zp_shape,
+        scale_value=scale_value, zp_value=zp_value,
+    )
+
+
+def per_tensor_operand(emit: Emitter, name: str, value: np.ndarray | None,
+                       shape: tuple[int | None, ...] | None, *, scalar: bool) -> str:
+    """A one-element scale or zero point in a form every consumer accepts.
+
+    ``scalar=False`` (QuantizeLinear/DequantizeLinear): a scalar or a 1-D one-element tensor is
+    kept as it is; anything of higher rank (onnxruntime rejects a [1, 1] scale) becomes a scalar.
+    ``scalar=True`` (elementwise decompositions): always a scalar, so that broadcasting never
+    changes the output's shape.
+    """
+    if shape is not None and (len(shape) == 0 or (not scalar and len(shape) == 1)):
+        return name
+    if value is not None:
+        return emit.const(value.reshape(()))
+    return emit.op1("Reshape", [name, emit.const(np.zeros(0, np.int64))], hint="ToScalar")
+
+
+def broadcast_operand(emit: Emitter, name: str, value: np.ndarray | None, rank: int, axis: int) -> str:
+    """A 1-D (or one-element) per-axis parameter reshaped to broadcast along ``axis`` of a rank-``rank``
+    tensor: shape [n, 1, ..., 1] with ``rank - 1 - axis`` trailing ones. A one-element tensor then
+    broadcasts like a per-tensor one, so this also serves scales whose shape is only known at run time.
+    """
+    target = [-1] + [1] * (rank - 1 - axis)
+    if value is not None:
+        return emit.const(value.reshape(target))
+    return emit.op1("Reshape", [name, emit.const(np.asarray(target, np.int64))], hint="AlongAxis")
+
+
+def scale_and_zero_point(emit: Emitter, q: QDQNode, *, for_elementwise: bool) -> tuple[str, str]:
+    """Scale and zero point ready for the emitted ops ('' for an absent zero point).
+
+    For QuantizeLinear/DequantizeLinear (``for_elementwise=False``) per-axis operands stay 1-D and
+    the op's ``axis`` attribute does the broadcasting; runtime operands of unknown shape are made
+    1-D (onnxruntime's kernels take a scalar or 1-D scale, the vendor kernels any one-element one).
+    For decompositions they are reshaped to broadcast along the axis.
+    """
+    out = []
+    for name, value, shape in ((q.scale, q.scale_value, q.scale_shape), (q.zero_point, q.zp_value, q.zp_shape)):
+        if not name:
+            out.append("")
+        elif q.granularity == PER_TENSOR:
+            out.append(per_tensor_operand(emit, name, value, shape, scalar=for_elementwise))
+        elif for_elementwise:
+            assert q.rank is not None  # checked by the builder
+            out.append(broadcast_operand(emit, name, value, q.rank, q.axis % q.rank))
+        elif shape is not None and len(shape) == 1:
+            out.append(name)
+        elif value is not None:
+            out.append(emit.const(value.reshape(-1)))
+        else:
+            out.append(emit.op1("Reshape", [name, emit.const(np.asarray([-1], np.int64))], hint="To1D"))
+    return out[0], out[1]
