@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import sys
 import time
+import types
 from pathlib import Path
 from typing import Callable, Mapping, Sequence, Union
 
@@ -250,3 +252,15 @@ def verify(
         localization=localization,
         duration_seconds=time.perf_counter() - started,
     )
+
+
+class _CallableModule(types.ModuleType):
+    """``onnx_qrewrite.verify`` names both this subpackage and the top-level ``verify()`` function.
+    Importing a subpackage rebinds the parent package's attribute to the module, so after the first
+    import ``onnx_qrewrite.verify`` *is* this module: calling it must still verify."""
+
+    def __call__(self, original: ModelLike, rewritten: ModelLike, **options: object) -> VerifyReport:
+        return verify(original, rewritten, **options)  # type: ignore[arg-type]
+
+
+sys.modules[__name__].__class__ = _CallableModule
