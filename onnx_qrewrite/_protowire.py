@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import onnx
 
-__all__ = ["encode_node", "encode_attribute", "replace_nodes"]
+__all__ = ["encode_node", "encode_attribute", "encode_node_list", "replace_nodes", "splice_graph_nodes"]
 
 
 def _tag(message: type, field_name: str) -> bytes:
@@ -66,6 +66,9 @@ def encode_metadata(entries: Sequence[tuple[str, str]]) -> bytes:
     )
 
 
+_OP_FIELDS: dict[tuple[str, str], bytes] = {}
+
+
 def encode_node(
     op_type: str,
     inputs: Sequence[str],
@@ -76,27 +79,43 @@ def encode_node(
     attributes: bytes = b"",
     metadata: bytes = b"",
 ) -> bytes:
-    """Serialized ``NodeProto`` body (without the enclosing graph field)."""
-    parts = [_field(_NODE_INPUT, i.encode()) for i in inputs]
-    parts.extend(_field(_NODE_OUTPUT, o.encode()) for o in outputs)
-    parts.append(_field(_NODE_NAME, name.encode()))
-    parts.append(_field(_NODE_OP, op_type.encode()))
-    parts.append(attributes)
-    if domain:
-        parts.append(_field(_NODE_DOMAIN, domain.encode()))
-    parts.append(metadata)
+    """Serialized ``NodeProto`` body (without the enclosing graph field).
+
+    Fields are written in field-number order (input, output, name, op_type, attribute, domain,
+    metadata_props), as protobuf itself writes them, so output bytes are canonical.
+    """
+    return encode_node_fields(inputs, outputs, name, node_tail(op_type, domain, attributes) + metadata)
+
+
+def encode_node_fields(inputs: Sequence[str], outputs: Sequence[str], name: str, tail: bytes) -> bytes:
+    """inputs, outputs and name fields followed by ``tail`` (see :func:`node_tail`)."""
+    field = _field
+    parts = [field(_NODE_INPUT, i.encode()) for i in inputs]
+    for o in outputs:
+        parts.append(field(_NODE_OUTPUT, o.encode()))
+    parts.append(field(_NODE_NAME, name.encode()))
+    parts.append(tail)
     return b"".join(parts)
 
 
-def replace_nodes(
+def node_tail(op_type: str, domain: str, attributes: bytes) -> bytes:
+    """The fields after ``name``: op_type, attributes, domain (field-number order)."""
+    op_fields = _OP_FIELDS.get((op_type, domain))
+    if op_fields is None:
+        op_field = _field(_NODE_OP, op_type.encode())
+        domain_field = _field(_NODE_DOMAIN, domain.encode()) if domain else b""
+        _OP_FIELDS[op_type, domain] = op_fields = (op_field, domain_field)  # type: ignore[assignment]
+    return op_fields[0] + attributes + op_fields[1]  # type: ignore[index]
+
+
+def encode_node_list(
     container: onnx.GraphProto | onnx.FunctionProto,
     replacements: dict[int, Iterable[bytes]],
     prepend: Iterable[bytes] = (),
-) -> None:
-    """Replace ``container.node[i]`` by the encoded nodes ``replacements[i]``, keeping order.
+) -> bytes:
+    """The container's ``node`` fields with ``node[i]`` replaced by ``replacements[i]``, in order.
 
-    Unchanged nodes are re-serialized (C++), the new list is parsed back in one call: the graph
-    stays topologically sorted because each replacement takes its original's place.
+    The graph stays topologically sorted because each replacement takes its original's place.
     """
     tag = _FUNCTION_NODE if isinstance(container, onnx.FunctionProto) else _GRAPH_NODE
     chunks = [_field(tag, body) for body in prepend]
@@ -106,5 +125,62 @@ def replace_nodes(
             chunks.append(_field(tag, node.SerializeToString()))
         else:
             chunks.extend(_field(tag, body) for body in new)
+    return b"".join(chunks)
+
+
+def replace_nodes(
+    container: onnx.GraphProto | onnx.FunctionProto,
+    replacements: dict[int, Iterable[bytes]],
+    prepend: Iterable[bytes] = (),
+) -> None:
+    """Replace nodes in place: the new node list is parsed back in one C++ call."""
+    encoded = encode_node_list(container, replacements, prepend)
     container.ClearField("node")
-    container.MergeFromString(b"".join(chunks))
+    container.MergeFromString(encoded)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+
+
+_MODEL_GRAPH_NUMBER = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+
+
+def splice_graph_nodes(skeleton: onnx.ModelProto, graph_nodes: bytes) -> bytes:
+    """Serialized model = ``skeleton`` (whose main graph has no nodes) with ``graph_nodes`` (encoded
+    ``GraphProto.node`` fields) placed at the front of its main graph.
+
+    The result is what protobuf itself would write for the full model (fields in field-number
+    order; ``node`` is GraphProto's field 1), without ever building the big node list as Python
+    objects: on a 400k-node output this saves a 1 s parse and a 0.5 s re-serialization.
+    """
+    graph_tail = skeleton.graph.SerializeToString()
+    graph_payload = graph_nodes + graph_tail
+    model = skeleton.SerializeToString()
+    pos = 0
+    while pos < len(model):
+        start = pos
+        key, pos = _read_varint(model, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(model, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(model, pos)
+            if number == _MODEL_GRAPH_NUMBER:
+                head = model[:start] + _field(_tag(onnx.ModelProto, "graph"), graph_payload)
+                return head + model[pos + length:]
+            pos += length
+        else:  # groups are not used by ONNX
+            raise ValueError(f"unexpected wire type {wire_type} in ModelProto")
+    return model + _field(_tag(onnx.ModelProto, "graph"), graph_payload)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
@@ -12,6 +11,7 @@ import onnx
 
 from onnx_qrewrite import engine, model_io
 from onnx_qrewrite.catalogue import Catalogue, load_catalogue
+from onnx_qrewrite.encoded import EncodedModel, to_proto
 from onnx_qrewrite.errors import InternalError, UsageError
 from onnx_qrewrite.report import RewriteReport
 
@@ -22,6 +22,9 @@ __all__ = ["rewrite", "RewriteResult", "load_rules"]
 
 #: The checker takes a ModelProto only below protobuf's 2 GB limit.
 _CHECKABLE_IN_MEMORY = 2**31 - 2**26
+#: Above this many nodes the rewritten model is not checked unless asked (check=True, --check):
+#: onnx's checker takes ~3 s on 400k nodes, more than loading and saving the model.
+AUTO_CHECK_MAX_NODES = 100_000
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, "onnx_ir.Model"]
 
@@ -42,28 +45,52 @@ def load_rules(
     return catalogue
 
 
-@dataclasses.dataclass
 class RewriteResult:
-    """The rewritten model (same kind as given) and what was done to it."""
+    """The rewritten model (the same kind as given) and what was done to it."""
 
-    model: Any
-    report: RewriteReport
-    #: Folder the model's external data is read from (the input's folder for a path input).
-    source_dir: Path | None = None
-    source_path: Path | None = None
+    def __init__(
+        self,
+        rewritten: onnx.ModelProto | EncodedModel,
+        report: RewriteReport,
+        *,
+        kind: str = "proto",
+        source_dir: Path | None = None,
+        source_path: Path | None = None,
+    ):
+        self.report = report
+        #: Folder the model's external data is read from (the input's folder for a path input).
+        self.source_dir = source_dir
+        self.source_path = source_path
+        self._rewritten = rewritten
+        self._kind = kind
+        self._model: Any = None
+
+    @property
+    def model(self) -> Any:
+        """``onnx.ModelProto`` (or ``onnx_ir.Model`` when one was given), built on first access."""
+        if self._model is None:
+            proto = to_proto(self._rewritten)
+            self._rewritten = proto  # from now on the objects are the truth (callers may edit them)
+            if self._kind == "ir":
+                import onnx_ir as ir
+
+                self._model = ir.serde.deserialize_model(proto)
+            else:
+                self._model = proto
+        return self._model
 
     def save(self, path: str | os.PathLike[str], *, reference_external_data: bool = False) -> model_io.SaveInfo:
         """Write the model atomically; see :func:`onnx_qrewrite.model_io.save_model`."""
         out = Path(path)
         if self.source_path is not None and out.resolve() == self.source_path.resolve():
             raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
-        proto = self.model
-        if not isinstance(proto, onnx.ModelProto):
+        target: onnx.ModelProto | EncodedModel = self._rewritten
+        if self._kind == "ir" and self._model is not None:
             import onnx_ir as ir
 
-            proto = ir.serde.serialize_model(proto)
+            target = ir.serde.serialize_model(self._model)
         return model_io.save_model(
-            proto, out, source_dir=self.source_dir, reference_external_data=reference_external_data
+            target, out, source_dir=self.source_dir, reference_external_data=reference_external_data
         )
 
 
@@ -104,12 +131,14 @@ def rewrite(
     target_opset: int | None = None,
     keep_opset: bool = False,
     allow_unlowered: bool = False,
-    check: bool = True,
+    check: bool | None = None,
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
     ``rules``: a :class:`Catalogue`, or rule files added to the shipped ones. ``options`` overrides
-    rule options, e.g. ``{"dql-expand": {"semantics": "spec"}}``. Raises
+    rule options, e.g. ``{"dql-expand": {"semantics": "spec"}}``. ``check``: run onnx's checker
+    on the result (None: when it has at most ``AUTO_CHECK_MAX_NODES`` nodes, since on bigger graphs
+    the checker alone costs as much as loading and saving the model). Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     if isinstance(rules, Catalogue):
@@ -121,12 +150,9 @@ def rewrite(
     proto, kind, source_dir, source_path = _to_proto(model)
     opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
     rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None)
-    if check and report.changed and rewritten.ByteSize() < _CHECKABLE_IN_MEMORY:
+    if check is None:
+        check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
+    if check and report.changed:
         model_io.check_model(rewritten, what="the rewritten model (a bug, please report it)",
                              base_dir=source_dir, error=InternalError)
-    result_model: Any = rewritten
-    if kind == "ir":
-        import onnx_ir as ir
-
-        result_model = ir.serde.deserialize_model(rewritten)
-    return RewriteResult(result_model, report, source_dir, source_path)
+    return RewriteResult(rewritten, report, kind=kind, source_dir=source_dir, source_path=source_path)

@@ -13,6 +13,7 @@ model is converted between the two phases and matched again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from typing import Any, Mapping
@@ -20,12 +21,14 @@ from typing import Any, Mapping
 import onnx
 
 from onnx_qrewrite import opset as opset_mod
-from onnx_qrewrite._protowire import replace_nodes
+from onnx_qrewrite._protowire import encode_node_list, replace_nodes
 from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site, get_builder
+from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
+from onnx_qrewrite.encoded import EncodedModel
 from onnx_qrewrite.errors import LoweringError
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
-from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops
+from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
 
 __all__ = ["EngineOptions", "run"]
 
@@ -42,6 +45,9 @@ class EngineOptions:
     allow_unlowered: bool = False
     #: Highest default-domain opset a rewrite may raise to: what onnxruntime 1.31 loads.
     max_opset: int = opset_mod.MAX_RUNTIME_OPSET
+    #: Stamp repeated replacements from a recorded template (builders/_stamp.py); off only to
+    #: prove that stamping and building give the same bytes.
+    stamp_templates: bool = True
 
 
 @dataclasses.dataclass
@@ -77,12 +83,15 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
 
 def _match(
     model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, base_dir: str | None
-) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered]]:
+) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered], collections.Counter[str]]:
+    """Which rule rewrites which node; also counts ops on the way (one walk over the model)."""
     scopes = iter_scopes(model, base_dir)
     matches: dict[int, list[_Match]] = {}
     unlowered: list[Unlowered] = []
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
     for s, scope in enumerate(scopes):
         for index, node in enumerate(scope.container.node):
+            counts[node.domain, node.op_type] += 1
             candidates = catalogue.candidates(node.domain, node.op_type)
             if not candidates:
                 continue
@@ -101,12 +110,29 @@ def _match(
                 unlowered.append(
                     Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons))
                 )
-    return scopes, matches, unlowered
+    return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
+
+
+def _main_graph_has_external_constants(model: onnx.ModelProto) -> bool:
+    return any(
+        n.op_type == "Constant" and any(a.t.data_location == onnx.TensorProto.EXTERNAL for a in n.attribute)
+        for n in model.graph.node
+    )
 
 
 def _apply(
-    model: onnx.ModelProto, scopes: list[Scope], matches: dict[int, list[_Match]], report: RewriteReport
-) -> None:
+    model: onnx.ModelProto,
+    scopes: list[Scope],
+    matches: dict[int, list[_Match]],
+    report: RewriteReport,
+    stamp_templates: bool = True,
+) -> tuple[collections.Counter[str], bytes | None]:
+    """Build and splice every replacement; returns the change in op counts and, when the main
+    graph changed, its encoded node list (the main graph itself is then left without nodes)."""
+    delta: collections.Counter[str] = collections.Counter()
+    main_nodes: bytes | None = None
+    keep_main_encoded = not _main_graph_has_external_constants(model)
+    templates: dict[tuple, Template | None] = {}
     names = NameAllocator(model)
     pools: dict[int, ConstantPool] = {}
     for s, scope in enumerate(scopes):
@@ -116,10 +142,26 @@ def _apply(
             pool = pools[id(root)] = ConstantPool(root, names)
         replacements: dict[int, list[bytes]] = {}
         for m in matches.get(s, ()):
-            emit = Emitter(m.site, m.rule.id, names, pool)
             builder = get_builder(m.rule.builder)
-            builder.build(m.site, emit, m.rule.options, m.plan)  # type: ignore[union-attr]
-            replacements[m.index] = emit.nodes
+            key = None
+            if stamp_templates and hasattr(builder, "template_key"):
+                key = builder.template_key(m.site, m.rule.options, m.plan)  # type: ignore[union-attr]
+                key = None if key is None else (m.rule.id, id(pool), key)
+            template = templates.get(key) if key is not None else None
+            if template is not None:
+                nodes, created = template.stamp(
+                    m.site, names, Emitter.prefix_for(m.site.node), Emitter.metadata_for(m.rule.id, m.site.node)
+                )
+            else:
+                emit = Emitter(m.site, m.rule.id, names, pool)
+                builder.build(m.site, emit, m.rule.options, m.plan)  # type: ignore[union-attr]
+                nodes, created = emit.nodes, emit.created
+                if key is not None:
+                    templates[key] = Template.record(emit)
+            replacements[m.index] = nodes
+            delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
+            for _, op in created:
+                delta[op] += 1
             report.rewrites.append(
                 AppliedRewrite(
                     rule=m.rule.id,
@@ -127,15 +169,21 @@ def _apply(
                     op_type=m.site.node.op_type,
                     domain=m.site.node.domain,
                     scope=scope.path,
-                    created_nodes=tuple(n for n, _ in emit.created),
-                    created_ops=tuple(op for _, op in emit.created),
+                    created_nodes=tuple(n for n, _ in created),
+                    created_ops=tuple(op for _, op in created),
                     notes=m.plan.notes,
                 )
             )
         prepend = pool.constant_nodes if scope is root else []
-        if replacements or prepend:
+        delta["Constant"] += len(prepend)
+        if scope.container is model.graph and replacements and keep_main_encoded:
+            main_nodes = encode_node_list(scope.container, replacements, prepend)
+            scope.container.ClearField("node")
+            scope.invalidate()
+        elif replacements or prepend:
             replace_nodes(scope.container, replacements, prepend)
             scope.invalidate()
+    return delta, main_nodes
 
 
 def run(
@@ -143,19 +191,25 @@ def run(
     catalogue: Catalogue,
     options: EngineOptions = EngineOptions(),
     base_dir: str | None = None,
-) -> tuple[onnx.ModelProto, RewriteReport]:
-    """Rewrite ``model`` in place (callers pass a copy) and report what changed."""
-    report = RewriteReport(ops_before=count_ops(model))
+) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
+    """Rewrite ``model`` in place (callers pass a copy) and report what changed.
+
+    Returns an :class:`EncodedModel` when the main graph changed (see ``encoded``), else the model.
+    """
+    report = RewriteReport()
     if options.target_opset is not None:
+        report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
-    scopes, matches, unlowered = _match(model, catalogue, options, base_dir)
+    scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
+    if not report.ops_before:
+        report.ops_before = collections.Counter(counts)
     needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
     if needed > (opset_mod.model_default_opset(model) or 0):
         why_rule = next(m for ms in matches.values() for m in ms if m.plan.min_opset == needed)
         model = opset_mod.raise_default_opset(
             model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
         )
-        scopes, matches, unlowered = _match(model, catalogue, options, base_dir)
+        scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
     if unlowered and not options.allow_unlowered:
         first = unlowered[0]
         more = f" (and {len(unlowered) - 1} more node(s))" if len(unlowered) > 1 else ""
@@ -167,8 +221,14 @@ def run(
     for u in unlowered:
         report.unlowered.append(u)
         report.warnings.append(f"left {u.node} ({u.op_type}) in place: {'; '.join(u.reasons)}")
+    result: onnx.ModelProto | EncodedModel = model
     if matches:
-        _apply(model, scopes, matches, report)
-        opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, report)
-    report.ops_after = count_ops(model)
-    return model, report
+        delta, main_nodes = _apply(model, scopes, matches, report, options.stamp_templates)
+        counts.update(delta)
+        if main_nodes is not None:
+            result = EncodedModel(model, main_nodes)
+    report.ops_after = collections.Counter({k: n for k, n in counts.items() if n > 0})
+    if matches:
+        used = {key.split("::")[0] if "::" in key else "" for key in report.ops_after}
+        opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, used, report)
+    return result, report

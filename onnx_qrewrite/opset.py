@@ -8,7 +8,7 @@ import logging
 import onnx
 
 from onnx_qrewrite.errors import LoweringError, UsageError
-from onnx_qrewrite.graph import default_opset, iter_scopes
+from onnx_qrewrite.graph import default_opset
 from onnx_qrewrite.report import OpsetChange, RewriteReport
 
 __all__ = ["MAX_RUNTIME_OPSET", "model_default_opset", "raise_default_opset", "drop_unused_vendor_imports"]
@@ -88,16 +88,19 @@ def _without_external_initializers(model: onnx.ModelProto) -> onnx.ModelProto | 
     return None if any(True for _ in external_tensors(copy)) else copy
 
 
-def drop_unused_vendor_imports(model: onnx.ModelProto, rewritten_domains: set[str], report: RewriteReport) -> None:
+def drop_unused_vendor_imports(
+    model: onnx.ModelProto, rewritten_domains: set[str], used_domains: set[str], report: RewriteReport
+) -> None:
     """Remove opset imports of vendor domains whose nodes the rewrite replaced, if none is left.
 
-    Imports the rewrite did not touch stay as they were (Quark writes imports of domains it never
-    uses; removing them is not our business).
+    ``used_domains``: domains of the ops left in the model (every scope). Imports the rewrite did
+    not touch stay as they were (Quark writes imports of domains it never uses; removing them is
+    not our business).
     """
     candidates = {d for d in rewritten_domains if d not in ("", "ai.onnx")}
     if not candidates:
         return
-    used = {node.domain for scope in iter_scopes(model) for node in scope.container.node}
+    used = set(used_domains)
     used.update(f.domain for f in model.functions)
     for domain in sorted(candidates - used):
         for i, entry in enumerate(model.opset_import):

@@ -8,7 +8,7 @@ from typing import Any
 
 import onnx
 
-__all__ = ["AppliedRewrite", "Unlowered", "OpsetChange", "RewriteReport", "count_ops"]
+__all__ = ["AppliedRewrite", "Unlowered", "OpsetChange", "RewriteReport", "count_ops", "op_key"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class OpsetChange:
     why: str
 
 
-def _op_key(domain: str, op_type: str) -> str:
+def op_key(domain: str, op_type: str) -> str:
     return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
 
 
@@ -55,7 +55,7 @@ def count_ops(model: onnx.ModelProto) -> collections.Counter[str]:
     counts: collections.Counter[str] = collections.Counter()
     for scope in iter_scopes(model):
         for node in scope.container.node:
-            counts[_op_key(node.domain, node.op_type)] += 1
+            counts[op_key(node.domain, node.op_type)] += 1
     return counts
 
 
@@ -102,7 +102,7 @@ class RewriteReport:
             after = "removed" if c.after is None else c.after
             lines.append(f"  opset {c.domain or 'ai.onnx'}: {before} -> {after} ({c.why})")
         for u in self.unlowered:
-            lines.append(f"  left in place: {u.node} ({_op_key(u.domain, u.op_type)}): {'; '.join(u.reasons)}")
+            lines.append(f"  left in place: {u.node} ({op_key(u.domain, u.op_type)}): {'; '.join(u.reasons)}")
         moved = sorted(k for k in set(self.ops_before) | set(self.ops_after) if self.ops_before[k] != self.ops_after[k])
         if moved:
             width = max(len(k) for k in moved)

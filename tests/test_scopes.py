@@ -71,12 +71,14 @@ def _nested_model() -> onnx.ModelProto:
 
 
 def _all_names(model: onnx.ModelProto) -> list[str]:
+    """Value names (SSA: unique across every scope) and, separately prefixed, node names (unique
+    among nodes): ONNX keeps the two namespaces apart."""
     names = []
     for scope in iter_scopes(model):
         for node in scope.container.node:
             names.extend(o for o in node.output if o)
             if node.name:
-                names.append(node.name)
+                names.append(f"node:{node.name}")
         if isinstance(scope.container, onnx.GraphProto):
             names.extend(t.name for t in scope.container.initializer)
     return names

@@ -119,14 +119,22 @@ def builder_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_builtins_loaded = False
+
+
 def _load_builtin_builders() -> None:
-    # Imported lazily so that importing the package stays cheap; each module registers on import.
+    # Imported on first use so that importing the package stays cheap; each module registers
+    # itself on import. Once: this sits on the per-node matching path.
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
     import importlib
     import pkgutil
 
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
+    _builtins_loaded = True
 
 
 class ConstantPool:
@@ -140,15 +148,16 @@ class ConstantPool:
     def __init__(self, root: Scope, names: NameAllocator):
         self._root = root
         self._names = names
-        self._by_value: dict[tuple[int, tuple[int, ...], bytes], str] = {}
+        self._by_value: dict[tuple[str, tuple[int, ...], bytes], str] = {}
         self.constant_nodes: list[bytes] = []
 
     def get(self, array: np.ndarray) -> str:
-        tensor = numpy_helper.from_array(np.asarray(array))
-        key = (tensor.data_type, tuple(tensor.dims), tensor.raw_data or tensor.SerializeToString())
+        array = np.asarray(array)
+        key = (array.dtype.str, array.shape, array.tobytes())
         name = self._by_value.get(key)
         if name is not None:
             return name
+        tensor = numpy_helper.from_array(array)
         flat = np.asarray(array).ravel()
         hint = "_".join(f"{v:g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:4])
         name = self._names.fresh(f"qrw_const_{np.asarray(array).dtype}_{hint}".replace("-", "m"))
@@ -173,6 +182,8 @@ _ATTR_CACHE: dict[tuple[str, Any], bytes] = {}
 
 
 def _encode_attributes(attrs: Mapping[str, Any]) -> bytes:
+    if not attrs:
+        return b""
     parts = []
     for name, value in attrs.items():
         if isinstance(value, onnx.AttributeProto):
@@ -203,24 +214,47 @@ class Emitter:
         self._names = names
         self._constants = constants
         node = site.node
-        origin = node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
-        self._prefix = origin
-        self._metadata = _protowire.encode_metadata(
-            [(self.RULE_KEY, rule_id), (self.ORIGIN_KEY, node.name)]
-        )
+        self._prefix = self.prefix_for(node)
+        self._metadata = self.metadata_for(rule_id, node)
         self.nodes: list[bytes] = []
-        self.created: list[tuple[str, str]] = []  # (node name, op_type)
+        self.created: list[tuple[str, str]] = []  # (node name, op key as in reports)
+        # What a template (builders/_stamp.py) needs to replay this build:
+        self.records: list[tuple[str, str, list[str], list[str], str, bytes]] = []
+        self.fresh_names: list[str] = []
+        self.fresh_hints: list[str] = []
+        self.constant_names: set[str] = set()
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @staticmethod
+    def prefix_for(node: onnx.NodeProto) -> str:
+        """Created names start with the replaced node's name (or its first output)."""
+        return node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
+
+    @classmethod
+    def metadata_for(cls, rule_id: str, node: onnx.NodeProto) -> bytes:
+        return _protowire.encode_metadata([(cls.RULE_KEY, rule_id), (cls.ORIGIN_KEY, node.name)])
+
+    def _fresh(self, hint: str) -> str:
+        name = self._names.fresh(self._prefix + hint)
+        self.fresh_names.append(name)
+        self.fresh_hints.append(hint)
+        return name
 
     @property
     def opset(self) -> int:
         return self.site.scope.default_opset
 
     def fresh(self, hint: str) -> str:
-        return self._names.fresh(f"{self._prefix}/{hint}")
+        return self._fresh(f"/{hint}")
 
     def const(self, value: Any, dtype: Any = None) -> str:
         """Name of a shared constant holding ``value``."""
-        return self._constants.get(np.asarray(value, dtype=dtype))
+        name = self._constants.get(np.asarray(value, dtype=dtype))
+        self.constant_names.add(name)
+        return name
 
     def op(
         self,
@@ -232,19 +266,22 @@ class Emitter:
         hint: str | None = None,
         **attrs: Any,
     ) -> list[str]:
-        """Append one node; ``outputs`` is a list of names to write, or how many fresh ones."""
+        """Append one node; ``outputs`` is a list of names to write, or how many fresh ones.
+
+        A node and its fresh single output share one name (``<origin>/<hint>``): node names and
+        value names are separate namespaces in ONNX, and one unique name per node is cheaper and
+        easier to read in a viewer.
+        """
+        base = f"/{hint or op_type}"
+        name = self._fresh(base)
         if isinstance(outputs, int):
-            outputs = [self.fresh(f"{hint or op_type}_output_{i}") for i in range(outputs)]
+            outputs = [name] if outputs == 1 else [self._fresh(f"{base}_{i}") for i in range(outputs)]
         else:
-            outputs = [o if o else self.fresh(f"{hint or op_type}_unused") for o in outputs]
-        name = self.fresh(hint or op_type)
-        self.nodes.append(
-            _protowire.encode_node(
-                op_type, inputs, outputs, name, domain=domain,
-                attributes=_encode_attributes(attrs), metadata=self._metadata,
-            )
-        )
-        self.created.append((name, op_type))
+            outputs = [o if o else self._fresh(f"{base}_unused") for o in outputs]
+        tail = _protowire.node_tail(op_type, domain, _encode_attributes(attrs))
+        self.records.append((op_type, domain, list(inputs), list(outputs), name, tail))
+        self.nodes.append(_protowire.encode_node_fields(inputs, outputs, name, tail + self._metadata))
+        self.created.append((name, op_type if not domain else f"{domain}::{op_type}"))
         return list(outputs)
 
     def op1(self, op_type: str, inputs: Sequence[str], output: str | None = None, **kw: Any) -> str:

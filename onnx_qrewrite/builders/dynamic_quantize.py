@@ -68,6 +68,11 @@ class DynamicQuantizeLinearBuilder:
             )
         return Plan(min_opset=11, notes=(f"semantics={semantics}",))
 
+    def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
+        """Same structure for every node with the same semantics, opset and present outputs."""
+        present = tuple(bool(o) for o in site.node.output)
+        return (options.get("semantics", "onnxruntime"), site.scope.default_opset, present)
+
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = list(site.node.output) + [""] * (3 - len(site.node.output))
         if options.get("semantics", "onnxruntime") == "spec":
@@ -105,9 +110,14 @@ class DynamicQuantizeLinearBuilder:
         for formal, actual in zip(body.output, outputs):
             if actual:
                 rename[formal] = actual
+        def actual(formal: str) -> str:
+            if formal and formal not in rename:
+                rename[formal] = emit.fresh(formal)
+            return rename.get(formal, "")
+
         for node in body.node:
-            ins = [rename.setdefault(i, emit.fresh(i)) if i else "" for i in node.input]
-            outs = [rename.setdefault(o, emit.fresh(o)) for o in node.output]
+            ins = [actual(i) for i in node.input]
+            outs = [actual(o) for o in node.output]
             emit.op(node.op_type, ins, outs, domain=node.domain, hint=node.op_type,
                     **{a.name: a for a in node.attribute})
 

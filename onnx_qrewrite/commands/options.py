@@ -55,12 +55,31 @@ def rule_selection(func: Callable) -> Callable:
     return func
 
 
-def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics):  # noqa: ANN001, ANN201
+#: Quark float16: its CPU kernel ignores scale and zero point, its documentation applies them.
+FLOAT16_SEMANTICS = ("kernel", "documented")
+
+
+def float16_semantics_option(func: Callable) -> Callable:
+    """--float16-semantics: sets option float16_semantics on every rule that has it."""
+    return click.option(
+        "--float16-semantics", type=click.Choice(FLOAT16_SEMANTICS), default=None,
+        help="Quark float16 Q/DQ whose scale is not 1 or zero point not 0 (the kernel ignores them, "
+             "the documentation applies them): reproduce the CPU kernel or the documented formula. "
+             "Without it such nodes are an error.",
+    )(func)
+
+
+def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics=None):  # noqa: ANN001, ANN201
     from onnx_qrewrite.api import load_rules
 
-    return load_rules(
+    catalogue = load_rules(
         rule_files,
         only=_split_ids(only) or None,
         skip=_split_ids(skip) or None,
         options=parse_rule_options(rule_options, dql_semantics) or None,
     )
+    if float16_semantics:
+        catalogue = catalogue.with_options(
+            {r.id: {"float16_semantics": float16_semantics} for r in catalogue if "float16_semantics" in r.options}
+        )
+    return catalogue

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from onnx_qrewrite.commands.options import load_selected_rules, rule_selection
+from onnx_qrewrite.commands.options import float16_semantics_option, load_selected_rules, rule_selection
 from onnx_qrewrite.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the rewritten model.")
 @rule_selection
+@float16_semantics_option
 @click.option("--target-opset", type=int, default=None, help="Raise the default-domain opset to N first (max 26).")
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
               help="Write a JSON report of every rewrite.")
 @click.pass_context
-def rewrite_command(ctx, model, output, rule_files, only, skip, rule_options, dql_semantics, target_opset,  # noqa: ANN001
-                    keep_opset, allow_unlowered, reference_external_data, report_path) -> None:
+def rewrite_command(ctx, model, output, rule_files, only, skip, rule_options, dql_semantics, float16_semantics,  # noqa: ANN001
+                    target_opset, keep_opset, allow_unlowered, reference_external_data, report_path) -> None:
     """Rewrite MODEL with the rules and write it to OUTPUT."""
     from onnx_qrewrite.api import rewrite
 
@@ -35,7 +36,7 @@ def rewrite_command(ctx, model, output, rule_files, only, skip, rule_options, dq
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
     if Path(output).resolve() == Path(model).resolve():
         raise UsageError(f"{output}: refusing to overwrite the input model; choose another output path")
-    catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics)
+    catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
     result = rewrite(model, rules=catalogue, target_opset=target_opset, keep_opset=keep_opset,
                      allow_unlowered=allow_unlowered)
     info = result.save(output, reference_external_data=reference_external_data)

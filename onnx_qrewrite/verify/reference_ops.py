@@ -93,7 +93,7 @@ def _boundary_type(elem_type: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Variant:
-    """One registered Python op: a kernel at fixed dtypes (``None``: an absent optional input)."""
+    """One registered Python op: a numpy kernel at fixed input and output dtypes."""
 
     op_type: str
     input_types: tuple[int, ...]
@@ -134,14 +134,14 @@ def _quark_variants() -> Iterator[_Variant]:
             (TensorProto.FLOAT, TensorProto.FLOAT, t),
             t,
             attrs,
-            lambda x, scale, zp, axis: kernels.quark_quantize(x, scale, zp, axis=axis),
+            kernels.quark_quantize,
         )
         yield _Variant(
             f"QuarkDequantize_{_type_name(t)}",
             (t, TensorProto.FLOAT, t),
             TensorProto.FLOAT,
             attrs,
-            lambda x, scale, zp, axis: kernels.quark_dequantize(x, scale, zp, axis=axis),
+            kernels.quark_dequantize,
         )
 
 
@@ -160,9 +160,7 @@ def _dynamic_dequantize_variants() -> Iterator[_Variant]:
                     inputs,
                     scale,
                     attrs,
-                    lambda src, scales, zps=None, qtype="per_tensor", axis=1: kernels.dynamic_dequantize(
-                        src, scales, zps, qtype=qtype, axis=axis
-                    ),
+                    kernels.dynamic_dequantize,
                 )
 
 
