@@ -33,7 +33,6 @@ import functools
 import logging
 from typing import Callable, Iterator
 
-import ml_dtypes
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
