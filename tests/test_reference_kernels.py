@@ -225,3 +225,11 @@ def test_dynamic_dequantize_with_a_bfloat16_scale_dequantizes_in_float_then_cast
     expected = _decomposition(src, scales.astype(np.float32), zps, 1, ml_dtypes.bfloat16)
     assert got.dtype == np.dtype(ml_dtypes.bfloat16)
     assert np.array_equal(bits(got), bits(expected))
+
+
+def test_dynamic_dequantize_with_an_unsupported_type_is_refused_naming_the_types():
+    model = _dynamic_dequantize_model("com.intel.onednn", TensorProto.INT16, TensorProto.INT8, TensorProto.FLOAT,
+                                      False, None, (2, 3), 1)
+    with pytest.raises(InvalidModelError, match=r"^m\.onnx: node 'dyn' \(com\.intel\.onednn::DynamicDequantize\): "
+                                                r"no reference kernel for src int16, scales float, zps int8$"):
+        ModelRunner(model, label="m.onnx", settings=SessionSettings(), reference_kernels=True)

@@ -314,42 +314,45 @@ class _Retargeter:
                 return self.types[name]
         return None
 
-    def node(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        kind = vendor_kind(node)
-        label = f"node {node.name or node.output[0]!r} ({node.domain}::{node.op_type})"
+    def _quark_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, object]]:
+        if len(node.input) != 3 or not all(node.input):
+            raise InvalidModelError(f"{label}: needs exactly three inputs (x, scale, zero point)")
+        x, scale, zp = node.input
+        quantize = vendor_kind(node) == "quantize"
+        qtype = self._type_of(zp, node.output[0] if quantize else x)
+        if qtype not in QUARK_TYPES:
+            what = "unknown" if qtype is None else TensorProto.DataType.Name(qtype)
+            raise InvalidModelError(f"{label}: no reference kernel for zero point type {what}")
+        variant = _variants()[f"{'QuarkQuantize' if quantize else 'QuarkDequantize'}_{_type_name(qtype)}"]
+        axis = next((a.i for a in node.attribute if a.name == "axis"), kernels.QUARK_DEFAULT_AXIS)
+        return variant, [x, scale, zp], {"axis": int(axis)}
+
+    def _dynamic_dequantize_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, object]]:
+        src, scales = node.input[0], node.input[1]
+        zps = node.input[2] if len(node.input) > 2 and node.input[2] else None
+        src_t, scale_t = self._type_of(src), self._type_of(scales)
+        zp_t = self._type_of(zps) if zps else None
+        name = None
+        if src_t is not None and scale_t is not None and (zps is None or zp_t is not None):
+            name = _dynamic_dequantize_name(src_t, zp_t, scale_t)
+        if name not in _variants():
+            given = [("src", src_t), ("scales", scale_t)] + ([("zps", zp_t)] if zps else [])
+            types = ", ".join(f"{what} {_type_name(t) if t else 'unknown'}" for what, t in given)
+            raise InvalidModelError(f"{label}: no reference kernel for {types}")
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if kind in ("quantize", "dequantize"):
-            if len(node.input) != 3 or not all(node.input):
-                raise InvalidModelError(f"{label}: needs exactly three inputs (x, scale, zero point)")
-            x, scale, zp = node.input
-            hint = node.output[0] if kind == "quantize" else x
-            qtype = self._type_of(zp, hint)
-            if qtype not in QUARK_TYPES:
-                what = "unknown" if qtype is None else TensorProto.DataType.Name(qtype)
-                raise InvalidModelError(f"{label}: no reference kernel for zero point type {what}")
-            prefix = "QuarkQuantize" if kind == "quantize" else "QuarkDequantize"
-            variant = _variants()[f"{prefix}_{_type_name(qtype)}"]
-            inputs = [x, scale, zp]
-            new_attrs: dict[str, object] = {"axis": int(attrs.get("axis", kernels.QUARK_DEFAULT_AXIS))}
+        qtype = attrs.get("qtype", b"per_tensor")
+        return _variants()[name], [src, scales] + ([zps] if zps else []), {
+            "qtype": qtype.decode() if isinstance(qtype, bytes) else str(qtype),
+            "axis": int(attrs.get("axis", kernels.DYNAMIC_DEQUANTIZE_DEFAULT_AXIS)),
+        }
+
+    def node(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """The reference-domain node replacing ``node``, with Casts around it for narrow floats."""
+        label = f"node {node.name or node.output[0]!r} ({node.domain}::{node.op_type})"
+        if vendor_kind(node) == "dynamic_dequantize":
+            variant, inputs, new_attrs = self._dynamic_dequantize_call(node, label)
         else:
-            src, scales = node.input[0], node.input[1]
-            zps = node.input[2] if len(node.input) > 2 and node.input[2] else None
-            src_t, scale_t = self._type_of(src), self._type_of(scales)
-            zp_t = self._type_of(zps) if zps else None
-            name = _dynamic_dequantize_name(src_t or 0, zp_t, scale_t or 0)
-            if name not in _variants() or (zps and zp_t is None):
-                types = ", ".join(
-                    f"{what} {_type_name(t) if t else 'unknown'}" for what, t in (("src", src_t), ("scales", scale_t), ("zps", zp_t))
-                    if what != "zps" or zps
-                )
-                raise InvalidModelError(f"{label}: no reference kernel for {types}")
-            variant = _variants()[name]
-            inputs = [src, scales] + ([zps] if zps else [])
-            qt = attrs.get("qtype", b"per_tensor")
-            new_attrs = {
-                "qtype": qt.decode() if isinstance(qt, bytes) else str(qt),
-                "axis": int(attrs.get("axis", kernels.DYNAMIC_DEQUANTIZE_DEFAULT_AXIS)),
-            }
+            variant, inputs, new_attrs = self._quark_call(node, label)
 
         created: list[onnx.NodeProto] = []
         wired_inputs = []
