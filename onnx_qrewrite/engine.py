@@ -89,10 +89,14 @@ def _match(
     matches: dict[int, list[_Match]] = {}
     unlowered: list[Unlowered] = []
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    candidates_of: dict[tuple[str, str], list[Rule]] = {}
     for s, scope in enumerate(scopes):
         for index, node in enumerate(scope.container.node):
-            counts[node.domain, node.op_type] += 1
-            candidates = catalogue.candidates(node.domain, node.op_type)
+            key = (node.domain, node.op_type)
+            counts[key] += 1
+            candidates = candidates_of.get(key)
+            if candidates is None:
+                candidates = candidates_of[key] = catalogue.candidates(*key)
             if not candidates:
                 continue
             site = Site(node, scope)

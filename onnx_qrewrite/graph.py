@@ -8,6 +8,7 @@ one node list plus what it can see: its own values, its outer scopes' values, an
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Iterator
 
 import numpy as np
@@ -91,31 +92,28 @@ class Scope:
 
     # -- values --------------------------------------------------------------------------------
 
-    def _index(self) -> None:
+    def _index_types(self) -> None:
         types: dict[str, int] = {}
-        producers: dict[str, onnx.NodeProto] = {}
         inits: dict[str, onnx.TensorProto] = {}
         c = self.container
+        value_infos = (*c.input, *c.output, *c.value_info) if isinstance(c, onnx.GraphProto) else c.value_info
+        for vi in value_infos:
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
+                types[vi.name] = vi.type.tensor_type.elem_type
         if isinstance(c, onnx.GraphProto):
-            for vi in (*c.input, *c.output, *c.value_info):
-                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                    types[vi.name] = vi.type.tensor_type.elem_type
             for t in c.initializer:
                 types[t.name] = t.data_type
                 inits[t.name] = t
-        else:
-            for vi in c.value_info:
-                if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                    types[vi.name] = vi.type.tensor_type.elem_type
         for node in c.node:
-            for out in node.output:
-                if out:
-                    producers[out] = node
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
                 for attr in node.attribute:
                     if attr.name == "value":
                         types[node.output[0]] = attr.t.data_type
-        self._types, self._producers, self._initializers = types, producers, inits
+        self._types, self._initializers = types, inits
+
+    def _index_producers(self) -> None:
+        # Separate from the types: only constant look-ups need it, and it is the costly one.
+        self._producers = {out: node for node in self.container.node for out in node.output if out}
 
     def invalidate(self) -> None:
         """Forget cached indexes after the node list or value_info changed."""
@@ -126,7 +124,7 @@ class Scope:
         scope: Scope | None = self
         while scope is not None:
             if scope._types is None:
-                scope._index()
+                scope._index_types()
             found = scope._types.get(name)  # type: ignore[union-attr]
             if found is not None:
                 return found
@@ -135,7 +133,7 @@ class Scope:
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         if self._producers is None:
-            self._index()
+            self._index_producers()
         return self._producers.get(name)  # type: ignore[union-attr]
 
     def constant(self, name: str) -> np.ndarray | None:
@@ -147,11 +145,11 @@ class Scope:
         scope: Scope | None = self
         while scope is not None:
             if scope._initializers is None:
-                scope._index()
+                scope._index_types()
             tensor = scope._initializers.get(name)  # type: ignore[union-attr]
             if tensor is not None:
                 return numpy_helper.to_array(tensor, base_dir=self.root.base_dir or "")
-            node = scope._producers.get(name)  # type: ignore[union-attr]
+            node = scope.producer(name)
             if node is not None:
                 if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                     for attr in node.attribute:
@@ -209,20 +207,18 @@ class NameAllocator:
 
     def __init__(self, model: onnx.ModelProto):
         used: set[str] = set()
+        chain = itertools.chain.from_iterable
         for scope in iter_scopes(model):
             c = scope.container
             if isinstance(c, onnx.GraphProto):
-                used.update(v.name for v in c.input)
-                used.update(v.name for v in c.output)
-                used.update(v.name for v in c.value_info)
-                used.update(t.name for t in c.initializer)
+                used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info, c.initializer))
             else:
                 used.update(c.input)
                 used.update(c.output)
-            for node in c.node:
-                used.update(node.input)
-                used.update(node.output)
-                used.add(node.name)
+            nodes = c.node
+            # Every value is some node's output or a graph input (added above), so outputs suffice.
+            used.update(chain(n.output for n in nodes))
+            used.update(n.name for n in nodes)
         used.discard("")
         self._used = used
 
