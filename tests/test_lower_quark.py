@@ -417,6 +417,7 @@ def test_malformed_nodes_are_errors_with_the_reason(body, reason):
     assert str(exc.value).startswith("node n (com.amd.quark::ExtendedDequantizeLinear) cannot be lowered: ")
     assert f"quark-dq-standard: {reason}" in str(exc.value)
     assert f"quark-dq-int-decompose: {reason}" in str(exc.value)
+    assert "quark-dq-bfloat16: dtype int8 is not one of bfloat16" in str(exc.value)
 
 
 def test_runtime_zero_point_of_unrecorded_type_is_an_error():
@@ -436,11 +437,40 @@ def test_runtime_zero_point_of_unrecorded_type_is_an_error():
 def test_per_axis_decomposition_needs_the_rank_of_x():
     model = parse(HEADER.format(opset=17) + """
     g (float[2, 3] x_in) => (uint32[2, 3] y) <float[2] s = {0.5, 0.25}, uint32[2] zp = {1, 2}> {
-        x = Identity (x_in)
+        x = Abs (x_in)
         y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
     }""")  # no value_info for x: its rank is unknown
     with pytest.raises(onnx_qrewrite.LoweringError, match=r"needs the rank of x 'x' to broadcast the scale"):
         onnx_qrewrite.rewrite(model)
+
+
+def test_nodes_in_subgraphs_and_local_functions_are_lowered():
+    # The DQ's input is the Q's output, which has no value_info: its rank is the Q input's.
+    model = parse("""<ir_version: 8, opset_import: ["" : 21, "com.amd.quark" : 1, "local" : 1]>
+    g (float[2, 3] x, bool c) => (float[2, 3] y) {
+        y = If (c) <then_branch = t () => (float[2, 3] a) {
+                s = Constant <value = float[3] {0.5, 0.25, 2.0}> ()
+                zp = Constant <value = uint32[3] {1, 2, 3}> ()
+                q = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (x, s, zp)
+                a = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (q, s, zp)
+            }, else_branch = e () => (float[2, 3] b) { b = local.f (x) }>
+    }
+    <domain: "local", opset_import: ["" : 21, "com.amd.quark" : 1]>
+    f (xx) => (yy) {
+        s = Constant <value = float[3] {0.5, 0.25, 2.0}> ()
+        zp = Constant <value = int16[3] {1, -2, 3}> ()
+        qq = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (xx, s, zp)
+        yy = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (qq, s, zp)
+    }""")
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"quark-q-int-decompose": 1, "quark-dq-int-decompose": 1,
+                                       "quark-q-standard": 1, "quark-dq-standard": 1}
+    assert {r.scope for r in result.report.rewrites} == {"main/y.then_branch", "function:local.f"}
+    x = np.array([[1, 2, 3], [-1, -2, 3e9]], np.float32)
+    then = run(result.model, {"x": x, "c": np.array(True)})["y"]
+    np.testing.assert_array_equal(then, np.array([[1, 2, 4], [-0.5, -0.5, 3e9]], np.float32))
+    other = run(result.model, {"x": x, "c": np.array(False)})["y"]
+    np.testing.assert_array_equal(other, np.array([[1, 2, 4], [-1, -2, (32767 - 3) * 2.0]], np.float32))
 
 
 def test_rewritten_nodes_carry_rule_and_origin():

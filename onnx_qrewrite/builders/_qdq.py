@@ -89,11 +89,20 @@ def _recorded_shapes(scope: Scope) -> dict[str, tuple[int | None, ...] | None]:
     return shapes
 
 
-def value_shape(scope: Scope, name: str) -> tuple[int | None, ...] | None:
+#: Ops whose output has their first input's shape: a quantized tensor between a vendor Q and DQ has
+#: no value_info (shape inference cannot see through vendor ops), but its producer's input does.
+_SAME_SHAPE_OPS = frozenset({
+    "QuantizeLinear", "DequantizeLinear", "ExtendedQuantizeLinear", "ExtendedDequantizeLinear",
+    "VitisQuantizeLinear", "VitisDequantizeLinear", "Cast", "Identity",
+})
+
+
+def value_shape(scope: Scope, name: str, _depth: int = 0) -> tuple[int | None, ...] | None:
     """Static shape of a value visible from ``scope`` (None: unknown; None entries: unknown dims).
 
     Looks at Constant nodes, initializers and the value_info/input/output records of each scope
-    from the innermost outwards.
+    from the innermost outwards; an unrecorded output of a shape-preserving op (Q/DQ, Cast,
+    Identity) has its input's shape.
     """
     if not name:
         return None
@@ -109,8 +118,14 @@ def value_shape(scope: Scope, name: str) -> tuple[int | None, ...] | None:
                 if attr.name in ("value_floats", "value_ints", "value_strings"):
                     return (len(onnx.helper.get_attribute_value(attr)),)
         recorded = _recorded_shapes(current)
-        if name in recorded or producer is not None:
-            return recorded.get(name)
+        if recorded.get(name) is not None:
+            return recorded[name]
+        if producer is not None:
+            if producer.op_type in _SAME_SHAPE_OPS and producer.input and _depth < 16:
+                return value_shape(current, producer.input[0], _depth + 1)
+            return None
+        if name in recorded:
+            return None
         current = current.parent
     return None
 
