@@ -473,6 +473,32 @@ def test_nodes_in_subgraphs_and_local_functions_are_lowered():
     np.testing.assert_array_equal(other, np.array([[1, 2, 4], [-1, -2, (32767 - 3) * 2.0]], np.float32))
 
 
+def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
+    from onnx_qrewrite import engine
+    from onnx_qrewrite.encoded import to_bytes
+
+    model = parse(HEADER.format(opset=21) + """
+    g (float[2, 3] x) => (float[2, 3] y, float[2, 3] z)
+      <float s = {0.5}, int8 zp = {1}, float[3] sa = {1, 2, 3}, int8[3] za = {0, 1, 2}, float[1] s1 = {0.25}> {
+        q1 = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
+        d1 = com.amd.quark.ExtendedDequantizeLinear (q1, s, zp)
+        q2 = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (d1, sa, za)
+        d2 = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (q2, sa, za)
+        q3 = com.amd.quark.ExtendedQuantizeLinear (d2, s1, zp)
+        y = com.amd.quark.ExtendedDequantizeLinear (q3, s1, zp)
+        q4 = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (y, sa, za)
+        z = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (q4, sa, za)
+    }""")
+    outputs = []
+    for stamp in (True, False):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        rewritten, report = engine.run(copy, onnx_qrewrite.load_rules(), engine.EngineOptions(stamp_templates=stamp))
+        outputs.append((to_bytes(rewritten), report.to_dict()))
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0][1]["rewrites"]) == 8
+
+
 def test_rewritten_nodes_carry_rule_and_origin():
     result = onnx_qrewrite.rewrite(fp16_model(1.0, 0.0))
     for node in result.model.graph.node:

@@ -9,8 +9,10 @@ naming the node's input and the reason, so the engine reports it (exit code 4) o
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
@@ -148,11 +150,25 @@ class QDQNode:
     granularity: str  # PER_TENSOR, PER_AXIS or DYNAMIC
     axis: int  # the axis the kernel uses (attribute, or the kernel's default), as written
     axis_given: bool
-    x_shape: tuple[int | None, ...] | None
     scale_shape: tuple[int | None, ...] | None
     zp_shape: tuple[int | None, ...] | None
-    scale_value: np.ndarray | None
-    zp_value: np.ndarray | None
+    site: Site = dataclasses.field(repr=False, compare=False)
+
+    # Values are read only when a decision needs them (most rewrites never do): converting every
+    # scale and zero point to numpy was most of the matching time on a 20k-node model.
+    @functools.cached_property
+    def x_shape(self) -> tuple[int | None, ...] | None:
+        return value_shape(self.site.scope, self.x)
+
+    @functools.cached_property
+    def scale_value(self) -> np.ndarray | None:
+        """The scale when it is a constant (initializer or Constant node), else None."""
+        return self.site.constant(self.scale)
+
+    @functools.cached_property
+    def zp_value(self) -> np.ndarray | None:
+        """The zero point when it is a constant, else None (also when absent)."""
+        return self.site.constant(self.zero_point) if self.zero_point else None
 
     @property
     def rank(self) -> int | None:
@@ -169,8 +185,22 @@ def quantized_dtype(site: Site, *, quantize: bool) -> str:
     """The quantized type of a Q/DQ node, or NoMatch saying what the model does not record.
 
     Quantize: the zero point's type (the output type), uint8 when there is no zero point.
-    Dequantize: x's type, else the zero point's.
+    Dequantize: x's type, else the zero point's. Kept on the Site (asked once per candidate rule).
     """
+    cache = site.__dict__.setdefault("_qrw_dtype", {})
+    found = cache.get(quantize)
+    if found is None:
+        try:
+            found = _quantized_dtype(site, quantize)
+        except NoMatch as why:
+            found = why
+        cache[quantize] = found
+    if isinstance(found, NoMatch):
+        raise NoMatch(str(found))
+    return found
+
+
+def _quantized_dtype(site: Site, quantize: bool) -> str:
     zp = site.input(2)
     candidates = [zp] if quantize else [site.input(0), zp]
     for name in candidates:
@@ -196,10 +226,28 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
 
     Options used: ``axis_default`` (the kernel's axis when the attribute is absent) and
     ``require_zero_point`` (the kernel takes exactly three inputs).
+
+    Several rules try the same node (standard op, then decomposition): the reading is kept on the
+    Site, which the engine creates once per node and shares between its candidate rules.
     """
-    node = site.node
     axis_default = option(options, "axis_default", int, 1)
     require_zp = option(options, "require_zero_point", (True, False), False)
+    key = (quantize, axis_default, require_zp)
+    cache = site.__dict__.setdefault("_qrw_qdq", {})
+    found = cache.get(key)
+    if found is None:
+        try:
+            found = _read_qdq(site, axis_default, require_zp, quantize)
+        except NoMatch as why:
+            found = why
+        cache[key] = found
+    if isinstance(found, NoMatch):
+        raise NoMatch(str(found))
+    return found
+
+
+def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -> QDQNode:
+    node = site.node
     n_inputs = len(node.input)
     if require_zp and (n_inputs != 3 or not all(node.input)):
         raise NoMatch(f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
@@ -228,17 +276,14 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
             if elem is not None and dtype_name(elem) != dtype:
                 raise NoMatch(f"malformed node: {what} {name!r} is {dtype_name(elem)}, x is {dtype}")
 
-    scale_value = site.constant(scale)
-    zp_value = site.constant(zp) if zp else None
-    x_shape = value_shape(site.scope, x)
-    scale_shape = tuple(scale_value.shape) if scale_value is not None else value_shape(site.scope, scale)
-    zp_shape = tuple(zp_value.shape) if zp_value is not None else (value_shape(site.scope, zp) if zp else None)
+    scale_shape = value_shape(site.scope, scale)
+    zp_shape = value_shape(site.scope, zp) if zp else None
     axis_given = site.has_attribute("axis")
     axis = int(site.attribute("axis", axis_default))
 
     granularity = DYNAMIC
     if scale_shape is not None and all(d is not None for d in scale_shape):
-        size = int(np.prod(scale_shape, dtype=np.int64))
+        size = math.prod(scale_shape)
         if size == 1:
             granularity = PER_TENSOR
         elif len(scale_shape) == 1:
@@ -247,12 +292,13 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
             raise NoMatch(f"malformed node: scale {scale!r} has shape {list(scale_shape)}; "
                           "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)")
     if zp and zp_shape is not None and scale_shape is not None and None not in zp_shape and None not in scale_shape:
-        if int(np.prod(zp_shape, dtype=np.int64)) != int(np.prod(scale_shape, dtype=np.int64)):
+        if math.prod(zp_shape) != math.prod(scale_shape):
             raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}, scale {scale!r} "
                           f"has shape {list(scale_shape)}; they must have the same number of elements")
         if granularity == PER_AXIS and len(zp_shape) != 1:
             raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}; per-axis needs 1-D")
-    if granularity != PER_TENSOR and x_shape is not None:
+    x_shape = value_shape(site.scope, x) if granularity != PER_TENSOR else None
+    if x_shape is not None:
         if len(x_shape) == 0:
             raise NoMatch(f"malformed node: x {x!r} is a scalar but the scale may have several elements")
         a = normalized_axis(axis, len(x_shape), site)
@@ -262,35 +308,38 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
                           f"has {dim} along axis {axis}")
     return QDQNode(
         quantize=quantize, x=x, scale=scale, zero_point=zp, dtype=dtype, granularity=granularity,
-        axis=axis, axis_given=axis_given, x_shape=x_shape, scale_shape=scale_shape, zp_shape=zp_shape,
-        scale_value=scale_value, zp_value=zp_value,
+        axis=axis, axis_given=axis_given, scale_shape=scale_shape, zp_shape=zp_shape,
+        site=site,
     )
 
 
-def per_tensor_operand(emit: Emitter, name: str, value: np.ndarray | None,
+def per_tensor_operand(emit: Emitter, name: str, value: Callable[[], np.ndarray | None],
                        shape: tuple[int | None, ...] | None, *, scalar: bool) -> str:
     """A one-element scale or zero point in a form every consumer accepts.
 
     ``scalar=False`` (QuantizeLinear/DequantizeLinear): a scalar or a 1-D one-element tensor is
     kept as it is; anything of higher rank (onnxruntime rejects a [1, 1] scale) becomes a scalar.
     ``scalar=True`` (elementwise decompositions): always a scalar, so that broadcasting never
-    changes the output's shape.
+    changes the output's shape. ``value`` gives the constant's value (None at run time), read
+    only when needed.
     """
     if shape is not None and (len(shape) == 0 or (not scalar and len(shape) == 1)):
         return name
-    if value is not None:
-        return emit.const(value.reshape(()))
+    constant = value()
+    if constant is not None:
+        return emit.const(constant.reshape(()))
     return emit.op1("Reshape", [name, emit.const(np.zeros(0, np.int64))], hint="ToScalar")
 
 
-def broadcast_operand(emit: Emitter, name: str, value: np.ndarray | None, rank: int, axis: int) -> str:
+def broadcast_operand(emit: Emitter, name: str, value: Callable[[], np.ndarray | None], rank: int, axis: int) -> str:
     """A 1-D (or one-element) per-axis parameter reshaped to broadcast along ``axis`` of a rank-``rank``
     tensor: shape [n, 1, ..., 1] with ``rank - 1 - axis`` trailing ones. A one-element tensor then
     broadcasts like a per-tensor one, so this also serves scales whose shape is only known at run time.
     """
     target = [-1] + [1] * (rank - 1 - axis)
-    if value is not None:
-        return emit.const(value.reshape(target))
+    constant = value()
+    if constant is not None:
+        return emit.const(constant.reshape(target))
     return emit.op1("Reshape", [name, emit.const(np.asarray(target, np.int64))], hint="AlongAxis")
 
 
@@ -303,7 +352,8 @@ def scale_and_zero_point(emit: Emitter, q: QDQNode, *, for_elementwise: bool) ->
     For decompositions they are reshaped to broadcast along the axis.
     """
     out = []
-    for name, value, shape in ((q.scale, q.scale_value, q.scale_shape), (q.zero_point, q.zp_value, q.zp_shape)):
+    operands = ((q.scale, lambda: q.scale_value, q.scale_shape), (q.zero_point, lambda: q.zp_value, q.zp_shape))
+    for name, value, shape in operands:
         if not name:
             out.append("")
         elif q.granularity == PER_TENSOR:
@@ -313,8 +363,8 @@ def scale_and_zero_point(emit: Emitter, q: QDQNode, *, for_elementwise: bool) ->
             out.append(broadcast_operand(emit, name, value, q.rank, q.axis % q.rank))
         elif shape is not None and len(shape) == 1:
             out.append(name)
-        elif value is not None:
-            out.append(emit.const(value.reshape(-1)))
+        elif value() is not None:
+            out.append(emit.const(value().reshape(-1)))
         else:
             out.append(emit.op1("Reshape", [name, emit.const(np.asarray([-1], np.int64))], hint="To1D"))
     return out[0], out[1]

@@ -20,6 +20,7 @@ the scale is not float32) or "arithmetic". ``axis_default``: the axis when the a
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
@@ -94,7 +95,7 @@ class DynamicDequantizeBuilder:
         axis = int(site.attribute("axis", axis_default))
         if qtype == "per_tensor":
             for name, shape in ((scales, scale_shape), (zps, tuple(zp_value.shape) if zp_value is not None else None)):
-                if shape is not None and None not in shape and int(np.prod(shape, dtype=np.int64)) != 1:
+                if shape is not None and None not in shape and math.prod(shape) != 1:
                     raise NoMatch(f"malformed node: qtype per_tensor but {name!r} has shape {list(shape)} "
                                   "(one element expected)")
         elif rank is not None:

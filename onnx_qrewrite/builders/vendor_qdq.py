@@ -73,6 +73,7 @@ import onnx
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
     INTEGER_RANGES,
+    PER_AXIS,
     PER_TENSOR,
     QDQNode,
     option,
@@ -137,6 +138,20 @@ class StandardQDQBuilder:
                 )
         origin = "Quark kernel" if options.get("axis_default") == 0 else "kernel"
         return Plan(min_opset=needed, notes=(q.describe(origin),), data={"qdq": q})
+
+    def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple | None:
+        """Equal keys build one node with the same op, attribute and input wiring (the engine then
+        stamps it, see builders/_stamp.py). None when the build derives a constant from this
+        node's own values (a scale of rank > 1) or reshapes at run time: built normally."""
+        q: QDQNode = plan.data["qdq"]
+        if q.granularity not in (PER_TENSOR, PER_AXIS):
+            return None
+        for shape in (q.scale_shape, q.zp_shape if q.zero_point else ()):
+            if shape is None or len(shape) > 1:
+                return None
+        inputs = list(site.node.input)
+        wiring = tuple(inputs.index(name) for name in inputs)  # which inputs share a name
+        return (q.quantize, q.granularity, q.axis if q.granularity == PER_AXIS else None, wiring)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         q: QDQNode = plan.data["qdq"]
