@@ -13,6 +13,7 @@ from onnx_qrewrite import engine, model_io
 from onnx_qrewrite.catalogue import Catalogue, load_catalogue
 from onnx_qrewrite.encoded import EncodedModel, to_proto
 from onnx_qrewrite.errors import InternalError, UsageError
+from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.report import RewriteReport
 
 if TYPE_CHECKING:
@@ -79,7 +80,13 @@ class RewriteResult:
                 self._model = proto
         return self._model
 
-    def save(self, path: str | os.PathLike[str], *, reference_external_data: bool = False) -> model_io.SaveInfo:
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        reference_external_data: bool = False,
+        progress: ProgressSink | None = None,
+    ) -> model_io.SaveInfo:
         """Write the model atomically; see :func:`onnx_qrewrite.model_io.save_model`."""
         out = Path(path)
         if self.source_path is not None and out.resolve() == self.source_path.resolve():
@@ -90,7 +97,8 @@ class RewriteResult:
 
             target = ir.serde.serialize_model(self._model)
         return model_io.save_model(
-            target, out, source_dir=self.source_dir, reference_external_data=reference_external_data
+            target, out, source_dir=self.source_dir, reference_external_data=reference_external_data,
+            progress=progress,
         )
 
 
@@ -132,6 +140,7 @@ def rewrite(
     keep_opset: bool = False,
     allow_unlowered: bool = False,
     check: bool | None = None,
+    progress: ProgressSink | None = None,
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
@@ -149,7 +158,7 @@ def rewrite(
         catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
     proto, kind, source_dir, source_path = _to_proto(model)
     opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
-    rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None)
+    rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None, progress)
     if check is None:
         check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
     if check and report.changed:

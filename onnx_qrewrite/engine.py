@@ -28,6 +28,7 @@ from onnx_qrewrite.catalogue import Catalogue, Rule
 from onnx_qrewrite.encoded import EncodedModel
 from onnx_qrewrite.errors import LoweringError
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
+from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
 
 __all__ = ["EngineOptions", "run"]
@@ -130,6 +131,7 @@ def _apply(
     matches: dict[int, list[_Match]],
     report: RewriteReport,
     stamp_templates: bool = True,
+    progress: ProgressSink | None = None,
 ) -> tuple[collections.Counter[str], bytes | None]:
     """Build and splice every replacement; returns the change in op counts and, when the main
     graph changed, its encoded node list (the main graph itself is then left without nodes)."""
@@ -137,6 +139,10 @@ def _apply(
     main_nodes: bytes | None = None
     keep_main_encoded = not _main_graph_has_external_constants(model)
     templates: dict[tuple, Template | None] = {}
+    total = sum(len(ms) for ms in matches.values())
+    done = 0
+    if progress is not None:
+        progress("rewriting nodes", 0, total)
     names = NameAllocator(model)
     pools: dict[int, ConstantPool] = {}
     for s, scope in enumerate(scopes):
@@ -163,6 +169,9 @@ def _apply(
                 if key is not None:
                     templates[key] = Template.record(emit)
             replacements[m.index] = nodes
+            done += 1
+            if progress is not None and (done % 1024 == 0 or done == total):
+                progress("rewriting nodes", done, total)
             delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
             for _, op in created:
                 delta[op] += 1
@@ -195,6 +204,7 @@ def run(
     catalogue: Catalogue,
     options: EngineOptions = EngineOptions(),
     base_dir: str | None = None,
+    progress: ProgressSink | None = None,
 ) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
     """Rewrite ``model`` in place (callers pass a copy) and report what changed.
 
@@ -227,7 +237,7 @@ def run(
         report.warnings.append(f"left {u.node} ({u.op_type}) in place: {'; '.join(u.reasons)}")
     result: onnx.ModelProto | EncodedModel = model
     if matches:
-        delta, main_nodes = _apply(model, scopes, matches, report, options.stamp_templates)
+        delta, main_nodes = _apply(model, scopes, matches, report, options.stamp_templates, progress)
         counts.update(delta)
         if main_nodes is not None:
             result = EncodedModel(model, main_nodes)

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 
 from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError
+from onnx_qrewrite.progress import ProgressSink
 
 __all__ = ["load_model", "save_model", "check_model", "SaveInfo", "external_tensors"]
 
@@ -190,6 +191,7 @@ def save_model(
     *,
     source_dir: str | os.PathLike[str] | None = None,
     reference_external_data: bool = False,
+    progress: ProgressSink | None = None,
 ) -> SaveInfo:
     """Write ``model`` atomically; external weights are streamed from ``source_dir`` or referenced.
 
@@ -233,6 +235,8 @@ def save_model(
             fd, name = tempfile.mkstemp(prefix=f".{data_name}.", suffix=".tmp", dir=folder)
             data_tmp = Path(name)
             temps.append(data_tmp)
+            total_external = sum(int(_external_info(t).get("length", 0) or 0) for t in ext)
+            copied = 0
             with os.fdopen(fd, "wb") as dst:
                 handles: dict[str, object] = {}
                 try:
@@ -258,6 +262,9 @@ def save_model(
                         _copy_range(src, dst, offset, length)
                         _set_external(t, data_name, written, length)
                         written += length
+                        copied += length
+                        if progress is not None:
+                            progress("writing weights bytes", copied, total_external)
                     if too_big:
                         written = _externalize_large(skeleton, dst, data_name, written)
                 finally:

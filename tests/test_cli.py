@@ -115,8 +115,13 @@ def test_unwritable_output_exits_2_and_writes_nothing(tmp_path):
     proc = cli("rewrite", SAMPLE, "-o", tmp_path / "no" / "such" / "dir" / "o.onnx")
     assert proc.returncode == 2
     assert "does not exist" in _one_error_line(proc)
-    proc = cli("rewrite", SAMPLE, "-o", tmp_path)
-    assert proc.returncode == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_folder_takes_the_input_file_name(tmp_path):
+    proc = cli("-q", "rewrite", SAMPLE, "-o", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [SAMPLE.name]
 
 
 def test_refuses_to_overwrite_the_input(tmp_path):

@@ -1,57 +1,182 @@
-"""``onnx-qrewrite rewrite``: rewrite a model and say what changed."""
+"""``onnx-qrewrite rewrite``: rewrite one model or many, optionally verify, say what changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import click
 
+from onnx_qrewrite.batch import Outcome, run_tasks
 from onnx_qrewrite.commands.options import float16_semantics_option, load_selected_rules, rule_selection
+from onnx_qrewrite.commands.verify import combined_junit, verify_kwargs, verify_options
 from onnx_qrewrite.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    """Everything a worker needs for one model (picklable)."""
+
+    model: str
+    output: str
+    rule_files: tuple[str, ...]
+    only: tuple[str, ...]
+    skip: tuple[str, ...]
+    rule_options: tuple[str, ...]
+    dql_semantics: str | None
+    float16_semantics: str | None
+    engine: dict[str, Any]
+    reference_external_data: bool
+    verify: dict[str, Any] | None
+    keep_failed: bool
+    progress: bool
+
+
+def _rewrite_one(task: _Task) -> Outcome:
+    from onnx_qrewrite.api import rewrite
+    from onnx_qrewrite.progress import TerminalProgress
+
+    progress = TerminalProgress(enabled=task.progress)
+    catalogue = load_selected_rules(task.rule_files, task.only, task.skip, task.rule_options,
+                                    task.dql_semantics, task.float16_semantics)
+    try:
+        result = rewrite(task.model, rules=catalogue, progress=progress, **task.engine)
+        info = result.save(task.output, reference_external_data=task.reference_external_data, progress=progress)
+    finally:
+        progress.close()
+    outcome = Outcome(0, task.model)
+    outcome.lines.append(f"{task.model} -> {task.output}")
+    outcome.lines.extend(result.report.summary_lines())
+    if info.referenced:
+        outcome.lines.append(f"  external data referenced in place (zero copy): {', '.join(info.referenced)}")
+    elif info.data_path is not None:
+        outcome.lines.append(f"  external data written to {info.data_path} ({info.external_bytes} bytes)")
+    outcome.lines.extend(f"  warning: {w}" for w in result.report.warnings)
+    outcome.payload = {"input": task.model, "output": task.output, **result.report.to_dict()}
+    if info.referenced:
+        outcome.payload["external_data_referenced"] = list(info.referenced)
+    if task.verify is not None:
+        from onnx_qrewrite.verify import verify
+
+        report = verify(task.model, task.output, **task.verify)
+        outcome.lines.append(report.to_table())
+        outcome.payload["verification"] = report.to_dict()
+        outcome.payload["_junit"] = report.junit_xml()
+        if not report.passed:
+            outcome.exit_code = report.exit_code
+            if not task.keep_failed:
+                for path in (Path(task.output), info.data_path):
+                    if path is not None:
+                        path.unlink(missing_ok=True)
+                outcome.lines.append(f"  removed {task.output}: verification failed (--keep-failed keeps it)")
+    return outcome
+
+
+def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
+    out = Path(output)
+    if len(models) == 1 and not (out.is_dir() or output.endswith(("/", "\\"))):
+        return [output]
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"-o {output}: with several models, -o names a folder, and this is a file")
+    names = [Path(m).name for m in models]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UsageError(f"-o {output}: two input models are both named {dupes[0]!r}; rewrite them separately")
+    out.mkdir(parents=True, exist_ok=True)
+    return [str(out / n) for n in names]
+
+
 @click.command("rewrite")
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Where to write the rewritten model.")
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(),
+              help="Output model file; with several models (or a trailing /), the output folder.")
 @rule_selection
 @float16_semantics_option
 @click.option("--target-opset", type=int, default=None, help="Raise the default-domain opset to N first (max 26).")
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
+@click.option("--check/--no-check", default=None,
+              help="Run onnx's checker on the result (default: when it has at most 100k nodes).")
 @click.option("--reference-external-data", is_flag=True,
               help="Zero copy: reference the input's external data file (output must be in the same folder).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a JSON report of every rewrite.")
+              help="Write a JSON report of every rewrite (and verification).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes for several models.")
+@click.option("--verify", "do_verify", is_flag=True,
+              help="Verify each rewrite in onnxruntime; a disagreement exits 1 and removes the output.")
+@click.option("--keep-failed", is_flag=True, help="With --verify: keep an output that failed verification.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
+              help="With --verify: JUnit XML, one test suite per model, one case per output.")
+@verify_options(report=False, junit=False)
 @click.pass_context
-def rewrite_command(ctx, model, output, rule_files, only, skip, rule_options, dql_semantics, float16_semantics,  # noqa: ANN001
-                    target_opset, keep_opset, allow_unlowered, reference_external_data, report_path) -> None:
-    """Rewrite MODEL with the rules and write it to OUTPUT."""
-    from onnx_qrewrite.api import rewrite
+def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, rule_files, only, skip,  # noqa: ANN001
+                    rule_options, dql_semantics, float16_semantics, target_opset, keep_opset, allow_unlowered,
+                    check, reference_external_data, report_path, jobs, do_verify, keep_failed, junit_path,
+                    **verify_opts: Any) -> None:
+    """Rewrite MODELS with the rules and write them to OUTPUT.
 
+    Exit code: the worst over all models (0 ok, 1 verification disagreed, 3 invalid model,
+    4 a node could not be lowered, 5 internal error); 2 for usage errors, before any work.
+    """
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
-    if Path(output).resolve() == Path(model).resolve():
-        raise UsageError(f"{output}: refusing to overwrite the input model; choose another output path")
-    catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
-    result = rewrite(model, rules=catalogue, target_opset=target_opset, keep_opset=keep_opset,
-                     allow_unlowered=allow_unlowered)
-    info = result.save(output, reference_external_data=reference_external_data)
+    if (keep_failed or junit_path) and not do_verify:
+        raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
+    outputs = _outputs_for(models, output)
+    for model, out in zip(models, outputs):
+        if Path(out).resolve() == Path(model).resolve():
+            raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
+    # Validate the rules and options once, before any work (usage errors are exit 2 for all).
+    load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
+    verify_args = verify_kwargs(**verify_opts) if do_verify else None
+    quiet = bool(ctx.obj.get("quiet"))
+    from onnx_qrewrite.progress import TerminalProgress
+
+    show_progress = TerminalProgress(quiet=quiet).enabled and len(models) == 1
+    engine = {"target_opset": target_opset, "keep_opset": keep_opset, "allow_unlowered": allow_unlowered,
+              "check": check}
+    tasks = [
+        _Task(m, o, tuple(rule_files), tuple(only), tuple(skip), tuple(rule_options), dql_semantics,
+              float16_semantics, engine, reference_external_data, verify_args, keep_failed, show_progress)
+        for m, o in zip(models, outputs)
+    ]
+    outcomes = _run_all(tasks, models, jobs, quiet)
     if report_path:
-        payload = {"input": str(model), "output": str(output), **result.report.to_dict()}
-        if info.referenced:
-            payload["external_data_referenced"] = list(info.referenced)
-        Path(report_path).write_text(json.dumps(payload, indent=2) + "\n")
-    if not ctx.obj.get("quiet"):
-        click.echo(f"{model} -> {output}")
-        for line in result.report.summary_lines():
-            click.echo(line)
-        if info.referenced:
-            click.echo(f"  external data referenced in place (zero copy): {', '.join(info.referenced)}")
-        elif info.data_path is not None:
-            click.echo(f"  external data written to {info.data_path} ({info.external_bytes} bytes)")
-        for w in result.report.warnings:
-            logger.warning(w)
+        payloads = [{k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
+                    for o in outcomes]
+        body = payloads[0] if len(models) == 1 and outcomes[0].payload else {"models": payloads}
+        Path(report_path).write_text(json.dumps(body, indent=2) + "\n")
+    if junit_path:
+        combined_junit([o.payload.get("_junit") for o in outcomes], [o.label for o in outcomes],
+                       [o.error for o in outcomes], junit_path)
+    worst = max(o.exit_code for o in outcomes)
+    if worst:
+        ctx.exit(worst)
+
+
+def _run_all(tasks: list[_Task], models: tuple[str, ...], jobs: int, quiet: bool) -> list[Outcome]:
+    from onnx_qrewrite.progress import TerminalProgress
+
+    outcomes: list[Outcome] = []
+    overall = TerminalProgress(quiet=quiet) if len(models) > 1 else None
+    for outcome in run_tasks(_rewrite_one, tasks, list(models), jobs):
+        outcomes.append(outcome)
+        if not quiet:
+            for line in outcome.lines:
+                click.echo(line)
+        if outcome.error:
+            click.echo(f"onnx-qrewrite: error: {outcome.error}", err=True)
+        if overall is not None:
+            overall("models", len(outcomes), len(models))
+    outcomes.sort(key=lambda o: o.index)
+    if len(models) > 1 and not quiet:
+        failed = [o for o in outcomes if o.exit_code]
+        click.echo(f"{len(models)} models: {len(models) - len(failed)} ok, {len(failed)} failed"
+                   + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else ""))
+    return outcomes

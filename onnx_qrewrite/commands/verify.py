@@ -8,22 +8,26 @@ same ones; :func:`verify_kwargs` turns their values into keyword arguments of
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import click
 
-from onnx_qrewrite.errors import EXIT_DISAGREE
+from onnx_qrewrite.batch import Outcome, run_tasks
+from onnx_qrewrite.errors import EXIT_DISAGREE, UsageError
 
-__all__ = ["verify_command", "verify_options", "verify_kwargs", "emit_report"]
+__all__ = ["verify_command", "verify_options", "verify_kwargs", "emit_report", "combined_junit"]
 
 logger = logging.getLogger(__name__)
 
 _OPT_LEVELS = ("disable", "basic", "extended", "all")  # checked again by SessionSettings
 
 
-def verify_options(func: Callable) -> Callable:
-    """The verification options, as one group shared by ``verify`` and ``rewrite --verify``."""
+def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Callable], Callable]:
+    """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
+    (which has its own ``--report`` and ``--junit``, hence the switches)."""
     options = [
         click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), default=None,
                      help="Run on these inputs (.npz keyed by input name) instead of generated ones."),
@@ -50,16 +54,22 @@ def verify_options(func: Callable) -> Callable:
                      help="Run the original's vendor ops with this library instead of the reference kernels."),
         click.option("--save-inputs", type=click.Path(dir_okay=False), default=None,
                      help="Write the inputs used to this .npz file."),
-        click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."),
-        click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
-                     help="Write a JUnit XML report: one test case per output."),
         click.option("--localize/--no-localize", default=True, show_default=True,
                      help="On disagreement, name the first differing node of the rewritten model."),
     ]
-    for option in reversed(options):
-        func = option(func)
-    return func
+    if report:
+        options.append(click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
+                                    help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."))
+    if junit:
+        options.append(click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
+                                    help="Write a JUnit XML report: one test suite per model, one case per output."))
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
 
 
 def verify_kwargs(
@@ -100,6 +110,111 @@ def verify_kwargs(
     }
 
 
+def combined_junit(documents: Sequence[str | None], labels: Sequence[str], errors: Sequence[str | None],
+                   path: str) -> None:
+    """One JUnit file for several models: their ``<testsuite>`` elements side by side; a model that
+    could not be verified at all becomes a suite with one errored case, so CI shows it too."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites", name="onnx-qrewrite verify")
+    tests = failures = errored = 0
+    for document, label, error in zip(documents, labels, errors):
+        if document is not None:
+            for suite in ET.fromstring(document).iter("testsuite"):
+                root.append(suite)
+                tests += int(suite.get("tests", 0))
+                failures += int(suite.get("failures", 0))
+        else:
+            suite = ET.SubElement(root, "testsuite", name=label, tests="1", failures="0", errors="1", skipped="0")
+            case = ET.SubElement(suite, "testcase", classname=Path(label).stem, name="verify")
+            ET.SubElement(case, "error", message=error or "not verified", type="error")
+            tests += 1
+            errored += 1
+    root.set("tests", str(tests))
+    root.set("failures", str(failures))
+    root.set("errors", str(errored))
+    tree = ET.ElementTree(root)
+    ET.indent(tree)
+    try:
+        Path(path).write_text(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")
+    except OSError as exc:
+        raise UsageError(f"--junit {path}: cannot write: {exc.strerror or exc}") from None
+
+
+def _verify_one(args: tuple[str, str, dict[str, Any]]) -> Outcome:
+    from onnx_qrewrite.verify import verify
+
+    original, rewritten, kwargs = args
+    report = verify(original, rewritten, **kwargs)
+    return Outcome(0, original, report.exit_code, [report.to_table()],
+                   payload={"report": report.to_dict(), "junit": report.junit_xml()})
+
+
+@click.command("verify")
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--rewritten-dir", type=click.Path(file_okay=False), default=None,
+              help="Verify each ORIGINAL against the model of the same name in this folder.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes for several models.")
+@verify_options()
+@click.pass_context
+def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: str | None, jobs: int,
+                   report_path: str | None, junit_path: str | None, **options: Any) -> None:
+    """Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.
+
+    \b
+    onnx-qrewrite verify ORIGINAL REWRITTEN
+    onnx-qrewrite verify ORIGINAL... --rewritten-dir DIR [--jobs N]
+
+    Vendor ops in ORIGINAL run on numpy reference kernels of their measured semantics (or on
+    --custom-op-library); REWRITTEN runs in stock onnxruntime. Exit 0 when they agree, 1 when they
+    differ (the first differing node is named with its rule), 2+ on errors; with several models,
+    the worst.
+    """
+    if rewritten_dir is None:
+        if len(models) != 2:
+            raise UsageError("verify takes ORIGINAL REWRITTEN, or ORIGINAL... with --rewritten-dir")
+        pairs = [(models[0], models[1])]
+    else:
+        pairs = [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
+    if options.get("save_inputs") and len(pairs) > 1:
+        raise UsageError("--save-inputs takes one model pair; verify the others separately")
+    kwargs = verify_kwargs(**options)
+    quiet = bool((ctx.obj or {}).get("quiet"))
+    if len(pairs) == 1:
+        from onnx_qrewrite.verify import verify
+
+        report = verify(pairs[0][0], pairs[0][1], **kwargs)
+        emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
+        if not report.passed:
+            ctx.exit(EXIT_DISAGREE)
+        return
+    outcomes = []
+    for outcome in run_tasks(_verify_one, [(o, r, kwargs) for o, r in pairs], [o for o, _ in pairs], jobs):
+        outcomes.append(outcome)
+        if not quiet:
+            click.echo("\n".join(outcome.lines))
+        if outcome.error:
+            click.echo(f"onnx-qrewrite: error: {outcome.label}: {outcome.error}", err=True)
+    outcomes.sort(key=lambda o: o.index)
+    if report_path:
+        body = {"models": [o.payload.get("report") or {"original": o.label, "error": o.error} for o in outcomes]}
+        try:
+            Path(report_path).write_text(json.dumps(body, indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"--report {report_path}: cannot write: {exc.strerror or exc}") from None
+    if junit_path:
+        combined_junit([o.payload.get("junit") for o in outcomes], [o.label for o in outcomes],
+                       [o.error for o in outcomes], junit_path)
+    failed = [o for o in outcomes if o.exit_code]
+    if not quiet:
+        click.echo(f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
+                   + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else ""))
+    worst = max((o.exit_code for o in outcomes), default=0)
+    if worst:
+        ctx.exit(worst)
+
+
 def emit_report(report: Any, *, report_path: str | None, junit_path: str | None, quiet: bool) -> None:
     """Write the requested report files and, unless quiet, print the table."""
     if report_path:
@@ -110,24 +225,3 @@ def emit_report(report: Any, *, report_path: str | None, junit_path: str | None,
         click.echo(report.to_table())
 
 
-@click.command("verify")
-@click.argument("original", type=click.Path(dir_okay=False))
-@click.argument("rewritten", type=click.Path(dir_okay=False))
-@verify_options
-@click.pass_context
-def verify_command(ctx: click.Context, original: str, rewritten: str, report_path: str | None,
-                   junit_path: str | None, **options: Any) -> None:
-    """Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.
-
-    Vendor ops in ORIGINAL run on numpy reference kernels of their measured semantics (or on
-    --custom-op-library); REWRITTEN runs in stock onnxruntime. Exit 0 when they agree, 1 when they
-    differ (the first differing node is named with its rule), 2+ on errors.
-    """
-    from onnx_qrewrite.verify import verify
-
-    kwargs = verify_kwargs(**options)
-    report = verify(original, rewritten, **kwargs)
-    quiet = bool((ctx.obj or {}).get("quiet"))
-    emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
-    if not report.passed:
-        ctx.exit(EXIT_DISAGREE)

@@ -157,10 +157,14 @@ class VerifyReport:
                 failure.text = "\n".join(_stats_lines(output) + _localization_lines(self.localization))
         return suites
 
-    def write_junit(self, path: str | os.PathLike[str]) -> None:
+    def junit_xml(self) -> str:
+        """The JUnit document as text (what crosses process boundaries in batch runs)."""
         tree = ET.ElementTree(self.to_junit())
         ET.indent(tree)
-        _write_text(path, ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n", "--junit")
+        return ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n"
+
+    def write_junit(self, path: str | os.PathLike[str]) -> None:
+        _write_text(path, self.junit_xml(), "--junit")
 
     # -- table ------------------------------------------------------------------------------
 
