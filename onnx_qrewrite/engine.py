@@ -133,11 +133,12 @@ def _apply(
     stamp_templates: bool = True,
     progress: ProgressSink | None = None,
 ) -> tuple[collections.Counter[str], bytes | None]:
-    """Build and splice every replacement; returns the change in op counts and, when the main
-    graph changed, its encoded node list (the main graph itself is then left without nodes)."""
+    """Build every replacement, drop initializers only replaced nodes read, then splice.
+
+    Returns the change in op counts and, when the main graph changed, its encoded node list (the
+    main graph itself is then left without nodes; see ``encoded``).
+    """
     delta: collections.Counter[str] = collections.Counter()
-    main_nodes: bytes | None = None
-    keep_main_encoded = not _main_graph_has_external_constants(model)
     templates: dict[tuple, Template | None] = {}
     total = sum(len(ms) for ms in matches.values())
     done = 0
@@ -145,6 +146,11 @@ def _apply(
         progress("rewriting nodes", 0, total)
     names = NameAllocator(model)
     pools: dict[int, ConstantPool] = {}
+    built: dict[int, dict[int, list[bytes]]] = {}
+    #: Initializers some replaced node read and its replacement does not: removal candidates.
+    dropped: set[str] = set()
+    #: Inputs of replaced nodes that their replacements still read.
+    still_read: set[str] = set()
     for s, scope in enumerate(scopes):
         root = scope.root
         pool = pools.get(id(root))
@@ -162,13 +168,22 @@ def _apply(
                 nodes, created = template.stamp(
                     m.site, names, Emitter.prefix_for(m.site.node), Emitter.metadata_for(m.rule.id, m.site.node)
                 )
+                reads = template.site_inputs_read(m.site)
             else:
                 emit = Emitter(m.site, m.rule.id, names, pool)
                 builder.build(m.site, emit, m.rule.options, m.plan)  # type: ignore[union-attr]
                 nodes, created = emit.nodes, emit.created
+                reads = emit.names_read()
                 if key is not None:
                     templates[key] = Template.record(emit)
             replacements[m.index] = nodes
+            for name in m.site.node.input:
+                if not name:
+                    continue
+                if name in reads:
+                    still_read.add(name)
+                elif scope.initializer(name) is not None:
+                    dropped.add(name)
             done += 1
             if progress is not None and (done % 1024 == 0 or done == total):
                 progress("rewriting nodes", done, total)
@@ -187,8 +202,60 @@ def _apply(
                     notes=m.plan.notes,
                 )
             )
-        prepend = pool.constant_nodes if scope is root else []
-        delta["Constant"] += len(prepend)
+        built[s] = replacements
+    delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
+    if dropped - still_read:
+        _remove_unread_initializers(scopes, built, dropped - still_read, report)
+    return delta, _splice(model, scopes, built, pools)
+
+
+def _remove_unread_initializers(
+    scopes: list[Scope], built: dict[int, dict[int, list[bytes]]], candidates: set[str], report: RewriteReport
+) -> None:
+    """Remove initializers that only replaced nodes read (a zero point of 0 a lowering left out,
+    float16 scales the kernel ignores): onnxruntime warns about unused initializers, and they are
+    dead weight. Only called when there are candidates, since it reads every node's inputs."""
+    read: set[str] = set()
+    for s, scope in enumerate(scopes):
+        replaced = built.get(s, {})
+        c = scope.container
+        for index, node in enumerate(c.node):
+            if index not in replaced:
+                read.update(node.input)
+        if isinstance(c, onnx.GraphProto):
+            read.update(o.name for o in c.output)
+            read.update(i.name for i in c.input)  # an initializer that is also an input stays
+        else:
+            read.update(c.output)
+    unread = candidates - read
+    for scope in scopes:
+        c = scope.container
+        if not isinstance(c, onnx.GraphProto) or not unread.intersection(t.name for t in c.initializer):
+            continue
+        kept = [t for t in c.initializer if t.name not in unread]
+        removed = sorted(t.name for t in c.initializer if t.name in unread)
+        del c.initializer[:]
+        c.initializer.extend(kept)
+        scope.invalidate()
+        report.removed_initializers.extend(removed)
+
+
+def _splice(
+    model: onnx.ModelProto,
+    scopes: list[Scope],
+    built: dict[int, dict[int, list[bytes]]],
+    pools: dict[int, ConstantPool],
+) -> bytes | None:
+    """Put the replacements in place, innermost scope first (a parent node is serialized with its
+    bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back,
+    unless a Constant there holds external data (model_io must then see it as an object)."""
+    keep_main_encoded = not _main_graph_has_external_constants(model)
+    main_nodes: bytes | None = None
+    for s, scope in enumerate(scopes):
+        replacements = built.get(s, {})
+        root = scope.root
+        pool = pools.get(id(root))
+        prepend = pool.constant_nodes if pool is not None and scope is root else []
         if scope.container is model.graph and replacements and keep_main_encoded:
             main_nodes = encode_node_list(scope.container, replacements, prepend)
             scope.container.ClearField("node")
@@ -196,7 +263,7 @@ def _apply(
         elif replacements or prepend:
             replace_nodes(scope.container, replacements, prepend)
             scope.invalidate()
-    return delta, main_nodes
+    return main_nodes
 
 
 def run(

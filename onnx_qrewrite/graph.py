@@ -136,6 +136,18 @@ class Scope:
             self._index_producers()
         return self._producers.get(name)  # type: ignore[union-attr]
 
+    def initializer(self, name: str) -> onnx.TensorProto | None:
+        """The initializer ``name`` visible here (own graph or an outer one), if any."""
+        scope: Scope | None = self
+        while scope is not None:
+            if scope._initializers is None:
+                scope._index_types()
+            tensor = scope._initializers.get(name)  # type: ignore[union-attr]
+            if tensor is not None:
+                return tensor
+            scope = scope.parent
+        return None
+
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initializer or Constant output visible here; None when computed at run time.
 

@@ -67,6 +67,8 @@ class RewriteReport:
     ops_before: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     ops_after: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    #: Initializers only replaced nodes read (e.g. a zero point of 0 a lowering leaves out).
+    removed_initializers: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def changed(self) -> bool:
@@ -87,6 +89,7 @@ class RewriteReport:
             "ops_before": dict(sorted(self.ops_before.items())),
             "ops_after": dict(sorted(self.ops_after.items())),
             "warnings": list(self.warnings),
+            "removed_initializers": list(self.removed_initializers),
         }
 
     def summary_lines(self) -> list[str]:
@@ -101,6 +104,9 @@ class RewriteReport:
             before = "none" if c.before is None else c.before
             after = "removed" if c.after is None else c.after
             lines.append(f"  opset {c.domain or 'ai.onnx'}: {before} -> {after} ({c.why})")
+        if self.removed_initializers:
+            n = len(self.removed_initializers)
+            lines.append(f"  removed {n} initializer{'s' if n != 1 else ''} no node reads any more")
         for u in self.unlowered:
             lines.append(f"  left in place: {u.node} ({op_key(u.domain, u.op_type)}): {'; '.join(u.reasons)}")
         moved = sorted(k for k in set(self.ops_before) | set(self.ops_after) if self.ops_before[k] != self.ops_after[k])

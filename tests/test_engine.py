@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx.parser
 import pytest
 
@@ -49,3 +51,32 @@ def test_op_counts_are_bookkept_exactly():
     result = onnx_qrewrite.rewrite(model)
     assert result.report.ops_before == count_ops(model)
     assert result.report.ops_after == count_ops(result.model)
+
+
+def test_initializers_only_replaced_nodes_read_are_removed_others_kept():
+    # float16 Quark quantize ignores scale and zero point, so its lowering reads neither.
+    text = """
+    <ir_version: 8, opset_import: ["" : 17, "com.amd.quark" : 1]>
+    g (float[4] x) => (float16[4] y, float[4] scaled)
+    <float s = {1.0}>
+    {
+        y = com.amd.quark.ExtendedQuantizeLinear (x, s, z)
+        scaled = Mul (x, s)
+    }
+    """
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), np.float16), "z"))
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.removed_initializers == ["z"]
+    assert [t.name for t in result.model.graph.initializer if not t.name.startswith("qrw_const")] == ["s"]
+    onnx.checker.check_model(result.model, full_check=True)
+    assert "removed 1 initializer no node reads any more" in result.report.summary_lines()
+
+
+def test_shared_quark_models_leave_no_unread_initializer():
+    from conftest import SHARED_MODELS
+
+    for path in sorted(SHARED_MODELS.glob("*.onnx")):
+        model = onnx_qrewrite.rewrite(path).model
+        read = {i for n in model.graph.node for i in n.input}
+        assert [t.name for t in model.graph.initializer if t.name not in read] == [], path.name

@@ -284,6 +284,10 @@ class Emitter:
         self.created.append((name, op_type if not domain else f"{domain}::{op_type}"))
         return list(outputs)
 
+    def names_read(self) -> set[str]:
+        """Every name the emitted nodes take as input."""
+        return {name for record in self.records for name in record[2]}
+
     def op1(self, op_type: str, inputs: Sequence[str], output: str | None = None, **kw: Any) -> str:
         """Single-output convenience form of :meth:`op`."""
         return self.op(op_type, inputs, [output] if output else 1, **kw)[0]

@@ -41,6 +41,8 @@ class Template:
     def __init__(self, hints: list[str], nodes: list[_NodeSpec]):
         self._hints = hints  # fresh-name suffixes, in the order the recording drew them
         self._nodes = nodes
+        self._inputs_read = sorted({value for spec in nodes for tag, (kind, value) in spec.head
+                                    if tag == _NODE_INPUT and kind == "in"})
 
     @classmethod
     def record(cls, emit: Emitter) -> Template | None:
@@ -73,6 +75,10 @@ class Template:
                     head.append((tag, r))
             specs.append(_NodeSpec(op_type, domain, head, tail))
         return cls(list(emit.fresh_hints), specs)
+
+    def site_inputs_read(self, site: Site) -> set[str]:
+        """The replaced node's inputs that the stamped nodes take as input."""
+        return {site.node.input[i] for i in self._inputs_read}
 
     def stamp(self, site: Site, names: NameAllocator, prefix: str, metadata: bytes) -> tuple[list[bytes], list[tuple[str, str]]]:
         """Encoded nodes and (name, op) pairs for ``site``, as a build would have produced them."""
