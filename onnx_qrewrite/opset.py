@@ -8,7 +8,7 @@ import logging
 import onnx
 
 from onnx_qrewrite.errors import LoweringError, UsageError
-from onnx_qrewrite.graph import default_opset
+from onnx_qrewrite.graph import default_opset, iter_scopes
 from onnx_qrewrite.report import OpsetChange, RewriteReport
 
 __all__ = ["MAX_RUNTIME_OPSET", "model_default_opset", "raise_default_opset", "drop_unused_vendor_imports"]
@@ -100,6 +100,7 @@ def drop_unused_vendor_imports(
     candidates = {d for d in rewritten_domains if d not in ("", "ai.onnx")}
     if not candidates:
         return
+    _drop_function_imports(model, candidates, report)
     used = set(used_domains)
     used.update(f.domain for f in model.functions)
     for domain in sorted(candidates - used):
@@ -108,3 +109,22 @@ def drop_unused_vendor_imports(
                 report.opset_changes.append(OpsetChange(domain, entry.version, None, "no node uses it any more"))
                 del model.opset_import[i]
                 break
+
+
+def _drop_function_imports(model: onnx.ModelProto, candidates: set[str], report: RewriteReport) -> None:
+    """The same for each local function's own opset imports."""
+    if not model.functions:
+        return
+    used_by: dict[int, set[str]] = {}
+    for scope in iter_scopes(model):
+        root = scope.root.container
+        if isinstance(root, onnx.FunctionProto):
+            used_by.setdefault(id(root), set()).update(n.domain for n in scope.container.node)
+    for fn in model.functions:
+        used = used_by.get(id(fn), set())
+        for i in reversed(range(len(fn.opset_import))):
+            domain = fn.opset_import[i].domain
+            if domain in candidates and domain not in used:
+                report.opset_changes.append(OpsetChange(domain, fn.opset_import[i].version, None,
+                                                        f"no node of function {fn.domain}.{fn.name} uses it any more"))
+                del fn.opset_import[i]

@@ -80,3 +80,25 @@ def test_shared_quark_models_leave_no_unread_initializer():
         model = onnx_qrewrite.rewrite(path).model
         read = {i for n in model.graph.node for i in n.input}
         assert [t.name for t in model.graph.initializer if t.name not in read] == [], path.name
+
+
+def test_vendor_imports_of_functions_are_dropped_when_unused():
+    text = """
+    <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+    g (float[4] x) => (uint8[4] y)
+    {
+        y = local.Q (x)
+    }
+    <domain: "local", opset_import: ["" : 17, "com.microsoft" : 1, "com.amd.quark" : 1]>
+    Q (a) => (b)
+    {
+        s = Constant <value = float {0.5}> ()
+        z = Constant <value = uint8 {3}> ()
+        b = com.microsoft.QuantizeLinear (a, s, z)
+    }
+    """
+    result = onnx_qrewrite.rewrite(onnx.parser.parse_model(text))
+    (fn,) = result.model.functions
+    # com.microsoft was used by the rewritten node and is gone; com.amd.quark was never ours to drop.
+    assert sorted(o.domain for o in fn.opset_import) == ["", "com.amd.quark"]
+    assert any("function local.Q" in c.why for c in result.report.opset_changes)
