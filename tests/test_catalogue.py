@@ -1,0 +1,142 @@
+"""The rule catalogue: every shipped rule is valid and has evidence both ways; users extend it
+with their own files; the shipped files travel inside the wheel."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+import onnx_qrewrite
+from onnx_qrewrite.catalogue import load_catalogue, parse_rules, shipped_rules_dir
+from onnx_qrewrite.errors import UsageError
+from conftest import REPO, run
+
+SHIPPED = load_catalogue()
+
+
+def _rule_evidence() -> dict[str, set[str]]:
+    """``@rule_marker(id, kind)`` decorators on test functions, read from the test files themselves
+    (so the check holds however pytest was invoked, even on one file)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+                continue
+            for deco in node.decorator_list:
+                if isinstance(deco, ast.Call) and getattr(deco.func, "id", None) == "rule_marker":
+                    rule_id, kind = (ast.literal_eval(a) for a in deco.args)
+                    found.setdefault(rule_id, set()).add(kind)
+    return found
+
+
+def test_every_shipped_rule_has_a_positive_and_a_negative_test():
+    evidence: dict[str, set[str]] = {rule.id: set() for rule in SHIPPED}
+    for rule_id, kinds in _rule_evidence().items():
+        assert rule_id in evidence, f"a test marks unknown rule {rule_id!r}"
+        evidence[rule_id] |= kinds
+    missing = {rule_id: sorted({"positive", "negative"} - kinds) for rule_id, kinds in evidence.items()
+               if kinds != {"positive", "negative"}}
+    assert not missing, f"rules without evidence: {missing}"
+
+
+def test_shipped_rules_are_valid_ordered_and_describable():
+    assert len(SHIPPED) >= 15 and len(set(SHIPPED.ids)) == len(SHIPPED)
+    for rule in SHIPPED:
+        assert rule.summary and rule.emits and rule.match, rule.id
+        assert Path(rule.source).parent == shipped_rules_dir()
+    # Standard ops come before their exact decompositions, so --keep-opset falls through.
+    ids = SHIPPED.ids
+    assert ids.index("quark-q-standard") < ids.index("quark-q-int-decompose")
+    assert ids.index("ms-q-standard") < ids.index("ms-q-decompose")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[[rule]\nid=", "not valid TOML"),
+        ('rules = 1', "unknown top-level key(s) rules"),
+        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\ncolour = 1',
+         "rule 'a': unknown key(s) colour"),
+        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "nope"\nmatch = {op = "X"}', "unknown builder 'nope'"),
+        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"', "'match' must be"),
+        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\n'
+         'when = {min_opset = "13"}', "'when.min_opset' must be an integer"),
+        ('[[rule]]\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}', "'id' must be"),
+    ],
+)
+def test_bad_rule_files_name_the_file_rule_and_problem(text, message):
+    with pytest.raises(UsageError, match="mine.toml: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+        parse_rules(text, "mine.toml")
+
+
+def test_duplicate_rule_id_across_files_is_refused(tmp_path):
+    dup = tmp_path / "dup.toml"
+    dup.write_text('[[rule]]\nid = "dql-expand"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\n'
+                   'match = {op = "DynamicQuantizeLinear"}\n')
+    with pytest.raises(UsageError, match="rule 'dql-expand' is already defined"):
+        load_catalogue([dup])
+
+
+def test_a_user_catalogue_lowers_a_new_vendor_op_without_touching_the_package(tmp_path):
+    """A team's own quantize op with Quark-like semantics, mapped by data alone."""
+    rules = tmp_path / "mycorp.toml"
+    rules.write_text(
+        '[[rule]]\nid = "mycorp-q"\nsummary = "MyCorp quantize -> QuantizeLinear"\nemits = "QuantizeLinear"\n'
+        'builder = "standard_qdq"\nmatch = [{ domain = "com.mycorp", op = "MyQuantize" }]\n'
+        'when = { dtypes = ["uint8", "int8"] }\n'
+        'options = { direction = "quantize", axis_default = 0, require_zero_point = true }\n'
+    )
+    text = """
+    <ir_version: 8, opset_import: ["" : 13, "com.mycorp" : 1]>
+    g (float[2, 3] x) => (int8[2, 3] y)
+    <float[2] s = {0.5, 0.25}, int8[2] z = {1, -2}>
+    {
+        y = com.mycorp.MyQuantize (x, s, z)
+    }
+    """
+    model = onnx.parser.parse_model(text)
+    result = onnx_qrewrite.rewrite(model, rules=[rules])
+    assert result.report.by_rule() == {"mycorp-q": 1}
+    (node,) = result.model.graph.node
+    assert (node.op_type, [(a.name, a.i) for a in node.attribute]) == ("QuantizeLinear", [("axis", 0)])
+    assert all(o.domain != "com.mycorp" for o in result.model.opset_import)
+    x = np.array([[1.0, -1.25, 3.0], [0.5, 0.1, -7.0]], np.float32)
+    expected = np.clip(np.rint(x / np.array([[0.5], [0.25]], np.float32)) + np.array([[1], [-2]]), -128, 127)
+    np.testing.assert_array_equal(run(result.model, {"x": x})["y"], expected.astype(np.int8))
+
+
+def test_only_and_skip_select_rules():
+    assert load_catalogue().select(only=["dql-expand"]).ids == ["dql-expand"]
+    assert "dql-expand" not in load_catalogue().select(skip=["dql-expand"]).ids
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(REPO)], check=True, capture_output=True)
+    (path,) = out.glob("onnx_qrewrite-*.whl")
+    return path
+
+
+def test_the_wheel_carries_the_rule_catalogue_and_finds_it_installed(wheel, tmp_path):
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = sorted(p.name for p in (REPO / "rules").glob("*.toml"))
+    assert sorted(Path(n).name for n in names if n.startswith("onnx_qrewrite/_rules/")) == shipped
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from onnx_qrewrite.catalogue import load_catalogue, "
+            "shipped_rules_dir; print(shipped_rules_dir()); print(len(load_catalogue()))")
+    proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    where, count = proc.stdout.split()
+    assert Path(where) == target / "onnx_qrewrite" / "_rules" and int(count) == len(SHIPPED)
