@@ -1,0 +1,145 @@
+"""The catalogue as a rule set for onnxscript's pattern rewriter, for export pipelines built on it::
+
+    from onnxscript import rewriter
+    import onnx_qrewrite.onnxscript_rules as qrw
+
+    model = rewriter.rewrite(model, pattern_rewrite_rules=qrw.rule_set())
+
+Each catalogue rule becomes one onnxscript rule per op it matches. The replacement is not written
+twice: for a match, ``check`` builds a one-node model holding the matched node (its constant inputs
+as initializers, the others as typed graph inputs) and runs onnx-qrewrite's own engine on it;
+``rewrite`` replays the nodes the engine emitted through onnxscript's builder. So the rule set
+computes exactly what ``onnx_qrewrite.rewrite`` does, and a rule that does not apply fails the
+match with the engine's reason (visible through onnxscript's ``MatchingTracer``). The opset is
+never changed here (a rule needing a higher one gives way, as with ``--keep-opset``): raising it
+is a whole-model operation the pattern rewriter cannot do.
+
+Prefer :func:`onnx_qrewrite.rewrite` for whole models: it is much faster (ENGINE_NOTES.md: the
+pattern rewriter costs ~30x an onnx load+save on node-heavy graphs) and handles opset raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx
+import onnx_ir as ir
+from onnx import helper, numpy_helper
+from onnxscript.rewriter import pattern
+
+from onnx_qrewrite import engine
+from onnx_qrewrite.catalogue import ANY_DOMAIN, Catalogue, OpRef, Rule, load_catalogue
+from onnx_qrewrite.encoded import to_proto
+from onnx_qrewrite.errors import QRewriteError
+
+__all__ = ["rule_set", "rules_for"]
+
+#: Outputs of the ops the shipped builders handle (DynamicQuantizeLinear has three).
+_OUTPUTS = {"DynamicQuantizeLinear": 3}
+
+
+def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
+    """The matched node alone, with what the engine needs to decide (types, shapes, constant
+    values), and which of the match's values each of its input names stands for."""
+    inputs, initializers, names = [], [], []
+    values: dict[str, ir.Value] = {}
+    for i, value in enumerate(node.inputs):
+        if value is None:
+            names.append("")
+            continue
+        name = f"input_{i}"
+        names.append(name)
+        values[name] = value
+        if value.const_value is not None:
+            initializers.append(numpy_helper.from_array(value.const_value.numpy(), name))
+        else:
+            elem = int(value.dtype) if value.dtype is not None else onnx.TensorProto.FLOAT
+            shape = None if value.shape is None else [d if isinstance(d, int) else None for d in value.shape]
+            inputs.append(helper.make_tensor_value_info(name, elem, shape))
+    outputs = [f"output_{i}" for i in range(len(node.outputs))]
+    proto = onnx.NodeProto()
+    proto.CopyFrom(ir.serde.serialize_node(node))
+    del proto.input[:]
+    proto.input.extend(names)
+    del proto.output[:]
+    proto.output.extend(outputs)
+    out_infos = [helper.make_tensor_value_info(o, int(v.dtype) if v.dtype is not None else 0, None)
+                 for o, v in zip(outputs, node.outputs)]
+    graph = helper.make_graph([proto], "match", inputs, out_infos, initializers)
+    opsets = [helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    if node.domain not in model.opset_imports:
+        opsets.append(helper.make_opsetid(node.domain, 1))
+    return helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version), values
+
+
+class _CatalogueRule(pattern.RewriteRuleClassBase):
+    def __init__(self, rule: Rule, ref: OpRef, catalogue: Catalogue):
+        super().__init__(name=f"{rule.id}:{ref}")
+        self._rule, self._ref = rule, ref
+        self._catalogue = catalogue.select(only=[rule.id])
+        self._outputs = _OUTPUTS.get(ref.op, 1)
+        # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
+        self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int]] | None = None
+
+    def pattern(self, op, x):  # noqa: ANN001, ANN201 - onnxscript's pattern builder
+        domain = "" if self._ref.domain == ANY_DOMAIN else self._ref.domain
+        return getattr(op, self._ref.op)(x, _domain=domain, _allow_other_inputs=True, _outputs=self._outputs)
+
+    def check(self, context, x, **_: Any):  # noqa: ANN001, ANN201
+        result = pattern.MatchResult()
+        node = context.root
+        if not self._ref.matches(node.domain, node.op_type):
+            return result.fail(f"{node.domain}::{node.op_type} is not {self._ref}")
+        mini, values = _mini_model(node, context.model)
+        # The engine itself (the one-node model is ours: nothing to validate on the way in).
+        options = engine.EngineOptions(keep_opset=True)
+        try:
+            rewritten, report = engine.run(mini, self._catalogue, options)
+        except QRewriteError as exc:
+            return result.fail(str(exc))
+        if not report.rewrites:
+            return result.fail(f"rule {self._rule.id} does not apply")
+        lowered = to_proto(rewritten)
+        # The lowered outputs' element types, so that a later match reading them (a dequantize fed
+        # by a quantize just rewritten) knows its input's type: models rarely record value_info.
+        inferred = onnx.shape_inference.infer_shapes(lowered)
+        types = [o.type.tensor_type.elem_type for o in inferred.graph.output]
+        self._pending = (lowered, values, types)
+        return result
+
+    def rewrite(self, op, x, **_: Any):  # noqa: ANN001, ANN201
+        assert self._pending is not None, "rewrite() without a successful check()"
+        mini, values, types = self._pending
+        self._pending = None
+        env: dict[str, Any] = dict(values)
+        for t in mini.graph.initializer:  # constants the lowering added (the match's inputs stay values)
+            if t.name not in env:
+                # A Constant node, not an initializer: initializer names would collide across matches.
+                env[t.name] = op.Constant(value=ir.tensor(numpy_helper.to_array(t)))
+        for n in mini.graph.node:
+            attrs = {a.name: _attr_value(a) for a in n.attribute}
+            outs = getattr(op, n.op_type)(*[env[i] if i else None for i in n.input],
+                                          _domain=n.domain, _outputs=len(n.output), **attrs)
+            env.update(zip(n.output, outs if isinstance(outs, (list, tuple)) else [outs]))
+        results = [env[o.name] for o in mini.graph.output]
+        for value, elem in zip(results, types):
+            if value.type is None and elem:
+                value.type = ir.TensorType(ir.DataType(elem))
+        return results if len(results) > 1 else results[0]
+
+
+def _attr_value(attr: onnx.AttributeProto) -> Any:
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, onnx.TensorProto):
+        return ir.tensor(numpy_helper.to_array(value))
+    return value
+
+
+def rules_for(catalogue: Catalogue | None = None) -> list[pattern.RewriteRule]:
+    """One onnxscript rule per (catalogue rule, matched op)."""
+    catalogue = catalogue or load_catalogue()
+    return [_CatalogueRule.rule(rule, ref, catalogue) for rule in catalogue for ref in rule.match]
+
+
+def rule_set(catalogue: Catalogue | None = None) -> pattern.RewriteRuleSet:
+    return pattern.RewriteRuleSet(rules_for(catalogue))
