@@ -24,8 +24,8 @@ __all__ = ["rewrite", "RewriteResult", "load_rules"]
 #: The checker takes a ModelProto only below protobuf's 2 GB limit.
 _CHECKABLE_IN_MEMORY = 2**31 - 2**26
 #: Above this many nodes the rewritten model is not checked unless asked (check=True, --check):
-#: onnx's checker takes ~3 s on 400k nodes, more than loading and saving the model.
-AUTO_CHECK_MAX_NODES = 100_000
+#: onnx's checker costs ~1.4x a load+save of the same model (~0.15 s at 20k nodes, ~3 s at 400k).
+AUTO_CHECK_MAX_NODES = 20_000
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, "onnx_ir.Model"]
 

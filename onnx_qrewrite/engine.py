@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import logging
 from typing import Any, Mapping
 
@@ -276,7 +277,26 @@ def run(
     """Rewrite ``model`` in place (callers pass a copy) and report what changed.
 
     Returns an :class:`EncodedModel` when the main graph changed (see ``encoded``), else the model.
+    Python's cyclic garbage collector is paused meanwhile: the pass allocates hundreds of
+    thousands of small containers and creates no cycles, and collections triggered by those
+    allocations cost up to 30% of the pass (measured on a 20k-block chain; ENGINE_NOTES.md too).
     """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(model, catalogue, options, base_dir, progress)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _run(
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    options: EngineOptions,
+    base_dir: str | None,
+    progress: ProgressSink | None,
+) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
     report = RewriteReport()
     if options.target_opset is not None:
         report.ops_before = count_ops(model)

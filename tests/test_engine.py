@@ -102,3 +102,15 @@ def test_vendor_imports_of_functions_are_dropped_when_unused():
     # com.microsoft was used by the rewritten node and is gone; com.amd.quark was never ours to drop.
     assert sorted(o.domain for o in fn.opset_import) == ["", "com.amd.quark"]
     assert any("function local.Q" in c.why for c in result.report.opset_changes)
+
+
+@pytest.mark.parametrize("check, nodes_limit, expected_calls", [(None, 20_000, 1), (None, 10, 0), (True, 10, 1), (False, 20_000, 0)])
+def test_output_check_policy(monkeypatch, check, nodes_limit, expected_calls):
+    from onnx_qrewrite import api, model_io
+
+    calls = []
+    real = model_io.check_model
+    monkeypatch.setattr(model_io, "check_model", lambda m, **kw: calls.append(kw.get("what")) or real(m, **kw))
+    monkeypatch.setattr(api, "AUTO_CHECK_MAX_NODES", nodes_limit)
+    onnx_qrewrite.rewrite(onnx.parser.parse_model(MODEL), check=check)
+    assert sum("rewritten" in (w or "") for w in calls) == expected_calls

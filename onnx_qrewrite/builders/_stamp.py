@@ -13,7 +13,7 @@ fraction of the cost (no attribute encoding, no per-field function calls).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any
 
 from onnx_qrewrite._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT, _SMALL_VARINTS, _varint
 
@@ -38,11 +38,48 @@ class _NodeSpec:
 
 
 class Template:
-    def __init__(self, hints: list[str], nodes: list[_NodeSpec]):
+    """A recorded replacement, compiled to a table: per stamp, each name's length-prefixed bytes
+    are computed once and every node is one ``join`` over precomputed indices into
+    ``[names..., static pieces..., metadata]``."""
+
+    def __init__(self, hints: list[str], nodes: list[_NodeSpec], n_inputs: int, n_outputs: int):
         self._hints = hints  # fresh-name suffixes, in the order the recording drew them
-        self._nodes = nodes
-        self._inputs_read = sorted({value for spec in nodes for tag, (kind, value) in spec.head
-                                    if tag == _NODE_INPUT and kind == "in"})
+        self._ops = [(spec.op_type if not spec.domain else f"{spec.domain}::{spec.op_type}") for spec in nodes]
+        self._n_in, self._n_out = n_inputs, n_outputs
+        fresh, n_dynamic = len(hints), len(hints) + n_inputs + n_outputs
+        static: list[bytes] = []
+        static_index: dict[bytes, int] = {}
+
+        def piece(b: bytes) -> int:
+            if b not in static_index:
+                static_index[b] = n_dynamic + len(static)
+                static.append(b)
+            return static_index[b]
+
+        def slot(kind: str, value: Any) -> int:
+            if kind == "fresh":
+                return value
+            if kind == "in":
+                return fresh + value
+            if kind == "out":
+                return fresh + n_inputs + value
+            return piece(_length_prefixed(value))
+
+        self._indices: list[list[int]] = []
+        self._name_slots: list[tuple[str, Any]] = []
+        inputs_read = set()
+        for spec in nodes:
+            indices = []
+            for tag, (kind, value) in spec.head:
+                indices += [piece(tag), slot(kind, value)]
+                if tag == _NODE_INPUT and kind == "in":
+                    inputs_read.add(value)
+            indices.append(piece(spec.tail))
+            indices.append(-1)  # metadata, last in the table
+            self._indices.append(indices)
+            self._name_slots.append(spec.head[-1][1])
+        self._static = static
+        self._inputs_read = sorted(inputs_read)
 
     @classmethod
     def record(cls, emit: Emitter) -> Template | None:
@@ -60,8 +97,7 @@ class Template:
             if name in inputs:
                 return ("in", inputs[name])
             if name in emit.constant_names or name == "":
-                encoded = name.encode()
-                return ("static", encoded)
+                return ("static", name.encode())
             return None
 
         specs = []
@@ -74,7 +110,7 @@ class Template:
                         return None
                     head.append((tag, r))
             specs.append(_NodeSpec(op_type, domain, head, tail))
-        return cls(list(emit.fresh_hints), specs)
+        return cls(list(emit.fresh_hints), specs, len(node.input), len(node.output))
 
     def site_inputs_read(self, site: Site) -> set[str]:
         """The replaced node's inputs that the stamped nodes take as input."""
@@ -82,23 +118,18 @@ class Template:
 
     def stamp(self, site: Site, names: NameAllocator, prefix: str, metadata: bytes) -> tuple[list[bytes], list[tuple[str, str]]]:
         """Encoded nodes and (name, op) pairs for ``site``, as a build would have produced them."""
+        if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
+            raise ValueError("template_key promised a structure this node does not have")
         fresh = [names.fresh(prefix + hint) for hint in self._hints]
-        fresh_b = [f.encode() for f in fresh]
-        ins = [i.encode() for i in site.node.input]
-        outs = [o.encode() for o in site.node.output]
-        varints = _SMALL_VARINTS
-        nodes: list[bytes] = []
-        created: list[tuple[str, str]] = []
-        for spec in self._nodes:
-            parts = []
-            for tag, (kind, value) in spec.head:
-                b = fresh_b[value] if kind == "fresh" else outs[value] if kind == "out" else ins[value] if kind == "in" else value
-                n = len(b)
-                parts.append(tag + (varints[n] if n < 16384 else _varint(n)) + b)
-            parts.append(spec.tail)
-            parts.append(metadata)
-            nodes.append(b"".join(parts))
-            name_kind, name_value = spec.head[-1][1]
-            created.append((fresh[name_value] if name_kind == "fresh" else name_value.decode(),
-                            spec.op_type if not spec.domain else f"{spec.domain}::{spec.op_type}"))
+        table = [_length_prefixed(n.encode()) for n in (*fresh, *site.node.input, *site.node.output)]
+        table += self._static
+        table.append(metadata)
+        join = b"".join
+        nodes = [join([table[i] for i in indices]) for indices in self._indices]
+        created = [(fresh[v] if k == "fresh" else v.decode(), op) for (k, v), op in zip(self._name_slots, self._ops)]
         return nodes, created
+
+
+def _length_prefixed(b: bytes) -> bytes:
+    n = len(b)
+    return (_SMALL_VARINTS[n] if n < 16384 else _varint(n)) + b

@@ -35,6 +35,7 @@ class _Task:
     verify: dict[str, Any] | None
     keep_failed: bool
     progress: bool
+    want_report: bool
 
 
 def _rewrite_one(task: _Task) -> Outcome:
@@ -57,15 +58,17 @@ def _rewrite_one(task: _Task) -> Outcome:
     elif info.data_path is not None:
         outcome.lines.append(f"  external data written to {info.data_path} ({info.external_bytes} bytes)")
     outcome.lines.extend(f"  warning: {w}" for w in result.report.warnings)
-    outcome.payload = {"input": task.model, "output": task.output, **result.report.to_dict()}
-    if info.referenced:
-        outcome.payload["external_data_referenced"] = list(info.referenced)
+    if task.want_report:
+        outcome.payload = {"input": task.model, "output": task.output, **result.report.to_dict()}
+        if info.referenced:
+            outcome.payload["external_data_referenced"] = list(info.referenced)
     if task.verify is not None:
         from onnx_qrewrite.verify import verify
 
         report = verify(task.model, task.output, **task.verify)
         outcome.lines.append(report.to_table())
-        outcome.payload["verification"] = report.to_dict()
+        if task.want_report:
+            outcome.payload["verification"] = report.to_dict()
         outcome.payload["_junit"] = report.junit_xml()
         if not report.passed:
             outcome.exit_code = report.exit_code
@@ -101,7 +104,7 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
 @click.option("--check/--no-check", default=None,
-              help="Run onnx's checker on the result (default: when it has at most 100k nodes).")
+              help="Run onnx's checker on the result (default: when it has at most 20k nodes).")
 @click.option("--reference-external-data", is_flag=True,
               help="Zero copy: reference the input's external data file (output must be in the same folder).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
@@ -143,14 +146,15 @@ def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, ru
               "check": check}
     tasks = [
         _Task(m, o, tuple(rule_files), tuple(only), tuple(skip), tuple(rule_options), dql_semantics,
-              float16_semantics, engine, reference_external_data, verify_args, keep_failed, show_progress)
+              float16_semantics, engine, reference_external_data, verify_args, keep_failed, show_progress,
+              want_report=report_path is not None)
         for m, o in zip(models, outputs)
     ]
     outcomes = _run_all(tasks, models, jobs, quiet)
     if report_path:
         payloads = [{k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
                     for o in outcomes]
-        body = payloads[0] if len(models) == 1 and outcomes[0].payload else {"models": payloads}
+        body = payloads[0] if len(models) == 1 and not outcomes[0].error else {"models": payloads}
         Path(report_path).write_text(json.dumps(body, indent=2) + "\n")
     if junit_path:
         combined_junit([o.payload.get("_junit") for o in outcomes], [o.label for o in outcomes],
