@@ -119,17 +119,18 @@ class Scope:
         """Forget cached indexes after the node list or value_info changed."""
         self._types = self._producers = self._initializers = None
 
-    def elem_type(self, name: str) -> int | None:
-        """Element type of a value visible here, or None when the model does not say."""
+    def _outward(self) -> Iterator[Scope]:
+        """This scope, then each enclosing one, indexed: the order ONNX resolves names in."""
         scope: Scope | None = self
         while scope is not None:
             if scope._types is None:
                 scope._index_types()
-            found = scope._types.get(name)  # type: ignore[union-attr]
-            if found is not None:
-                return found
+            yield scope
             scope = scope.parent
-        return None
+
+    def elem_type(self, name: str) -> int | None:
+        """Element type of a value visible here, or None when the model does not say."""
+        return next((s._types[name] for s in self._outward() if name in s._types), None)  # type: ignore[operator,index]
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         if self._producers is None:
@@ -138,15 +139,7 @@ class Scope:
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""
-        scope: Scope | None = self
-        while scope is not None:
-            if scope._initializers is None:
-                scope._index_types()
-            tensor = scope._initializers.get(name)  # type: ignore[union-attr]
-            if tensor is not None:
-                return tensor
-            scope = scope.parent
-        return None
+        return next((s._initializers[name] for s in self._outward() if name in s._initializers), None)  # type: ignore[operator,index]
 
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initializer or Constant output visible here; None when computed at run time.
@@ -154,10 +147,7 @@ class Scope:
         Only small tensors (scales, zero points) are asked for, so reading one external tensor
         here does not defeat lazy loading of the weights.
         """
-        scope: Scope | None = self
-        while scope is not None:
-            if scope._initializers is None:
-                scope._index_types()
+        for scope in self._outward():
             tensor = scope._initializers.get(name)  # type: ignore[union-attr]
             if tensor is not None:
                 return numpy_helper.to_array(tensor, base_dir=self.root.base_dir or "")
@@ -171,8 +161,7 @@ class Scope:
             if isinstance(scope.container, onnx.GraphProto) and any(
                 i.name == name for i in scope.container.input
             ):
-                return None
-            scope = scope.parent
+                return None  # a graph input shadows outer names
         return None
 
 
