@@ -131,6 +131,8 @@ def test_documented_kernel_traps_hold():
     assert tiny["y_scale"] == np.float32(0.0)
 
 
+# onnx's case generators compute other ops' expectations on import (1/0, log 0): their warnings.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_onnx_conformance_cases_reproduce_after_rewrite():
     from onnx.backend.test.case.node import collect_testcases
 
