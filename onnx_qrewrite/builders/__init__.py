@@ -19,7 +19,7 @@ Builders register themselves by name with :func:`register`; rule files refer to 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -45,6 +45,10 @@ class NoMatch(Exception):
     """The builder cannot rewrite this node; the message says why (shown as a near miss)."""
 
 
+T = TypeVar("T")
+_MISSING = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a builder needs to rewrite one node."""
@@ -59,10 +63,28 @@ class Plan:
 
 @dataclasses.dataclass
 class Site:
-    """A node in its scope: everything a builder may look at."""
+    """A node in its scope: everything a builder may look at.
+
+    The engine makes one Site per node and hands it to every candidate rule in turn, so work
+    several rules need (reading the node, resolving its dtype) is done once, through :meth:`memo`.
+    """
 
     node: onnx.NodeProto
     scope: Scope
+    _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()`` once per node and key; a :class:`NoMatch` is remembered and raised again."""
+        found = self._memo.get(key, _MISSING)
+        if found is _MISSING:
+            try:
+                found = compute()
+            except NoMatch as why:
+                found = why
+            self._memo[key] = found
+        if isinstance(found, NoMatch):
+            raise NoMatch(str(found))
+        return found
 
     @property
     def label(self) -> str:

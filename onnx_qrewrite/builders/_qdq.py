@@ -187,17 +187,7 @@ def quantized_dtype(site: Site, *, quantize: bool) -> str:
     Quantize: the zero point's type (the output type), uint8 when there is no zero point.
     Dequantize: x's type, else the zero point's. Kept on the Site (asked once per candidate rule).
     """
-    cache = site.__dict__.setdefault("_qrw_dtype", {})
-    found = cache.get(quantize)
-    if found is None:
-        try:
-            found = _quantized_dtype(site, quantize)
-        except NoMatch as why:
-            found = why
-        cache[quantize] = found
-    if isinstance(found, NoMatch):
-        raise NoMatch(str(found))
-    return found
+    return site.memo(("qdq-dtype", quantize), lambda: _quantized_dtype(site, quantize))
 
 
 def _quantized_dtype(site: Site, quantize: bool) -> str:
@@ -232,18 +222,8 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
     """
     axis_default = option(options, "axis_default", int, 1)
     require_zp = option(options, "require_zero_point", (True, False), False)
-    key = (quantize, axis_default, require_zp)
-    cache = site.__dict__.setdefault("_qrw_qdq", {})
-    found = cache.get(key)
-    if found is None:
-        try:
-            found = _read_qdq(site, axis_default, require_zp, quantize)
-        except NoMatch as why:
-            found = why
-        cache[key] = found
-    if isinstance(found, NoMatch):
-        raise NoMatch(str(found))
-    return found
+    return site.memo(("qdq-read", quantize, axis_default, require_zp),
+                     lambda: _read_qdq(site, axis_default, require_zp, quantize))
 
 
 def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -> QDQNode:
