@@ -33,7 +33,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from onnx_qrewrite.builders import builder_names, get_builder
 from onnx_qrewrite.errors import UsageError
 
-__all__ = ["Rule", "OpRef", "Catalogue", "shipped_rules_dir", "load_catalogue", "default_catalogue"]
+__all__ = ["Rule", "OpRef", "Catalogue", "shipped_rules_dir", "load_catalogue", "parse_rules"]
 
 ANY_DOMAIN = "*"
 _STANDARD_DOMAINS = ("", "ai.onnx")
@@ -238,7 +238,3 @@ def load_catalogue(paths: Iterable[str | Path] = (), *, include_shipped: bool = 
             raise UsageError(f"{path}: cannot read rule file: {exc}") from None
         rules.extend(parse_rules(text, str(path)))
     return Catalogue(rules)
-
-
-def default_catalogue() -> Catalogue:
-    return load_catalogue()

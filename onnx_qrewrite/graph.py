@@ -223,12 +223,6 @@ class NameAllocator:
         used.discard("")
         self._used = used
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._used
-
-    def reserve(self, name: str) -> None:
-        self._used.add(name)
-
     def fresh(self, base: str) -> str:
         name = base
         n = 0
