@@ -159,3 +159,13 @@ def test_progress_bar_on_a_terminal_only(slow_model, tmp_path):
     assert code == 0 and shown == ""
     proc = cli("rewrite", slow_model, "-o", tmp_path / "c.onnx")  # stderr is a pipe
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_verify_progress_bar_on_a_terminal(tmp_path):
+    out = tmp_path / "mlp.onnx"
+    assert cli("-q", "rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out).returncode == 0
+    args = ["verify", str(SAMPLES / "dynamic_mlp.onnx"), str(out), "--samples", "3000", "--no-battery"]
+    code, shown = _run_with_terminal_stderr(args)
+    assert code == 0 and "verifying samples" in shown and "/3000" in shown
+    proc = cli(*args)
+    assert proc.returncode == 0 and proc.stderr == ""

@@ -48,6 +48,11 @@ def _rewrite_one(task: _Task) -> Outcome:
     try:
         result = rewrite(task.model, rules=catalogue, progress=progress, **task.engine)
         info = result.save(task.output, reference_external_data=task.reference_external_data, progress=progress)
+        report = None
+        if task.verify is not None:
+            from onnx_qrewrite.verify import verify
+
+            report = verify(task.model, task.output, progress=progress, **task.verify)
     finally:
         progress.close()
     outcome = Outcome(0, task.model)
@@ -62,10 +67,7 @@ def _rewrite_one(task: _Task) -> Outcome:
         outcome.payload = {"input": task.model, "output": task.output, **result.report.to_dict()}
         if info.referenced:
             outcome.payload["external_data_referenced"] = list(info.referenced)
-    if task.verify is not None:
-        from onnx_qrewrite.verify import verify
-
-        report = verify(task.model, task.output, **task.verify)
+    if report is not None:
         outcome.lines.append(report.to_table())
         if task.want_report:
             outcome.payload["verification"] = report.to_dict()

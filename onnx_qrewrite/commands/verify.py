@@ -182,9 +182,14 @@ def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: s
     kwargs = verify_kwargs(**options)
     quiet = bool((ctx.obj or {}).get("quiet"))
     if len(pairs) == 1:
+        from onnx_qrewrite.progress import TerminalProgress
         from onnx_qrewrite.verify import verify
 
-        report = verify(pairs[0][0], pairs[0][1], **kwargs)
+        progress = TerminalProgress(quiet=quiet)
+        try:
+            report = verify(pairs[0][0], pairs[0][1], progress=progress, **kwargs)
+        finally:
+            progress.close()
         emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
         if not report.passed:
             ctx.exit(EXIT_DISAGREE)

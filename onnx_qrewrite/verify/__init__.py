@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError
+from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, generate_samples, input_specs, load_samples, save_samples
 from onnx_qrewrite.verify.localize import Localization, localize
@@ -121,16 +122,19 @@ def _compare_outputs(
     rewritten: ModelRunner,
     samples: Sequence[Sample],
     tolerances: Tolerances,
+    progress: ProgressSink | None = None,
 ) -> list[ValueComparison]:
     names = list(original.output_types)
     shared = [n for n in names if n in rewritten.output_types]
     per_output: dict[str, list[ValueComparison]] = {n: [] for n in shared}
-    for sample in samples:
+    for done, sample in enumerate(samples, 1):
         expected = original.run(sample.feeds)
         actual = rewritten.run(sample.feeds, shared)
         for name in shared:
             tol = tolerances.for_value(name, expected[name].dtype)
             per_output[name].append(compare_values(name, sample.name, expected[name], actual[name], tol))
+        if progress is not None:
+            progress("verifying samples", done, len(samples))
     comparisons = []
     for name in names:
         if name in per_output:
@@ -181,6 +185,7 @@ def verify(
     custom_op_library: str | os.PathLike[str] | None = None,
     localize_failures: bool = True,
     save_inputs: str | os.PathLike[str] | None = None,
+    progress: ProgressSink | None = None,
 ) -> VerifyReport:
     """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
 
@@ -189,7 +194,8 @@ def verify(
     symbolic dimensions from ``input_shapes`` or 1) plus the quantization battery (``battery``).
     ``tolerances``: see :class:`Tolerances` (default: exact for integers, tight per float dtype).
     ``custom_op_library``: run the original's vendor ops with the vendor's library instead of the
-    reference kernels. Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
+    reference kernels. ``progress``: a ``(phase, done, total)`` callable, called after each sample.
+    Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
     that cannot be loaded or run and for bad options; a disagreement is a report with
     ``passed == False``, never an exception.
     """
@@ -234,7 +240,7 @@ def verify(
     if save_inputs is not None:
         save_samples(save_inputs, used)
     logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(used))
-    outputs = _compare_outputs(original_runner, rewritten_runner, used, tolerances)
+    outputs = _compare_outputs(original_runner, rewritten_runner, used, tolerances, progress)
 
     localization = None
     if localize_failures and not all(o.passed for o in outputs):
