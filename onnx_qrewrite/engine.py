@@ -300,7 +300,8 @@ def _run(
     report = RewriteReport()
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
-        model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
+        model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset",
+                                              base_dir=base_dir)
     scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
     if not report.ops_before:
         report.ops_before = collections.Counter(counts)
@@ -308,7 +309,7 @@ def _run(
     if needed > (opset_mod.model_default_opset(model) or 0):
         why_rule = next(m for ms in matches.values() for m in ms if m.plan.min_opset == needed)
         model = opset_mod.raise_default_opset(
-            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
+            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}", base_dir=base_dir
         )
         scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
     if unlowered and not options.allow_unlowered:

@@ -24,68 +24,42 @@ def model_default_opset(model: onnx.ModelProto) -> int | None:
     return default_opset(model.opset_import)
 
 
-def raise_default_opset(model: onnx.ModelProto, target: int, report: RewriteReport, *, why: str) -> onnx.ModelProto:
+def raise_default_opset(
+    model: onnx.ModelProto, target: int, report: RewriteReport, *, why: str, base_dir: str | None = None
+) -> onnx.ModelProto:
     """The whole model converted to default-domain opset ``target`` with onnx's version converter.
 
-    Only succeeds if the converter succeeds and its result passes the checker; the IR version is
-    kept (onnxruntime 1.31 loads IR <= 13, and the converter does not need a newer one).
+    Only succeeds if the converter succeeds and its result passes the checker (external weights
+    resolved from ``base_dir``, see :func:`model_io.check_model`); the IR version is kept
+    (onnxruntime 1.31 loads IR <= 13, and the converter does not need a newer one).
     """
+    from onnx import version_converter
+
+    from onnx_qrewrite import model_io
+
     current = model_default_opset(model) or 0
     if target <= current:
         return model
     if target > MAX_RUNTIME_OPSET:
         raise UsageError(f"--target-opset {target}: above {MAX_RUNTIME_OPSET}, the highest onnxruntime 1.31 loads")
+    cannot = f"cannot raise the opset from {current} to {target} ({why})"
+    hint = "use --keep-opset to keep the opset and decompose instead"
     if model.functions:
-        raise LoweringError(
-            f"cannot raise the opset from {current} to {target} ({why}): the model has local functions, "
-            "which onnx's version converter does not convert; use --keep-opset"
-        )
-    from onnx import version_converter
-
+        raise LoweringError(f"{cannot}: the model has local functions, which onnx's version converter "
+                            "does not convert; use --keep-opset")
     try:
         converted = version_converter.convert_version(model, target)
-        converted.ir_version = model.ir_version
-        checkable = _without_external_initializers(converted)
-        if checkable is not None:
-            onnx.checker.check_model(checkable)
     except Exception as exc:  # the converter raises bare RuntimeErrors from C++
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LoweringError(
-            f"cannot raise the opset from {current} to {target} ({why}): {message}; use --keep-opset "
-            "to keep the opset and decompose instead"
-        ) from None
+        raise LoweringError(f"{cannot}: {message}; {hint}") from None
+    converted.ir_version = model.ir_version
+    try:
+        model_io.check_model(converted, what=cannot, base_dir=base_dir, error=LoweringError)
+    except LoweringError as exc:
+        raise LoweringError(f"{exc}; {hint}") from None
     logger.info("raised default-domain opset %d -> %d (%s)", current, target, why)
     report.opset_changes.append(OpsetChange("", current, target, why))
     return converted
-
-
-def _without_external_initializers(model: onnx.ModelProto) -> onnx.ModelProto | None:
-    """What the in-memory checker can check after a conversion.
-
-    onnx's in-memory checker resolves external data locations against the working directory,
-    not the model's folder, so a model with external weights fails it wherever it is run from.
-    The converter passes external tensors through untouched (they are never loaded), so the
-    main graph's external initializers are checked as graph inputs of the same type and shape.
-    None when external tensors remain elsewhere (subgraphs, Constant nodes): not checked here;
-    the rewritten model is checked again before it is written.
-    """
-    from onnx_qrewrite.model_io import external_tensors
-
-    if not any(True for _ in external_tensors(model)):
-        return model
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    graph = copy.graph
-    inputs = {i.name for i in graph.input}
-    kept = []
-    for tensor in graph.initializer:
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
-            kept.append(tensor)
-        elif tensor.name not in inputs:
-            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    return None if any(True for _ in external_tensors(copy)) else copy
 
 
 def drop_unused_vendor_imports(
