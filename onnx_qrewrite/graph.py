@@ -74,6 +74,7 @@ class Scope:
     _types: dict[str, int] | None = dataclasses.field(default=None, repr=False)
     _producers: dict[str, onnx.NodeProto] | None = dataclasses.field(default=None, repr=False)
     _initializers: dict[str, onnx.TensorProto] | None = dataclasses.field(default=None, repr=False)
+    _shapes: dict[str, tuple[int | None, ...] | None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_function(self) -> bool:
@@ -94,22 +95,29 @@ class Scope:
 
     def _index_types(self) -> None:
         types: dict[str, int] = {}
+        shapes: dict[str, tuple[int | None, ...] | None] = {}
         inits: dict[str, onnx.TensorProto] = {}
         c = self.container
         value_infos = (*c.input, *c.output, *c.value_info) if isinstance(c, onnx.GraphProto) else c.value_info
         for vi in value_infos:
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type:
-                types[vi.name] = vi.type.tensor_type.elem_type
+            tensor_type = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if tensor_type is not None and tensor_type.elem_type:
+                types[vi.name] = tensor_type.elem_type
+            if tensor_type is not None and tensor_type.HasField("shape"):
+                shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+            else:
+                shapes.setdefault(vi.name, None)
         if isinstance(c, onnx.GraphProto):
             for t in c.initializer:
                 types[t.name] = t.data_type
+                shapes[t.name] = tuple(t.dims)
                 inits[t.name] = t
         for node in c.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
                 for attr in node.attribute:
                     if attr.name == "value":
                         types[node.output[0]] = attr.t.data_type
-        self._types, self._initializers = types, inits
+        self._types, self._shapes, self._initializers = types, shapes, inits
 
     def _index_producers(self) -> None:
         # Separate from the types: only constant look-ups need it, and it is the costly one.
@@ -117,7 +125,7 @@ class Scope:
 
     def invalidate(self) -> None:
         """Forget cached indexes after the node list or value_info changed."""
-        self._types = self._producers = self._initializers = None
+        self._types = self._shapes = self._producers = self._initializers = None
 
     def _outward(self) -> Iterator[Scope]:
         """This scope, then each enclosing one, indexed: the order ONNX resolves names in."""
@@ -131,6 +139,14 @@ class Scope:
     def elem_type(self, name: str) -> int | None:
         """Element type of a value visible here, or None when the model does not say."""
         return next((s._types[name] for s in self._outward() if name in s._types), None)  # type: ignore[operator,index]
+
+    @property
+    def recorded_shapes(self) -> dict[str, tuple[int | None, ...] | None]:
+        """Static shapes this scope's own records give (inputs, outputs, value_info, initializers;
+        None dims unknown). A name mapped to None is declared here with no shape."""
+        if self._shapes is None:
+            self._index_types()
+        return self._shapes  # type: ignore[return-value]
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         if self._producers is None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -64,33 +63,6 @@ def option(options: Mapping[str, Any], key: str, allowed: tuple[Any, ...] | type
     return value
 
 
-_SHAPES: "weakref.WeakKeyDictionary[Scope, dict[str, tuple[int | None, ...] | None]]" = weakref.WeakKeyDictionary()
-
-
-def _recorded_shapes(scope: Scope) -> dict[str, tuple[int | None, ...] | None]:
-    """Shapes a scope's own container records (initializers, inputs, outputs, value_info), indexed
-    once per scope: a model with 20k Q/DQ nodes must not scan its initializers 20k times."""
-    shapes = _SHAPES.get(scope)
-    if shapes is None:
-        shapes = {}
-        container = scope.container
-        infos = container.value_info
-        if isinstance(container, onnx.GraphProto):
-            infos = [*container.input, *container.output, *container.value_info]
-        for vi in infos:
-            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
-                shapes[vi.name] = tuple(
-                    d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim
-                )
-            else:
-                shapes.setdefault(vi.name, None)  # declared here, shape unknown: do not look outside
-        if isinstance(container, onnx.GraphProto):
-            for tensor in container.initializer:
-                shapes[tensor.name] = tuple(tensor.dims)
-        _SHAPES[scope] = shapes
-    return shapes
-
-
 #: Ops whose output has their first input's shape: a quantized tensor between a vendor Q and DQ has
 #: no value_info (shape inference cannot see through vendor ops), but its producer's input does.
 _SAME_SHAPE_OPS = frozenset({
@@ -119,7 +91,7 @@ def value_shape(scope: Scope, name: str, _depth: int = 0) -> tuple[int | None, .
                     return ()
                 if attr.name in ("value_floats", "value_ints", "value_strings"):
                     return (len(onnx.helper.get_attribute_value(attr)),)
-        recorded = _recorded_shapes(current)
+        recorded = current.recorded_shapes
         if recorded.get(name) is not None:
             return recorded[name]
         if producer is not None:
