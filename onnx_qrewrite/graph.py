@@ -18,6 +18,7 @@ from onnx import numpy_helper
 __all__ = [
     "Scope",
     "iter_scopes",
+    "subgraphs",
     "NameAllocator",
     "default_opset",
     "dtype_name",
@@ -112,6 +113,8 @@ class Scope:
                 types[t.name] = t.data_type
                 shapes[t.name] = tuple(t.dims)
                 inits[t.name] = t
+            for sparse in c.sparse_initializer:
+                types[sparse.values.name] = sparse.values.data_type
         for node in c.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
                 for attr in node.attribute:
@@ -139,6 +142,13 @@ class Scope:
     def elem_type(self, name: str) -> int | None:
         """Element type of a value visible here, or None when the model does not say."""
         return next((s._types[name] for s in self._outward() if name in s._types), None)  # type: ignore[operator,index]
+
+    @property
+    def declared_types(self) -> dict[str, int]:
+        """Element types this scope's own records give (value_info, initializers, Constants)."""
+        if self._types is None:
+            self._index_types()
+        return self._types  # type: ignore[return-value]
 
     @property
     def recorded_shapes(self) -> dict[str, tuple[int | None, ...] | None]:
@@ -181,7 +191,8 @@ class Scope:
         return None
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+def subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    """The graphs a node holds (If branches, Loop/Scan bodies, ...), each with its attribute label."""
     for attr in node.attribute:
         if attr.type == onnx.AttributeProto.GRAPH:
             yield attr.name, attr.g
@@ -201,7 +212,7 @@ def _walk(scope: Scope) -> Iterator[Scope]:
     for node in scope.container.node:
         if node.op_type not in _STANDARD_CONTROL_FLOW and node.domain in ("", "ai.onnx"):
             continue
-        for attr_name, g in _subgraphs(node):
+        for attr_name, g in subgraphs(node):
             label = node.name or (node.output[0] if node.output else node.op_type)
             child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.base_dir)
             yield from _walk(child)

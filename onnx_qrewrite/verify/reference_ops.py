@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.graph import NameAllocator, iter_scopes, subgraphs
 from onnx_qrewrite.verify import kernels
 
 __all__ = [
@@ -212,39 +213,26 @@ def vendor_kind(node: onnx.NodeProto) -> str | None:
     return None
 
 
-def _subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            yield attr.g
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            yield from attr.graphs
-
-
-def _walk(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
-    for node in graph.node:
-        yield node
-        for sub in _subgraphs(node):
-            yield from _walk(sub)
-
-
 def iter_all_nodes(model: onnx.ModelProto) -> Iterator[onnx.NodeProto]:
     """Every node: main graph, If/Loop/Scan bodies at any depth, model-local functions."""
-    yield from _walk(model.graph)
-    for function in model.functions:
-        yield from function.node
+    for scope in iter_scopes(model):
+        yield from scope.container.node
 
 
 def find_vendor_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """Vendor nodes of every graph of ``model`` that a reference kernel can run."""
-    found = [n for n in _walk(model.graph) if vendor_kind(n)]
-    for function in model.functions:
-        for node in function.node:
-            if vendor_kind(node):
+    found = []
+    for scope in iter_scopes(model):
+        for node in scope.container.node:
+            if not vendor_kind(node):
+                continue
+            if scope.is_function:
                 raise InvalidModelError(
                     f"node {node.name or node.op_type!r} ({node.domain}::{node.op_type}) is inside the local "
-                    f"function {function.name!r}, where the reference kernels cannot run it; "
+                    f"function {scope.root.container.name!r}, where the reference kernels cannot run it; "
                     "pass --custom-op-library with the vendor's library"
                 )
+            found.append(node)
     return found
 
 
@@ -256,24 +244,9 @@ def _known_types(model: onnx.ModelProto) -> dict[str, int]:
         logger.debug("shape inference failed (%s); using declared types only", exc)
         inferred = model
     types: dict[str, int] = {}
-
-    def visit(graph: onnx.GraphProto) -> None:
-        for tensor in graph.initializer:
-            types[tensor.name] = tensor.data_type
-        for sparse in graph.sparse_initializer:
-            types[sparse.values.name] = sparse.values.data_type
-        for info in (*graph.input, *graph.output, *graph.value_info):
-            if info.type.HasField("tensor_type") and info.type.tensor_type.elem_type:
-                types[info.name] = info.type.tensor_type.elem_type
-        for node in graph.node:
-            if node.op_type == "Constant" and node.domain in _STANDARD_DOMAINS:
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        types[node.output[0]] = attr.t.data_type
-            for sub in _subgraphs(node):
-                visit(sub)
-
-    visit(inferred.graph)
+    for scope in iter_scopes(inferred):
+        if not scope.is_function:
+            types.update(scope.declared_types)
     return types
 
 
@@ -282,22 +255,13 @@ class _Retargeter:
 
     def __init__(self, model: onnx.ModelProto) -> None:
         self.types = _known_types(model)
-        self.names = {name for graph_node in _walk(model.graph) for name in (*graph_node.input, *graph_node.output)}
-        self.names.update(self.types)
-
-    def fresh(self, base: str) -> str:
-        name, i = base, 0
-        while name in self.names:
-            i += 1
-            name = f"{base}_{i}"
-        self.names.add(name)
-        return name
+        self.fresh = NameAllocator(model).fresh
 
     def graph(self, graph: onnx.GraphProto) -> int:
         new_nodes: list[onnx.NodeProto] = []
         count = 0
         for node in graph.node:
-            for sub in _subgraphs(node):
+            for _, sub in subgraphs(node):
                 count += self.graph(sub)
             if vendor_kind(node):
                 new_nodes.extend(self.node(node))
