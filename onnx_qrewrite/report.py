@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import onnx
 
-__all__ = ["AppliedRewrite", "Unlowered", "OpsetChange", "RewriteReport", "count_ops", "op_key"]
+__all__ = ["AppliedRewrite", "Unlowered", "OpsetChange", "RewriteReport", "count_ops", "op_key", "write_report_file"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,16 @@ class OpsetChange:
     before: int | None
     after: int | None
     why: str
+
+
+def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> None:
+    """Write a report (JSON, JUnit); a failure is a usage error naming the option and the path."""
+    from onnx_qrewrite.errors import UsageError
+
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"{option}: {path}: cannot write: {exc.strerror or exc}") from None
 
 
 def op_key(domain: str, op_type: str) -> str:

@@ -178,3 +178,15 @@ def test_console_script_is_installed():
     exe = Path(sys.executable).parent / "onnx-qrewrite"
     proc = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
     assert proc.returncode == 0 and "onnx-qrewrite" in proc.stdout
+
+
+@pytest.mark.parametrize("option", ["--report", "--junit"])
+def test_unwritable_report_is_a_usage_error_before_any_work(tmp_path, option):
+    out = tmp_path / "o.onnx"
+    extra = ["--verify"] if option == "--junit" else []
+    proc = cli("rewrite", SAMPLE, "-o", out, *extra, option, "/no/such/folder/r.out")
+    assert proc.returncode == 2, proc.stderr
+    assert f"{option} /no/such/folder/r.out: the folder /no/such/folder does not exist" in _one_error_line(proc)
+    assert not out.exists()
+    proc = cli("verify", SAMPLE, SAMPLE, option, "/no/such/folder/r.out")
+    assert proc.returncode == 2 and "does not exist" in _one_error_line(proc)

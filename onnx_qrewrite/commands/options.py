@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import click
@@ -83,3 +85,21 @@ def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, flo
             {r.id: {"float16_semantics": float16_semantics} for r in catalogue if "float16_semantics" in r.options}
         )
     return catalogue
+
+
+def check_report_paths(**paths: str | None) -> None:
+    """Report files (``--report``, ``--junit``, ...) that could not be written are usage errors found
+    before any work, so a rewrite is never done and then reported as a failure. Keyword: option
+    name with underscores for dashes (``save_inputs`` -> ``--save-inputs``)."""
+    for key, path in paths.items():
+        if not path:
+            continue
+        option = "--" + key.replace("_", "-")
+        target = Path(path)
+        folder = target.parent if str(target.parent) else Path(".")
+        if target.is_dir():
+            raise UsageError(f"{option} {path}: is a directory; give a file name")
+        if not folder.is_dir():
+            raise UsageError(f"{option} {path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"{option} {path}: cannot write to the folder {folder} (permission denied)")

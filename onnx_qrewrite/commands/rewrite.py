@@ -11,9 +11,15 @@ from typing import Any
 import click
 
 from onnx_qrewrite.batch import Outcome, run_tasks
-from onnx_qrewrite.commands.options import float16_semantics_option, load_selected_rules, rule_selection
+from onnx_qrewrite.commands.options import (
+    check_report_paths,
+    float16_semantics_option,
+    load_selected_rules,
+    rule_selection,
+)
 from onnx_qrewrite.commands.verify import combined_junit, verify_kwargs, verify_options
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.report import write_report_file
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +139,7 @@ def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, ru
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
     if (keep_failed or junit_path) and not do_verify:
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
+    check_report_paths(report=report_path, junit=junit_path, save_inputs=verify_opts.get("save_inputs"))
     outputs = _outputs_for(models, output)
     for model, out in zip(models, outputs):
         if Path(out).resolve() == Path(model).resolve():
@@ -157,7 +164,7 @@ def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, ru
         payloads = [{k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
                     for o in outcomes]
         body = payloads[0] if len(models) == 1 and not outcomes[0].error else {"models": payloads}
-        Path(report_path).write_text(json.dumps(body, indent=2) + "\n")
+        write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path:
         combined_junit([o.payload.get("_junit") for o in outcomes], [o.label for o in outcomes],
                        [o.error for o in outcomes], junit_path)

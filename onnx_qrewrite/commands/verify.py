@@ -16,7 +16,9 @@ from typing import Any, Callable, Sequence
 import click
 
 from onnx_qrewrite.batch import Outcome, run_tasks
+from onnx_qrewrite.commands.options import check_report_paths
 from onnx_qrewrite.errors import EXIT_DISAGREE, UsageError
+from onnx_qrewrite.report import write_report_file
 
 __all__ = ["verify_command", "verify_options", "verify_kwargs", "emit_report", "combined_junit"]
 
@@ -135,10 +137,7 @@ def combined_junit(documents: Sequence[str | None], labels: Sequence[str], error
     root.set("errors", str(errored))
     tree = ET.ElementTree(root)
     ET.indent(tree)
-    try:
-        Path(path).write_text(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")
-    except OSError as exc:
-        raise UsageError(f"--junit {path}: cannot write: {exc.strerror or exc}") from None
+    write_report_file(path, ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n", "--junit")
 
 
 def _verify_one(args: tuple[str, str, dict[str, Any]]) -> Outcome:
@@ -179,6 +178,7 @@ def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: s
         pairs = [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
     if options.get("save_inputs") and len(pairs) > 1:
         raise UsageError("--save-inputs takes one model pair; verify the others separately")
+    check_report_paths(report=report_path, junit=junit_path, save_inputs=options.get("save_inputs"))
     kwargs = verify_kwargs(**options)
     quiet = bool((ctx.obj or {}).get("quiet"))
     if len(pairs) == 1:
@@ -204,10 +204,7 @@ def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: s
     outcomes.sort(key=lambda o: o.index)
     if report_path:
         body = {"models": [o.payload.get("report") or {"original": o.label, "error": o.error} for o in outcomes]}
-        try:
-            Path(report_path).write_text(json.dumps(body, indent=2) + "\n")
-        except OSError as exc:
-            raise UsageError(f"--report {report_path}: cannot write: {exc.strerror or exc}") from None
+        write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path:
         combined_junit([o.payload.get("junit") for o in outcomes], [o.label for o in outcomes],
                        [o.error for o in outcomes], junit_path)

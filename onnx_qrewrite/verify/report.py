@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.report import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
 from onnx_qrewrite.verify.inputs import GenerationOptions, Sample
 from onnx_qrewrite.verify.localize import Localization
@@ -129,7 +129,7 @@ class VerifyReport:
         }
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
-        _write_text(path, json.dumps(self.to_dict(), indent=2) + "\n", "--report")
+        write_report_file(path, json.dumps(self.to_dict(), indent=2) + "\n", "--report")
 
     # -- JUnit ------------------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ class VerifyReport:
         return ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n"
 
     def write_junit(self, path: str | os.PathLike[str]) -> None:
-        _write_text(path, self.junit_xml(), "--junit")
+        write_report_file(path, self.junit_xml(), "--junit")
 
     # -- table ------------------------------------------------------------------------------
 
@@ -207,13 +207,6 @@ class VerifyReport:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def _write_text(path: str | os.PathLike[str], text: str, option: str) -> None:
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"{option}: {path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _num(value: float | int | None) -> float | int | str | None:
