@@ -27,7 +27,13 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.builders._qdq import normalized_axis, option, value_shape
+from onnx_qrewrite.builders._qdq import (
+    broadcast_operand,
+    normalized_axis,
+    option,
+    per_tensor_operand,
+    value_shape,
+)
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["DynamicDequantizeBuilder"]
@@ -156,17 +162,16 @@ class DynamicDequantizeBuilder:
 
     @staticmethod
     def _broadcast(emit: Emitter, d: Mapping[str, Any]) -> tuple[str, str]:
+        """Scales and zero points shaped for the elementwise form: scalars per tensor (always made
+        scalar, whatever shape they had), [n, 1, ..., 1] along the axis per channel."""
         out = []
         for name, value in ((d["scales"], d["scale_value"]), (d["zps"], d["zp_value"])):
             if not name:
                 out.append("")
             elif not d["per_channel"]:
-                out.append(emit.const(value.reshape(())) if value is not None
-                           else emit.op1("Reshape", [name, emit.const(np.zeros(0, np.int64))], hint="ToScalar"))
+                out.append(per_tensor_operand(emit, name, lambda v=value: v, None, scalar=True))
             else:
-                target = [-1] + [1] * (d["rank"] - 1 - d["axis"])
-                out.append(emit.const(value.reshape(target)) if value is not None
-                           else emit.op1("Reshape", [name, emit.const(np.asarray(target, np.int64))], hint="AlongAxis"))
+                out.append(broadcast_operand(emit, name, lambda v=value: v, d["rank"], d["axis"]))
         return out[0], out[1]
 
 
