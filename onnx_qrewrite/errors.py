@@ -29,6 +29,7 @@ __all__ = [
     "InvalidModelError",
     "LoweringError",
     "InternalError",
+    "first_line",
 ]
 
 EXIT_OK = 0
@@ -72,3 +73,10 @@ class InternalError(QRewriteError):
     """A bug in onnx-qrewrite: the rewrite produced something invalid."""
 
     exit_code = EXIT_INTERNAL
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (C++ errors from onnx and onnxruntime run to many
+    lines), or its type name when it has none: what a one-line error message can quote."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

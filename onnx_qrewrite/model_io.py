@@ -23,7 +23,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes
-from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError
+from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.progress import ProgressSink
 
 __all__ = ["load_model", "save_model", "check_model", "SaveInfo", "external_tensors"]
@@ -46,11 +46,6 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
     """Parse ``path`` without loading external weights; every failure is an InvalidModelError."""
     p = Path(path)
@@ -66,7 +61,7 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.Mode
     except InvalidModelError:
         raise
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise InvalidModelError(f"{p}: not a valid ONNX model (cannot parse the protobuf: {_first_line(exc)}); "
+        raise InvalidModelError(f"{p}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
                                 "is the file truncated or corrupt?") from None
     except OSError as exc:
         raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
@@ -110,7 +105,7 @@ def check_model(
     try:
         onnx.checker.check_model(str(model) if isinstance(model, Path) else to_bytes(model))
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
-        raise error(f"{what}: fails the ONNX checker: {_first_line(exc)}") from None
+        raise error(f"{what}: fails the ONNX checker: {first_line(exc)}") from None
 
 
 def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:

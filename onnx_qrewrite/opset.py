@@ -7,7 +7,7 @@ import logging
 
 import onnx
 
-from onnx_qrewrite.errors import LoweringError, UsageError
+from onnx_qrewrite.errors import LoweringError, UsageError, first_line
 from onnx_qrewrite.graph import default_opset, iter_scopes
 from onnx_qrewrite.report import OpsetChange, RewriteReport
 
@@ -50,8 +50,7 @@ def raise_default_opset(
     try:
         converted = version_converter.convert_version(model, target)
     except Exception as exc:  # the converter raises bare RuntimeErrors from C++
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise LoweringError(f"{cannot}: {message}; {hint}") from None
+        raise LoweringError(f"{cannot}: {first_line(exc)}; {hint}") from None
     converted.ir_version = model.ir_version
     try:
         model_io.check_model(converted, what=cannot, base_dir=base_dir, error=LoweringError)

@@ -23,6 +23,7 @@ from typing import Callable
 
 import onnx
 
+from onnx_qrewrite.builders import Emitter
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
@@ -31,9 +32,9 @@ __all__ = ["RULE_KEY", "ORIGIN_KEY", "Localization", "localize"]
 
 logger = logging.getLogger(__name__)
 
-#: metadata_props keys the rewrite engine writes on every node it creates.
-RULE_KEY = "onnx_qrewrite.rule"
-ORIGIN_KEY = "onnx_qrewrite.origin"
+#: metadata_props keys the rewrite engine writes on every node it creates (the Emitter's contract).
+RULE_KEY = Emitter.RULE_KEY
+ORIGIN_KEY = Emitter.ORIGIN_KEY
 
 
 @dataclasses.dataclass(frozen=True)

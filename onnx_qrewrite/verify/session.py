@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from onnx_qrewrite.errors import InvalidModelError, UsageError
+from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
 from onnx_qrewrite.verify import reference_ops
 
 __all__ = ["OPT_LEVELS", "SessionSettings", "ModelRunner"]
@@ -77,11 +77,6 @@ class SessionSettings:
         return options
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _to_ortvalue(array: np.ndarray) -> ort.OrtValue:
     array = np.ascontiguousarray(array)
     for onnx_type, dtype in _RAW_TYPES.values():
@@ -132,7 +127,7 @@ class ModelRunner:
                 options.register_custom_ops_library(str(settings.custom_op_library))
             except Exception as exc:  # noqa: BLE001 - onnxruntime raises several types here
                 raise UsageError(
-                    f"--custom-op-library: {settings.custom_op_library}: cannot load: {_first_line(exc)}"
+                    f"--custom-op-library: {settings.custom_op_library}: cannot load: {first_line(exc)}"
                 ) from None
         if reference_kernels:
             try:
@@ -148,7 +143,7 @@ class ModelRunner:
                 model.SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
-            raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {_first_line(exc)}") from None
+            raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {first_line(exc)}") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
         #: output name -> onnxruntime type string, e.g. "tensor(float)"
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
@@ -165,7 +160,7 @@ class ModelRunner:
             raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
         except Exception as exc:  # noqa: BLE001 - a kernel failed at run time
             kernel_errors = reference_ops.take_kernel_errors()
-            reason = kernel_errors[0] if kernel_errors else _first_line(exc)
+            reason = kernel_errors[0] if kernel_errors else first_line(exc)
             raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {reason}") from None
         kernel_errors = reference_ops.take_kernel_errors()
         if kernel_errors:
