@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +55,9 @@ def measure(cmd: list[str], repeat: int) -> Sample:
         elapsed = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
-            raise SystemExit(f"benchmark command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.read().decode()}")
+            raise SystemExit(
+                f"benchmark command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.read().decode()}"
+            )
         if i:  # the first run warms the page cache
             walls.append(elapsed)
             rss.append(usage.ru_maxrss / 1024)
@@ -87,7 +88,9 @@ def bench_chain(blocks: int, work: Path, repeat: int) -> Row:
     out = work / f"chain_{blocks}.portable.onnx"
     ours = measure([*CLI, "-q", "rewrite", str(src), "-o", str(out)], repeat)
     floor = measure(_floor_load_save(out, work), repeat)
-    return Row(f"chain-{blocks // 1000}k", floor, ours, f"{blocks * 5} nodes in, {ours.wall / blocks * 1e6:.0f} us/block")
+    return Row(
+        f"chain-{blocks // 1000}k", floor, ours, f"{blocks * 5} nodes in, {ours.wall / blocks * 1e6:.0f} us/block"
+    )
 
 
 def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
@@ -100,8 +103,10 @@ def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
     out_dir.mkdir(exist_ok=True)
     copy_floor = measure(["cp", str(src_dir / "model.onnx.data"), str(out_dir / "copy.data")], repeat)
     streamed = measure([*CLI, "-q", "rewrite", str(src), "-o", str(out_dir / "model.onnx")], repeat)
-    zero_copy = measure([*CLI, "-q", "rewrite", str(src), "-o", str(src_dir / "model.portable.onnx"),
-                         "--reference-external-data"], repeat)
+    zero_copy = measure(
+        [*CLI, "-q", "rewrite", str(src), "-o", str(src_dir / "model.portable.onnx"), "--reference-external-data"],
+        repeat,
+    )
     beyond = streamed.wall - copy_floor.wall
     return [
         Row(f"llm-{weights_gb:g}GB streamed", copy_floor, streamed, f"{beyond:.2f} s beyond copying the weights"),
@@ -142,8 +147,11 @@ def machine() -> str:
         pass
     import numpy
     import onnx
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, onnx {onnx.__version__}, "
-            f"numpy {numpy.__version__}")
+
+    return (
+        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, onnx {onnx.__version__}, "
+        f"numpy {numpy.__version__}"
+    )
 
 
 def table(rows: list[Row]) -> list[str]:

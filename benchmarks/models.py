@@ -63,12 +63,25 @@ def _chain_block(index: str, x: str, y: str) -> onnx.GraphProto:
     p = f"blk{index}/"
     block = onnx.GraphProto()
     add = block.node.add
-    add(op_type="DynamicQuantizeLinear", name=p + "DynamicQuantizeLinear",
-        input=[x], output=[p + "x_q", p + "x_scale", p + "x_zp"])
-    add(op_type="MatMulInteger", name=p + "MatMulInteger",
-        input=[p + "x_q", "W_quantized", p + "x_zp", "W_zero_point"], output=[p + "acc"])
-    add(op_type="Cast", name=p + "Cast", input=[p + "acc"], output=[p + "acc_f"],
-        attribute=[helper.make_attribute("to", TensorProto.FLOAT)])
+    add(
+        op_type="DynamicQuantizeLinear",
+        name=p + "DynamicQuantizeLinear",
+        input=[x],
+        output=[p + "x_q", p + "x_scale", p + "x_zp"],
+    )
+    add(
+        op_type="MatMulInteger",
+        name=p + "MatMulInteger",
+        input=[p + "x_q", "W_quantized", p + "x_zp", "W_zero_point"],
+        output=[p + "acc"],
+    )
+    add(
+        op_type="Cast",
+        name=p + "Cast",
+        input=[p + "acc"],
+        output=[p + "acc_f"],
+        attribute=[helper.make_attribute("to", TensorProto.FLOAT)],
+    )
     add(op_type="Mul", name=p + "Mul_x_scale", input=[p + "acc_f", p + "x_scale"], output=[p + "y_x"])
     add(op_type="Mul", name=p + "Mul_w_scale", input=[p + "y_x", "W_scale"], output=[y])
     return block
@@ -94,7 +107,7 @@ def _chain_model_bytes(n_blocks: int) -> bytes:
     file is byte-identical to what ``SerializeToString`` would write.
     """
     width = len(str(n_blocks))
-    idx = lambda i: "%0*d" % (width, i)  # noqa: E731
+    idx = lambda i: f"{i:0{width}d}"  # noqa: E731
     value = lambda i: "input" if i == 0 else "output" if i == n_blocks else f"h{idx(i)}"  # noqa: E731
     cur, nxt = "@" * width, "#" * width
     template = _chain_block(cur, f"h{cur}", f"h{nxt}").SerializeToString()
@@ -200,7 +213,7 @@ class _ExternalWeightWriter:
         left = length
         while left:
             n = min(left, _BLOCK_BYTES)
-            self._file.write(self._twice[start:start + n])
+            self._file.write(self._twice[start : start + n])
             left -= n
         tensor = TensorProto(name=name, data_type=TensorProto.UINT8, dims=list(shape))
         tensor.data_location = TensorProto.EXTERNAL
@@ -271,8 +284,11 @@ class _LlmGraph:
 
         qh, kt, vh = to_heads(q, [0, 2, 1, 3]), to_heads(k, [0, 2, 3, 1]), to_heads(v, [0, 2, 1, 3])
         scores = self.op("MatMul", [qh, kt], f"{name}.scores.out")
-        scaled = self.op("Mul", [scores, self.const(f"{name}.inv_sqrt_d",
-                                                     np.array(_HEAD_DIM ** -0.5, dtype=np.float32))], f"{name}.scaled.out")
+        scaled = self.op(
+            "Mul",
+            [scores, self.const(f"{name}.inv_sqrt_d", np.array(_HEAD_DIM**-0.5, dtype=np.float32))],
+            f"{name}.scaled.out",
+        )
         probs = self.op("Softmax", [scaled], f"{name}.probs.out", axis=-1)
         ctx = self.op("MatMul", [probs, vh], f"{name}.ctx.out")
         ctx_t = self.op("Transpose", [ctx], f"{name}.ctx_t.out", perm=[0, 2, 1, 3])
@@ -290,8 +306,9 @@ class _LlmGraph:
         return self.int_linear(self.dynamic_quantize(act, f"{name}.down"), f"{name}.down_proj", inter, hidden)
 
 
-def make_llm(path: str | os.PathLike, n_layers: int = 32, weights_gb: float = 4.0,
-             hidden: int | None = None) -> LlmInfo:
+def make_llm(
+    path: str | os.PathLike, n_layers: int = 32, weights_gb: float = 4.0, hidden: int | None = None
+) -> LlmInfo:
     """An LLM-shaped model of ``n_layers`` decoder layers whose uint8 weights total ~weights_gb * 1e9 bytes.
 
     Each layer is RMSNorm -> attention (q/k/v/o MatMulInteger projections) -> residual Add -> RMSNorm ->
@@ -350,13 +367,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "chain":
         args.output.parent.mkdir(parents=True, exist_ok=True)
         make_dql_chain(args.blocks, args.output)
-        print(f"{args.output}: {args.blocks} blocks, {5 * args.blocks} nodes, "
-              f"{args.output.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - start:.2f} s")
+        print(
+            f"{args.output}: {args.blocks} blocks, {5 * args.blocks} nodes, "
+            f"{args.output.stat().st_size / 1e6:.1f} MB, {time.perf_counter() - start:.2f} s"
+        )
     else:
         info = make_llm(args.output, args.layers, args.weights_gb, args.hidden)
-        print(f"{info.model_path}: {info.n_layers} layers, hidden {info.hidden}, intermediate {info.intermediate}, "
-              f"{info.n_nodes} nodes, weights {info.weight_bytes / 1e9:.3f} GB in {info.data_path.name}, "
-              f"{time.perf_counter() - start:.2f} s")
+        print(
+            f"{info.model_path}: {info.n_layers} layers, hidden {info.hidden}, intermediate {info.intermediate}, "
+            f"{info.n_nodes} nodes, weights {info.weight_bytes / 1e9:.3f} GB in {info.data_path.name}, "
+            f"{time.perf_counter() - start:.2f} s"
+        )
 
 
 if __name__ == "__main__":

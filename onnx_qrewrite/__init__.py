@@ -24,20 +24,20 @@ from onnx_qrewrite.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__",
-    "rewrite",
-    "verify",
-    "load_rules",
-    "RewriteResult",
-    "QRewriteError",
-    "UsageError",
+    "InternalError",
     "InvalidModelError",
     "LoweringError",
-    "InternalError",
+    "QRewriteError",
+    "RewriteResult",
+    "UsageError",
+    "__version__",
+    "load_rules",
+    "rewrite",
+    "verify",
 ]
 
 
-def verify(original, rewritten, **options):  # noqa: ANN001, ANN201 - documented in verify/
+def verify(original, rewritten, **options):
     """Run both models in onnxruntime and compare them; see :func:`onnx_qrewrite.verify.verify`.
 
     Imported lazily: only the verifier needs onnxruntime.

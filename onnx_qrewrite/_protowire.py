@@ -11,11 +11,11 @@ Field numbers come from the installed ``onnx`` descriptors, never hard-coded.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import onnx
 
-__all__ = ["encode_node", "encode_attribute", "encode_node_list", "replace_nodes", "splice_graph_nodes"]
+__all__ = ["encode_attribute", "encode_node", "encode_node_list", "replace_nodes", "splice_graph_nodes"]
 
 
 def _tag(message: type, field_name: str) -> bytes:
@@ -61,8 +61,7 @@ def encode_attribute(attribute: onnx.AttributeProto) -> bytes:
 def encode_metadata(entries: Sequence[tuple[str, str]]) -> bytes:
     """Metadata entries of a node (shared by every node one rewrite creates)."""
     return b"".join(
-        _field(_NODE_META, _field(_ENTRY_KEY, k.encode()) + _field(_ENTRY_VALUE, v.encode()))
-        for k, v in entries
+        _field(_NODE_META, _field(_ENTRY_KEY, k.encode()) + _field(_ENTRY_VALUE, v.encode())) for k, v in entries
     )
 
 
@@ -179,7 +178,7 @@ def splice_graph_nodes(skeleton: onnx.ModelProto, graph_nodes: bytes) -> bytes:
             length, pos = _read_varint(model, pos)
             if number == _MODEL_GRAPH_NUMBER:
                 head = model[:start] + _field(_tag(onnx.ModelProto, "graph"), graph_payload)
-                return head + model[pos + length:]
+                return head + model[pos + length :]
             pos += length
         else:  # groups are not used by ONNX
             raise ValueError(f"unexpected wire type {wire_type} in ModelProto")

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import onnx
 
@@ -19,7 +20,7 @@ from onnx_qrewrite.report import RewriteReport
 if TYPE_CHECKING:
     import onnx_ir
 
-__all__ = ["rewrite", "RewriteResult", "load_rules"]
+__all__ = ["RewriteResult", "load_rules", "rewrite"]
 
 #: The checker takes a ModelProto only below protobuf's 2 GB limit.
 _CHECKABLE_IN_MEMORY = 2**31 - 2**26
@@ -97,7 +98,10 @@ class RewriteResult:
 
             target = ir.serde.serialize_model(self._model)
         return model_io.save_model(
-            target, out, source_dir=self.source_dir, reference_external_data=reference_external_data,
+            target,
+            out,
+            source_dir=self.source_dir,
+            reference_external_data=reference_external_data,
             progress=progress,
         )
 
@@ -162,6 +166,7 @@ def rewrite(
     if check is None:
         check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
     if check and report.changed:
-        model_io.check_model(rewritten, what="the rewritten model (a bug, please report it)",
-                             base_dir=source_dir, error=InternalError)
+        model_io.check_model(
+            rewritten, what="the rewritten model (a bug, please report it)", base_dir=source_dir, error=InternalError
+        )
     return RewriteResult(rewritten, report, kind=kind, source_dir=source_dir, source_path=source_path)

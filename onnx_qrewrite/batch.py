@@ -12,11 +12,12 @@ import concurrent.futures
 import dataclasses
 import logging
 import multiprocessing
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 
-__all__ = ["Outcome", "run_tasks", "guarded"]
+__all__ = ["Outcome", "guarded", "run_tasks"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,11 @@ def guarded(task: Callable[[Any], Outcome], index: int, label: str, arg: Any) ->
         outcome = task(arg)
     except QRewriteError as exc:
         return Outcome(index, label, exc.exit_code, error=str(exc))
-    except Exception as exc:  # noqa: BLE001 - a bug in one model's task must not stop the others
+    except Exception as exc:
         logger.debug("internal error on %s", label, exc_info=True)
-        return Outcome(index, label, EXIT_INTERNAL,
-                       error=f"internal error: {type(exc).__name__}: {exc} (a bug; please report it)")
+        return Outcome(
+            index, label, EXIT_INTERNAL, error=f"internal error: {type(exc).__name__}: {exc} (a bug; please report it)"
+        )
     outcome.index, outcome.label = index, label
     return outcome
 
@@ -55,12 +57,14 @@ def run_tasks(
 ) -> Iterator[Outcome]:
     """Outcomes as they complete; ``task`` must be a module-level function (it is pickled)."""
     if jobs <= 1 or len(args) <= 1:
-        for i, (arg, label) in enumerate(zip(args, labels)):
+        for i, (arg, label) in enumerate(zip(args, labels, strict=True)):
             yield guarded(task, i, label, arg)
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(args)), mp_context=context) as pool:
-        futures = [pool.submit(guarded, task, i, label, arg) for i, (arg, label) in enumerate(zip(args, labels))]
+        futures = [
+            pool.submit(guarded, task, i, label, arg) for i, (arg, label) in enumerate(zip(args, labels, strict=True))
+        ]
         for future in concurrent.futures.as_completed(futures):
             try:
                 yield future.result()

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +34,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from onnx_qrewrite.builders import builder_names, get_builder
 from onnx_qrewrite.errors import UsageError
 
-__all__ = ["Rule", "OpRef", "Catalogue", "shipped_rules_dir", "load_catalogue", "parse_rules"]
+__all__ = ["Catalogue", "OpRef", "Rule", "load_catalogue", "parse_rules", "shipped_rules_dir"]
 
 ANY_DOMAIN = "*"
 _STANDARD_DOMAINS = ("", "ai.onnx")

@@ -39,7 +39,7 @@ class _LazyGroup(click.Group):
         except (ImportError, AttributeError):
             return None
 
-    def invoke(self, ctx: click.Context):  # noqa: ANN201
+    def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except QRewriteError as exc:
@@ -50,7 +50,7 @@ class _LazyGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("onnx-qrewrite: interrupted", err=True)
             ctx.exit(130)
-        except Exception as exc:  # noqa: BLE001 - the contract: internal errors exit 5, one line
+        except Exception as exc:
             logging.getLogger("onnx_qrewrite").debug("internal error", exc_info=True)
             click.echo(
                 f"onnx-qrewrite: internal error: {type(exc).__name__}: {exc} "

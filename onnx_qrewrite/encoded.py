@@ -12,7 +12,7 @@ import onnx
 
 from onnx_qrewrite._protowire import splice_graph_nodes
 
-__all__ = ["EncodedModel", "to_bytes", "to_proto", "skeleton_of"]
+__all__ = ["EncodedModel", "skeleton_of", "to_bytes", "to_proto"]
 
 
 class EncodedModel:

@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import gc
 import logging
-from typing import Any, Mapping
 
 import onnx
 
@@ -113,9 +112,7 @@ def _match(
                 matches.setdefault(s, []).append(_Match(site, index, rule, plan))
                 break
             else:
-                unlowered.append(
-                    Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons))
-                )
+                unlowered.append(Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons)))
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
 
 
@@ -300,8 +297,9 @@ def _run(
     report = RewriteReport()
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
-        model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset",
-                                              base_dir=base_dir)
+        model = opset_mod.raise_default_opset(
+            model, options.target_opset, report, why="--target-opset", base_dir=base_dir
+        )
     scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
     if not report.ops_before:
         report.ops_before = collections.Counter(counts)

@@ -18,17 +18,17 @@ code  meaning
 from __future__ import annotations
 
 __all__ = [
-    "EXIT_OK",
-    "EXIT_DISAGREE",
-    "EXIT_USAGE",
-    "EXIT_INVALID_MODEL",
     "EXIT_CANNOT_LOWER",
+    "EXIT_DISAGREE",
     "EXIT_INTERNAL",
-    "QRewriteError",
-    "UsageError",
+    "EXIT_INVALID_MODEL",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "InternalError",
     "InvalidModelError",
     "LoweringError",
-    "InternalError",
+    "QRewriteError",
+    "UsageError",
     "first_line",
 ]
 

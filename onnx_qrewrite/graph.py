@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
 __all__ = [
-    "Scope",
-    "iter_scopes",
-    "subgraphs",
     "NameAllocator",
+    "Scope",
     "default_opset",
     "dtype_name",
+    "iter_scopes",
+    "subgraphs",
 ]
 
 _DTYPE_NAMES = {
@@ -184,9 +184,7 @@ class Scope:
                         if attr.name == "value":
                             return numpy_helper.to_array(attr.t)
                 return None
-            if isinstance(scope.container, onnx.GraphProto) and any(
-                i.name == name for i in scope.container.input
-            ):
+            if isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input):
                 return None  # a graph input shadows outer names
         return None
 

@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import onnx
 from google.protobuf.message import DecodeError
@@ -26,7 +27,7 @@ from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.progress import ProgressSink
 
-__all__ = ["load_model", "save_model", "check_model", "SaveInfo", "external_tensors"]
+__all__ = ["SaveInfo", "check_model", "external_tensors", "load_model", "save_model"]
 
 _PROTOBUF_LIMIT = 2**31 - 1
 #: Headroom for fields other than tensor payloads when deciding whether to externalize.
@@ -61,12 +62,16 @@ def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.Mode
     except InvalidModelError:
         raise
     except (DecodeError, ValueError, RuntimeError) as exc:
-        raise InvalidModelError(f"{p}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
-                                "is the file truncated or corrupt?") from None
+        raise InvalidModelError(
+            f"{p}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
+            "is the file truncated or corrupt?"
+        ) from None
     except OSError as exc:
         raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
     if model.ir_version == 0 or not model.HasField("graph"):
-        raise InvalidModelError(f"{p}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?")
+        raise InvalidModelError(
+            f"{p}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?"
+        )
     if check:
         check_model(p, what=str(p))
     return model
@@ -245,8 +250,7 @@ def save_model(
                                 src = handles[location] = open(src_path, "rb")
                             except OSError as exc:
                                 raise InvalidModelError(
-                                    f"{src_path}: cannot read external data of tensor {t.name!r}: "
-                                    f"{exc.strerror or exc}"
+                                    f"{src_path}: cannot read external data of tensor {t.name!r}: {exc.strerror or exc}"
                                 ) from None
                         offset = int(info.get("offset", 0) or 0)
                         length = int(info["length"]) if "length" in info else os.fstat(src.fileno()).st_size - offset
@@ -288,17 +292,19 @@ def save_model(
         raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
     finally:
         for tmp in temps:
-            try:
+            with contextlib.suppress(OSError):
                 tmp.unlink()
-            except OSError:
-                pass
     return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
 
 
 def _externalize_large(model: onnx.ModelProto, dst, data_name: str, written: int) -> int:
     """Move in-memory tensors of at least 1 KiB into the data file: the model passes 2 GB."""
     for t in _all_tensors(model):
-        if t.data_location == onnx.TensorProto.EXTERNAL or not t.HasField("raw_data") or len(t.raw_data) < _EXTERNALIZE_THRESHOLD:
+        if (
+            t.data_location == onnx.TensorProto.EXTERNAL
+            or not t.HasField("raw_data")
+            or len(t.raw_data) < _EXTERNALIZE_THRESHOLD
+        ):
             continue
         pad = (-written) % _ALIGN
         dst.write(b"\0" * pad)

@@ -63,8 +63,10 @@ def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[s
     proto.input.extend(names)
     del proto.output[:]
     proto.output.extend(outputs)
-    out_infos = [helper.make_tensor_value_info(o, int(v.dtype) if v.dtype is not None else 0, None)
-                 for o, v in zip(outputs, node.outputs)]
+    out_infos = [
+        helper.make_tensor_value_info(o, int(v.dtype) if v.dtype is not None else 0, None)
+        for o, v in zip(outputs, node.outputs, strict=True)
+    ]
     graph = helper.make_graph([proto], "match", inputs, out_infos, initializers)
     opsets = [helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
     if node.domain not in model.opset_imports:
@@ -81,11 +83,11 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
         self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int]] | None = None
 
-    def pattern(self, op, x):  # noqa: ANN001, ANN201 - onnxscript's pattern builder
+    def pattern(self, op, x):
         domain = "" if self._ref.domain == ANY_DOMAIN else self._ref.domain
         return getattr(op, self._ref.op)(x, _domain=domain, _allow_other_inputs=True, _outputs=self._outputs)
 
-    def check(self, context, x, **_: Any):  # noqa: ANN001, ANN201
+    def check(self, context, x, **_: Any):
         result = pattern.MatchResult()
         node = context.root
         if not self._ref.matches(node.domain, node.op_type):
@@ -107,7 +109,7 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         self._pending = (lowered, values, types)
         return result
 
-    def rewrite(self, op, x, **_: Any):  # noqa: ANN001, ANN201
+    def rewrite(self, op, x, **_: Any):
         assert self._pending is not None, "rewrite() without a successful check()"
         mini, values, types = self._pending
         self._pending = None
@@ -118,11 +120,12 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
                 env[t.name] = op.Constant(value=ir.tensor(numpy_helper.to_array(t)))
         for n in mini.graph.node:
             attrs = {a.name: _attr_value(a) for a in n.attribute}
-            outs = getattr(op, n.op_type)(*[env[i] if i else None for i in n.input],
-                                          _domain=n.domain, _outputs=len(n.output), **attrs)
-            env.update(zip(n.output, outs if isinstance(outs, (list, tuple)) else [outs]))
+            outs = getattr(op, n.op_type)(
+                *[env[i] if i else None for i in n.input], _domain=n.domain, _outputs=len(n.output), **attrs
+            )
+            env.update(zip(n.output, outs if isinstance(outs, (list, tuple)) else [outs], strict=True))
         results = [env[o.name] for o in mini.graph.output]
-        for value, elem in zip(results, types):
+        for value, elem in zip(results, types, strict=True):
             if value.type is None and elem:
                 value.type = ir.TensorType(ir.DataType(elem))
         return results if len(results) > 1 else results[0]

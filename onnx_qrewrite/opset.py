@@ -11,7 +11,7 @@ from onnx_qrewrite.errors import LoweringError, UsageError, first_line
 from onnx_qrewrite.graph import default_opset, iter_scopes
 from onnx_qrewrite.report import OpsetChange, RewriteReport
 
-__all__ = ["MAX_RUNTIME_OPSET", "model_default_opset", "raise_default_opset", "drop_unused_vendor_imports"]
+__all__ = ["MAX_RUNTIME_OPSET", "drop_unused_vendor_imports", "model_default_opset", "raise_default_opset"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,13 @@ def raise_default_opset(
     cannot = f"cannot raise the opset from {current} to {target} ({why})"
     hint = "use --keep-opset to keep the opset and decompose instead"
     if model.functions:
-        raise LoweringError(f"{cannot}: the model has local functions, which onnx's version converter "
-                            "does not convert; use --keep-opset")
+        raise LoweringError(
+            f"{cannot}: the model has local functions, which onnx's version converter "
+            "does not convert; use --keep-opset"
+        )
     try:
         converted = version_converter.convert_version(model, target)
-    except Exception as exc:  # the converter raises bare RuntimeErrors from C++
+    except Exception as exc:  # noqa: BLE001 - onnx's C++ converter raises whatever it meets
         raise LoweringError(f"{cannot}: {first_line(exc)}; {hint}") from None
     converted.ir_version = model.ir_version
     try:
@@ -98,6 +100,12 @@ def _drop_function_imports(model: onnx.ModelProto, candidates: set[str], report:
         for i in reversed(range(len(fn.opset_import))):
             domain = fn.opset_import[i].domain
             if domain in candidates and domain not in used:
-                report.opset_changes.append(OpsetChange(domain, fn.opset_import[i].version, None,
-                                                        f"no node of function {fn.domain}.{fn.name} uses it any more"))
+                report.opset_changes.append(
+                    OpsetChange(
+                        domain,
+                        fn.opset_import[i].version,
+                        None,
+                        f"no node of function {fn.domain}.{fn.name} uses it any more",
+                    )
+                )
                 del fn.opset_import[i]

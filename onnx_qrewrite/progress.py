@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Protocol
 
-__all__ = ["ProgressSink", "TerminalProgress", "DELAY_SECONDS"]
+__all__ = ["DELAY_SECONDS", "ProgressSink", "TerminalProgress"]
 
 #: A bar appears only for work still running after this long.
 DELAY_SECONDS = 0.5
@@ -39,8 +39,14 @@ class TerminalProgress:
         if bar is None:
             unit = "B" if phase.endswith("bytes") else "it"
             bar = self._bars[phase] = tqdm(
-                total=total, desc=phase.removesuffix(" bytes"), unit=unit, unit_scale=unit == "B",
-                file=sys.stderr, delay=DELAY_SECONDS, leave=False, dynamic_ncols=True,
+                total=total,
+                desc=phase.removesuffix(" bytes"),
+                unit=unit,
+                unit_scale=unit == "B",
+                file=sys.stderr,
+                delay=DELAY_SECONDS,
+                leave=False,
+                dynamic_ncols=True,
             )
         bar.update(done - bar.n)  # type: ignore[attr-defined]
         if done >= total:
@@ -51,4 +57,3 @@ class TerminalProgress:
         for bar in self._bars.values():
             bar.close()  # type: ignore[attr-defined]
         self._bars.clear()
-

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import logging
 import tempfile
 import zipfile
@@ -68,7 +69,7 @@ def float_mlp(seed: int = 0, opset: int = 17) -> onnx.ModelProto:
     sizes = [64, 96, 48, 10]
     nodes, inits = [], []
     x = "input"
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         w = (rng.standard_normal((n_in, n_out)) / np.sqrt(n_in)).astype(np.float32)
         b = (0.1 * rng.standard_normal(n_out)).astype(np.float32)
         inits += [_init(f"fc{i}.weight", w), _init(f"fc{i}.bias", b)]
@@ -104,11 +105,17 @@ def float_cnn(seed: int = 1, opset: int = 13) -> onnx.ModelProto:
         inits += [_init(f"conv{i}.weight", w), _init(f"conv{i}.bias", b)]
         nodes += [
             helper.make_node(
-                "Conv", [x, f"conv{i}.weight", f"conv{i}.bias"], [f"conv{i}.out"], name=f"conv{i}",
-                kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                "Conv",
+                [x, f"conv{i}.weight", f"conv{i}.bias"],
+                [f"conv{i}.out"],
+                name=f"conv{i}",
+                kernel_shape=[3, 3],
+                pads=[1, 1, 1, 1],
             ),
             helper.make_node("Relu", [f"conv{i}.out"], [f"relu{i}"], name=f"relu{i}"),
-            helper.make_node("MaxPool", [f"relu{i}"], [f"pool{i}"], name=f"pool{i}", kernel_shape=[2, 2], strides=[2, 2]),
+            helper.make_node(
+                "MaxPool", [f"relu{i}"], [f"pool{i}"], name=f"pool{i}", kernel_shape=[2, 2], strides=[2, 2]
+            ),
         ]
         x, channels = f"pool{i}", c_out
     flat = channels * 4 * 4  # 16x16 halved twice
@@ -211,7 +218,7 @@ def run_reference(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, 
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
+    return dict(zip(names, sess.run(names, inputs), strict=True))
 
 
 def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -8,12 +8,12 @@ lowering code, so a test that uses them exercises the verifier, not the engine.
 from __future__ import annotations
 
 import json
+
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
-
 from conftest import SHARED, SHARED_MODELS
+from onnx import TensorProto, helper
 
 VECTORS = SHARED / "vectors"
 QUARK_DOMAINS = {
@@ -55,7 +55,9 @@ def vector_arrays(case: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     return x, scale, zp, y
 
 
-def one_node_model(domain: str, op_type: str, dtype: int, axis: int | None, shapes: dict[str, tuple]) -> onnx.ModelProto:
+def one_node_model(
+    domain: str, op_type: str, dtype: int, axis: int | None, shapes: dict[str, tuple]
+) -> onnx.ModelProto:
     """A model with one vendor Q or DQ node; x, scale and zero point are graph inputs."""
     dequantize = "Dequantize" in op_type
     attrs = {} if axis is None else {"axis": axis}
@@ -70,7 +72,9 @@ def one_node_model(domain: str, op_type: str, dtype: int, axis: int | None, shap
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT if dequantize else dtype, shapes["x"])],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)], ir_version=8)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)], ir_version=8
+    )
 
 
 def bits(array: np.ndarray) -> np.ndarray:
@@ -112,20 +116,28 @@ def toy_quark_model() -> onnx.ModelProto:
         helper.make_node(dq, ["yq", "sy", "zy"], ["y"], domain=d, name="dqy"),
     ]
     initializers = [
-        _init("sx", TOY_INPUT_SCALE), _init("zx", np.int8(0)),
+        _init("sx", TOY_INPUT_SCALE),
+        _init("zx", np.int8(0)),
         _init("wq", rng.integers(-127, 127, size=(4, 4)).astype(np.int8)),
-        _init("sw", np.array([0.01, 0.02, 0.03, 0.04], np.float32)), _init("zw", np.zeros(4, np.int8)),
+        _init("sw", np.array([0.01, 0.02, 0.03, 0.04], np.float32)),
+        _init("zw", np.zeros(4, np.int8)),
         _init("b", rng.standard_normal(4).astype(np.float32)),
-        _init("sy", np.float32(0.04)), _init("zy", np.int8(3)),
+        _init("sy", np.float32(0.04)),
+        _init("zy", np.int8(3)),
     ]
     graph = helper.make_graph(
-        nodes, "toy_quark",
+        nodes,
+        "toy_quark",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
-         helper.make_tensor_value_info("yq", TensorProto.INT8, ["batch", 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+            helper.make_tensor_value_info("yq", TensorProto.INT8, ["batch", 4]),
+        ],
         initializer=initializers,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(d, 1)], ir_version=8)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 13), helper.make_opsetid(d, 1)], ir_version=8
+    )
 
 
 TOY_BREAKS = ("scale-ulp", "zero-point", "axis", "round-clip")
@@ -149,8 +161,9 @@ def toy_rewrite(original: onnx.ModelProto, broken: str | None = None) -> onnx.Mo
     if broken == "zero-point":
         zx = "zx_plus_one"
         graph.initializer.append(_init(zx, np.int8(1)))
-    graph.initializer.extend([_init("qy_zp_f", np.float32(3)), _init("qy_lo", np.float32(-128)),
-                              _init("qy_hi", np.float32(127))])
+    graph.initializer.extend(
+        [_init("qy_zp_f", np.float32(3)), _init("qy_lo", np.float32(-128)), _init("qy_hi", np.float32(127))]
+    )
     dqw_axis = {} if broken == "axis" else {"axis": 0}  # Quark's absent axis means 0; ONNX's means 1
     round_clip = [
         helper.make_node("Round", ["qy_div"], ["qy_a"], name="qy_round"),
@@ -166,13 +179,20 @@ def toy_rewrite(original: onnx.ModelProto, broken: str | None = None) -> onnx.Mo
     nodes = [
         mark(helper.make_node("QuantizeLinear", ["x", sx, zx], ["xq"], name="qx_q"), "test.quantize", "qx"),
         mark(helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"], name="dqx_dq"), "test.dequantize", "dqx"),
-        mark(helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], name="dqw_dq", **dqw_axis),
-             "test.dequantize", "dqw"),
-        graph.node[3], graph.node[4],
+        mark(
+            helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"], name="dqw_dq", **dqw_axis),
+            "test.dequantize",
+            "dqw",
+        ),
+        graph.node[3],
+        graph.node[4],
         mark(helper.make_node("Div", ["hb", "sy"], ["qy_div"], name="qy_div"), "test.quantize-decomposed", "qy"),
         *(mark(n, "test.quantize-decomposed", "qy") for n in round_clip),
-        mark(helper.make_node("Cast", ["qy_c"], ["yq"], name="qy_cast", to=TensorProto.INT8),
-             "test.quantize-decomposed", "qy"),
+        mark(
+            helper.make_node("Cast", ["qy_c"], ["yq"], name="qy_cast", to=TensorProto.INT8),
+            "test.quantize-decomposed",
+            "qy",
+        ),
         mark(helper.make_node("DequantizeLinear", ["yq", "sy", "zy"], ["y"], name="dqy_dq"), "test.dequantize", "dqy"),
     ]
     del graph.node[:]
@@ -188,8 +208,9 @@ def scale_ulp_inputs(rows: int = 8) -> dict[str, np.ndarray]:
     rounding ties x = (k + 0.5) * scale, where x / scale and x / nextafter(scale) round apart."""
     s, s_next = TOY_INPUT_SCALE, np.nextafter(TOY_INPUT_SCALE, np.float32(1))
     candidates = ((np.arange(-120, 120, dtype=np.float32) + np.float32(0.5)) * s).astype(np.float32)
-    candidates = np.concatenate([candidates, np.nextafter(candidates, np.float32(np.inf)),
-                                 np.nextafter(candidates, np.float32(-np.inf))])
+    candidates = np.concatenate(
+        [candidates, np.nextafter(candidates, np.float32(np.inf)), np.nextafter(candidates, np.float32(-np.inf))]
+    )
     flips = candidates[np.rint(candidates / s) != np.rint(candidates / s_next)]
     assert flips.size >= rows * 4, flips.size
     return {"x": flips[: rows * 4].reshape(rows, 4)}
@@ -202,11 +223,14 @@ def dql_model() -> onnx.ModelProto:
     """x -> DynamicQuantizeLinear, with all three outputs as graph outputs."""
     node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zero_point"], name="dql")
     graph = helper.make_graph(
-        [node], "dql",
+        [node],
+        "dql",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
-        [helper.make_tensor_value_info("y", TensorProto.UINT8, ["batch", 16]),
-         helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
-         helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, [])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.UINT8, ["batch", 16]),
+            helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, []),
+        ],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
@@ -219,8 +243,9 @@ def expand_dql(original: onnx.ModelProto, *, zero_range_guard: bool = True) -> o
     graph = model.graph
     (dql,) = graph.node
     x, (y, y_scale, y_zp) = dql.input[0], dql.output
-    graph.initializer.extend([_init(n, np.float32(v)) for n, v in
-                              (("q_zero", 0), ("q_one", 1), ("q_range", 255), ("q_nan_zp", 255))])
+    graph.initializer.extend(
+        [_init(n, np.float32(v)) for n, v in (("q_zero", 0), ("q_one", 1), ("q_range", 255), ("q_nan_zp", 255))]
+    )
     scale_out = y_scale if not zero_range_guard else "dql_scale_raw"
     nodes = [
         helper.make_node("ReduceMin", [x], ["dql_min0"], keepdims=0),
@@ -231,8 +256,10 @@ def expand_dql(original: onnx.ModelProto, *, zero_range_guard: bool = True) -> o
         helper.make_node("Div", ["dql_span", "q_range"], [scale_out]),
     ]
     if zero_range_guard:
-        nodes += [helper.make_node("Equal", ["dql_max", "dql_min"], ["dql_flat"]),
-                  helper.make_node("Where", ["dql_flat", "q_one", "dql_scale_raw"], [y_scale])]
+        nodes += [
+            helper.make_node("Equal", ["dql_max", "dql_min"], ["dql_flat"]),
+            helper.make_node("Where", ["dql_flat", "q_one", "dql_scale_raw"], [y_scale]),
+        ]
     nodes += [
         helper.make_node("Div", ["dql_min", y_scale], ["dql_min_scaled"]),
         helper.make_node("Sub", ["q_zero", "dql_min_scaled"], ["dql_zp0"]),
@@ -274,8 +301,13 @@ def quark_to_standard(original: onnx.ModelProto, *, bump_zero_point_of: str | No
             inputs[2] = bumped.name
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
         op = "QuantizeLinear" if quantize else "DequantizeLinear"
-        new_nodes.append(mark(helper.make_node(op, inputs, list(node.output), name=f"{node.name}_std", axis=axis),
-                              "test.quark-to-standard", node.name))
+        new_nodes.append(
+            mark(
+                helper.make_node(op, inputs, list(node.output), name=f"{node.name}_std", axis=axis),
+                "test.quark-to-standard",
+                node.name,
+            )
+        )
     del graph.node[:]
     graph.node.extend(new_nodes)
     kept = [o for o in model.opset_import if o.domain not in ("", "ai.onnx", "com.amd.quark")]

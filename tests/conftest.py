@@ -31,7 +31,7 @@ def session(model: onnx.ModelProto | str | Path, *, opt: str = "disable", thread
 
 def run(model, feeds: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
     s = session(model, **kw)
-    return dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds)))
+    return dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds), strict=True))
 
 
 def assert_bitwise_equal(actual: np.ndarray, expected: np.ndarray, what: str = "") -> None:

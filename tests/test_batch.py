@@ -15,26 +15,32 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from conftest import SAMPLES
+from onnx import TensorProto, helper
 
 PY = sys.executable
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, **kw)
+    return subprocess.run(
+        [PY, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=300, **kw
+    )
 
 
 def _dql_outputs_model(path: Path) -> Path:
     """DQL whose scale and zero point are graph outputs: the all-zeros battery input exposes the
     spec/onnxruntime difference in y_scale directly."""
     node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zp"], name="dql")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
-                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [8]),
-                               helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
-                               helper.make_tensor_value_info("y_zp", TensorProto.UINT8, [])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.UINT8, [8]),
+            helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("y_zp", TensorProto.UINT8, []),
+        ],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
     return path
 
@@ -79,8 +85,17 @@ def test_several_models_need_an_output_folder_and_distinct_names(tmp_path):
 
 def test_rewrite_verify_passes_on_a_correct_rewrite(tmp_path):
     out = tmp_path / "o.onnx"
-    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify", "--report", tmp_path / "r.json",
-               "--junit", tmp_path / "j.xml")
+    proc = cli(
+        "rewrite",
+        SAMPLES / "dynamic_mlp.onnx",
+        "-o",
+        out,
+        "--verify",
+        "--report",
+        tmp_path / "r.json",
+        "--junit",
+        tmp_path / "j.xml",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "PASSED |" in proc.stdout and out.exists()
     assert json.loads((tmp_path / "r.json").read_text())["verification"]["verdict"] == "passed"
@@ -103,8 +118,18 @@ def test_verify_several_pairs_with_jobs_and_one_junit(tmp_path):
     out = tmp_path / "out"
     models = [SAMPLES / "dynamic_mlp.onnx", SAMPLES / "qdq_contrib_u16.onnx"]
     assert cli("-q", "rewrite", *models, "-o", out).returncode == 0
-    proc = cli("verify", *models, "--rewritten-dir", out, "--jobs", "2", "--junit", tmp_path / "j.xml",
-               "--report", tmp_path / "r.json")
+    proc = cli(
+        "verify",
+        *models,
+        "--rewritten-dir",
+        out,
+        "--jobs",
+        "2",
+        "--junit",
+        tmp_path / "j.xml",
+        "--report",
+        tmp_path / "r.json",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 models: 2 agree, 0 not" in proc.stdout
     suites = ET.parse(tmp_path / "j.xml").getroot().findall("testsuite")
@@ -116,8 +141,15 @@ def test_verify_pair_missing_from_rewritten_dir_is_reported_not_fatal(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     assert cli("-q", "rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out).returncode == 0
-    proc = cli("verify", SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_cnn.onnx", "--rewritten-dir", out,
-               "--junit", tmp_path / "j.xml")
+    proc = cli(
+        "verify",
+        SAMPLES / "dynamic_mlp.onnx",
+        SAMPLES / "dynamic_cnn.onnx",
+        "--rewritten-dir",
+        out,
+        "--junit",
+        tmp_path / "j.xml",
+    )
     assert proc.returncode == 3
     assert "1 agree, 1 not" in proc.stdout
     root = ET.parse(tmp_path / "j.xml").getroot()

@@ -58,7 +58,10 @@ def test_chain_runs_and_matches_numpy(tmp_path: Path) -> None:
     onnx.checker.check_model(model, full_check=True)
     assert {o.domain: o.version for o in model.opset_import} == {"": 17} and model.ir_version == 8
     assert Counter(n.op_type for n in model.graph.node) == {
-        "DynamicQuantizeLinear": 3, "MatMulInteger": 3, "Cast": 3, "Mul": 6,
+        "DynamicQuantizeLinear": 3,
+        "MatMulInteger": 3,
+        "Cast": 3,
+        "Mul": 6,
     }
     x = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
     (got,) = _session(path).run(None, {"input": x})
@@ -103,7 +106,7 @@ def test_llm_external_data_checks_and_runs(tmp_path: Path) -> None:
     data = info.data_path.read_bytes()
     assert len(data) == max(int(e["offset"]) + int(e["length"]) for e in entries)
     first = entries[0]
-    assert any(data[int(first["offset"]):int(first["offset"]) + int(first["length"])]), "weights are all zeros"
+    assert any(data[int(first["offset"]) : int(first["offset"]) + int(first["length"])]), "weights are all zeros"
     assert Counter(n.op_type for n in model.graph.node)["DynamicQuantizeLinear"] == 2 * 4
 
     x = np.random.default_rng(0).standard_normal((2, 5, info.hidden)).astype(np.float32)

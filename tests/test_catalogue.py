@@ -13,11 +13,11 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from conftest import REPO, run
 
 import onnx_qrewrite
 from onnx_qrewrite.catalogue import load_catalogue, parse_rules, shipped_rules_dir
 from onnx_qrewrite.errors import UsageError
-from conftest import REPO, run
 
 SHIPPED = load_catalogue()
 
@@ -42,8 +42,11 @@ def test_every_shipped_rule_has_a_positive_and_a_negative_test():
     for rule_id, kinds in _rule_evidence().items():
         assert rule_id in evidence, f"a test marks unknown rule {rule_id!r}"
         evidence[rule_id] |= kinds
-    missing = {rule_id: sorted({"positive", "negative"} - kinds) for rule_id, kinds in evidence.items()
-               if kinds != {"positive", "negative"}}
+    missing = {
+        rule_id: sorted({"positive", "negative"} - kinds)
+        for rule_id, kinds in evidence.items()
+        if kinds != {"positive", "negative"}
+    }
     assert not missing, f"rules without evidence: {missing}"
 
 
@@ -62,13 +65,18 @@ def test_shipped_rules_are_valid_ordered_and_describable():
     "text, message",
     [
         ("[[rule]\nid=", "not valid TOML"),
-        ('rules = 1', "unknown top-level key(s) rules"),
-        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\ncolour = 1',
-         "rule 'a': unknown key(s) colour"),
+        ("rules = 1", "unknown top-level key(s) rules"),
+        (
+            '[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\ncolour = 1',
+            "rule 'a': unknown key(s) colour",
+        ),
         ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "nope"\nmatch = {op = "X"}', "unknown builder 'nope'"),
         ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"', "'match' must be"),
-        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\n'
-         'when = {min_opset = "13"}', "'when.min_opset' must be an integer"),
+        (
+            '[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\n'
+            'when = {min_opset = "13"}',
+            "'when.min_opset' must be an integer",
+        ),
         ('[[rule]]\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}', "'id' must be"),
     ],
 )
@@ -79,8 +87,10 @@ def test_bad_rule_files_name_the_file_rule_and_problem(text, message):
 
 def test_duplicate_rule_id_across_files_is_refused(tmp_path):
     dup = tmp_path / "dup.toml"
-    dup.write_text('[[rule]]\nid = "dql-expand"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\n'
-                   'match = {op = "DynamicQuantizeLinear"}\n')
+    dup.write_text(
+        '[[rule]]\nid = "dql-expand"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\n'
+        'match = {op = "DynamicQuantizeLinear"}\n'
+    )
     with pytest.raises(UsageError, match="rule 'dql-expand' is already defined"):
         load_catalogue([dup])
 
@@ -121,8 +131,11 @@ def test_only_and_skip_select_rules():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     (path,) = out.glob("onnx_qrewrite-*.whl")
     return path
 
@@ -132,10 +145,15 @@ def test_the_wheel_carries_the_rule_catalogue_and_finds_it_installed(wheel, tmp_
     shipped = sorted(p.name for p in (REPO / "rules").glob("*.toml"))
     assert sorted(Path(n).name for n in names if n.startswith("onnx_qrewrite/_rules/")) == shipped
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from onnx_qrewrite.catalogue import load_catalogue, "
-            "shipped_rules_dir; print(shipped_rules_dir()); print(len(load_catalogue()))")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from onnx_qrewrite.catalogue import load_catalogue, "
+        "shipped_rules_dir; print(shipped_rules_dir()); print(len(load_catalogue()))"
+    )
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     where, count = proc.stdout.split()

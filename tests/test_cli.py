@@ -10,20 +10,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import SAMPLES, run
 from onnx import TensorProto, helper
-
-from conftest import SAMPLES, SHARED_MODELS, run
 
 SAMPLE = SAMPLES / "dynamic_mlp.onnx"
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onnx_qrewrite", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     return lines[0]
@@ -44,8 +44,8 @@ def test_rewrite_sample_prints_summary_and_writes_valid_model(tmp_path):
     feeds = dict(np.load(SAMPLES / "dynamic_mlp.inputs.npz"))
     want = dict(np.load(SAMPLES / "dynamic_mlp.outputs.npz"))
     got = run(model, feeds)
-    for k in want:
-        np.testing.assert_array_equal(got[k], want[k])
+    for k, expected in want.items():
+        np.testing.assert_array_equal(got[k], expected)
 
 
 def test_output_is_byte_identical_across_runs_and_rewriting_again_changes_nothing(tmp_path):
@@ -66,21 +66,29 @@ def test_quiet_prints_nothing(tmp_path):
 def test_rules_lists_one_line_per_rule():
     proc = cli("rules")
     assert proc.returncode == 0
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("dql-expand"))
+    line = next(s for s in proc.stdout.splitlines() if s.startswith("dql-expand"))
     assert "DynamicQuantizeLinear" in line and "QuantizeLinear" in line.split("->")[1]
 
 
 def _dql_int_model() -> onnx.ModelProto:
     node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "zp"], name="bad_dql")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.INT32, [4])],
-                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT32, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
 
 def _checker_failure_model() -> onnx.ModelProto:
     node = helper.make_node("Relu", ["undefined_input"], ["y"], name="r")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
 

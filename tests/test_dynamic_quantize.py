@@ -11,15 +11,29 @@ import numpy as np
 import onnx
 import onnx.inliner
 import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper
 
 import onnx_qrewrite
-from conftest import assert_bitwise_equal, op_types, rule_marker, run
 
 OPSETS = [11, 13, 17, 18, 21, 26]
 KERNEL_OPS = [
-    "ReduceMin", "ReduceMax", "Min", "Max", "Sub", "Div", "Equal", "Where", "Div", "Sub",
-    "IsNaN", "Clip", "Where", "Round", "Cast", "QuantizeLinear",
+    "ReduceMin",
+    "ReduceMax",
+    "Min",
+    "Max",
+    "Sub",
+    "Div",
+    "Equal",
+    "Where",
+    "Div",
+    "Sub",
+    "IsNaN",
+    "Clip",
+    "Where",
+    "Round",
+    "Cast",
+    "QuantizeLinear",
 ]
 
 
@@ -27,11 +41,14 @@ def dql_model(opset: int, rank: int = 1) -> onnx.ModelProto:
     shape = [f"d{i}" for i in range(rank)]
     node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zero_point"], name="dql")
     graph = helper.make_graph(
-        [node], "g",
+        [node],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("y", TensorProto.UINT8, shape),
-         helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
-         helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, [])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.UINT8, shape),
+            helper.make_tensor_value_info("y_scale", TensorProto.FLOAT, []),
+            helper.make_tensor_value_info("y_zero_point", TensorProto.UINT8, []),
+        ],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
@@ -142,9 +159,9 @@ def test_onnx_conformance_cases_reproduce_after_rewrite():
         result = onnx_qrewrite.rewrite(case.model)
         assert "DynamicQuantizeLinear" not in op_types(result.model)
         for inputs, outputs in case.data_sets:
-            feeds = {i.name: v for i, v in zip(case.model.graph.input, inputs)}
+            feeds = {i.name: v for i, v in zip(case.model.graph.input, inputs, strict=True)}
             got = run(result.model, feeds)
-            for o, want in zip(case.model.graph.output, outputs):
+            for o, want in zip(case.model.graph.output, outputs, strict=True):
                 assert_bitwise_equal(got[o.name], np.asarray(want), f"{case.name}: {o.name}")
 
 
@@ -196,9 +213,17 @@ def test_non_float_input_is_rejected_with_the_node_name():
 def test_report_names_each_rewrite():
     result = onnx_qrewrite.rewrite(dql_model(17))
     (rw,) = result.report.rewrites
-    assert (rw.rule, rw.node, rw.op_type, rw.domain, rw.scope) == ("dql-expand", "dql", "DynamicQuantizeLinear", "", "main")
+    assert (rw.rule, rw.node, rw.op_type, rw.domain, rw.scope) == (
+        "dql-expand",
+        "dql",
+        "DynamicQuantizeLinear",
+        "",
+        "main",
+    )
     assert list(rw.created_ops) == KERNEL_OPS
     assert result.report.by_rule() == {"dql-expand": 1}
-    assert result.report.ops_before["DynamicQuantizeLinear"] == 1 and result.report.ops_after["DynamicQuantizeLinear"] == 0
+    assert (
+        result.report.ops_before["DynamicQuantizeLinear"] == 1 and result.report.ops_after["DynamicQuantizeLinear"] == 0
+    )
     meta = {(p.key, p.value) for p in result.model.graph.node[0].metadata_props}
     assert meta == {("onnx_qrewrite.rule", "dql-expand"), ("onnx_qrewrite.origin", "dql")}

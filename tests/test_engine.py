@@ -104,7 +104,9 @@ def test_vendor_imports_of_functions_are_dropped_when_unused():
     assert any("function local.Q" in c.why for c in result.report.opset_changes)
 
 
-@pytest.mark.parametrize("check, nodes_limit, expected_calls", [(None, 20_000, 1), (None, 10, 0), (True, 10, 1), (False, 20_000, 0)])
+@pytest.mark.parametrize(
+    "check, nodes_limit, expected_calls", [(None, 20_000, 1), (None, 10, 0), (True, 10, 1), (False, 20_000, 0)]
+)
 def test_output_check_policy(monkeypatch, check, nodes_limit, expected_calls):
     from onnx_qrewrite import api, model_io
 

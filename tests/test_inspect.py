@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import onnx
-import pytest
+from conftest import SHARED_MODELS
 from onnx import helper
 
 import onnx_qrewrite
-from conftest import SHARED_MODELS
 from onnx_qrewrite.api import load_rules
 from onnx_qrewrite.commands.inspect import inspect_model
 
@@ -23,8 +22,9 @@ A16W8 = SHARED_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
 
 
 def cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onnx_qrewrite", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def test_groups_rules_and_opset_changes_agree_with_rewrite():
@@ -57,8 +57,9 @@ def test_nodes_that_cannot_be_lowered_and_an_opset_that_cannot_be_raised(tmp_pat
     # An int64 zero point no rule handles, and a local function the version converter refuses.
     zp = next(t for t in model.graph.initializer if t.name == "logits_zero_point")
     zp.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(zp).astype("int64"), zp.name))
-    model.functions.append(onnx.parser.parse_function(
-        '<domain: "local", opset_import: ["" : 17]> f (a) => (b) { b = Identity(a) }'))
+    model.functions.append(
+        onnx.parser.parse_function('<domain: "local", opset_import: ["" : 17]> f (a) => (b) { b = Identity(a) }')
+    )
     model.opset_import.append(helper.make_opsetid("local", 1))
     path = tmp_path / "m.onnx"
     onnx.save(model, path)
@@ -66,7 +67,9 @@ def test_nodes_that_cannot_be_lowered_and_an_opset_that_cannot_be_raised(tmp_pat
     assert "cannot raise the opset from 17 to 21" in report.opset_error and "local functions" in report.opset_error
     stuck = [n for n in report.nodes if n.reasons]
     assert [(n.node, n.dtype, n.status) for n in stuck] == [
-        ("logits_QuantizeLinear", "int64", "CANNOT LOWER"), ("logits_DequantizeLinear", "int64", "CANNOT LOWER")]
+        ("logits_QuantizeLinear", "int64", "CANNOT LOWER"),
+        ("logits_DequantizeLinear", "int64", "CANNOT LOWER"),
+    ]
     assert any("dtype int64 is not one of" in r for r in stuck[0].reasons)
     # With the opset kept, the int16 nodes are planned on the decompositions.
     planned = {n.rule for n in report.nodes if n.rule}
@@ -87,7 +90,11 @@ def test_cli_prints_the_plan_and_writes_nothing(tmp_path):
     proc = cli("inspect", target, "--json", "--keep-opset")
     data = json.loads(proc.stdout)
     assert proc.returncode == 0 and len(data["nodes"]) == 22
-    assert {g["rule"] for g in data["groups"]} == {"quark-dq-standard", "quark-q-int-decompose", "quark-dq-int-decompose"}
+    assert {g["rule"] for g in data["groups"]} == {
+        "quark-dq-standard",
+        "quark-q-int-decompose",
+        "quark-dq-int-decompose",
+    }
 
 
 def test_cli_float16_semantics_and_bad_input(tmp_path):
@@ -98,7 +105,9 @@ def test_cli_float16_semantics_and_bad_input(tmp_path):
     proc = cli("inspect", path)
     assert proc.returncode == 0 and "CANNOT LOWER" in proc.stdout and "--float16-semantics" in proc.stdout
     proc = cli("inspect", path, "--float16-semantics", "kernel", "--all-nodes")
-    assert proc.returncode == 0 and "quark-q-float16 -> Clip, Cast [per-tensor; float16 semantics: kernel]" in proc.stdout
+    assert (
+        proc.returncode == 0 and "quark-q-float16 -> Clip, Cast [per-tensor; float16 semantics: kernel]" in proc.stdout
+    )
     # rewrite: exit 4 with one line naming the node and the choice, nothing written; then the choice.
     out = tmp_path / "out.onnx"
     proc = cli("rewrite", path, "-o", out)

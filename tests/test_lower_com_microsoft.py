@@ -12,15 +12,29 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from conftest import assert_bitwise_equal, op_types, rule_marker, run
 
-NP = {"uint8": np.uint8, "int8": np.int8, "uint16": np.uint16, "int16": np.int16,
-      "uint4": ml_dtypes.uint4, "int4": ml_dtypes.int4, "int32": np.int32}
-TP = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8, "uint16": TensorProto.UINT16,
-      "int16": TensorProto.INT16, "uint4": TensorProto.UINT4, "int4": TensorProto.INT4, "int32": TensorProto.INT32}
+NP = {
+    "uint8": np.uint8,
+    "int8": np.int8,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "uint4": ml_dtypes.uint4,
+    "int4": ml_dtypes.int4,
+    "int32": np.int32,
+}
+TP = {
+    "uint8": TensorProto.UINT8,
+    "int8": TensorProto.INT8,
+    "uint16": TensorProto.UINT16,
+    "int16": TensorProto.INT16,
+    "uint4": TensorProto.UINT4,
+    "int4": TensorProto.INT4,
+    "int32": TensorProto.INT32,
+}
 SHAPE = (4, 3, 5)
 
 rng = np.random.default_rng(7)
@@ -44,17 +58,22 @@ def qdq_model(dtype: str, granularity: str, opset: int, *, with_zp: bool = True)
     scale = np.asarray(rng.uniform(0.01, 2.0, shape), np.float32)
     zp = np.asarray(rng.integers(lo, hi + 1, shape)).astype(NP[dtype])
     inputs = ["x", "s", "zp"] if with_zp else ["x", "s"]
-    nodes = [helper.make_node("QuantizeLinear", inputs, ["q"], name="q", domain="com.microsoft", **attrs),
-             helper.make_node("DequantizeLinear", ["q", *inputs[1:]], ["z"], name="dq", domain="com.microsoft", **attrs)]
+    nodes = [
+        helper.make_node("QuantizeLinear", inputs, ["q"], name="q", domain="com.microsoft", **attrs),
+        helper.make_node("DequantizeLinear", ["q", *inputs[1:]], ["z"], name="dq", domain="com.microsoft", **attrs),
+    ]
     q_type = TP[dtype] if with_zp else TensorProto.UINT8
     outputs = [helper.make_tensor_value_info("z", TensorProto.FLOAT, SHAPE)]
     if "4" not in dtype:  # onnxruntime's Python API cannot return 4-bit tensors
         outputs.append(helper.make_tensor_value_info("q", q_type, SHAPE))
     inits = [numpy_helper.from_array(scale, "s")] + ([numpy_helper.from_array(zp, "zp")] if with_zp else [])
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE)], outputs, inits)
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE)], outputs, inits
+    )
     ir = 10 if "4" in dtype else 8
-    return helper.make_model(graph, ir_version=ir, opset_imports=[helper.make_opsetid("", opset),
-                                                                  helper.make_opsetid("com.microsoft", 1)])
+    return helper.make_model(
+        graph, ir_version=ir, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
 
 
 def assert_same_outputs(original: onnx.ModelProto, rewritten: onnx.ModelProto, feeds: dict, what: str) -> None:
@@ -105,13 +124,24 @@ def test_int32_dequantize_including_its_wraparound():
     for zp, opset in ((np.int32(0), 10), (np.int32(3), 13), (np.array([5, -5], np.int32), 13)):
         shape = (3, 2) if zp.ndim else (6,)
         scale = np.full(zp.shape, 0.037, np.float32)
-        node = helper.make_node("DequantizeLinear", ["x", "s", "zp"], ["y"], name="dq", domain="com.microsoft",
-                                **({"axis": 1} if zp.ndim else {}))
-        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.INT32, shape)],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
-                                  [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "zp")])
-        original = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset),
-                                                                         helper.make_opsetid("com.microsoft", 1)])
+        node = helper.make_node(
+            "DequantizeLinear",
+            ["x", "s", "zp"],
+            ["y"],
+            name="dq",
+            domain="com.microsoft",
+            **({"axis": 1} if zp.ndim else {}),
+        )
+        graph = helper.make_graph(
+            [node],
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.INT32, shape)],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+            [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "zp")],
+        )
+        original = helper.make_model(
+            graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+        )
         result = onnx_qrewrite.rewrite(original)
         assert op_types(result.model) == ["DequantizeLinear"]
         assert_same_outputs(original, result.model, {"x": x.reshape(shape)}, f"int32 zp={zp}")
@@ -122,7 +152,10 @@ def test_16_bit_below_opset_21_raises_the_opset_with_the_version_converter(dtype
     original = qdq_model(dtype, "per-axis, no axis attribute (kernel default 1)", 17)
     result = onnx_qrewrite.rewrite(original)
     assert op_types(result.model) == ["QuantizeLinear", "DequantizeLinear"]
-    assert [(c.domain, c.before, c.after) for c in result.report.opset_changes] == [("", 17, 21), ("com.microsoft", 1, None)]
+    assert [(c.domain, c.before, c.after) for c in result.report.opset_changes] == [
+        ("", 17, 21),
+        ("com.microsoft", 1, None),
+    ]
     assert_same_outputs(original, result.model, {"x": X}, dtype)
 
 
@@ -141,8 +174,12 @@ def test_16_bit_with_the_opset_kept_decomposes_with_onnxruntimes_saturation(dtyp
     assert ops[:2] == ["Div", "Round"] and "IsNaN" in ops and ops[-1] == "Mul"
     assert result.model.opset_import[0].version == 17
     assert_same_outputs(original, result.model, {"x": X}, f"{dtype}, {granularity}, opset kept")
-    reasons = {u.node: u.reasons for u in onnx_qrewrite.rewrite(original, keep_opset=True, allow_unlowered=True,
-                                                                 only=["ms-q-standard"]).report.unlowered}
+    reasons = {
+        u.node: u.reasons
+        for u in onnx_qrewrite.rewrite(
+            original, keep_opset=True, allow_unlowered=True, only=["ms-q-standard"]
+        ).report.unlowered
+    }
     assert reasons == {"q": ("ms-q-standard: needs opset 21, model has 17 and the opset is kept",)}
 
 
@@ -163,10 +200,17 @@ def test_float16_input_is_not_lowered():
     # for uint8 at opset 21): only float32 is claimed.
     x16 = helper.make_tensor_value_info("x", TensorProto.FLOAT16, [4])
     node = helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["y"], name="q", domain="com.microsoft")
-    graph = helper.make_graph([node], "g", [x16], [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])],
-                              [numpy_helper.from_array(np.array(0.5, np.float16), "s"),
-                               numpy_helper.from_array(np.array(3, np.uint8), "zp")])
-    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 21),
-                                                                  helper.make_opsetid("com.microsoft", 1)])
-    with pytest.raises(onnx_qrewrite.LoweringError, match=r"ms-q-standard: x 'x' is float16; only float32 is supported"):
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [x16],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])],
+        [numpy_helper.from_array(np.array(0.5, np.float16), "s"), numpy_helper.from_array(np.array(3, np.uint8), "zp")],
+    )
+    model = helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+    with pytest.raises(
+        onnx_qrewrite.LoweringError, match=r"ms-q-standard: x 'x' is float16; only float32 is supported"
+    ):
         onnx_qrewrite.rewrite(model)

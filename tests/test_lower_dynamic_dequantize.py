@@ -11,31 +11,38 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
-import onnx
 import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from conftest import assert_bitwise_equal, op_types, rule_marker, run
 
 NP = {"uint8": np.uint8, "int8": np.int8, "int32": np.int32}
-TP = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8, "int32": TensorProto.INT32,
-      "float32": TensorProto.FLOAT, "bfloat16": TensorProto.BFLOAT16}
+TP = {
+    "uint8": TensorProto.UINT8,
+    "int8": TensorProto.INT8,
+    "int32": TensorProto.INT32,
+    "float32": TensorProto.FLOAT,
+    "bfloat16": TensorProto.BFLOAT16,
+}
 SHAPE = (2, 3, 4)
 rng = np.random.default_rng(11)
 
 
 def reference(src, scales, zps, axis):
     """(src - zps) * scales: integer difference, float32 product; per-channel along ``axis``."""
+
     def along(a):
         a = np.asarray(a)
         return a.reshape(()) if axis is None else a.reshape([-1] + [1] * (src.ndim - 1 - axis % src.ndim))
+
     diff = src.astype(np.int64) - (along(zps).astype(np.int64) if zps is not None else 0)
     return (diff.astype(np.float32) * along(scales).astype(np.float32)).astype(np.float32)
 
 
-def dd_model(src_type, zp_type, *, qtype="per_tensor", axis=None, domain="com.intel.onednn",
-             runtime=(), scale_type="float32"):
+def dd_model(
+    src_type, zp_type, *, qtype="per_tensor", axis=None, domain="com.intel.onednn", runtime=(), scale_type="float32"
+):
     """One DynamicDequantize node; scales/zps are initializers unless named in ``runtime``."""
     n = 1 if qtype == "per_tensor" else SHAPE[axis if axis is not None else 1]
     scales = rng.uniform(0.001, 0.5, n).astype(np.float32)
@@ -54,7 +61,9 @@ def dd_model(src_type, zp_type, *, qtype="per_tensor", axis=None, domain="com.in
         if value is None:
             continue
         if name in runtime:
-            inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape))
+            inputs.append(
+                helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape)
+            )
         else:
             inits.append(numpy_helper.from_array(value, name))
     out_type = TensorProto.FLOAT
@@ -63,7 +72,9 @@ def dd_model(src_type, zp_type, *, qtype="per_tensor", axis=None, domain="com.in
         nodes[0].output[0] = "dst_bf16"
         nodes.append(helper.make_node("Cast", ["dst_bf16"], ["dst"], to=TensorProto.FLOAT))
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("dst", out_type, SHAPE)], inits)
-    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
+    model = helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)]
+    )
     src = rng.integers(np.iinfo(NP[src_type]).min, np.iinfo(NP[src_type]).max + 1, SHAPE).astype(NP[src_type])
     return model, src, scales, zps
 
@@ -84,7 +95,9 @@ def check(model, src, scales, zps, axis, runtime=()):
 
 @rule_marker("onednn-dynamic-dequantize", "positive")
 @pytest.mark.parametrize("src_type, zp_type", [("uint8", "uint8"), ("int8", "int8"), ("uint8", None), ("int8", None)])
-@pytest.mark.parametrize("qtype, axis", [("per_tensor", None), ("per_channel", None), ("per_channel", -1), ("per_channel", 0)])
+@pytest.mark.parametrize(
+    "qtype, axis", [("per_tensor", None), ("per_channel", None), ("per_channel", -1), ("per_channel", 0)]
+)
 def test_zero_point_of_src_type_or_none_becomes_dequantize_linear(src_type, zp_type, qtype, axis):
     model, src, scales, zps = dd_model(src_type, zp_type, qtype=qtype, axis=axis)
     effective_axis = None if qtype == "per_tensor" else (1 if axis is None else axis)
@@ -100,7 +113,9 @@ def test_zero_point_of_src_type_or_none_becomes_dequantize_linear(src_type, zp_t
 
 @rule_marker("onednn-dynamic-dequantize", "negative")
 @rule_marker("onednn-dynamic-dequantize-arith", "positive")
-@pytest.mark.parametrize("src_type, zp_type", [("uint8", "int32"), ("int8", "int32"), ("int8", "uint8"), ("uint8", "int8")])
+@pytest.mark.parametrize(
+    "src_type, zp_type", [("uint8", "int32"), ("int8", "int32"), ("int8", "uint8"), ("uint8", "int8")]
+)
 @pytest.mark.parametrize("qtype, axis", [("per_tensor", None), ("per_channel", None), ("per_channel", 2)])
 def test_zero_point_of_another_type_uses_the_arithmetic_form(src_type, zp_type, qtype, axis):
     model, src, scales, zps = dd_model(src_type, zp_type, qtype=qtype, axis=axis)
@@ -110,7 +125,8 @@ def test_zero_point_of_another_type_uses_the_arithmetic_form(src_type, zp_type, 
     only = onnx_qrewrite.rewrite(model, only=["onednn-dynamic-dequantize"], allow_unlowered=True)
     assert only.report.unlowered[0].reasons == (
         f"onednn-dynamic-dequantize: zps 'zps' is {zp_type} but src is {src_type}; DequantizeLinear needs both "
-        "of one type (the arithmetic form follows)",)
+        "of one type (the arithmetic form follows)",
+    )
 
 
 def test_scales_and_zero_points_computed_at_run_time():
@@ -137,7 +153,7 @@ def test_a_rule_file_can_narrow_the_domain(tmp_path):
         'options = { form = "arithmetic", axis_default = 1 }\n'
     )
     skip = ["onednn-dynamic-dequantize", "onednn-dynamic-dequantize-arith"]
-    mine, src, scales, zps = dd_model("int8", "int8", domain="my.domain")
+    mine, _src, _scales, _zps = dd_model("int8", "int8", domain="my.domain")
     result = onnx_qrewrite.rewrite(mine, rules=[rules], skip=skip)
     assert result.report.by_rule() == {"my-dd": 1} and op_types(result.model) == ["Cast", "Cast", "Sub", "Cast", "Mul"]
     other, *_ = dd_model("int8", "int8", domain="other.domain")
@@ -152,14 +168,23 @@ def test_bfloat16_scales_compute_in_float_and_cast():
 
 
 @rule_marker("onednn-dynamic-dequantize-arith", "negative")
-@pytest.mark.parametrize("edit, reason", [
-    (lambda m: m.graph.node[0].attribute.append(helper.make_attribute("qtype", "per_group")),
-     "qtype 'per_group' is not supported (only per_tensor, per_channel)"),
-    (lambda m: m.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones(3, np.float32), "scales")),
-     "malformed node: qtype per_tensor but 'scales' has shape [3] (one element expected)"),
-    (lambda m: m.graph.input[0].type.tensor_type.__setattr__("elem_type", TensorProto.INT32),
-     "dtype int32 is not one of int8, uint8"),
-])
+@pytest.mark.parametrize(
+    "edit, reason",
+    [
+        (
+            lambda m: m.graph.node[0].attribute.append(helper.make_attribute("qtype", "per_group")),
+            "qtype 'per_group' is not supported (only per_tensor, per_channel)",
+        ),
+        (
+            lambda m: m.graph.initializer[0].CopyFrom(numpy_helper.from_array(np.ones(3, np.float32), "scales")),
+            "malformed node: qtype per_tensor but 'scales' has shape [3] (one element expected)",
+        ),
+        (
+            lambda m: m.graph.input[0].type.tensor_type.__setattr__("elem_type", TensorProto.INT32),
+            "dtype int32 is not one of int8, uint8",
+        ),
+    ],
+)
 def test_what_cannot_be_lowered_is_named(edit, reason):
     model, *_ = dd_model("uint8", "int32")
     edit(model)

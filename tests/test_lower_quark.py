@@ -15,10 +15,10 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from conftest import SHARED, assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from conftest import SHARED, assert_bitwise_equal, op_types, rule_marker, run
 
 VECTORS = SHARED / "vectors"
 CASES = json.loads((VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
@@ -63,7 +63,9 @@ def quark_model(case: dict, v: dict, *, domain: str = "com.amd.quark", opset: in
     if bf16_out:
         nodes.append(helper.make_node("Cast", ["q"], ["y"], to=TensorProto.FLOAT))
     graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", out_type, y.shape)], inits)
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(domain, 1)])
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(domain, 1)]
+    )
 
 
 def expected_y(case: dict, v: dict) -> np.ndarray:
@@ -95,7 +97,11 @@ def expected_ops(case: dict, v: dict, variant: str) -> list[str]:
     if dtype == "float16":
         return ["Clip", "Cast"] if quantize else ["Cast"]
     if dtype == "bfloat16":
-        return ["Div", "Cast", "Add", "Cast", "Cast"] if quantize else (["Cast", "Cast", "Sub", "Mul"] if zp else ["Cast", "Mul"])
+        return (
+            ["Div", "Cast", "Add", "Cast", "Cast"]
+            if quantize
+            else (["Cast", "Cast", "Sub", "Mul"] if zp else ["Cast", "Mul"])
+        )
     bits = BITS[dtype]
     standard = bits == 8 or (bits == 16 and variant != "keep-opset") or (dtype == "int32" and not quantize and not zp)
     if quantize and variant == "exact":
@@ -170,7 +176,8 @@ def test_all_96_kernel_vectors_reproduce_bit_for_bit(vectors, domain, variant):
     expected_differing = {
         c["key"]: 1
         for c in CASES
-        if c["op"] == "ExtendedQuantizeLinear" and c["granularity"] == "per-tensor"
+        if c["op"] == "ExtendedQuantizeLinear"
+        and c["granularity"] == "per-tensor"
         and (BITS.get(c["dtype"]) == 8 or (BITS.get(c["dtype"]) == 16 and variant != "keep-opset"))
     }
     assert {k: n for k, n in differing.items() if n} == (expected_differing if variant != "exact" else {})
@@ -191,6 +198,7 @@ def test_int32_dequantize_with_a_nonzero_zero_point_is_decomposed(vectors):
 
 # -- models written as text ----------------------------------------------------------------------
 
+
 def parse(text: str, *, check: bool = True) -> onnx.ModelProto:
     """A model from ONNX text; vendor nodes are named n, n2, ... (the text format has no node names)."""
     model = onnx.parser.parse_model(text)
@@ -204,10 +212,13 @@ def parse(text: str, *, check: bool = True) -> onnx.ModelProto:
 
 HEADER = '<ir_version: 8, opset_import: ["" : {opset}, "com.amd.quark" : 1, "ai.onnx.ml" : 5]>'
 
-INT16_Q = HEADER + """
+INT16_Q = (
+    HEADER
+    + """
 g (float[2, 3] x) => (int16[2, 3] y) <float s = {{0.05}}, int16 zp = {{-3}}> {{
     y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
 }}"""
+)
 
 X23 = np.array([[-1e9, -1.3, -0.025], [0.075, 2.5, 1e9]], np.float32)
 
@@ -230,7 +241,9 @@ def test_keep_opset_makes_the_standard_rule_give_way_to_the_decomposition():
     assert result.model.opset_import[0].version == 17 and not [c for c in result.report.opset_changes if c.domain == ""]
     got = run(result.model, {"x": X23})["y"]
     np.testing.assert_array_equal(got, np.array([[-32768, -29, -3], [-1, 47, 32767]], np.int16))
-    with pytest.raises(onnx_qrewrite.LoweringError, match=r"quark-q-standard: needs opset 21, model has 17 and the opset is kept"):
+    with pytest.raises(
+        onnx_qrewrite.LoweringError, match=r"quark-q-standard: needs opset 21, model has 17 and the opset is kept"
+    ):
         onnx_qrewrite.rewrite(parse(INT16_Q.format(opset=17)), keep_opset=True, only=["quark-q-standard"])
 
 
@@ -242,21 +255,27 @@ def test_target_opset_chooses_the_opset():
 def test_an_opset_that_cannot_be_raised_is_an_error_naming_the_node():
     # onnx's version converter does not convert local functions: the raise fails, nothing is guessed.
     model = parse(INT16_Q.format(opset=17))
-    model.functions.append(onnx.parser.parse_function(
-        '<domain: "local", opset_import: ["" : 17]> f (a) => (b) { b = Identity(a) }'))
+    model.functions.append(
+        onnx.parser.parse_function('<domain: "local", opset_import: ["" : 17]> f (a) => (b) { b = Identity(a) }')
+    )
     model.opset_import.append(helper.make_opsetid("local", 1))
-    with pytest.raises(onnx_qrewrite.LoweringError,
-                       match=r"cannot raise the opset from 17 to 21 \(rule quark-q-standard on n\).*local functions.*--keep-opset") as exc:
+    with pytest.raises(
+        onnx_qrewrite.LoweringError,
+        match=r"cannot raise the opset from 17 to 21 \(rule quark-q-standard on n\).*local functions.*--keep-opset",
+    ) as exc:
         onnx_qrewrite.rewrite(model)
     assert exc.value.exit_code == 4
     assert op_types(onnx_qrewrite.rewrite(model, keep_opset=True).model)[0] == "Div"
 
 
 def test_per_axis_without_axis_attribute_means_axis_0():
-    model = parse(HEADER.format(opset=13) + """
+    model = parse(
+        HEADER.format(opset=13)
+        + """
     g (float[2, 3] x) => (uint8[2, 3] y) <float[2] s = {0.5, 0.25}, uint8[2] zp = {1, 200}> {
         y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
-    }""")
+    }"""
+    )
     result = onnx_qrewrite.rewrite(model)
     (node,) = result.model.graph.node
     assert node.op_type == "QuantizeLinear" and helper.get_node_attr_value(node, "axis") == 0
@@ -267,15 +286,22 @@ def test_per_axis_without_axis_attribute_means_axis_0():
 
 def test_scale_and_zero_point_from_constant_nodes_and_runtime_tensors():
     # Quark's own converter crashes on Constant zero points; scales computed at run time are valid too.
-    model = parse(HEADER.format(opset=21) + """
+    model = parse(
+        HEADER.format(opset=21)
+        + """
     g (float[4, 3] x, float[3] s_in) => (float[4, 3] y) {
         zp = Constant <value = int16[3] {0, -7, 9}> ()
         s = Mul (s_in, s_in)
         q = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (x, s, zp)
         y = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (q, s, zp)
-    }""")
-    model.graph.value_info.extend([helper.make_tensor_value_info("s", TensorProto.FLOAT, [3]),
-                                   helper.make_tensor_value_info("q", TensorProto.INT16, [4, 3])])
+    }"""
+    )
+    model.graph.value_info.extend(
+        [
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("q", TensorProto.INT16, [4, 3]),
+        ]
+    )
     result = onnx_qrewrite.rewrite(model)
     assert op_types(result.model) == ["Constant", "Mul", "QuantizeLinear", "DequantizeLinear"]
     x = np.linspace(-900, 900, 12, dtype=np.float32).reshape(4, 3)
@@ -292,10 +318,13 @@ def test_scale_and_zero_point_from_constant_nodes_and_runtime_tensors():
 
 
 def test_runtime_scale_of_unknown_shape_lets_the_standard_op_decide_at_run_time():
-    model = parse(HEADER.format(opset=13) + """
+    model = parse(
+        HEADER.format(opset=13)
+        + """
     g (float[2, 3] x, float[N] s, uint8[N] zp) => (uint8[2, 3] y) {
         y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
-    }""")
+    }"""
+    )
     result = onnx_qrewrite.rewrite(model)  # s has a symbolic length: one element or two
     assert op_types(result.model) == ["QuantizeLinear"]
     x = np.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], np.float32)
@@ -308,6 +337,7 @@ def test_runtime_scale_of_unknown_shape_lets_the_standard_op_decide_at_run_time(
 
 # -- float16: the kernel and the documentation disagree -----------------------------------------
 
+
 def fp16_model(scale: float, zp: float, *, runtime_scale: bool = False, quantize: bool = True) -> onnx.ModelProto:
     """ONNX text cannot write float16 literals: built with helper."""
     op = "ExtendedQuantizeLinear" if quantize else "ExtendedDequantizeLinear"
@@ -318,10 +348,16 @@ def fp16_model(scale: float, zp: float, *, runtime_scale: bool = False, quantize
         inputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, []))
     else:
         inits.append(numpy_helper.from_array(np.array(scale, np.float32), "s"))
-    graph = helper.make_graph([helper.make_node(op, ["x", "s", "zp"], ["y"], name="n", domain="com.amd.quark")],
-                              "g", inputs, [helper.make_tensor_value_info("y", y_type, [5])], inits)
-    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17),
-                                                                 helper.make_opsetid("com.amd.quark", 1)])
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "s", "zp"], ["y"], name="n", domain="com.amd.quark")],
+        "g",
+        inputs,
+        [helper.make_tensor_value_info("y", y_type, [5])],
+        inits,
+    )
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.amd.quark", 1)]
+    )
 
 
 X5 = np.array([1.0, -70000.0, 3.3e38, 0.1, -2.5], np.float32)
@@ -361,24 +397,33 @@ def test_float16_semantics_kernel_or_documented_when_chosen():
 @rule_marker("quark-dq-float16", "negative")
 def test_float16_dequantize_with_a_runtime_scale_is_not_guessed():
     model = fp16_model(1.0, 0.0, runtime_scale=True, quantize=False)
-    with pytest.raises(onnx_qrewrite.LoweringError, match=r"quark-dq-float16: float16 with scale 's' is computed at run time"):
+    with pytest.raises(
+        onnx_qrewrite.LoweringError, match=r"quark-dq-float16: float16 with scale 's' is computed at run time"
+    ):
         onnx_qrewrite.rewrite(model)
     documented = onnx_qrewrite.rewrite(model, options={"quark-dq-float16": {"float16_semantics": "documented"}})
     assert op_types(documented.model) == ["Cast", "Mul"]  # zero point +0: no Sub needed
     x = np.array([1.5, -2.0, 65504, -0.0, np.inf], np.float16)
-    assert_bitwise_equal(run(documented.model, {"x": x, "s": np.array(0.25, np.float32)})["y"],
-                         x.astype(np.float32) * np.float32(0.25), "documented")
+    assert_bitwise_equal(
+        run(documented.model, {"x": x, "s": np.array(0.25, np.float32)})["y"],
+        x.astype(np.float32) * np.float32(0.25),
+        "documented",
+    )
 
 
 # -- what cannot be lowered ----------------------------------------------------------------------
 
+
 @rule_marker("quark-q-int-decompose", "negative")
 @rule_marker("quark-q-bfloat16", "negative")
 def test_int64_zero_point_is_an_error_naming_the_node_and_every_rule():
-    model = parse(HEADER.format(opset=21) + """
+    model = parse(
+        HEADER.format(opset=21)
+        + """
     g (float[3] x) => (int64[3] y) <float s = {0.5}, int64 zp = {0}> {
         y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
-    }""")
+    }"""
+    )
     with pytest.raises(onnx_qrewrite.LoweringError) as exc:
         onnx_qrewrite.rewrite(model)
     message = str(exc.value)
@@ -394,24 +439,43 @@ def test_int64_zero_point_is_an_error_naming_the_node_and_every_rule():
 
 @rule_marker("quark-dq-int-decompose", "negative")
 @rule_marker("quark-dq-bfloat16", "negative")
-@pytest.mark.parametrize("body, reason", [
-    ("y = com.amd.quark.ExtendedDequantizeLinear (x, s)",
-     "malformed node: ExtendedDequantizeLinear takes exactly 3 inputs (x, scale, zero point), it has 2"),
-    ("y = com.amd.quark.ExtendedDequantizeLinear (x, s2, zp2)",
-     "malformed node: scale 's2' has shape [2, 2]; the kernel takes one element (per-tensor) or a 1-D tensor"),
-    ("y = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (x, s3, zp3)",
-     "malformed node: scale 's3' has 3 elements but x 'x' has 4 along axis 1"),
-    ("y = com.amd.quark.ExtendedDequantizeLinear <axis = 2> (x, s3, zp3)",
-     "malformed node: axis 2 is out of range for input 'x' of rank 2"),
-    ("y = com.amd.quark.ExtendedDequantizeLinear <block_size = 2> (x, s, zp)",
-     "attribute(s) block_size not supported"),
-])
+@pytest.mark.parametrize(
+    "body, reason",
+    [
+        (
+            "y = com.amd.quark.ExtendedDequantizeLinear (x, s)",
+            "malformed node: ExtendedDequantizeLinear takes exactly 3 inputs (x, scale, zero point), it has 2",
+        ),
+        (
+            "y = com.amd.quark.ExtendedDequantizeLinear (x, s2, zp2)",
+            "malformed node: scale 's2' has shape [2, 2]; the kernel takes one element (per-tensor) or a 1-D tensor",
+        ),
+        (
+            "y = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (x, s3, zp3)",
+            "malformed node: scale 's3' has 3 elements but x 'x' has 4 along axis 1",
+        ),
+        (
+            "y = com.amd.quark.ExtendedDequantizeLinear <axis = 2> (x, s3, zp3)",
+            "malformed node: axis 2 is out of range for input 'x' of rank 2",
+        ),
+        (
+            "y = com.amd.quark.ExtendedDequantizeLinear <block_size = 2> (x, s, zp)",
+            "attribute(s) block_size not supported",
+        ),
+    ],
+)
 def test_malformed_nodes_are_errors_with_the_reason(body, reason):
-    model = parse(check=False, text=HEADER.format(opset=21) + """
+    model = parse(
+        check=False,
+        text=HEADER.format(opset=21)
+        + """
     g (int8[3, 4] x) => (float[3, 4] y)
       <float s = {0.5}, int8 zp = {1}, float[2, 2] s2 = {1, 2, 3, 4}, int8[2, 2] zp2 = {0, 0, 0, 0},
        float[3] s3 = {1, 2, 3}, int8[3] zp3 = {0, 0, 0}> {
-        """ + body + "\n}")  # some of these fail the checker: that is what they test
+        """
+        + body
+        + "\n}",
+    )  # some of these fail the checker: that is what they test
     with pytest.raises(onnx_qrewrite.LoweringError) as exc:
         onnx_qrewrite.rewrite(model, check=False)
     assert str(exc.value).startswith("node n (com.amd.quark::ExtendedDequantizeLinear) cannot be lowered: ")
@@ -421,25 +485,33 @@ def test_malformed_nodes_are_errors_with_the_reason(body, reason):
 
 
 def test_runtime_zero_point_of_unrecorded_type_is_an_error():
-    model = parse(HEADER.format(opset=21) + """
+    model = parse(
+        HEADER.format(opset=21)
+        + """
     g (float[3] x, int8 zp_in) => (int8[3] y) <float s = {0.5}> {
         zp = Identity (zp_in)
         q = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
         y = Identity (q)
-    }""")
-    with pytest.raises(onnx_qrewrite.LoweringError,
-                       match=r"the type of the zero point 'zp' is not recorded in the model .*shape inference"):
+    }"""
+    )
+    with pytest.raises(
+        onnx_qrewrite.LoweringError,
+        match=r"the type of the zero point 'zp' is not recorded in the model .*shape inference",
+    ):
         onnx_qrewrite.rewrite(model)
     inferred = onnx.shape_inference.infer_shapes(model)
     assert op_types(onnx_qrewrite.rewrite(inferred).model) == ["Identity", "QuantizeLinear", "Identity"]
 
 
 def test_per_axis_decomposition_needs_the_rank_of_x():
-    model = parse(HEADER.format(opset=17) + """
+    model = parse(
+        HEADER.format(opset=17)
+        + """
     g (float[2, 3] x_in) => (uint32[2, 3] y) <float[2] s = {0.5, 0.25}, uint32[2] zp = {1, 2}> {
         x = Abs (x_in)
         y = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
-    }""")  # no value_info for x: its rank is unknown
+    }"""
+    )  # no value_info for x: its rank is unknown
     with pytest.raises(onnx_qrewrite.LoweringError, match=r"needs the rank of x 'x' to broadcast the scale"):
         onnx_qrewrite.rewrite(model)
 
@@ -463,8 +535,12 @@ def test_nodes_in_subgraphs_and_local_functions_are_lowered():
         yy = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (qq, s, zp)
     }""")
     result = onnx_qrewrite.rewrite(model)
-    assert result.report.by_rule() == {"quark-q-int-decompose": 1, "quark-dq-int-decompose": 1,
-                                       "quark-q-standard": 1, "quark-dq-standard": 1}
+    assert result.report.by_rule() == {
+        "quark-q-int-decompose": 1,
+        "quark-dq-int-decompose": 1,
+        "quark-q-standard": 1,
+        "quark-dq-standard": 1,
+    }
     assert {r.scope for r in result.report.rewrites} == {"main/y.then_branch", "function:local.f"}
     x = np.array([[1, 2, 3], [-1, -2, 3e9]], np.float32)
     then = run(result.model, {"x": x, "c": np.array(True)})["y"]
@@ -477,7 +553,9 @@ def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
     from onnx_qrewrite import engine
     from onnx_qrewrite.encoded import to_bytes
 
-    model = parse(HEADER.format(opset=21) + """
+    model = parse(
+        HEADER.format(opset=21)
+        + """
     g (float[2, 3] x) => (float[2, 3] y, float[2, 3] z)
       <float s = {0.5}, int8 zp = {1}, float[3] sa = {1, 2, 3}, int8[3] za = {0, 1, 2}, float[1] s1 = {0.25}> {
         q1 = com.amd.quark.ExtendedQuantizeLinear (x, s, zp)
@@ -488,7 +566,8 @@ def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
         y = com.amd.quark.ExtendedDequantizeLinear (q3, s1, zp)
         q4 = com.amd.quark.ExtendedQuantizeLinear <axis = 1> (y, sa, za)
         z = com.amd.quark.ExtendedDequantizeLinear <axis = 1> (q4, sa, za)
-    }""")
+    }"""
+    )
     outputs = []
     for stamp in (True, False):
         copy = onnx.ModelProto()

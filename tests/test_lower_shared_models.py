@@ -17,9 +17,9 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from conftest import SHARED_MODELS, assert_bitwise_equal, run
 
 import onnx_qrewrite
-from conftest import SHARED_MODELS, assert_bitwise_equal, run
 
 MODELS = sorted(p.stem for p in SHARED_MODELS.glob("*.onnx"))
 #: Models whose original stock onnxruntime runs, with a fusion under optimisation (see above). The
@@ -78,11 +78,19 @@ def test_opset_raise_keeps_external_data_untouched(tmp_path):
     name = "quark_cnn_op17_a16w8_ext"
     src = tmp_path / "src"
     src.mkdir()
-    onnx.save(onnx.load(SHARED_MODELS / f"{name}.onnx"), src / "m.onnx", save_as_external_data=True,
-              location="m.data", size_threshold=0)
+    onnx.save(
+        onnx.load(SHARED_MODELS / f"{name}.onnx"),
+        src / "m.onnx",
+        save_as_external_data=True,
+        location="m.data",
+        size_threshold=0,
+    )
     digest = hashlib.sha256((src / "m.data").read_bytes()).hexdigest()
     result = onnx_qrewrite.rewrite(src / "m.onnx")
-    assert [(c.domain, c.before, c.after) for c in result.report.opset_changes] == [("", 17, 21), ("com.amd.quark", 1, None)]
+    assert [(c.domain, c.before, c.after) for c in result.report.opset_changes] == [
+        ("", 17, 21),
+        ("com.amd.quark", 1, None),
+    ]
     out = tmp_path / "out"
     out.mkdir()
     result.save(out / "m.onnx")

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from conftest import assert_bitwise_equal, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
 from onnx_qrewrite import model_io
 from onnx_qrewrite.errors import UsageError
-from conftest import assert_bitwise_equal, run
 
 
 def _dql_matmul_model(folder: Path, *, external: bool = True) -> Path:
@@ -30,12 +30,23 @@ def _dql_matmul_model(folder: Path, *, external: bool = True) -> Path:
         helper.make_node("Cast", ["acc"], ["accf"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["accf", "xs"], ["y"]),
     ]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])], [w, wzp])
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])],
+        [w, wzp],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     path = folder / "model.onnx"
-    onnx.save(model, path, save_as_external_data=external, all_tensors_to_one_file=True,
-              location="model.onnx.data", size_threshold=0)
+    onnx.save(
+        model,
+        path,
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location="model.onnx.data",
+        size_threshold=0,
+    )
     return path
 
 
@@ -128,7 +139,10 @@ def test_an_existing_output_survives_a_failed_write(tmp_path, monkeypatch):
 def test_missing_external_data_is_an_invalid_model(tmp_path):
     path = _dql_matmul_model(tmp_path)
     (tmp_path / "model.onnx.data").unlink()
-    proc = subprocess.run([sys.executable, "-m", "onnx_qrewrite", "rewrite", str(path), "-o", str(tmp_path / "o.onnx")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", "rewrite", str(path), "-o", str(tmp_path / "o.onnx")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 3, proc.stderr
     assert str(path) in proc.stderr and not (tmp_path / "o.onnx").exists()

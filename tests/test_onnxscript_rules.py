@@ -7,11 +7,11 @@ import onnx
 import onnx.numpy_helper
 import onnx.parser
 import pytest
+from conftest import SHARED_MODELS, assert_bitwise_equal, run
 from onnxscript import rewriter
 
 import onnx_qrewrite
 import onnx_qrewrite.onnxscript_rules as qrw
-from conftest import SHARED_MODELS, assert_bitwise_equal, run
 
 MODELS = sorted(p.stem for p in SHARED_MODELS.glob("*.onnx"))
 
@@ -25,8 +25,11 @@ def rules():
 def test_onnxscript_rewriter_with_our_rules_matches_our_rewrite(name, rules):
     path = SHARED_MODELS / f"{name}.onnx"
     via_onnxscript = rewriter.rewrite(onnx.load(path), pattern_rewrite_rules=rules)
-    leftover = [n.op_type for n in via_onnxscript.graph.node
-                if n.domain not in ("", "ai.onnx") or n.op_type == "DynamicQuantizeLinear"]
+    leftover = [
+        n.op_type
+        for n in via_onnxscript.graph.node
+        if n.domain not in ("", "ai.onnx") or n.op_type == "DynamicQuantizeLinear"
+    ]
     assert leftover == []
     onnx.checker.check_model(via_onnxscript)
     ours = onnx_qrewrite.rewrite(path, keep_opset=True).model  # the pattern rewriter never raises opsets

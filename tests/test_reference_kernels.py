@@ -14,8 +14,6 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
-
 from _verify_helpers import (
     ONNX_TYPES,
     QUARK_DOMAINS,
@@ -26,6 +24,8 @@ from _verify_helpers import (
     vector_arrays,
     vector_cases,
 )
+from onnx import TensorProto, helper
+
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.verify import kernels
 from onnx_qrewrite.verify.reference_ops import REFERENCE_DOMAIN, retarget_vendor_nodes
@@ -55,8 +55,9 @@ def test_reference_kernels_reproduce_quark_vectors_bit_for_bit(case, domain):
     x, scale, zp, expected = vector_arrays(case)
     quantize_op, dequantize_op = QUARK_DOMAINS[domain]
     op_type = dequantize_op if case["op"] == "ExtendedDequantizeLinear" else quantize_op
-    model = one_node_model(domain, op_type, ONNX_TYPES[case["dtype"]], case["axis"],
-                           {"x": x.shape, "scale": scale.shape, "zp": zp.shape})
+    model = one_node_model(
+        domain, op_type, ONNX_TYPES[case["dtype"]], case["axis"], {"x": x.shape, "scale": scale.shape, "zp": zp.shape}
+    )
     got = _run_reference(model, {"x": x, "scale": scale, "zp": zp})["y"]
     assert got.dtype == expected.dtype and got.shape == expected.shape
     mismatch = np.flatnonzero(bits(got).ravel() != bits(expected).ravel())
@@ -101,8 +102,9 @@ def test_quark_models_reproduce_their_outputs_without_graph_optimisation_too(nam
 
 
 def test_absent_axis_is_written_as_the_kernels_default_zero():
-    model = one_node_model("com.amd.quark", "ExtendedDequantizeLinear", TensorProto.INT8, None,
-                           {"x": (2, 3), "scale": (2,), "zp": (2,)})
+    model = one_node_model(
+        "com.amd.quark", "ExtendedDequantizeLinear", TensorProto.INT8, None, {"x": (2, 3), "scale": (2,), "zp": (2,)}
+    )
     retargeted = retarget_vendor_nodes(model)
     (node,) = retargeted.graph.node
     assert (node.domain, node.op_type) == (REFERENCE_DOMAIN, "QuarkDequantize_int8")
@@ -111,34 +113,40 @@ def test_absent_axis_is_written_as_the_kernels_default_zero():
 
 
 def test_narrow_floats_cross_the_python_op_boundary_as_float32_casts():
-    model = one_node_model("com.amd.quark", "ExtendedQuantizeLinear", TensorProto.BFLOAT16, None,
-                           {"x": (4,), "scale": (), "zp": ()})
+    model = one_node_model(
+        "com.amd.quark", "ExtendedQuantizeLinear", TensorProto.BFLOAT16, None, {"x": (4,), "scale": (), "zp": ()}
+    )
     ops = [(n.op_type, n.output[0]) for n in retarget_vendor_nodes(model).graph.node]
     assert [op for op, _ in ops] == ["Cast", "QuarkQuantize_bfloat16", "Cast"]
     assert ops[-1][1] == "y"  # the original output name is kept, so values compare by name
 
 
 def test_vitis_aliases_run_the_same_kernels():
-    model = one_node_model("com.vai.quantize", "VitisQuantizeLinear", TensorProto.UINT16, 1,
-                           {"x": (2, 3), "scale": (3,), "zp": (3,)})
+    model = one_node_model(
+        "com.vai.quantize", "VitisQuantizeLinear", TensorProto.UINT16, 1, {"x": (2, 3), "scale": (3,), "zp": (3,)}
+    )
     (node,) = retarget_vendor_nodes(model).graph.node
     assert node.op_type == "QuarkQuantize_uint16"
 
 
 def test_unsupported_zero_point_type_is_refused_naming_the_node():
-    model = one_node_model("com.amd.quark", "ExtendedQuantizeLinear", TensorProto.FLOAT8E4M3FN, None,
-                           {"x": (4,), "scale": (), "zp": ()})
+    model = one_node_model(
+        "com.amd.quark", "ExtendedQuantizeLinear", TensorProto.FLOAT8E4M3FN, None, {"x": (4,), "scale": (), "zp": ()}
+    )
     with pytest.raises(InvalidModelError, match=r"'vendor' \(com.amd.quark::ExtendedQuantizeLinear\).*FLOAT8E4M3FN"):
         ModelRunner(model, label="m.onnx", settings=SessionSettings(), reference_kernels=True)
 
 
 def test_a_kernel_error_at_run_time_is_one_line_naming_the_model():
-    model = one_node_model("com.amd.quark", "ExtendedDequantizeLinear", TensorProto.INT8, 1,
-                           {"x": (2, 3), "scale": (2,), "zp": (2,)})
+    model = one_node_model(
+        "com.amd.quark", "ExtendedDequantizeLinear", TensorProto.INT8, 1, {"x": (2, 3), "scale": (2,), "zp": (2,)}
+    )
     runner = ModelRunner(model, label="m.onnx", settings=SessionSettings(), reference_kernels=True)
     feeds = {"x": np.zeros((2, 3), np.int8), "scale": np.ones(2, np.float32), "zp": np.zeros(2, np.int8)}
-    expected = (r"^m\.onnx: onnxruntime failed while running the model: node 'vendor': reference kernel "
-                r"QuarkDequantize_int8: scale has 2 elements but the input has 3 along axis 1$")
+    expected = (
+        r"^m\.onnx: onnxruntime failed while running the model: node 'vendor': reference kernel "
+        r"QuarkDequantize_int8: scale has 2 elements but the input has 3 along axis 1$"
+    )
     with pytest.raises(InvalidModelError, match=expected) as info:
         runner.run(feeds)
     assert "\n" not in str(info.value)
@@ -153,12 +161,16 @@ def _dynamic_dequantize_model(domain, src_t, zp_t, scale_t, per_channel, axis, s
     if axis is not None:
         attrs["axis"] = axis
     node = helper.make_node("DynamicDequantize", inputs, ["dst"], domain=domain, name="dyn", **attrs)
-    infos = [helper.make_tensor_value_info("src", src_t, src_shape),
-             helper.make_tensor_value_info("scales", scale_t, [n_scales])]
+    infos = [
+        helper.make_tensor_value_info("src", src_t, src_shape),
+        helper.make_tensor_value_info("scales", scale_t, [n_scales]),
+    ]
     if zp_t is not None:
         infos.append(helper.make_tensor_value_info("zps", zp_t, [n_scales]))
     graph = helper.make_graph([node], "g", infos, [helper.make_tensor_value_info("dst", scale_t, src_shape)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)], ir_version=8)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)], ir_version=8
+    )
 
 
 def _decomposition(src, scales, zps, axis, out_dtype):
@@ -166,24 +178,37 @@ def _decomposition(src, scales, zps, axis, out_dtype):
     kernels; a bfloat16 dst is dequantized in float and cast."""
     shape = [1] * src.ndim
     shape[axis] = -1 if scales.size > 1 else 1
-    nodes = [helper.make_node("Cast", ["src"], ["src32"], to=TensorProto.INT32),
-             helper.make_node("Reshape", ["scales", "shape"], ["s"])]
+    nodes = [
+        helper.make_node("Cast", ["src"], ["src32"], to=TensorProto.INT32),
+        helper.make_node("Reshape", ["scales", "shape"], ["s"]),
+    ]
     diff = "src32"
     if zps is not None:
-        nodes += [helper.make_node("Cast", ["zps"], ["zp32"], to=TensorProto.INT32),
-                  helper.make_node("Reshape", ["zp32", "shape"], ["zpr"]),
-                  helper.make_node("Sub", ["src32", "zpr"], ["diff"])]
+        nodes += [
+            helper.make_node("Cast", ["zps"], ["zp32"], to=TensorProto.INT32),
+            helper.make_node("Reshape", ["zp32", "shape"], ["zpr"]),
+            helper.make_node("Sub", ["src32", "zpr"], ["diff"]),
+        ]
         diff = "diff"
-    nodes += [helper.make_node("Cast", [diff], ["difff"], to=TensorProto.FLOAT),
-              helper.make_node("Mul", ["difff", "s"], ["dst"])]
+    nodes += [
+        helper.make_node("Cast", [diff], ["difff"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["difff", "s"], ["dst"]),
+    ]
     feeds = {"src": src, "scales": scales.astype(np.float32)}
-    infos = [helper.make_tensor_value_info("src", helper.np_dtype_to_tensor_dtype(src.dtype), src.shape),
-             helper.make_tensor_value_info("scales", TensorProto.FLOAT, scales.shape)]
+    infos = [
+        helper.make_tensor_value_info("src", helper.np_dtype_to_tensor_dtype(src.dtype), src.shape),
+        helper.make_tensor_value_info("scales", TensorProto.FLOAT, scales.shape),
+    ]
     if zps is not None:
         feeds["zps"] = zps
         infos.append(helper.make_tensor_value_info("zps", helper.np_dtype_to_tensor_dtype(zps.dtype), zps.shape))
-    graph = helper.make_graph(nodes, "d", infos, [helper.make_tensor_value_info("dst", TensorProto.FLOAT, None)],
-                              initializer=[onnx.numpy_helper.from_array(np.array(shape, np.int64), "shape")])
+    graph = helper.make_graph(
+        nodes,
+        "d",
+        infos,
+        [helper.make_tensor_value_info("dst", TensorProto.FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(np.array(shape, np.int64), "shape")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     dst = ModelRunner(model, label="decomposition", settings=SessionSettings()).run(feeds)["dst"]
     return dst.astype(out_dtype)
@@ -207,8 +232,11 @@ def test_dynamic_dequantize_matches_the_standard_op_decomposition(domain, src_t,
     if zp_t is not None:
         zp_info = np.iinfo(helper.tensor_dtype_to_np_dtype(zp_t))
         zps = rng.integers(max(zp_info.min, -100), min(zp_info.max, 100), size=n, endpoint=True).astype(
-            helper.tensor_dtype_to_np_dtype(zp_t))
-    model = _dynamic_dequantize_model(domain, src_t, zp_t, TensorProto.FLOAT, layout != "per_tensor", axis, src.shape, n)
+            helper.tensor_dtype_to_np_dtype(zp_t)
+        )
+    model = _dynamic_dequantize_model(
+        domain, src_t, zp_t, TensorProto.FLOAT, layout != "per_tensor", axis, src.shape, n
+    )
     feeds = {"src": src, "scales": scales} | ({"zps": zps} if zps is not None else {})
     got = _run_reference(model, feeds)["dst"]
     expected = _decomposition(src, scales, zps, effective_axis, np.float32)
@@ -219,8 +247,9 @@ def test_dynamic_dequantize_with_a_bfloat16_scale_dequantizes_in_float_then_cast
     src = np.arange(-12, 12, dtype=np.int8).reshape(2, 3, 4)
     scales = np.array([0.1, 0.3, 0.7], np.float32).astype(ml_dtypes.bfloat16)
     zps = np.array([1, -2, 3], np.int8)
-    model = _dynamic_dequantize_model("com.intel.onednn", TensorProto.INT8, TensorProto.INT8, TensorProto.BFLOAT16,
-                                      True, 1, src.shape, 3)
+    model = _dynamic_dequantize_model(
+        "com.intel.onednn", TensorProto.INT8, TensorProto.INT8, TensorProto.BFLOAT16, True, 1, src.shape, 3
+    )
     got = _run_reference(model, {"src": src, "scales": scales, "zps": zps})["dst"]
     expected = _decomposition(src, scales.astype(np.float32), zps, 1, ml_dtypes.bfloat16)
     assert got.dtype == np.dtype(ml_dtypes.bfloat16)
@@ -228,8 +257,12 @@ def test_dynamic_dequantize_with_a_bfloat16_scale_dequantizes_in_float_then_cast
 
 
 def test_dynamic_dequantize_with_an_unsupported_type_is_refused_naming_the_types():
-    model = _dynamic_dequantize_model("com.intel.onednn", TensorProto.INT16, TensorProto.INT8, TensorProto.FLOAT,
-                                      False, None, (2, 3), 1)
-    with pytest.raises(InvalidModelError, match=r"^m\.onnx: node 'dyn' \(com\.intel\.onednn::DynamicDequantize\): "
-                                                r"no reference kernel for src int16, scales float, zps int8$"):
+    model = _dynamic_dequantize_model(
+        "com.intel.onednn", TensorProto.INT16, TensorProto.INT8, TensorProto.FLOAT, False, None, (2, 3), 1
+    )
+    with pytest.raises(
+        InvalidModelError,
+        match=r"^m\.onnx: node 'dyn' \(com\.intel\.onednn::DynamicDequantize\): "
+        r"no reference kernel for src int16, scales float, zps int8$",
+    ):
         ModelRunner(model, label="m.onnx", settings=SessionSettings(), reference_kernels=True)

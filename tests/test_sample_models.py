@@ -36,7 +36,7 @@ def _run(model_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarra
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     sess = ort.InferenceSession(str(model_path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
+    return dict(zip(names, sess.run(names, inputs), strict=True))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -11,11 +11,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-
 from conftest import REPO, run
 
 sys.path.insert(0, str(REPO))
-from benchmarks.models import make_llm  # noqa: E402
+from benchmarks.models import make_llm
 
 WEIGHTS_GB = 0.4  # 400 MB of weights: far above what the rewrite may hold in memory
 
@@ -47,7 +46,7 @@ def _peak_rss_mb(args: list[str]) -> tuple[int, float, str]:
     proc = subprocess.run([sys.executable, "-c", _MEASURED, *args], capture_output=True, text=True, timeout=300)
     lines = proc.stderr.splitlines()
     peak_kb = next(int(line.split()[1]) for line in lines if line.startswith("VmHWM"))
-    return proc.returncode, peak_kb / 1024, "\n".join(l for l in lines if not l.startswith("VmHWM"))
+    return proc.returncode, peak_kb / 1024, "\n".join(line for line in lines if not line.startswith("VmHWM"))
 
 
 def test_streamed_output_copies_weights_with_bounded_memory(llm, tmp_path):
@@ -73,8 +72,12 @@ def test_zero_copy_output_references_the_weights_in_place(llm):
     assert code == 0, err
     assert rss < 200
     assert not out.with_name("portable.onnx.data").exists()
-    locations = {e.value for t in onnx.load(out, load_external_data=False).graph.initializer
-                 for e in t.external_data if e.key == "location"}
+    locations = {
+        e.value
+        for t in onnx.load(out, load_external_data=False).graph.initializer
+        for e in t.external_data
+        if e.key == "location"
+    }
     assert locations == {"model.onnx.data"}
 
 

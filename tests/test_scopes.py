@@ -12,10 +12,10 @@ import numpy as np
 import onnx
 import onnx.parser
 import pytest
+from conftest import assert_bitwise_equal, run
 
 import onnx_qrewrite
 from onnx_qrewrite.graph import iter_scopes
-from conftest import assert_bitwise_equal, run
 
 NESTED = """
 <ir_version: 8, opset_import: ["" : 17, "local" : 1]>

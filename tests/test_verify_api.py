@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from _verify_helpers import SHARED_MODELS, toy_quark_model, toy_rewrite
 from onnx import TensorProto, helper
 
 import onnx_qrewrite
-import onnx_qrewrite.verify.compare  # noqa: F401 - the subpackage import is the point of one test
-from _verify_helpers import SHARED_MODELS, toy_quark_model, toy_rewrite
+import onnx_qrewrite.verify.compare
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.verify import Sample, Tolerances, VerifyReport, verify
 
@@ -17,10 +17,18 @@ DYNAMIC = SHARED_MODELS / "ortdyn_cnn_op17_w8u.onnx"
 
 
 def _model(outputs: list[tuple[str, int, list]], *, input_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
-    nodes = [helper.make_node("Identity", ["x"], [name]) if t == input_type else
-             helper.make_node("Cast", ["x"], [name], to=t) for name, t, _ in outputs]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", input_type, [2, 3])],
-                              [helper.make_tensor_value_info(name, t, shape) for name, t, shape in outputs])
+    nodes = [
+        helper.make_node("Identity", ["x"], [name])
+        if t == input_type
+        else helper.make_node("Cast", ["x"], [name], to=t)
+        for name, t, _ in outputs
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", input_type, [2, 3])],
+        [helper.make_tensor_value_info(name, t, shape) for name, t, shape in outputs],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
@@ -76,7 +84,7 @@ def test_tolerances_for_unknown_outputs_are_refused():
 
 
 def test_a_bad_optimisation_level_is_a_usage_error():
-    with pytest.raises(UsageError, match="^--ort-opt-level: expected one of disable, basic, extended, all"):
+    with pytest.raises(UsageError, match=r"^--ort-opt-level: expected one of disable, basic, extended, all"):
         verify(DYNAMIC, DYNAMIC, opt_level="max")
 
 

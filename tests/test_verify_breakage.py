@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import onnx
 import pytest
-
 from _verify_helpers import (
     ORIGIN_KEY,
     SHARED_MODELS,
@@ -18,6 +17,7 @@ from _verify_helpers import (
     toy_quark_model,
     toy_rewrite,
 )
+
 from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_OK
 from onnx_qrewrite.verify import verify
 
@@ -81,7 +81,12 @@ def test_a_dql_expansion_without_the_zero_range_guard_is_caught_by_the_zeros_sam
     assert by_name["y_scale"].worst.original == 1.0 and by_name["y_scale"].worst.rewritten == 0.0
     loc = report.localization
     assert (loc.sample, loc.comparison.name, loc.op_type, loc.rule, loc.origin) == (
-        "zeros", "y_scale", "Div", "test.dql-expand", "dql")
+        "zeros",
+        "y_scale",
+        "Div",
+        "test.dql-expand",
+        "dql",
+    )
 
 
 def test_without_the_battery_the_missing_guard_goes_unnoticed():
@@ -103,5 +108,9 @@ def test_a_zero_point_off_by_one_in_a_real_model_is_localised():
     report = verify(original, quark_to_standard(original, bump_zero_point_of="input_QuantizeLinear"))
     assert report.exit_code == EXIT_DISAGREE
     loc = report.localization
-    assert (loc.node, loc.origin, loc.rule) == ("input_QuantizeLinear_std", "input_QuantizeLinear", "test.quark-to-standard")
+    assert (loc.node, loc.origin, loc.rule) == (
+        "input_QuantizeLinear_std",
+        "input_QuantizeLinear",
+        "test.quark-to-standard",
+    )
     assert loc.comparison.integer and loc.comparison.name == "input_QuantizeLinear_Output"

@@ -11,17 +11,18 @@ from pathlib import Path
 import jsonschema
 import onnx
 import pytest
+from _verify_helpers import toy_quark_model, toy_rewrite
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from _verify_helpers import toy_quark_model, toy_rewrite
 from onnx_qrewrite.commands.verify import verify_command
 from onnx_qrewrite.verify import SCHEMA_PATH
 
 
 def cli(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onnx_qrewrite", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -43,8 +44,19 @@ def toy(tmp_path_factory) -> dict[str, Path]:
 
 def test_agreeing_models_exit_0_and_write_every_report(toy, tmp_path):
     report, junit, saved = tmp_path / "r.json", tmp_path / "j.xml", tmp_path / "in.npz"
-    proc = cli("verify", toy["original"], toy["good"], "--report", report, "--junit", junit,
-               "--save-inputs", saved, "--input-shape", "x:3,4")
+    proc = cli(
+        "verify",
+        toy["original"],
+        toy["good"],
+        "--report",
+        report,
+        "--junit",
+        junit,
+        "--save-inputs",
+        saved,
+        "--input-shape",
+        "x:3,4",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "PASSED | 2 outputs agree on 6 samples (opt-level disable)"
     data = json.loads(report.read_text())
@@ -57,7 +69,10 @@ def test_agreeing_models_exit_0_and_write_every_report(toy, tmp_path):
 def test_disagreeing_models_exit_1_and_name_the_first_differing_node(toy):
     proc = cli("verify", toy["original"], toy["bad"])
     assert proc.returncode == 1, proc.stderr
-    assert "first differing node: 'dqw_dq' (ai.onnx::DequantizeLinear, rule test.dequantize, replacing original node 'dqw')" in proc.stdout
+    assert (
+        "first differing node: 'dqw_dq' (ai.onnx::DequantizeLinear, rule test.dequantize, "
+        "replacing original node 'dqw')" in proc.stdout
+    )
     assert proc.stdout.splitlines()[-1].startswith("FAILED | 2 of 2 outputs differ")
     assert proc.stderr == ""
 
@@ -99,11 +114,19 @@ def test_a_missing_model_exits_3_naming_the_file(toy, tmp_path):
 
 def test_a_model_onnxruntime_cannot_load_exits_3_naming_the_file(toy, tmp_path):
     node = helper.make_node("Frobnicate", ["x"], ["y"], domain="com.example")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])],
+    )
     path = tmp_path / "strange.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)],
-                                ir_version=8), path)
+    onnx.save(
+        helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)], ir_version=8
+        ),
+        path,
+    )
     proc = cli("verify", path, toy["good"])
     assert proc.returncode == 3
     line = one_error_line(proc)
@@ -114,7 +137,9 @@ def test_a_model_onnxruntime_cannot_load_exits_3_naming_the_file(toy, tmp_path):
 def test_a_rewritten_model_still_holding_vendor_ops_is_refused_with_the_reason(toy):
     proc = cli("verify", toy["original"], toy["original"])
     assert proc.returncode == 3
-    assert "must run in stock onnxruntime, but it still holds 5 non-standard node(s), the first 'qx'" in one_error_line(proc)
+    assert "must run in stock onnxruntime, but it still holds 5 non-standard node(s), the first 'qx'" in one_error_line(
+        proc
+    )
 
 
 def test_custom_op_library_replaces_the_reference_kernels(toy):
@@ -131,9 +156,13 @@ def test_custom_op_library_replaces_the_reference_kernels(toy):
 def test_saved_inputs_can_be_replayed(toy, tmp_path):
     runner = CliRunner()
     saved, report = tmp_path / "in.npz", tmp_path / "r.json"
-    first = runner.invoke(verify_command, [str(toy["original"]), str(toy["bad"]), "--save-inputs", str(saved), "--samples", "1"])
+    first = runner.invoke(
+        verify_command, [str(toy["original"]), str(toy["bad"]), "--save-inputs", str(saved), "--samples", "1"]
+    )
     assert first.exit_code == 1, first.output
-    again = runner.invoke(verify_command, [str(toy["original"]), str(toy["bad"]), "--inputs", str(saved), "--report", str(report)])
+    again = runner.invoke(
+        verify_command, [str(toy["original"]), str(toy["bad"]), "--inputs", str(saved), "--report", str(report)]
+    )
     assert again.exit_code == 1, again.output
     data = json.loads(report.read_text())
     assert data["settings"]["inputs"]["source"] == "file" and data["settings"]["inputs"]["file"] == str(saved)
@@ -144,7 +173,7 @@ def test_saved_inputs_can_be_replayed(toy, tmp_path):
 def test_per_output_tolerances_decide_the_verdict(toy):
     runner = CliRunner()
     args = [str(toy["original"]), str(toy["bad"]), "--no-localize"]
-    assert runner.invoke(verify_command, args + ["--atol", "y:10"]).exit_code == 1  # yq still differs
-    loose = runner.invoke(verify_command, args + ["--atol", "y:10", "--lsb", "yq:255"])
+    assert runner.invoke(verify_command, [*args, "--atol", "y:10"]).exit_code == 1  # yq still differs
+    loose = runner.invoke(verify_command, [*args, "--atol", "y:10", "--lsb", "yq:255"])
     assert loose.exit_code == 0, loose.output
     assert "lsb 255" in loose.output and "atol 10, rtol 1e-05" in loose.output

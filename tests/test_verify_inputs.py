@@ -27,13 +27,17 @@ def _model(*inputs: tuple[str, int, list | None]) -> onnx.ModelProto:
     nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name, _, _ in inputs]
     outs = [helper.make_tensor_value_info(f"{name}_out", t, None) for name, t, _ in inputs]
     weight = onnx.numpy_helper.from_array(np.zeros(2, np.float32), "w")
-    graph = helper.make_graph(nodes, "g", infos + [helper.make_tensor_value_info("w", TensorProto.FLOAT, [2])],
-                              outs, initializer=[weight])
+    graph = helper.make_graph(
+        nodes, "g", [*infos, helper.make_tensor_value_info("w", TensorProto.FLOAT, [2])], outs, initializer=[weight]
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-MIXED = _model(("pixels", TensorProto.FLOAT, ["batch", 3, "h", 4]), ("ids", TensorProto.INT64, ["batch", 5]),
-               ("mask", TensorProto.BOOL, [2]))
+MIXED = _model(
+    ("pixels", TensorProto.FLOAT, ["batch", 3, "h", 4]),
+    ("ids", TensorProto.INT64, ["batch", 5]),
+    ("mask", TensorProto.BOOL, [2]),
+)
 
 
 def test_initializers_are_not_inputs_to_feed():
@@ -54,7 +58,7 @@ def test_random_samples_are_seeded_and_typed():
     b = generate_samples(specs, GenerationOptions(samples=2, seed=3, int_range=(5, 7)))
     c = generate_samples(specs, GenerationOptions(samples=2, seed=4, int_range=(5, 7)))
     assert [s.name for s in a] == ["random-0", "random-1", *BATTERY]
-    assert all(np.array_equal(x.feeds["pixels"], y.feeds["pixels"]) for x, y in zip(a, b))
+    assert all(np.array_equal(x.feeds["pixels"], y.feeds["pixels"]) for x, y in zip(a, b, strict=True))
     assert not np.array_equal(a[0].feeds["pixels"], c[0].feeds["pixels"])
     assert not np.array_equal(a[0].feeds["pixels"], a[1].feeds["pixels"])
     ids = np.concatenate([s.feeds["ids"].ravel() for s in a])
@@ -110,13 +114,13 @@ def test_option_parsers():
     assert parse_input_shape("scalar:") == ("scalar", ())
     assert parse_int_range("-3,7") == (-3, 7)
     for bad in ("input", "x:1,a", "x:-1"):
-        with pytest.raises(UsageError, match="^--input-shape: "):
+        with pytest.raises(UsageError, match=r"^--input-shape: "):
             parse_input_shape(bad)
-    with pytest.raises(UsageError, match="^--int-range: expected LO,HI"):
+    with pytest.raises(UsageError, match=r"^--int-range: expected LO,HI"):
         parse_int_range("1")
-    with pytest.raises(UsageError, match="^--int-range: the low end 9 is above the high end 1"):
+    with pytest.raises(UsageError, match=r"^--int-range: the low end 9 is above the high end 1"):
         GenerationOptions(int_range=(9, 1))
-    with pytest.raises(UsageError, match="^--int-range: 300,400 holds no uint8 value"):
+    with pytest.raises(UsageError, match=r"^--int-range: 300,400 holds no uint8 value"):
         generate_samples(input_specs(_model(("u", TensorProto.UINT8, [2]))), GenerationOptions(int_range=(300, 400)))
 
 
@@ -130,7 +134,7 @@ def test_saved_samples_load_back_including_bfloat16_bit_patterns(tmp_path):
         assert raw["random-0::b"].dtype == np.uint16  # bit patterns, as in the shared vectors
     loaded = load_samples(path, specs)
     assert [s.name for s in loaded] == [s.name for s in samples]
-    for mine, theirs in zip(samples, loaded):
+    for mine, theirs in zip(samples, loaded, strict=True):
         for name in ("x", "b"):
             assert theirs.feeds[name].dtype == mine.feeds[name].dtype
             assert np.array_equal(theirs.feeds[name].view(np.uint8), mine.feeds[name].view(np.uint8))

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _verify_helpers import SHARED_MODELS, shared_models
 
 import onnx_qrewrite
-from _verify_helpers import SHARED_MODELS, shared_models
 from onnx_qrewrite.verify import verify
 
 

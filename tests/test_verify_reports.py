@@ -9,9 +9,9 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from _verify_helpers import toy_quark_model, toy_rewrite
 from onnx import TensorProto, helper
 
-from _verify_helpers import toy_quark_model, toy_rewrite
 from onnx_qrewrite.verify import SCHEMA_PATH, verify
 
 SCHEMA = json.loads(SCHEMA_PATH.read_text())
@@ -36,13 +36,21 @@ def failing():
 
 def _div_by_zero_pair() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """y = x versus y = x / 0: infinities and NaN on the rewritten side only."""
+
     def model(nodes, inits):
-        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=inits)
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+            initializer=inits,
+        )
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
     zero = onnx.numpy_helper.from_array(np.float32(0), "zero")
-    return model([helper.make_node("Identity", ["x"], ["y"])], []), model([helper.make_node("Div", ["x", "zero"], ["y"])], [zero])
+    return model([helper.make_node("Identity", ["x"], ["y"])], []), model(
+        [helper.make_node("Div", ["x", "zero"], ["y"])], [zero]
+    )
 
 
 def test_a_passing_report_validates_and_says_what_ran(passing, tmp_path):
@@ -105,5 +113,5 @@ def test_the_table_lists_every_output_and_ends_with_the_verdict_line(failing):
     lines = failing.to_table().splitlines()
     assert lines[-1] == failing.summary and lines[-1].startswith("FAILED | 2 of 2 outputs differ")
     header = next(i for i, line in enumerate(lines) if line.startswith("output"))
-    assert [line.split()[0] for line in lines[header + 1: header + 3]] == ["y", "yq"]
+    assert [line.split()[0] for line in lines[header + 1 : header + 3]] == ["y", "yq"]
     assert any(line.startswith("first differing node: 'qx_q'") for line in lines)

@@ -19,7 +19,9 @@ Builders register themselves by name with :func:`register`; rule files refer to 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Mapping, Protocol, Sequence, TypeVar
+import functools
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import onnx
@@ -30,14 +32,14 @@ from onnx_qrewrite.graph import NameAllocator, Scope
 
 __all__ = [
     "Builder",
+    "ConstantPool",
+    "Emitter",
     "NoMatch",
     "Plan",
     "Site",
-    "Emitter",
-    "ConstantPool",
-    "register",
-    "get_builder",
     "builder_names",
+    "get_builder",
+    "register",
 ]
 
 
@@ -141,22 +143,16 @@ def builder_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-_builtins_loaded = False
-
-
+@functools.cache
 def _load_builtin_builders() -> None:
     # Imported on first use so that importing the package stays cheap; each module registers
-    # itself on import. Once: this sits on the per-node matching path.
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
+    # itself on import. Once (cached): this sits on the per-node matching path.
     import importlib
     import pkgutil
 
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("_"):
             importlib.import_module(f"{__name__}.{info.name}")
-    _builtins_loaded = True
 
 
 class ConstantPool:
@@ -191,7 +187,10 @@ class ConstantPool:
             attr = helper.make_attribute("value", tensor)
             self.constant_nodes.append(
                 _protowire.encode_node(
-                    "Constant", (), (name,), self._names.fresh(f"{name}_node"),
+                    "Constant",
+                    (),
+                    (name,),
+                    self._names.fresh(f"{name}_node"),
                     attributes=_protowire.encode_attribute(attr),
                 )
             )

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -22,12 +23,12 @@ from onnx_qrewrite.graph import Scope, dtype_name
 __all__ = [
     "INTEGER_RANGES",
     "QDQNode",
-    "read_qdq",
-    "value_shape",
-    "option",
-    "per_tensor_operand",
     "broadcast_operand",
     "normalized_axis",
+    "option",
+    "per_tensor_operand",
+    "read_qdq",
+    "value_shape",
 ]
 
 #: Saturation bounds of the integer quantized types (the types' full ranges).
@@ -58,17 +59,25 @@ def option(options: Mapping[str, Any], key: str, allowed: tuple[Any, ...] | type
     if isinstance(allowed, tuple):
         if value not in allowed:
             raise NoMatch(f"option {key}={value!r} is not one of {', '.join(repr(a) for a in allowed)}")
-    elif not isinstance(value, allowed) or isinstance(value, bool) and allowed is int:
+    elif not isinstance(value, allowed) or (isinstance(value, bool) and allowed is int):
         raise NoMatch(f"option {key}={value!r} must be of type {allowed.__name__}")
     return value
 
 
 #: Ops whose output has their first input's shape: a quantized tensor between a vendor Q and DQ has
 #: no value_info (shape inference cannot see through vendor ops), but its producer's input does.
-_SAME_SHAPE_OPS = frozenset({
-    "QuantizeLinear", "DequantizeLinear", "ExtendedQuantizeLinear", "ExtendedDequantizeLinear",
-    "VitisQuantizeLinear", "VitisDequantizeLinear", "Cast", "Identity",
-})
+_SAME_SHAPE_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "ExtendedQuantizeLinear",
+        "ExtendedDequantizeLinear",
+        "VitisQuantizeLinear",
+        "VitisDequantizeLinear",
+        "Cast",
+        "Identity",
+    }
+)
 
 
 def value_shape(scope: Scope, name: str, _depth: int = 0) -> tuple[int | None, ...] | None:
@@ -194,16 +203,19 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
     """
     axis_default = option(options, "axis_default", int, 1)
     require_zp = option(options, "require_zero_point", (True, False), False)
-    return site.memo(("qdq-read", quantize, axis_default, require_zp),
-                     lambda: _read_qdq(site, axis_default, require_zp, quantize))
+    return site.memo(
+        ("qdq-read", quantize, axis_default, require_zp), lambda: _read_qdq(site, axis_default, require_zp, quantize)
+    )
 
 
 def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -> QDQNode:
     node = site.node
     n_inputs = len(node.input)
     if require_zp and (n_inputs != 3 or not all(node.input)):
-        raise NoMatch(f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
-                      + (" with an empty one" if n_inputs == 3 else ""))
+        raise NoMatch(
+            f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
+            + (" with an empty one" if n_inputs == 3 else "")
+        )
     if n_inputs not in (2, 3) or not node.input[0] or not node.input[1]:
         raise NoMatch(f"malformed node: {node.op_type} takes inputs (x, scale[, zero point]), it has {n_inputs}")
     if len(node.output) != 1 or not node.output[0]:
@@ -241,12 +253,16 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
         elif len(scale_shape) == 1:
             granularity = PER_AXIS
         else:
-            raise NoMatch(f"malformed node: scale {scale!r} has shape {list(scale_shape)}; "
-                          "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)")
+            raise NoMatch(
+                f"malformed node: scale {scale!r} has shape {list(scale_shape)}; "
+                "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)"
+            )
     if zp and zp_shape is not None and scale_shape is not None and None not in zp_shape and None not in scale_shape:
         if math.prod(zp_shape) != math.prod(scale_shape):
-            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}, scale {scale!r} "
-                          f"has shape {list(scale_shape)}; they must have the same number of elements")
+            raise NoMatch(
+                f"malformed node: zero point {zp!r} has shape {list(zp_shape)}, scale {scale!r} "
+                f"has shape {list(scale_shape)}; they must have the same number of elements"
+            )
         if granularity == PER_AXIS and len(zp_shape) != 1:
             raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}; per-axis needs 1-D")
     x_shape = value_shape(site.scope, x) if granularity != PER_TENSOR else None
@@ -256,17 +272,33 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
         a = normalized_axis(axis, len(x_shape), site)
         dim = x_shape[a]
         if granularity == PER_AXIS and dim is not None and scale_shape[0] != dim:  # type: ignore[index]
-            raise NoMatch(f"malformed node: scale {scale!r} has {scale_shape[0]} elements but x {x!r} "  # type: ignore[index]
-                          f"has {dim} along axis {axis}")
+            raise NoMatch(
+                f"malformed node: scale {scale!r} has {scale_shape[0]} elements but x {x!r} "  # type: ignore[index]
+                f"has {dim} along axis {axis}"
+            )
     return QDQNode(
-        quantize=quantize, x=x, scale=scale, zero_point=zp, dtype=dtype, granularity=granularity,
-        axis=axis, axis_given=axis_given, scale_shape=scale_shape, zp_shape=zp_shape,
+        quantize=quantize,
+        x=x,
+        scale=scale,
+        zero_point=zp,
+        dtype=dtype,
+        granularity=granularity,
+        axis=axis,
+        axis_given=axis_given,
+        scale_shape=scale_shape,
+        zp_shape=zp_shape,
         site=site,
     )
 
 
-def per_tensor_operand(emit: Emitter, name: str, value: Callable[[], np.ndarray | None],
-                       shape: tuple[int | None, ...] | None, *, scalar: bool) -> str:
+def per_tensor_operand(
+    emit: Emitter,
+    name: str,
+    value: Callable[[], np.ndarray | None],
+    shape: tuple[int | None, ...] | None,
+    *,
+    scalar: bool,
+) -> str:
     """A one-element scale or zero point in a form every consumer accepts.
 
     ``scalar=False`` (QuantizeLinear/DequantizeLinear): a scalar or a 1-D one-element tensor is

@@ -28,7 +28,7 @@ _Ref = tuple
 
 
 class _NodeSpec:
-    __slots__ = ("op_type", "domain", "head", "tail")
+    __slots__ = ("domain", "head", "op_type", "tail")
 
     def __init__(self, op_type: str, domain: str, head: list, tail: bytes):
         self.op_type = op_type
@@ -116,7 +116,9 @@ class Template:
         """The replaced node's inputs that the stamped nodes take as input."""
         return {site.node.input[i] for i in self._inputs_read}
 
-    def stamp(self, site: Site, names: NameAllocator, prefix: str, metadata: bytes) -> tuple[list[bytes], list[tuple[str, str]]]:
+    def stamp(
+        self, site: Site, names: NameAllocator, prefix: str, metadata: bytes
+    ) -> tuple[list[bytes], list[tuple[str, str]]]:
         """Encoded nodes and (name, op) pairs for ``site``, as a build would have produced them."""
         if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
             raise ValueError("template_key promised a structure this node does not have")
@@ -126,7 +128,10 @@ class Template:
         table.append(metadata)
         join = b"".join
         nodes = [join([table[i] for i in indices]) for indices in self._indices]
-        created = [(fresh[v] if k == "fresh" else v.decode(), op) for (k, v), op in zip(self._name_slots, self._ops)]
+        created = [
+            (fresh[v] if k == "fresh" else v.decode(), op)
+            for (k, v), op in zip(self._name_slots, self._ops, strict=True)
+        ]
         return nodes, created
 
 

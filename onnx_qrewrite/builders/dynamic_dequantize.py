@@ -21,7 +21,8 @@ the scale is not float32) or "arithmetic". ``axis_default``: the axis when the a
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -53,8 +54,10 @@ class DynamicDequantizeBuilder:
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))
         if elem is None:
-            raise NoMatch(f"the type of src {site.input(0)!r} is not recorded in the model (no value_info); "
-                          "run onnx shape inference on the model first")
+            raise NoMatch(
+                f"the type of src {site.input(0)!r} is not recorded in the model (no value_info); "
+                "run onnx shape inference on the model first"
+            )
         return dtype_name(elem)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
@@ -62,7 +65,9 @@ class DynamicDequantizeBuilder:
         axis_default = option(options, "axis_default", int, 1)
         node = site.node
         if len(node.input) not in (2, 3) or not node.input[0] or not node.input[1]:
-            raise NoMatch(f"malformed node: DynamicDequantize takes inputs (src, scales[, zps]), it has {len(node.input)}")
+            raise NoMatch(
+                f"malformed node: DynamicDequantize takes inputs (src, scales[, zps]), it has {len(node.input)}"
+            )
         if len(node.output) != 1:
             raise NoMatch(f"malformed node: DynamicDequantize has one output, it has {len(node.output)}")
         unknown = sorted({a.name for a in node.attribute} - {"qtype", "axis"})
@@ -79,16 +84,20 @@ class DynamicDequantizeBuilder:
         scale_elem = site.elem_type(scales)
         scale_type = dtype_name(scale_elem) if scale_elem else None
         if scale_type is None:
-            raise NoMatch(f"the type of scales {scales!r} is not recorded in the model (no value_info); "
-                          "run onnx shape inference on the model first")
+            raise NoMatch(
+                f"the type of scales {scales!r} is not recorded in the model (no value_info); "
+                "run onnx shape inference on the model first"
+            )
         if scale_type not in _SCALE_TYPES:
             raise NoMatch(f"scales {scales!r} is {scale_type}; float32, bfloat16 or float16 are supported")
         zp_type = None
         if zps:
             zp_elem = site.elem_type(zps)
             if zp_elem is None:
-                raise NoMatch(f"the type of zps {zps!r} is not recorded in the model (no value_info); "
-                              "run onnx shape inference on the model first")
+                raise NoMatch(
+                    f"the type of zps {zps!r} is not recorded in the model (no value_info); "
+                    "run onnx shape inference on the model first"
+                )
             zp_type = dtype_name(zp_elem)
             if zp_type not in _ZP_TYPES:
                 raise NoMatch(f"zps {zps!r} is {zp_type}; DynamicDequantize takes int8, uint8 or int32 zero points")
@@ -102,36 +111,58 @@ class DynamicDequantizeBuilder:
         if qtype == "per_tensor":
             for name, shape in ((scales, scale_shape), (zps, tuple(zp_value.shape) if zp_value is not None else None)):
                 if shape is not None and None not in shape and math.prod(shape) != 1:
-                    raise NoMatch(f"malformed node: qtype per_tensor but {name!r} has shape {list(shape)} "
-                                  "(one element expected)")
+                    raise NoMatch(
+                        f"malformed node: qtype per_tensor but {name!r} has shape {list(shape)} (one element expected)"
+                    )
         elif rank is not None:
             axis = normalized_axis(axis, rank, site)
             dim = src_shape[axis]  # type: ignore[index]
-            if scale_shape is not None and len(scale_shape) == 1 and None not in (dim, scale_shape[0]) \
-                    and scale_shape[0] not in (1, dim):
-                raise NoMatch(f"malformed node: scales {scales!r} has {scale_shape[0]} elements but src has "
-                              f"{dim} along axis {axis}")
+            if (
+                scale_shape is not None
+                and len(scale_shape) == 1
+                and None not in (dim, scale_shape[0])
+                and scale_shape[0] not in (1, dim)
+            ):
+                raise NoMatch(
+                    f"malformed node: scales {scales!r} has {scale_shape[0]} elements but src has "
+                    f"{dim} along axis {axis}"
+                )
 
         per_channel = qtype == "per_channel"
-        notes = [f"{qtype}" + (f", axis={axis}" if per_channel else ""),
-                 f"zero point: {zp_type or 'none (symmetric)'}"]
+        notes = [f"{qtype}" + (f", axis={axis}" if per_channel else ""), f"zero point: {zp_type or 'none (symmetric)'}"]
         if form == "dequantize_linear":
             if zp_type is not None and zp_type != src_type:
-                raise NoMatch(f"zps {zps!r} is {zp_type} but src is {src_type}; DequantizeLinear needs both "
-                              "of one type (the arithmetic form follows)")
+                raise NoMatch(
+                    f"zps {zps!r} is {zp_type} but src is {src_type}; DequantizeLinear needs both "
+                    "of one type (the arithmetic form follows)"
+                )
             if scale_type != "float32":
-                raise NoMatch(f"scales {scales!r} is {scale_type}; onnxruntime has no DequantizeLinear "
-                              "kernel for it (the arithmetic form follows)")
+                raise NoMatch(
+                    f"scales {scales!r} is {scale_type}; onnxruntime has no DequantizeLinear "
+                    "kernel for it (the arithmetic form follows)"
+                )
             min_opset = 13 if per_channel else 10
         else:
             if per_channel and rank is None:
-                raise NoMatch(f"per_channel needs the rank of src {src!r} to broadcast the scales, and the "
-                              "model does not record it; run onnx shape inference on the model first")
+                raise NoMatch(
+                    f"per_channel needs the rank of src {src!r} to broadcast the scales, and the "
+                    "model does not record it; run onnx shape inference on the model first"
+                )
             min_opset = 13  # bfloat16 Cast; Reshape of runtime scales
-        data = {"src": src, "scales": scales, "zps": zps, "axis": axis, "rank": rank, "per_channel": per_channel,
-                "scale_type": scale_type, "scale_value": scale_value, "zp_value": zp_value,
-                "scale_shape": scale_shape, "form": form,
-                "zp_shape": tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zps)}
+        data = {
+            "src": src,
+            "scales": scales,
+            "zps": zps,
+            "axis": axis,
+            "rank": rank,
+            "per_channel": per_channel,
+            "scale_type": scale_type,
+            "scale_value": scale_value,
+            "zp_value": zp_value,
+            "scale_shape": scale_shape,
+            "form": form,
+            "zp_shape": tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zps),
+        }
         return Plan(min_opset=min_opset, notes=tuple(notes), data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:

@@ -26,7 +26,8 @@ which we never pass).
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -39,7 +40,7 @@ from onnx_qrewrite.graph import dtype_name
 SEMANTICS = ("onnxruntime", "spec")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def spec_body(opset: int) -> onnx.FunctionProto:
     """The function body onnx defines for DynamicQuantizeLinear, as visible at ``opset``."""
     schema = defs.get_schema("DynamicQuantizeLinear", opset, "")
@@ -107,9 +108,10 @@ class DynamicQuantizeLinearBuilder:
     def _build_spec(site: Site, emit: Emitter, outputs: list[str]) -> None:
         body = spec_body(max(11, site.scope.default_opset))
         rename = {body.input[0]: site.node.input[0]}
-        for formal, actual in zip(body.output, outputs):
+        for formal, actual in zip(body.output, outputs, strict=True):
             if actual:
                 rename[formal] = actual
+
         def actual(formal: str) -> str:
             if formal and formal not in rename:
                 rename[formal] = emit.fresh(formal)
@@ -118,8 +120,9 @@ class DynamicQuantizeLinearBuilder:
         for node in body.node:
             ins = [actual(i) for i in node.input]
             outs = [actual(o) for o in node.output]
-            emit.op(node.op_type, ins, outs, domain=node.domain, hint=node.op_type,
-                    **{a.name: a for a in node.attribute})
+            emit.op(
+                node.op_type, ins, outs, domain=node.domain, hint=node.op_type, **{a.name: a for a in node.attribute}
+            )
 
 
 register(DynamicQuantizeLinearBuilder())

@@ -65,7 +65,8 @@ Cast<f32>(zp)), s)``). The default, "strict", stops with an explanation.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -82,7 +83,7 @@ from onnx_qrewrite.builders._qdq import (
     scale_and_zero_point,
 )
 
-__all__ = ["StandardQDQBuilder", "QDQDecomposeBuilder"]
+__all__ = ["QDQDecomposeBuilder", "StandardQDQBuilder"]
 
 _T = onnx.TensorProto
 _DIRECTIONS = ("quantize", "dequantize")
@@ -90,16 +91,30 @@ _DIRECTIONS = ("quantize", "dequantize")
 #: Lowest default-domain opset at which onnxruntime 1.31 has a CPU kernel of the standard op for
 #: each quantized type (NUMERICS.md). uint32, float16 and bfloat16 have none.
 _QUANTIZE_OPSET = {
-    "uint8": 10, "int8": 10, "uint16": 21, "int16": 21, "uint4": 21, "int4": 21,
-    "float8e4m3fn": 19, "float8e4m3fnuz": 19, "float8e5m2": 19, "float8e5m2fnuz": 19,
+    "uint8": 10,
+    "int8": 10,
+    "uint16": 21,
+    "int16": 21,
+    "uint4": 21,
+    "int4": 21,
+    "float8e4m3fn": 19,
+    "float8e4m3fnuz": 19,
+    "float8e5m2": 19,
+    "float8e5m2fnuz": 19,
 }
 _DEQUANTIZE_OPSET = {**_QUANTIZE_OPSET, "int32": 10}
 #: Per-axis scales (and the ``axis`` attribute) exist from opset 13.
 _PER_AXIS_OPSET = 13
 
 _ONNX_TYPES = {
-    "uint8": _T.UINT8, "int8": _T.INT8, "uint16": _T.UINT16, "int16": _T.INT16,
-    "uint32": _T.UINT32, "int32": _T.INT32, "float16": _T.FLOAT16, "bfloat16": _T.BFLOAT16,
+    "uint8": _T.UINT8,
+    "int8": _T.INT8,
+    "uint16": _T.UINT16,
+    "int16": _T.INT16,
+    "uint32": _T.UINT32,
+    "int32": _T.INT32,
+    "float16": _T.FLOAT16,
+    "bfloat16": _T.BFLOAT16,
 }
 
 _FLOAT16_MAX = 65504.0
@@ -130,12 +145,12 @@ class StandardQDQBuilder:
         needed = table[q.dtype]
         if q.granularity != PER_TENSOR:
             needed = max(needed, _PER_AXIS_OPSET)
-        if not quantize and q.dtype == "int32" and option(options, "int32_in_int64", (True, False), False):
-            if q.zero_point and (q.zp_value is None or np.any(q.zp_value != 0)):
-                raise NoMatch(
-                    f"zero point {q.zero_point!r} is not a constant 0: the kernel computes (int64)x - zp, "
-                    "DequantizeLinear subtracts in int32 and wraps for extreme x"
-                )
+        int32_in_int64 = not quantize and q.dtype == "int32" and option(options, "int32_in_int64", (True, False), False)
+        if int32_in_int64 and q.zero_point and (q.zp_value is None or np.any(q.zp_value != 0)):
+            raise NoMatch(
+                f"zero point {q.zero_point!r} is not a constant 0: the kernel computes (int64)x - zp, "
+                "DequantizeLinear subtracts in int32 and wraps for extreme x"
+            )
         origin = "Quark kernel" if options.get("axis_default") == 0 else "kernel"
         return Plan(min_opset=needed, notes=(q.describe(origin),), data={"qdq": q})
 
@@ -212,8 +227,11 @@ class QDQDecomposeBuilder:
             notes.append(f"float16 semantics: {f16}")
         elif q.dtype in INTEGER_RANGES and quantize:
             notes.append(f"overflow: {overflow}")
-        return Plan(min_opset=self.MIN_OPSET, notes=tuple(notes),
-                    data={"qdq": q, "overflow": overflow, "float16_semantics": f16})
+        return Plan(
+            min_opset=self.MIN_OPSET,
+            notes=tuple(notes),
+            data={"qdq": q, "overflow": overflow, "float16_semantics": f16},
+        )
 
     @staticmethod
     def _float16_semantics(site: Site, q: QDQNode, chosen: str) -> str:

@@ -19,14 +19,27 @@ import onnx
 from onnx_qrewrite.commands.options import float16_semantics_option, load_selected_rules, rule_selection
 from onnx_qrewrite.errors import LoweringError, UsageError
 
-__all__ = ["inspect_command", "inspect_model", "InspectReport", "QuantNode"]
+__all__ = ["InspectReport", "QuantNode", "inspect_command", "inspect_model"]
 
 #: Standard and onnxruntime ops that belong to quantized models even when no rule rewrites them.
-_QUANT_OPS = frozenset({
-    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger",
-    "QLinearConv", "QLinearMatMul", "QGemm", "QAttention", "MatMulNBits", "MatMulBnb4",
-    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "GatherBlockQuantized",
-})
+_QUANT_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "DynamicQuantizeLinear",
+        "MatMulInteger",
+        "ConvInteger",
+        "QLinearConv",
+        "QLinearMatMul",
+        "QGemm",
+        "QAttention",
+        "MatMulNBits",
+        "MatMulBnb4",
+        "MatMulIntegerToFloat",
+        "DynamicQuantizeMatMul",
+        "GatherBlockQuantized",
+    }
+)
 
 
 def _is_quantization_op(node: onnx.NodeProto) -> bool:
@@ -68,8 +81,10 @@ class InspectReport:
         out: dict[tuple[str, str, str], dict[str, Any]] = {}
         for n in self.nodes:
             key = (n.op, n.dtype, n.status)
-            g = out.setdefault(key, {"op": n.op, "dtype": n.dtype, "rule": n.status, "count": 0,
-                                     "becomes": [], "scopes": [], "nodes": []})
+            g = out.setdefault(
+                key,
+                {"op": n.op, "dtype": n.dtype, "rule": n.status, "count": 0, "becomes": [], "scopes": [], "nodes": []},
+            )
             g["count"] += 1
             for op in n.becomes:
                 if op not in g["becomes"]:
@@ -181,8 +196,10 @@ def _where(group: dict[str, Any], limit: int = 3) -> str:
 
 def _print_text(rep: InspectReport, all_nodes: bool) -> None:
     default = rep.opsets.get("ai.onnx")
-    click.echo(f"{rep.model}: IR {rep.ir_version}, default-domain opset {default}, "
-               f"imports {', '.join(f'{d} {v}' for d, v in rep.opsets.items() if d != 'ai.onnx') or 'none'}")
+    click.echo(
+        f"{rep.model}: IR {rep.ir_version}, default-domain opset {default}, "
+        f"imports {', '.join(f'{d} {v}' for d, v in rep.opsets.items() if d != 'ai.onnx') or 'none'}"
+    )
     if not rep.nodes:
         click.echo("no quantization ops")
     else:
@@ -200,8 +217,11 @@ def _print_text(rep: InspectReport, all_nodes: bool) -> None:
         click.echo(f"cannot be lowered ({len(unlowered)}; `rewrite` stops with exit code 4 unless --allow-unlowered):")
         for n in unlowered:
             click.echo(f"  {n.node} ({n.op}, {n.dtype}): {'; '.join(n.reasons)}")
-    click.echo("opset changes a rewrite needs:" if rep.opset_changes or rep.opset_error else
-               "opset changes a rewrite needs: none")
+    click.echo(
+        "opset changes a rewrite needs:"
+        if rep.opset_changes or rep.opset_error
+        else "opset changes a rewrite needs: none"
+    )
     if rep.opset_error:
         click.echo(f"  ai.onnx: raising it would fail ({rep.opset_error}); shown with the opset kept")
     for c in rep.opset_changes:
@@ -224,8 +244,19 @@ def _print_text(rep: InspectReport, all_nodes: bool) -> None:
 @click.option("--keep-opset", is_flag=True, help="Plan as if rewriting with --keep-opset.")
 @click.option("-a", "--all-nodes", is_flag=True, help="Also list every quantization node, one a line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
-def inspect_command(model, rule_files, only, skip, rule_options, dql_semantics, float16_semantics,  # noqa: ANN001
-                    target_opset, keep_opset, all_nodes, as_json) -> None:
+def inspect_command(
+    model,
+    rule_files,
+    only,
+    skip,
+    rule_options,
+    dql_semantics,
+    float16_semantics,
+    target_opset,
+    keep_opset,
+    all_nodes,
+    as_json,
+) -> None:
     """List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each,
     and the opset changes a rewrite needs. Writes nothing."""
     if keep_opset and target_opset is not None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -43,14 +44,28 @@ def parse_rule_options(values: tuple[str, ...], dql_semantics: str | None = None
 def rule_selection(func: Callable) -> Callable:
     """--rules/--only/--skip/--rule-option/--dql-semantics, as one reusable group."""
     options = [
-        click.option("--rules", "rule_files", multiple=True, type=click.Path(dir_okay=False),
-                     help="Add a rule catalogue (TOML); repeatable. Shipped rules come first."),
+        click.option(
+            "--rules",
+            "rule_files",
+            multiple=True,
+            type=click.Path(dir_okay=False),
+            help="Add a rule catalogue (TOML); repeatable. Shipped rules come first.",
+        ),
         click.option("--only", multiple=True, metavar="ID[,ID...]", help="Apply only these rules."),
         click.option("--skip", multiple=True, metavar="ID[,ID...]", help="Do not apply these rules."),
-        click.option("--rule-option", "rule_options", multiple=True, metavar="ID.KEY=VALUE",
-                     help="Override a rule option, e.g. dql-expand.semantics=spec; repeatable."),
-        click.option("--dql-semantics", type=click.Choice(["onnxruntime", "spec"]), default=None,
-                     help="DynamicQuantizeLinear: match onnxruntime's kernel (default) or the ONNX spec body."),
+        click.option(
+            "--rule-option",
+            "rule_options",
+            multiple=True,
+            metavar="ID.KEY=VALUE",
+            help="Override a rule option, e.g. dql-expand.semantics=spec; repeatable.",
+        ),
+        click.option(
+            "--dql-semantics",
+            type=click.Choice(["onnxruntime", "spec"]),
+            default=None,
+            help="DynamicQuantizeLinear: match onnxruntime's kernel (default) or the ONNX spec body.",
+        ),
     ]
     for option in reversed(options):
         func = option(func)
@@ -64,14 +79,16 @@ FLOAT16_SEMANTICS = ("kernel", "documented")
 def float16_semantics_option(func: Callable) -> Callable:
     """--float16-semantics: sets option float16_semantics on every rule that has it."""
     return click.option(
-        "--float16-semantics", type=click.Choice(FLOAT16_SEMANTICS), default=None,
+        "--float16-semantics",
+        type=click.Choice(FLOAT16_SEMANTICS),
+        default=None,
         help="Quark float16 Q/DQ whose scale is not 1 or zero point not 0 (the kernel ignores them, "
-             "the documentation applies them): reproduce the CPU kernel or the documented formula. "
-             "Without it such nodes are an error.",
+        "the documentation applies them): reproduce the CPU kernel or the documented formula. "
+        "Without it such nodes are an error.",
     )(func)
 
 
-def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics=None):  # noqa: ANN001, ANN201
+def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics=None):
     from onnx_qrewrite.api import load_rules
 
     catalogue = load_rules(

@@ -49,8 +49,9 @@ def _rewrite_one(task: _Task) -> Outcome:
     from onnx_qrewrite.progress import TerminalProgress
 
     progress = TerminalProgress(enabled=task.progress)
-    catalogue = load_selected_rules(task.rule_files, task.only, task.skip, task.rule_options,
-                                    task.dql_semantics, task.float16_semantics)
+    catalogue = load_selected_rules(
+        task.rule_files, task.only, task.skip, task.rule_options, task.dql_semantics, task.float16_semantics
+    )
     try:
         result = rewrite(task.model, rules=catalogue, progress=progress, **task.engine)
         info = result.save(task.output, reference_external_data=task.reference_external_data, progress=progress)
@@ -104,32 +105,81 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 
 @click.command("rewrite")
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(),
-              help="Output model file; with several models (or a trailing /), the output folder.")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(),
+    help="Output model file; with several models (or a trailing /), the output folder.",
+)
 @rule_selection
 @float16_semantics_option
 @click.option("--target-opset", type=int, default=None, help="Raise the default-domain opset to N first (max 26).")
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
-@click.option("--check/--no-check", default=None,
-              help="Run onnx's checker on the result (default: when it has at most 20k nodes).")
-@click.option("--reference-external-data", is_flag=True,
-              help="Zero copy: reference the input's external data file (output must be in the same folder).")
-@click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
-              help="Write a JSON report of every rewrite (and verification).")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes for several models.")
-@click.option("--verify", "do_verify", is_flag=True,
-              help="Verify each rewrite in onnxruntime; a disagreement exits 1 and removes the output.")
+@click.option(
+    "--check/--no-check",
+    default=None,
+    help="Run onnx's checker on the result (default: when it has at most 20k nodes).",
+)
+@click.option(
+    "--reference-external-data",
+    is_flag=True,
+    help="Zero copy: reference the input's external data file (output must be in the same folder).",
+)
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a JSON report of every rewrite (and verification).",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes for several models.",
+)
+@click.option(
+    "--verify",
+    "do_verify",
+    is_flag=True,
+    help="Verify each rewrite in onnxruntime; a disagreement exits 1 and removes the output.",
+)
 @click.option("--keep-failed", is_flag=True, help="With --verify: keep an output that failed verification.")
-@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
-              help="With --verify: JUnit XML, one test suite per model, one case per output.")
+@click.option(
+    "--junit",
+    "junit_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --verify: JUnit XML, one test suite per model, one case per output.",
+)
 @verify_options(report=False, junit=False)
 @click.pass_context
-def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, rule_files, only, skip,  # noqa: ANN001
-                    rule_options, dql_semantics, float16_semantics, target_opset, keep_opset, allow_unlowered,
-                    check, reference_external_data, report_path, jobs, do_verify, keep_failed, junit_path,
-                    **verify_opts: Any) -> None:
+def rewrite_command(
+    ctx: click.Context,
+    models: tuple[str, ...],
+    output: str,
+    rule_files,
+    only,
+    skip,
+    rule_options,
+    dql_semantics,
+    float16_semantics,
+    target_opset,
+    keep_opset,
+    allow_unlowered,
+    check,
+    reference_external_data,
+    report_path,
+    jobs,
+    do_verify,
+    keep_failed,
+    junit_path,
+    **verify_opts: Any,
+) -> None:
     """Rewrite MODELS with the rules and write them to OUTPUT.
 
     Exit code: the worst over all models (0 ok, 1 verification disagreed, 3 invalid model,
@@ -141,7 +191,7 @@ def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, ru
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
     check_report_paths(report=report_path, junit=junit_path, save_inputs=verify_opts.get("save_inputs"))
     outputs = _outputs_for(models, output)
-    for model, out in zip(models, outputs):
+    for model, out in zip(models, outputs, strict=True):
         if Path(out).resolve() == Path(model).resolve():
             raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
@@ -151,23 +201,46 @@ def rewrite_command(ctx: click.Context, models: tuple[str, ...], output: str, ru
     from onnx_qrewrite.progress import TerminalProgress
 
     show_progress = TerminalProgress(quiet=quiet).enabled and len(models) == 1
-    engine = {"target_opset": target_opset, "keep_opset": keep_opset, "allow_unlowered": allow_unlowered,
-              "check": check}
+    engine = {
+        "target_opset": target_opset,
+        "keep_opset": keep_opset,
+        "allow_unlowered": allow_unlowered,
+        "check": check,
+    }
     tasks = [
-        _Task(m, o, tuple(rule_files), tuple(only), tuple(skip), tuple(rule_options), dql_semantics,
-              float16_semantics, engine, reference_external_data, verify_args, keep_failed, show_progress,
-              want_report=report_path is not None)
-        for m, o in zip(models, outputs)
+        _Task(
+            m,
+            o,
+            tuple(rule_files),
+            tuple(only),
+            tuple(skip),
+            tuple(rule_options),
+            dql_semantics,
+            float16_semantics,
+            engine,
+            reference_external_data,
+            verify_args,
+            keep_failed,
+            show_progress,
+            want_report=report_path is not None,
+        )
+        for m, o in zip(models, outputs, strict=True)
     ]
     outcomes = _run_all(tasks, models, jobs, quiet)
     if report_path:
-        payloads = [{k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
-                    for o in outcomes]
+        payloads = [
+            {k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
+            for o in outcomes
+        ]
         body = payloads[0] if len(models) == 1 and not outcomes[0].error else {"models": payloads}
         write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path:
-        combined_junit([o.payload.get("_junit") for o in outcomes], [o.label for o in outcomes],
-                       [o.error for o in outcomes], junit_path)
+        combined_junit(
+            [o.payload.get("_junit") for o in outcomes],
+            [o.label for o in outcomes],
+            [o.error for o in outcomes],
+            junit_path,
+        )
     worst = max(o.exit_code for o in outcomes)
     if worst:
         ctx.exit(worst)
@@ -190,6 +263,8 @@ def _run_all(tasks: list[_Task], models: tuple[str, ...], jobs: int, quiet: bool
     outcomes.sort(key=lambda o: o.index)
     if len(models) > 1 and not quiet:
         failed = [o for o in outcomes if o.exit_code]
-        click.echo(f"{len(models)} models: {len(models) - len(failed)} ok, {len(failed)} failed"
-                   + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else ""))
+        click.echo(
+            f"{len(models)} models: {len(models) - len(failed)} ok, {len(failed)} failed"
+            + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else "")
+        )
     return outcomes

@@ -10,7 +10,7 @@ from onnx_qrewrite.commands.options import load_selected_rules, rule_selection
 @click.command("rules")
 @rule_selection
 @click.option("--long", "long_", is_flag=True, help="Also show conditions, options and the source file.")
-def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) -> None:  # noqa: ANN001
+def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) -> None:
     """List the available rules: id, what it matches, what it emits."""
     catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics)
     width = max((len(r.id) for r in catalogue), default=0)

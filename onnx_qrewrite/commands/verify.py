@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import click
 
@@ -20,7 +21,7 @@ from onnx_qrewrite.commands.options import check_report_paths
 from onnx_qrewrite.errors import EXIT_DISAGREE, UsageError
 from onnx_qrewrite.report import write_report_file
 
-__all__ = ["verify_command", "verify_options", "verify_kwargs", "emit_report", "combined_junit"]
+__all__ = ["combined_junit", "emit_report", "verify_command", "verify_kwargs", "verify_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,40 +32,112 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
     """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
     (which has its own ``--report`` and ``--junit``, hence the switches)."""
     options = [
-        click.option("--inputs", "inputs_file", type=click.Path(dir_okay=False), default=None,
-                     help="Run on these inputs (.npz keyed by input name) instead of generated ones."),
-        click.option("--samples", type=int, default=2, show_default=True,
-                     help="Random samples to generate (the quantization battery comes on top)."),
+        click.option(
+            "--inputs",
+            "inputs_file",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Run on these inputs (.npz keyed by input name) instead of generated ones.",
+        ),
+        click.option(
+            "--samples",
+            type=int,
+            default=2,
+            show_default=True,
+            help="Random samples to generate (the quantization battery comes on top).",
+        ),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs."),
-        click.option("--int-range", default="0,9", show_default=True, metavar="LO,HI",
-                     help="Range of generated integer inputs (ids), inclusive."),
-        click.option("--input-shape", "input_shapes", multiple=True, metavar="NAME:D0,D1,...",
-                     help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable."),
-        click.option("--battery/--no-battery", default=True, show_default=True,
-                     help="Add the quantization battery for float inputs: zeros, a constant, a wide range, negatives."),
-        click.option("--atol", multiple=True, metavar="[NAME:]VALUE",
-                     help="Absolute tolerance for float outputs; NAME:VALUE for one output. Default by dtype."),
-        click.option("--rtol", multiple=True, metavar="[NAME:]VALUE",
-                     help="Relative tolerance for float outputs; NAME:VALUE for one output. Default by dtype."),
-        click.option("--lsb", multiple=True, metavar="[NAME:]N",
-                     help="Allowed difference in units for integer/quantized outputs (default 0: exact)."),
-        click.option("--ort-opt-level", type=click.Choice(_OPT_LEVELS), default="disable", show_default=True,
-                     help="onnxruntime graph optimisation, the same for both models (it changes QDQ numerics)."),
-        click.option("--threads", type=int, default=1, show_default=True,
-                     help="onnxruntime intra-op threads for both models (0: onnxruntime's default)."),
-        click.option("--custom-op-library", type=click.Path(dir_okay=False), default=None,
-                     help="Run the original's vendor ops with this library instead of the reference kernels."),
-        click.option("--save-inputs", type=click.Path(dir_okay=False), default=None,
-                     help="Write the inputs used to this .npz file."),
-        click.option("--localize/--no-localize", default=True, show_default=True,
-                     help="On disagreement, name the first differing node of the rewritten model."),
+        click.option(
+            "--int-range",
+            default="0,9",
+            show_default=True,
+            metavar="LO,HI",
+            help="Range of generated integer inputs (ids), inclusive.",
+        ),
+        click.option(
+            "--input-shape",
+            "input_shapes",
+            multiple=True,
+            metavar="NAME:D0,D1,...",
+            help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable.",
+        ),
+        click.option(
+            "--battery/--no-battery",
+            default=True,
+            show_default=True,
+            help="Add the quantization battery for float inputs: zeros, a constant, a wide range, negatives.",
+        ),
+        click.option(
+            "--atol",
+            multiple=True,
+            metavar="[NAME:]VALUE",
+            help="Absolute tolerance for float outputs; NAME:VALUE for one output. Default by dtype.",
+        ),
+        click.option(
+            "--rtol",
+            multiple=True,
+            metavar="[NAME:]VALUE",
+            help="Relative tolerance for float outputs; NAME:VALUE for one output. Default by dtype.",
+        ),
+        click.option(
+            "--lsb",
+            multiple=True,
+            metavar="[NAME:]N",
+            help="Allowed difference in units for integer/quantized outputs (default 0: exact).",
+        ),
+        click.option(
+            "--ort-opt-level",
+            type=click.Choice(_OPT_LEVELS),
+            default="disable",
+            show_default=True,
+            help="onnxruntime graph optimisation, the same for both models (it changes QDQ numerics).",
+        ),
+        click.option(
+            "--threads",
+            type=int,
+            default=1,
+            show_default=True,
+            help="onnxruntime intra-op threads for both models (0: onnxruntime's default).",
+        ),
+        click.option(
+            "--custom-op-library",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Run the original's vendor ops with this library instead of the reference kernels.",
+        ),
+        click.option(
+            "--save-inputs",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Write the inputs used to this .npz file.",
+        ),
+        click.option(
+            "--localize/--no-localize",
+            default=True,
+            show_default=True,
+            help="On disagreement, name the first differing node of the rewritten model.",
+        ),
     ]
     if report:
-        options.append(click.option("--report", "report_path", type=click.Path(dir_okay=False), default=None,
-                                    help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."))
+        options.append(
+            click.option(
+                "--report",
+                "report_path",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json).",
+            )
+        )
     if junit:
-        options.append(click.option("--junit", "junit_path", type=click.Path(dir_okay=False), default=None,
-                                    help="Write a JUnit XML report: one test suite per model, one case per output."))
+        options.append(
+            click.option(
+                "--junit",
+                "junit_path",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Write a JUnit XML report: one test suite per model, one case per output.",
+            )
+        )
 
     def decorate(func: Callable) -> Callable:
         for option in reversed(options):
@@ -112,15 +185,16 @@ def verify_kwargs(
     }
 
 
-def combined_junit(documents: Sequence[str | None], labels: Sequence[str], errors: Sequence[str | None],
-                   path: str) -> None:
+def combined_junit(
+    documents: Sequence[str | None], labels: Sequence[str], errors: Sequence[str | None], path: str
+) -> None:
     """One JUnit file for several models: their ``<testsuite>`` elements side by side; a model that
     could not be verified at all becomes a suite with one errored case, so CI shows it too."""
     import xml.etree.ElementTree as ET
 
     root = ET.Element("testsuites", name="onnx-qrewrite verify")
     tests = failures = errored = 0
-    for document, label, error in zip(documents, labels, errors):
+    for document, label, error in zip(documents, labels, errors, strict=True):
         if document is not None:
             for suite in ET.fromstring(document).iter("testsuite"):
                 root.append(suite)
@@ -145,20 +219,42 @@ def _verify_one(args: tuple[str, str, dict[str, Any]]) -> Outcome:
 
     original, rewritten, kwargs = args
     report = verify(original, rewritten, **kwargs)
-    return Outcome(0, original, report.exit_code, [report.to_table()],
-                   payload={"report": report.to_dict(), "junit": report.junit_xml()})
+    return Outcome(
+        0,
+        original,
+        report.exit_code,
+        [report.to_table()],
+        payload={"report": report.to_dict(), "junit": report.junit_xml()},
+    )
 
 
 @click.command("verify")
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--rewritten-dir", type=click.Path(file_okay=False), default=None,
-              help="Verify each ORIGINAL against the model of the same name in this folder.")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes for several models.")
+@click.option(
+    "--rewritten-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Verify each ORIGINAL against the model of the same name in this folder.",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes for several models.",
+)
 @verify_options()
 @click.pass_context
-def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: str | None, jobs: int,
-                   report_path: str | None, junit_path: str | None, **options: Any) -> None:
+def verify_command(
+    ctx: click.Context,
+    models: tuple[str, ...],
+    rewritten_dir: str | None,
+    jobs: int,
+    report_path: str | None,
+    junit_path: str | None,
+    **options: Any,
+) -> None:
     """Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.
 
     \b
@@ -206,12 +302,18 @@ def verify_command(ctx: click.Context, models: tuple[str, ...], rewritten_dir: s
         body = {"models": [o.payload.get("report") or {"original": o.label, "error": o.error} for o in outcomes]}
         write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path:
-        combined_junit([o.payload.get("junit") for o in outcomes], [o.label for o in outcomes],
-                       [o.error for o in outcomes], junit_path)
+        combined_junit(
+            [o.payload.get("junit") for o in outcomes],
+            [o.label for o in outcomes],
+            [o.error for o in outcomes],
+            junit_path,
+        )
     failed = [o for o in outcomes if o.exit_code]
     if not quiet:
-        click.echo(f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
-                   + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else ""))
+        click.echo(
+            f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
+            + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else "")
+        )
     worst = max((o.exit_code for o in outcomes), default=0)
     if worst:
         ctx.exit(worst)
@@ -225,5 +327,3 @@ def emit_report(report: Any, *, report_path: str | None, junit_path: str | None,
         report.write_junit(junit_path)
     if not quiet:
         click.echo(report.to_table())
-
-

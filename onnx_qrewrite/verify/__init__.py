@@ -23,8 +23,8 @@ import os
 import sys
 import time
 import types
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence, Union
 
 import numpy as np
 import onnx
@@ -32,30 +32,37 @@ import onnx
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
-from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, generate_samples, input_specs, load_samples, save_samples
+from onnx_qrewrite.verify.inputs import (
+    GenerationOptions,
+    Sample,
+    generate_samples,
+    input_specs,
+    load_samples,
+    save_samples,
+)
 from onnx_qrewrite.verify.localize import Localization, localize
 from onnx_qrewrite.verify.reference_ops import find_vendor_nodes, iter_all_nodes
 from onnx_qrewrite.verify.report import SCHEMA_PATH, TOOL_NAME, VerifyReport, VerifySettings
 from onnx_qrewrite.verify.session import OPT_LEVELS, ModelRunner, SessionSettings
 
 __all__ = [
-    "verify",
-    "VerifyReport",
-    "VerifySettings",
-    "Tolerances",
-    "ValueComparison",
-    "Localization",
-    "Sample",
-    "GenerationOptions",
-    "SessionSettings",
     "OPT_LEVELS",
     "SCHEMA_PATH",
+    "GenerationOptions",
+    "Localization",
+    "Sample",
+    "SessionSettings",
+    "Tolerances",
+    "ValueComparison",
+    "VerifyReport",
+    "VerifySettings",
+    "verify",
 ]
 
 logger = logging.getLogger(__name__)
 
-ModelLike = Union[str, os.PathLike, onnx.ModelProto]
-InputsLike = Union[str, os.PathLike, Mapping[str, np.ndarray], Sequence[Sample], None]
+ModelLike = str | os.PathLike | onnx.ModelProto
+InputsLike = str | os.PathLike | Mapping[str, np.ndarray] | Sequence[Sample] | None
 
 
 def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
@@ -140,7 +147,9 @@ def _compare_outputs(
         if name in per_output:
             comparisons.append(merge_comparisons(per_output[name]))
         else:
-            comparisons.append(_interface_problem(name, original.output_types[name], "missing from the rewritten model"))
+            comparisons.append(
+                _interface_problem(name, original.output_types[name], "missing from the rewritten model")
+            )
     for name, type_name in rewritten.output_types.items():
         if name not in original.output_types:
             comparisons.append(_interface_problem(name, type_name, "an output of the rewritten model only"))
@@ -151,7 +160,9 @@ def _interface_problem(name: str, type_name: str, problem: str) -> ValueComparis
     from onnx_qrewrite.verify.compare import Tolerance
 
     dtype = type_name.removeprefix("tensor(").removesuffix(")")
-    return ValueComparison(name=name, dtype=dtype, shape=(), tolerance=Tolerance(0.0, 0.0, 0), integer=False, problem=problem)
+    return ValueComparison(
+        name=name, dtype=dtype, shape=(), tolerance=Tolerance(0.0, 0.0, 0), integer=False, problem=problem
+    )
 
 
 def _open_rewritten(model: onnx.ModelProto, make_runner: Callable[[onnx.ModelProto, str], ModelRunner]) -> ModelRunner:
@@ -225,8 +236,13 @@ def verify(
 
     def make_runner(model: onnx.ModelProto, side: str) -> ModelRunner:
         if side == "original":
-            return ModelRunner(model, label=original_label, settings=session,
-                               reference_kernels=reference_kernels, register_custom_library=True)
+            return ModelRunner(
+                model,
+                label=original_label,
+                settings=session,
+                reference_kernels=reference_kernels,
+                register_custom_library=True,
+            )
         return ModelRunner(model, label=rewritten_label, settings=session)
 
     original_runner = make_runner(original_model, "original")

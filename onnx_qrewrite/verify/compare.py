@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -22,12 +22,12 @@ __all__ = [
     "DEFAULT_FLOAT_TOLERANCES",
     "Tolerance",
     "Tolerances",
-    "Worst",
     "ValueComparison",
-    "parse_tolerance_option",
-    "is_integer_dtype",
+    "Worst",
     "compare_values",
+    "is_integer_dtype",
     "merge_comparisons",
+    "parse_tolerance_option",
 ]
 
 #: (atol, rtol) per floating dtype when no ``--atol`` / ``--rtol`` is given: about one unit in the
@@ -77,7 +77,7 @@ class Tolerances:
     output_lsb: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_options(cls, atol: Sequence[str] = (), rtol: Sequence[str] = (), lsb: Sequence[str] = ()) -> "Tolerances":
+    def from_options(cls, atol: Sequence[str] = (), rtol: Sequence[str] = (), lsb: Sequence[str] = ()) -> Tolerances:
         """From Polygraphy-style option values: ``1e-5`` (default) or ``name:1e-4`` (one output)."""
         atol_default, atol_per = parse_tolerance_option(atol, "--atol", float)
         rtol_default, rtol_per = parse_tolerance_option(rtol, "--rtol", float)
@@ -168,7 +168,9 @@ def _scalar(value: np.generic) -> float | int:
     return int(value) if isinstance(value, (int, np.integer, np.bool_)) else float(value)
 
 
-def _errors(original: np.ndarray, rewritten: np.ndarray, tol: Tolerance) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _errors(
+    original: np.ndarray, rewritten: np.ndarray, tol: Tolerance
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per element: exact match, within tolerance, absolute error, |original| (for rel error)."""
     if is_integer_dtype(original.dtype):
         a = original.astype(np.int64) if original.dtype in _INTEGER_EXTRA else original
@@ -194,19 +196,29 @@ def _errors(original: np.ndarray, rewritten: np.ndarray, tol: Tolerance) -> tupl
     return exact, within, abs_error, np.abs(a)
 
 
-def compare_values(name: str, sample: str, original: np.ndarray, rewritten: np.ndarray, tol: Tolerance) -> ValueComparison:
+def compare_values(
+    name: str, sample: str, original: np.ndarray, rewritten: np.ndarray, tol: Tolerance
+) -> ValueComparison:
     """Compare one value of one sample."""
     original, rewritten = np.asarray(original), np.asarray(rewritten)
     floating = not is_integer_dtype(original.dtype)
-    base = dict(name=name, dtype=original.dtype.name, shape=tuple(original.shape), tolerance=tol, integer=not floating)
+    base = {
+        "name": name,
+        "dtype": original.dtype.name,
+        "shape": tuple(original.shape),
+        "tolerance": tol,
+        "integer": not floating,
+    }
     if original.dtype != rewritten.dtype:
         return ValueComparison(
-            **base, problem=f"dtype differs: original {original.dtype.name}, rewritten {rewritten.dtype.name}",
+            **base,
+            problem=f"dtype differs: original {original.dtype.name}, rewritten {rewritten.dtype.name}",
             failed_samples=(sample,),
         )
     if original.shape != rewritten.shape:
         return ValueComparison(
-            **base, problem=f"shape differs: original {list(original.shape)}, rewritten {list(rewritten.shape)}",
+            **base,
+            problem=f"shape differs: original {list(original.shape)}, rewritten {list(rewritten.shape)}",
             failed_samples=(sample,),
         )
     exact, within, abs_error, magnitude = _errors(original, rewritten, tol)
@@ -223,8 +235,12 @@ def compare_values(name: str, sample: str, original: np.ndarray, rewritten: np.n
         flat = int(np.argmax(abs_error))
         index = tuple(int(i) for i in np.unravel_index(flat, original.shape))
         worst = Worst(
-            sample, index, _scalar(original[index]), _scalar(rewritten[index]),
-            float(abs_error[index]), float(rel_error[index]),
+            sample,
+            index,
+            _scalar(original[index]),
+            _scalar(rewritten[index]),
+            float(abs_error[index]),
+            float(rel_error[index]),
         )
     return ValueComparison(
         **base,

@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import zipfile
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -37,16 +37,16 @@ from onnx import TensorProto, helper
 from onnx_qrewrite.errors import UsageError
 
 __all__ = [
-    "DEFAULT_DIM",
     "BATTERY",
+    "DEFAULT_DIM",
+    "GenerationOptions",
     "InputSpec",
     "Sample",
-    "GenerationOptions",
+    "generate_samples",
     "input_specs",
+    "load_samples",
     "parse_input_shape",
     "parse_int_range",
-    "generate_samples",
-    "load_samples",
     "save_samples",
 ]
 
@@ -175,25 +175,27 @@ def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]]) -> tu
                 raise UsageError(
                     f"--input-shape: {spec.name!r} has rank {len(spec.dims)} but {len(shape)} dimensions were given"
                 )
-            for i, (given, declared) in enumerate(zip(shape, spec.dims)):
+            for i, (given, declared) in enumerate(zip(shape, spec.dims, strict=True)):
                 if isinstance(declared, int) and declared > 0 and given != declared:
-                    raise UsageError(
-                        f"--input-shape: {spec.name!r} dimension {i} is fixed at {declared}, got {given}"
-                    )
+                    raise UsageError(f"--input-shape: {spec.name!r} dimension {i} is fixed at {declared}, got {given}")
         return shape
     if spec.dims is None:
         raise UsageError(f"input {spec.name!r} declares no shape; give one with --input-shape {spec.name}:D0,D1,...")
     return tuple(d if isinstance(d, int) and d > 0 else DEFAULT_DIM for d in spec.dims)
 
 
-def _random(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, int_range: tuple[int, int]) -> np.ndarray:
+def _random(
+    spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, int_range: tuple[int, int]
+) -> np.ndarray:
     if spec.elem_type in _FLOAT_TYPES:
         return rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
     if spec.elem_type in _INT_TYPES:
         info = np.iinfo(spec.dtype)
         lo, hi = max(int_range[0], int(info.min)), min(int_range[1], int(info.max))
         if lo > hi:
-            raise UsageError(f"--int-range: {int_range[0]},{int_range[1]} holds no {spec.type_name} value (input {spec.name!r})")
+            raise UsageError(
+                f"--int-range: {int_range[0]},{int_range[1]} holds no {spec.type_name} value (input {spec.name!r})"
+            )
         return rng.integers(lo, hi, size=shape, endpoint=True).astype(spec.dtype)
     if spec.elem_type == TensorProto.BOOL:
         return rng.random(shape) < 0.5
@@ -244,11 +246,11 @@ def _decode(array: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
         return array.view(spec.dtype)
     if array.dtype != spec.dtype:
         raise UsageError(f"--inputs: {where} has dtype {array.dtype}, but the model input is {spec.type_name}")
-    if spec.dims is not None:
-        if array.ndim != len(spec.dims) or any(
-            isinstance(d, int) and d > 0 and d != n for d, n in zip(spec.dims, array.shape)
-        ):
-            raise UsageError(f"--inputs: {where} has shape {list(array.shape)}, but the model declares {list(spec.dims)}")
+    if spec.dims is not None and (
+        array.ndim != len(spec.dims)
+        or any(isinstance(d, int) and d > 0 and d != n for d, n in zip(spec.dims, array.shape, strict=True))
+    ):
+        raise UsageError(f"--inputs: {where} has shape {list(array.shape)}, but the model declares {list(spec.dims)}")
     return array
 
 
@@ -273,7 +275,10 @@ def load_samples(path: str | os.PathLike[str], specs: Sequence[InputSpec]) -> li
     for sample, feeds in grouped.items():
         missing = [n for n in by_name if n not in feeds]
         if missing:
-            raise UsageError(f"--inputs: {path}: no value for the input {missing[0]!r}" + (f" in sample {sample!r}" if len(grouped) > 1 else ""))
+            raise UsageError(
+                f"--inputs: {path}: no value for the input {missing[0]!r}"
+                + (f" in sample {sample!r}" if len(grouped) > 1 else "")
+            )
         samples.append(Sample(sample, feeds))
     if not samples:
         raise UsageError(f"--inputs: {path}: the file holds no arrays")

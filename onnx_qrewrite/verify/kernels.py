@@ -36,11 +36,11 @@ import ml_dtypes
 import numpy as np
 
 __all__ = [
-    "QUARK_DEFAULT_AXIS",
     "DYNAMIC_DEQUANTIZE_DEFAULT_AXIS",
-    "quark_quantize",
-    "quark_dequantize",
+    "QUARK_DEFAULT_AXIS",
     "dynamic_dequantize",
+    "quark_dequantize",
+    "quark_quantize",
 ]
 
 #: Axis the Quark kernel uses when the node has no ``axis`` attribute (measured; the docs say 1).
@@ -73,7 +73,9 @@ def _check_axis_length(param: np.ndarray, x: np.ndarray, axis: int, what: str) -
         )
 
 
-def quark_quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int = QUARK_DEFAULT_AXIS) -> np.ndarray:
+def quark_quantize(
+    x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int = QUARK_DEFAULT_AXIS
+) -> np.ndarray:
     """ExtendedQuantizeLinear as Quark's CPU kernel computes it; the result has ``zero_point``'s dtype."""
     x = np.asarray(x, dtype=np.float32)
     scale = np.asarray(scale, dtype=np.float32)
@@ -108,7 +110,9 @@ def quark_quantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axi
     return saturated.astype(out_dtype)
 
 
-def quark_dequantize(x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int = QUARK_DEFAULT_AXIS) -> np.ndarray:
+def quark_dequantize(
+    x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray, axis: int = QUARK_DEFAULT_AXIS
+) -> np.ndarray:
     """ExtendedDequantizeLinear as Quark's CPU kernel computes it; always float32."""
     x = np.asarray(x)
     scale = np.asarray(scale, dtype=np.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import onnx
 
@@ -28,7 +28,7 @@ from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_va
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
 
-__all__ = ["RULE_KEY", "ORIGIN_KEY", "Localization", "localize"]
+__all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ def localize(
     original_runner = make_runner(_with_outputs(original, names), "original")
     rewritten_runner = make_runner(_with_outputs(rewritten, names), "rewritten")
     tensors = [
-        n for n in names
+        n
+        for n in names
         if original_runner.output_types.get(n, "").startswith("tensor(")
         and rewritten_runner.output_types.get(n, "").startswith("tensor(")
     ]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -43,12 +43,12 @@ from onnx_qrewrite.verify import kernels
 
 __all__ = [
     "REFERENCE_DOMAIN",
-    "vendor_kind",
     "find_vendor_nodes",
     "iter_all_nodes",
-    "retarget_vendor_nodes",
     "register_reference_kernels",
+    "retarget_vendor_nodes",
     "take_kernel_errors",
+    "vendor_kind",
 ]
 
 logger = logging.getLogger(__name__)
@@ -108,7 +108,10 @@ class _Variant:
         try:
             # Narrow floats arrive widened to float32 (module docstring): narrow them back, exactly,
             # so the kernel sees the dtypes the vendor kernel sees.
-            args = [a.astype(_np_dtype(t)) if t in _NARROW_FLOATS else a for a, t in zip(arrays, self.input_types)]
+            args = [
+                a.astype(_np_dtype(t)) if t in _NARROW_FLOATS else a
+                for a, t in zip(arrays, self.input_types, strict=True)
+            ]
             y = np.asarray(self.kernel(*args, **attrs))
         except Exception as exc:  # noqa: BLE001 - reported by take_kernel_errors(), see above
             _KERNEL_ERRORS.append(f"node {node!r}: reference kernel {self.op_type}: {exc}")
@@ -164,12 +167,12 @@ def _dynamic_dequantize_variants() -> Iterator[_Variant]:
                 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _variants() -> dict[str, _Variant]:
     return {v.op_type: v for v in (*_quark_variants(), *_dynamic_dequantize_variants())}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def register_reference_kernels() -> str:
     """Register every reference Python op (once per process); returns the library to load.
 
@@ -291,7 +294,9 @@ class _Retargeter:
         axis = next((a.i for a in node.attribute if a.name == "axis"), kernels.QUARK_DEFAULT_AXIS)
         return variant, [x, scale, zp], {"axis": int(axis)}
 
-    def _dynamic_dequantize_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, object]]:
+    def _dynamic_dequantize_call(
+        self, node: onnx.NodeProto, label: str
+    ) -> tuple[_Variant, list[str], dict[str, object]]:
         src, scales = node.input[0], node.input[1]
         zps = node.input[2] if len(node.input) > 2 and node.input[2] else None
         src_t, scale_t = self._type_of(src), self._type_of(scales)
@@ -305,10 +310,14 @@ class _Retargeter:
             raise InvalidModelError(f"{label}: no reference kernel for {types}")
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         qtype = attrs.get("qtype", b"per_tensor")
-        return _variants()[name], [src, scales] + ([zps] if zps else []), {
-            "qtype": qtype.decode() if isinstance(qtype, bytes) else str(qtype),
-            "axis": int(attrs.get("axis", kernels.DYNAMIC_DEQUANTIZE_DEFAULT_AXIS)),
-        }
+        return (
+            _variants()[name],
+            [src, scales] + ([zps] if zps else []),
+            {
+                "qtype": qtype.decode() if isinstance(qtype, bytes) else str(qtype),
+                "axis": int(attrs.get("axis", kernels.DYNAMIC_DEQUANTIZE_DEFAULT_AXIS)),
+            },
+        )
 
     def node(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         """The reference-domain node replacing ``node``, with Casts around it for narrow floats."""
@@ -320,23 +329,33 @@ class _Retargeter:
 
         created: list[onnx.NodeProto] = []
         wired_inputs = []
-        for name, elem_type in zip(inputs, variant.input_types):
-            if elem_type in _NARROW_FLOATS:
-                widened = self.fresh(f"{name}__qrw_ref_f32")
-                created.append(helper.make_node("Cast", [name], [widened], name=self.fresh(f"{widened}_cast"), to=TensorProto.FLOAT))
-                name = widened
-            wired_inputs.append(name)
+        for name, elem_type in zip(inputs, variant.input_types, strict=True):
+            if elem_type not in _NARROW_FLOATS:
+                wired_inputs.append(name)
+                continue
+            widened = self.fresh(f"{name}__qrw_ref_f32")
+            created.append(
+                helper.make_node("Cast", [name], [widened], name=self.fresh(f"{widened}_cast"), to=TensorProto.FLOAT)
+            )
+            wired_inputs.append(widened)
         output = node.output[0]
         kernel_output = self.fresh(f"{output}__qrw_ref_f32") if variant.output_type in _NARROW_FLOATS else output
         created.append(
             helper.make_node(
-                variant.op_type, wired_inputs, [kernel_output], name=node.name, domain=REFERENCE_DOMAIN,
-                node=node.name or output, **new_attrs,
+                variant.op_type,
+                wired_inputs,
+                [kernel_output],
+                name=node.name,
+                domain=REFERENCE_DOMAIN,
+                node=node.name or output,
+                **new_attrs,
             )
         )
         if kernel_output != output:
             created.append(
-                helper.make_node("Cast", [kernel_output], [output], name=self.fresh(f"{output}_cast"), to=variant.output_type)
+                helper.make_node(
+                    "Cast", [kernel_output], [output], name=self.fresh(f"{output}_cast"), to=variant.output_type
+                )
             )
         self.types[output] = variant.output_type
         return created

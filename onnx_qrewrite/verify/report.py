@@ -13,8 +13,9 @@ import json
 import math
 import os
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from onnx_qrewrite.verify.inputs import GenerationOptions, Sample
 from onnx_qrewrite.verify.localize import Localization
 from onnx_qrewrite.verify.session import SessionSettings
 
-__all__ = ["SCHEMA_PATH", "VerifySettings", "VerifyReport"]
+__all__ = ["SCHEMA_PATH", "VerifyReport", "VerifySettings"]
 
 #: The JSON Schema every ``--report`` file validates against.
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
@@ -136,10 +137,24 @@ class VerifyReport:
     def to_junit(self) -> ET.Element:
         """``<testsuites>`` with one ``<testsuite>`` per model pair and one test case per output."""
         failures = sum(not o.passed for o in self.outputs)
-        suites = ET.Element("testsuites", name=f"{TOOL_NAME} verify", tests=str(len(self.outputs)),
-                            failures=str(failures), errors="0", time=f"{self.duration_seconds:.3f}")
-        suite = ET.SubElement(suites, "testsuite", name=self.rewritten, tests=str(len(self.outputs)),
-                              failures=str(failures), errors="0", skipped="0", time=f"{self.duration_seconds:.3f}")
+        suites = ET.Element(
+            "testsuites",
+            name=f"{TOOL_NAME} verify",
+            tests=str(len(self.outputs)),
+            failures=str(failures),
+            errors="0",
+            time=f"{self.duration_seconds:.3f}",
+        )
+        suite = ET.SubElement(
+            suites,
+            "testsuite",
+            name=self.rewritten,
+            tests=str(len(self.outputs)),
+            failures=str(failures),
+            errors="0",
+            skipped="0",
+            time=f"{self.duration_seconds:.3f}",
+        )
         properties = ET.SubElement(suite, "properties")
         for name, value in (
             ("original", self.original),
@@ -184,24 +199,55 @@ class VerifyReport:
             f"samples: {', '.join(sample.name for sample in self.samples)}",
             "",
         ]
-        header = ("output", "dtype", "shape", "verdict", "tolerance", "max abs err", "max rel err",
-                  "worst element (sample index: original -> rewritten)", "mismatches", "exact")
+        header = (
+            "output",
+            "dtype",
+            "shape",
+            "verdict",
+            "tolerance",
+            "max abs err",
+            "max rel err",
+            "worst element (sample index: original -> rewritten)",
+            "mismatches",
+            "exact",
+        )
         rows = [header]
         for o in self.outputs:
-            rows.append((
-                o.name, o.dtype, _fmt_shape(o.shape), "PASSED" if o.passed else "FAILED", o.tolerance_text,
-                _fmt(o.max_abs_error), _fmt(o.max_rel_error), _fmt_worst(o) if o.problem is None else o.problem,
-                f"{o.mismatches}/{o.elements}", f"{100 * o.exact_match_rate:.2f}%",
-            ))
+            rows.append(
+                (
+                    o.name,
+                    o.dtype,
+                    _fmt_shape(o.shape),
+                    "PASSED" if o.passed else "FAILED",
+                    o.tolerance_text,
+                    _fmt(o.max_abs_error),
+                    _fmt(o.max_rel_error),
+                    _fmt_worst(o) if o.problem is None else o.problem,
+                    f"{o.mismatches}/{o.elements}",
+                    f"{100 * o.exact_match_rate:.2f}%",
+                )
+            )
             if o.nan_original or o.nan_rewritten or o.inf_original or o.inf_rewritten:
-                rows.append(("", "", "", "", "", "", "",
-                             f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten}"
-                             " (original / rewritten)", "", ""))
+                rows.append(
+                    (
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten}"
+                        " (original / rewritten)",
+                        "",
+                        "",
+                    )
+                )
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
-        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         loc_lines = _localization_lines(self.localization)
         if loc_lines:
-            lines += [""] + loc_lines
+            lines += ["", *loc_lines]
         lines += ["", self.summary]
         return "\n".join(lines)
 
@@ -248,13 +294,15 @@ def _sample_dict(sample: Sample) -> dict[str, Any]:
     for name, array in sample.feeds.items():
         as_float = np.asarray(array).astype(np.float64)
         finite = as_float[np.isfinite(as_float)]
-        inputs.append({
-            "name": name,
-            "dtype": array.dtype.name,
-            "shape": list(array.shape),
-            "min": _num(float(finite.min())) if finite.size else None,
-            "max": _num(float(finite.max())) if finite.size else None,
-        })
+        inputs.append(
+            {
+                "name": name,
+                "dtype": array.dtype.name,
+                "shape": list(array.shape),
+                "min": _num(float(finite.min())) if finite.size else None,
+                "max": _num(float(finite.max())) if finite.size else None,
+            }
+        )
     return {"name": sample.name, "inputs": inputs}
 
 
@@ -276,7 +324,12 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "shape": list(o.shape),
         "verdict": "passed" if o.passed else "failed",
         "comparison": "integer" if o.integer else "float",
-        "tolerance": {"atol": o.tolerance.atol, "rtol": o.tolerance.rtol, "lsb": o.tolerance.lsb, "text": o.tolerance_text},
+        "tolerance": {
+            "atol": o.tolerance.atol,
+            "rtol": o.tolerance.rtol,
+            "lsb": o.tolerance.lsb,
+            "text": o.tolerance_text,
+        },
         "elements": o.elements,
         "mismatches": o.mismatches,
         "exact_matches": o.exact_matches,
@@ -310,8 +363,10 @@ def _localization_dict(loc: Localization) -> dict[str, Any]:
 def _failure_message(o: ValueComparison) -> str:
     if o.problem:
         return o.problem
-    return (f"{o.mismatches} of {o.elements} elements differ ({o.tolerance_text}); "
-            f"max abs error {_fmt(o.max_abs_error)}, max rel error {_fmt(o.max_rel_error)}")
+    return (
+        f"{o.mismatches} of {o.elements} elements differ ({o.tolerance_text}); "
+        f"max abs error {_fmt(o.max_abs_error)}, max rel error {_fmt(o.max_rel_error)}"
+    )
 
 
 def _stats_lines(o: ValueComparison) -> list[str]:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
 from onnx_qrewrite.verify import reference_ops
 
-__all__ = ["OPT_LEVELS", "SessionSettings", "ModelRunner"]
+__all__ = ["OPT_LEVELS", "ModelRunner", "SessionSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +139,7 @@ class ModelRunner:
                 options.register_custom_ops_library(reference_ops.register_reference_kernels())
         self.model = model
         try:
-            self.session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
+            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
             raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {first_line(exc)}") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -165,4 +163,4 @@ class ModelRunner:
         kernel_errors = reference_ops.take_kernel_errors()
         if kernel_errors:
             raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {kernel_errors[0]}")
-        return {name: _from_ortvalue(v) for name, v in zip(names, values)}
+        return {name: _from_ortvalue(v) for name, v in zip(names, values, strict=True)}
