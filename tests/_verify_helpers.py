@@ -12,10 +12,9 @@ import json
 import ml_dtypes
 import numpy as np
 import onnx
-from conftest import SHARED, SHARED_MODELS
+from conftest import QUARK_VECTORS
 from onnx import TensorProto, helper
 
-VECTORS = SHARED / "vectors"
 QUARK_DOMAINS = {
     "com.amd.quark": ("ExtendedQuantizeLinear", "ExtendedDequantizeLinear"),
     "com.vai.quantize": ("VitisQuantizeLinear", "VitisDequantizeLinear"),
@@ -34,17 +33,13 @@ RULE_KEY = "onnx_qrewrite.rule"
 ORIGIN_KEY = "onnx_qrewrite.origin"
 
 
-def shared_models() -> list[str]:
-    return sorted(p.stem for p in SHARED_MODELS.glob("*.onnx"))
-
-
 def vector_cases() -> list[dict]:
-    return json.loads((VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
+    return json.loads((QUARK_VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
 
 
 def vector_arrays(case: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """x, scale, zero point, expected y of one case, bfloat16 bit patterns turned into bfloat16."""
-    with np.load(VECTORS / "quark_kernel_vectors.npz") as data:
+    with np.load(QUARK_VECTORS / "quark_kernel_vectors.npz") as data:
         x, scale, zp, y = (data[f"{case['key']}_{n}"] for n in ("x", "scale", "zero_point", "y"))
     if case["dtype"] == "bfloat16":
         zp = zp.view(ml_dtypes.bfloat16)

@@ -1,4 +1,5 @@
-"""Shared test helpers. Real models and Quark kernel vectors come from ../shared (read-only)."""
+"""Shared test helpers. Real models and Quark kernel vectors are checked in under tests/data (see the
+README in each folder for where they came from)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,18 @@ import onnxruntime as ort
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-SHARED_MODELS = SHARED / "models"
+DATA = REPO / "tests" / "data"
+REAL_MODELS = DATA / "models"
+QUARK_VECTORS = DATA / "quark_vectors"
+# Listed, not globbed: a missing or renamed data file must fail the tests that read it, never shrink
+# a parametrization to nothing (which pytest reports as a skip).
+REAL_MODEL_NAMES = (
+    "ortdyn_cnn_op17_w8u",
+    "ortqdq_ms_cnn_op17_a16u_w16s",
+    "quark_cnn_op17_a16w8_ext",
+    "quark_cnn_op17_bf16",
+    "quark_cnn_op17_fp16",
+)
 SAMPLES = REPO / "sample_models"
 
 

@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 import onnx
-from conftest import SHARED_MODELS
+from conftest import REAL_MODELS
 from onnx import helper
 
 import onnx_qrewrite
 from onnx_qrewrite.api import load_rules
 from onnx_qrewrite.commands.inspect import inspect_model
 
-A16W8 = SHARED_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
+A16W8 = REAL_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
 
 
 def cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """AMD Quark's Extended/Vitis quantize and dequantize ops -> standard ONNX, bit for bit.
 
-The evidence is the 96 cases in ../shared/vectors, computed by Quark's real CPU kernels: each one
+The evidence is the 96 cases in tests/data/quark_vectors, computed by Quark's real CPU kernels: each one
 is lowered as a one-node model under both names of the op (com.amd.quark Extended*, com.vai.quantize
 Vitis*) and run in stock onnxruntime. NUMERICS.md's traps each have a case: the missing axis means
 0, int32 dequantize subtracts in int64, float->int Cast does not saturate, float16 ignores scale and
@@ -15,13 +15,12 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
-from conftest import SHARED, assert_bitwise_equal, op_types, rule_marker, run
+from conftest import QUARK_VECTORS, assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
 
-VECTORS = SHARED / "vectors"
-CASES = json.loads((VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
+CASES = json.loads((QUARK_VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
 ALIASES = {"com.amd.quark": "Extended", "com.vai.quantize": "Vitis"}
 BITS = {"uint8": 8, "int8": 8, "uint16": 16, "int16": 16, "uint32": 32, "int32": 32}
 F16_KERNEL = {"quark-q-float16": {"float16_semantics": "kernel"}, "quark-dq-float16": {"float16_semantics": "kernel"}}
@@ -29,7 +28,7 @@ F16_KERNEL = {"quark-q-float16": {"float16_semantics": "kernel"}, "quark-dq-floa
 
 @pytest.fixture(scope="module")
 def vectors():
-    with np.load(VECTORS / "quark_kernel_vectors.npz") as data:
+    with np.load(QUARK_VECTORS / "quark_kernel_vectors.npz") as data:
         arrays = {k: data[k] for k in data.files}
     out = {}
     for case in CASES:

@@ -1,4 +1,4 @@
-"""Every real model in ../shared/models rewrites, with the default rules, to standard ONNX that stock
+"""Every real model in tests/data/models rewrites, with the default rules, to standard ONNX that stock
 onnxruntime (no custom-op library) runs, reproducing the outputs the original produced.
 
 The stored outputs were made with onnxruntime's default settings (graph optimisation on) and, for
@@ -17,18 +17,18 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-from conftest import SHARED_MODELS, assert_bitwise_equal, run
+from conftest import REAL_MODEL_NAMES, REAL_MODELS, assert_bitwise_equal, run
 
 import onnx_qrewrite
 
-MODELS = sorted(p.stem for p in SHARED_MODELS.glob("*.onnx"))
+MODELS = list(REAL_MODEL_NAMES)
 #: Models whose original stock onnxruntime runs, with a fusion under optimisation (see above). The
 #: others need a custom-op library: for them the stored outputs are the only reference.
 FUSED_IN_ORT = {"ortdyn_cnn_op17_w8u"}
 
 
 def stored(name: str, kind: str) -> dict[str, np.ndarray]:
-    with np.load(SHARED_MODELS / f"{name}.{kind}.npz") as data:
+    with np.load(REAL_MODELS / f"{name}.{kind}.npz") as data:
         return {k: data[k] for k in data.files}
 
 
@@ -48,7 +48,7 @@ def assert_standard(model: onnx.ModelProto, original: onnx.ModelProto) -> None:
 @pytest.mark.parametrize("keep_opset", [False, True], ids=["default", "keep-opset"])
 @pytest.mark.parametrize("name", MODELS)
 def test_shared_model_rewrites_to_standard_onnx_and_reproduces_stored_outputs(name, keep_opset):
-    path = SHARED_MODELS / f"{name}.onnx"
+    path = REAL_MODELS / f"{name}.onnx"
     original = onnx.load(path)
     result = onnx_qrewrite.rewrite(path, keep_opset=keep_opset)
     model = result.model
@@ -79,7 +79,7 @@ def test_opset_raise_keeps_external_data_untouched(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     onnx.save(
-        onnx.load(SHARED_MODELS / f"{name}.onnx"),
+        onnx.load(REAL_MODELS / f"{name}.onnx"),
         src / "m.onnx",
         save_as_external_data=True,
         location="m.data",

@@ -7,13 +7,13 @@ import onnx
 import onnx.numpy_helper
 import onnx.parser
 import pytest
-from conftest import SHARED_MODELS, assert_bitwise_equal, run
+from conftest import REAL_MODEL_NAMES, REAL_MODELS, assert_bitwise_equal, run
 from onnxscript import rewriter
 
 import onnx_qrewrite
 import onnx_qrewrite.onnxscript_rules as qrw
 
-MODELS = sorted(p.stem for p in SHARED_MODELS.glob("*.onnx"))
+MODELS = list(REAL_MODEL_NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def rules():
 
 @pytest.mark.parametrize("name", MODELS)
 def test_onnxscript_rewriter_with_our_rules_matches_our_rewrite(name, rules):
-    path = SHARED_MODELS / f"{name}.onnx"
+    path = REAL_MODELS / f"{name}.onnx"
     via_onnxscript = rewriter.rewrite(onnx.load(path), pattern_rewrite_rules=rules)
     leftover = [
         n.op_type
@@ -33,7 +33,7 @@ def test_onnxscript_rewriter_with_our_rules_matches_our_rewrite(name, rules):
     assert leftover == []
     onnx.checker.check_model(via_onnxscript)
     ours = onnx_qrewrite.rewrite(path, keep_opset=True).model  # the pattern rewriter never raises opsets
-    feeds = dict(np.load(SHARED_MODELS / f"{name}.inputs.npz"))
+    feeds = dict(np.load(REAL_MODELS / f"{name}.inputs.npz"))
     want, got = run(ours, feeds), run(via_onnxscript, feeds)
     for output in want:
         assert_bitwise_equal(got[output], want[output], f"{name}: {output}")

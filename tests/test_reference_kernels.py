@@ -1,8 +1,8 @@
 """The numpy reference kernels, run inside onnxruntime, reproduce the vendor kernels bit for bit.
 
-Evidence: the 96 cases AMD Quark's own CPU kernels computed (../shared/vectors), through one-node
+Evidence: the 96 cases AMD Quark's own CPU kernels computed (tests/data/quark_vectors), through one-node
 models under both op names (com.amd.quark Extended* and com.vai.quantize Vitis*); every real model
-in ../shared/models against the outputs stored with it; oneDNN DynamicDequantize against the
+in tests/data/models against the outputs stored with it; oneDNN DynamicDequantize against the
 standard-op decomposition NUMERICS.md verified bit-exact.
 """
 
@@ -17,13 +17,12 @@ import pytest
 from _verify_helpers import (
     ONNX_TYPES,
     QUARK_DOMAINS,
-    SHARED_MODELS,
     bits,
     one_node_model,
-    shared_models,
     vector_arrays,
     vector_cases,
 )
+from conftest import REAL_MODEL_NAMES, REAL_MODELS
 from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import InvalidModelError
@@ -75,24 +74,24 @@ def test_quantize_overflow_follows_the_kernels_int64_conversion_not_saturation()
     assert kernels.quark_quantize(x, np.float32(2.0), np.int16(-5)).tolist() == [32767, 32767, 32767]
 
 
-@pytest.mark.parametrize("name", shared_models())
+@pytest.mark.parametrize("name", REAL_MODEL_NAMES)
 def test_every_shared_model_reproduces_its_stored_outputs(name):
     # The stored outputs were made with onnxruntime's default settings (optimisation "all") and,
     # for the Quark models, AMD's own kernels.
-    model = onnx.load(SHARED_MODELS / f"{name}.onnx")
-    feeds = dict(np.load(SHARED_MODELS / f"{name}.inputs.npz"))
-    expected = dict(np.load(SHARED_MODELS / f"{name}.outputs.npz"))
+    model = onnx.load(REAL_MODELS / f"{name}.onnx")
+    feeds = dict(np.load(REAL_MODELS / f"{name}.inputs.npz"))
+    expected = dict(np.load(REAL_MODELS / f"{name}.outputs.npz"))
     got = _run_reference(model, feeds, opt_level="all")
     assert set(got) == set(expected)
     for key, want in expected.items():
         assert np.array_equal(bits(got[key]), bits(want)), f"{name}: output {key} differs"
 
 
-@pytest.mark.parametrize("name", [n for n in shared_models() if n.startswith("quark_")])
+@pytest.mark.parametrize("name", [n for n in REAL_MODEL_NAMES if n.startswith("quark_")])
 def test_quark_models_reproduce_their_outputs_without_graph_optimisation_too(name):
-    model = onnx.load(SHARED_MODELS / f"{name}.onnx")
-    feeds = dict(np.load(SHARED_MODELS / f"{name}.inputs.npz"))
-    expected = dict(np.load(SHARED_MODELS / f"{name}.outputs.npz"))
+    model = onnx.load(REAL_MODELS / f"{name}.onnx")
+    feeds = dict(np.load(REAL_MODELS / f"{name}.inputs.npz"))
+    expected = dict(np.load(REAL_MODELS / f"{name}.outputs.npz"))
     got = _run_reference(model, feeds, opt_level="disable", threads=2)
     for key, want in expected.items():
         assert np.array_equal(bits(got[key]), bits(want)), f"{name}: output {key} differs"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from _verify_helpers import SHARED_MODELS, toy_quark_model, toy_rewrite
+from _verify_helpers import toy_quark_model, toy_rewrite
+from conftest import REAL_MODELS
 from onnx import TensorProto, helper
 
 import onnx_qrewrite
@@ -13,7 +14,7 @@ import onnx_qrewrite.verify.compare
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.verify import Sample, Tolerances, VerifyReport, verify
 
-DYNAMIC = SHARED_MODELS / "ortdyn_cnn_op17_w8u.onnx"
+DYNAMIC = REAL_MODELS / "ortdyn_cnn_op17_w8u.onnx"
 
 
 def _model(outputs: list[tuple[str, int, list]], *, input_type: int = TensorProto.FLOAT) -> onnx.ModelProto:

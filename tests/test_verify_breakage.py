@@ -7,7 +7,6 @@ import onnx
 import pytest
 from _verify_helpers import (
     ORIGIN_KEY,
-    SHARED_MODELS,
     TOY_BREAKS,
     TOY_BROKEN_ORIGIN,
     dql_model,
@@ -17,11 +16,12 @@ from _verify_helpers import (
     toy_quark_model,
     toy_rewrite,
 )
+from conftest import REAL_MODELS
 
 from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_OK
 from onnx_qrewrite.verify import verify
 
-QUARK_A16W8 = SHARED_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
+QUARK_A16W8 = REAL_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
 
 
 def _inputs_for(broken: str | None) -> dict:

@@ -1,4 +1,4 @@
-"""The engine's real rewrite of every shared model agrees with the original, bit for bit.
+"""The engine's real rewrite of every real model in tests/data/models agrees with the original, bit for bit.
 
 The original runs on the numpy reference kernels (vendor ops) or natively; the rewrite in stock
 onnxruntime. Checked under both the verifier's default settings and onnxruntime's full graph
@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _verify_helpers import SHARED_MODELS, shared_models
+from conftest import REAL_MODEL_NAMES, REAL_MODELS
 
 import onnx_qrewrite
 from onnx_qrewrite.verify import verify
 
 
-@pytest.fixture(scope="module", params=shared_models())
+@pytest.fixture(scope="module", params=REAL_MODEL_NAMES)
 def rewritten(request):
-    path = SHARED_MODELS / f"{request.param}.onnx"
+    path = REAL_MODELS / f"{request.param}.onnx"
     return path, onnx_qrewrite.rewrite(path).model
 
 
