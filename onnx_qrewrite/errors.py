@@ -27,6 +27,7 @@ __all__ = [
     "InternalError",
     "InvalidModelError",
     "LoweringError",
+    "MissingDependencyError",
     "QRewriteError",
     "UsageError",
     "first_line",
@@ -50,6 +51,15 @@ class UsageError(QRewriteError):
     """An option, rule file or argument is wrong."""
 
     exit_code = EXIT_USAGE
+
+
+class MissingDependencyError(UsageError, ImportError):
+    """An optional dependency is not installed (onnxruntime for ``verify``): the message names what
+    to install. Also an ImportError, so Python callers can treat it as the missing import it is."""
+
+
+#: What to install for ``verify``: one of the extras of pyproject.toml.
+VERIFY_EXTRA = "pip install 'onnx-qrewrite[verify]'"
 
 
 class InvalidModelError(QRewriteError):

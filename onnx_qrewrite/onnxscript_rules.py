@@ -25,12 +25,19 @@ from typing import Any
 import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
-from onnxscript.rewriter import pattern
 
 from onnx_qrewrite import engine
 from onnx_qrewrite.catalogue import ANY_DOMAIN, Catalogue, OpRef, Rule, load_catalogue
 from onnx_qrewrite.encoded import to_proto
-from onnx_qrewrite.errors import QRewriteError
+from onnx_qrewrite.errors import MissingDependencyError, QRewriteError
+
+try:
+    from onnxscript.rewriter import pattern
+except ImportError:
+    raise MissingDependencyError(
+        "onnx_qrewrite.onnxscript_rules needs onnxscript, which is not installed: "
+        "pip install 'onnx-qrewrite[onnxscript]'"
+    ) from None
 
 __all__ = ["rule_set", "rules_for"]
 

@@ -12,7 +12,9 @@ same inputs (:mod:`.inputs`), every output is compared element-wise (:mod:`.comp
 they disagree, the first differing node of the rewritten model is named with its rule of origin
 (:mod:`.localize`). :mod:`.report` renders the result as a table, JSON or JUnit XML.
 
-This is the only part of onnx-qrewrite that imports onnxruntime.
+This is the only part of onnx-qrewrite that imports onnxruntime, an optional dependency (the
+``verify`` extra; any onnxruntime flavour serves): without it, importing this package raises
+:class:`~onnx_qrewrite.errors.MissingDependencyError` naming what to install (see :mod:`._ort`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import onnx
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink
+from onnx_qrewrite.verify._ort import ort
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
@@ -84,14 +87,12 @@ def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
 
 
 def _versions(reference_kernels: bool) -> dict[str, str | None]:
-    import onnxruntime
-
     from onnx_qrewrite import __version__
 
     versions: dict[str, str | None] = {
         TOOL_NAME: __version__,
         "onnx": onnx.__version__,
-        "onnxruntime": onnxruntime.__version__,
+        "onnxruntime": ort.__version__,
         "numpy": np.__version__,
         "onnxruntime_extensions": None,
     }

@@ -37,7 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.errors import VERIFY_EXTRA, InvalidModelError, MissingDependencyError
 from onnx_qrewrite.graph import NameAllocator, iter_scopes, subgraphs
 from onnx_qrewrite.verify import kernels
 
@@ -179,8 +179,14 @@ def register_reference_kernels() -> str:
     Cached: the second call must not register again (see the module docstring on why
     registering after a session exists is unsafe).
     """
-    from onnxruntime_extensions import PyCustomOpDef, get_library_path
-    from onnxruntime_extensions._ocos import Opdef
+    try:
+        from onnxruntime_extensions import PyCustomOpDef, get_library_path
+        from onnxruntime_extensions._ocos import Opdef
+    except ImportError:
+        raise MissingDependencyError(
+            "verifying a model with vendor ops runs them on reference kernels, which need "
+            f"onnxruntime-extensions (not installed): {VERIFY_EXTRA}, or give --custom-op-library"
+        ) from None
 
     pytype = {
         TensorProto.FLOAT: PyCustomOpDef.dt_float,

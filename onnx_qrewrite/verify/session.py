@@ -20,11 +20,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
 from onnx_qrewrite.verify import reference_ops
+from onnx_qrewrite.verify._ort import ort
 
 __all__ = ["OPT_LEVELS", "ModelRunner", "SessionSettings"]
 
