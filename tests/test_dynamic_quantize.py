@@ -27,12 +27,9 @@ KERNEL_OPS = [
     "Equal",
     "Where",
     "Div",
-    "Sub",
     "IsNaN",
-    "Clip",
     "Where",
-    "Round",
-    "Cast",
+    "QuantizeLinear",
     "QuantizeLinear",
 ]
 
