@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -13,7 +13,8 @@ import onnx
 from onnx_qrewrite import engine, model_io
 from onnx_qrewrite.catalogue import Catalogue, load_catalogue
 from onnx_qrewrite.encoded import EncodedModel, to_proto
-from onnx_qrewrite.errors import InternalError, UsageError
+from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
+from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.report import RewriteReport
 
@@ -56,16 +57,24 @@ class RewriteResult:
         report: RewriteReport,
         *,
         kind: str = "proto",
-        source_dir: Path | None = None,
+        external: ExternalData | None = None,
         source_path: Path | None = None,
+        reads: dict[tuple[int, int], Path] | None = None,
     ):
         self.report = report
-        #: Folder the model's external data is read from (the input's folder for a path input).
-        self.source_dir = source_dir
+        #: The input's external data files, opened and checked once; ``save`` copies from them.
+        self.external = external
         self.source_path = source_path
+        #: Every file the input was read from, by (st_dev, st_ino): ``save`` never writes them.
+        self.reads = dict(reads or {})
         self._rewritten = rewritten
         self._kind = kind
         self._model: Any = None
+
+    @property
+    def source_dir(self) -> Path | None:
+        """Folder the model's external data is read from (the input's folder for a path input)."""
+        return self.external.base_dir if self.external is not None else None
 
     @property
     def model(self) -> Any:
@@ -77,6 +86,8 @@ class RewriteResult:
                 import onnx_ir as ir
 
                 self._model = ir.serde.deserialize_model(proto)
+                if self.source_dir is not None:
+                    _set_ir_base_dir(self._model, self.source_dir)
             else:
                 self._model = proto
         return self._model
@@ -88,7 +99,9 @@ class RewriteResult:
         reference_external_data: bool = False,
         progress: ProgressSink | None = None,
     ) -> model_io.SaveInfo:
-        """Write the model atomically; see :func:`onnx_qrewrite.model_io.save_model`."""
+        """Write the model all or nothing; see :func:`onnx_qrewrite.model_io.save_model`.
+
+        Refused (UsageError) when ``path`` is, or links to, a file the input was read from."""
         out = Path(path)
         if self.source_path is not None and out.resolve() == self.source_path.resolve():
             raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
@@ -100,36 +113,105 @@ class RewriteResult:
         return model_io.save_model(
             target,
             out,
-            source_dir=self.source_dir,
+            external=self.external,
             reference_external_data=reference_external_data,
             progress=progress,
+            reads=self.reads,
         )
 
 
-def _to_proto(model: ModelLike) -> tuple[onnx.ModelProto, str, Path | None, Path | None]:
-    """A private copy to edit, the kind given, and where external data lives."""
+def _ir_graphs(graph: Any) -> Iterator[Any]:
+    yield graph
+    for node in graph:
+        for attr in node.attributes.values():
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _ir_graphs(attr.value)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for g in attr.value:
+                    yield from _ir_graphs(g)
+
+
+def _ir_tensors(model: Any) -> Iterator[Any]:
+    """Every tensor an onnx_ir model holds: initializers of every graph and tensor attributes."""
+    graphs = [*_ir_graphs(model.graph)]
+    for fn in model.functions.values():
+        for node in fn:
+            for attr in node.attributes.values():
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    graphs.extend(_ir_graphs(attr.value))
+        yield from (a.value for node in fn for a in node.attributes.values() if a.type == onnx.AttributeProto.TENSOR)
+    for g in graphs:
+        for value in g.initializers.values():
+            if value.const_value is not None:
+                yield value.const_value
+        for node in g:
+            for attr in node.attributes.values():
+                if attr.type == onnx.AttributeProto.TENSOR:
+                    yield attr.value
+
+
+def _set_ir_base_dir(model: Any, base_dir: Path) -> None:
+    import onnx_ir as ir
+
+    for tensor in _ir_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.base_dir = str(base_dir)
+
+
+def _ir_base_dir(model: Any) -> Path | None:
+    """The one folder an onnx_ir model's external tensors live in (each names its own)."""
+    import onnx_ir as ir
+
+    folders: dict[str, str] = {}
+    for tensor in _ir_tensors(model):
+        if isinstance(tensor, ir.ExternalTensor):
+            base = os.fspath(tensor.base_dir)
+            if not base:
+                raise InvalidModelError(
+                    f"input model: tensor {tensor.name!r} is external data ({os.fspath(tensor.location)!r}) "
+                    "without a base_dir; set the folder it lives in"
+                )
+            folders.setdefault(os.path.normpath(os.path.abspath(base)), tensor.name)
+    if len(folders) > 1:
+        (a, ta), (b, tb) = list(folders.items())[:2]
+        raise InvalidModelError(
+            f"input model: external data in two folders (tensor {ta!r} in {a}, tensor {tb!r} in {b}); "
+            "one model's external data must live in one folder"
+        )
+    return Path(next(iter(folders))) if folders else None
+
+
+def _to_proto(
+    model: ModelLike, base_dir: str | os.PathLike[str] | None
+) -> tuple[onnx.ModelProto, str, ExternalData | None, Path | None, dict[tuple[int, int], Path]]:
+    """A private copy to edit, the kind given, its external data (opened, checked), and the files read."""
     if isinstance(model, (str, os.PathLike)):
-        path = Path(model)
-        return model_io.load_model(path), "path", path.parent, path
+        loaded = model_io.open_model(Path(model))
+        return loaded.proto, "path", loaded.external, loaded.path, loaded.reads()
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        if copy.ByteSize() < _CHECKABLE_IN_MEMORY:
-            model_io.check_model(copy, what="input model")
-        return copy, "proto", None, None
+        label = "input model"
+        if copy.ir_version == 0 or not copy.HasField("graph"):
+            raise InvalidModelError(f"{label}: not a valid ONNX model (no IR version or graph)")
+        external = ExternalData.for_model(copy, base_dir, label)
+        try:
+            if copy.ByteSize() < _CHECKABLE_IN_MEMORY:
+                model_io.check_model(copy, what=label)
+        except BaseException:
+            if external is not None:
+                external.close()
+            raise
+        return copy, "proto", external, None, external.reads() if external else {}
     try:
         import onnx_ir as ir
     except ImportError:  # pragma: no cover
         ir = None
     if ir is not None and isinstance(model, ir.Model):
+        folder = _ir_base_dir(model) if base_dir is None else Path(base_dir)
         proto = ir.serde.serialize_model(model)
-        base = None
-        for value in model.graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                base = Path(tensor.base_dir)
-                break
-        return proto, "ir", base, None
+        external = ExternalData.for_model(proto, folder, "input model")
+        return proto, "ir", external, None, external.reads() if external else {}
     raise UsageError(f"rewrite() takes a path, onnx.ModelProto or onnx_ir.Model, not {type(model).__name__}")
 
 
@@ -145,13 +227,16 @@ def rewrite(
     allow_unlowered: bool = False,
     check: bool | None = None,
     progress: ProgressSink | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
     ``rules``: a :class:`Catalogue`, or rule files added to the shipped ones. ``options`` overrides
     rule options, e.g. ``{"dql-expand": {"semantics": "spec"}}``. ``check``: run onnx's checker
     on the result (None: when it has at most ``AUTO_CHECK_MAX_NODES`` nodes, since on bigger graphs
-    the checker alone costs as much as loading and saving the model). Raises
+    the checker alone costs as much as loading and saving the model). ``base_dir``: the folder an
+    ``onnx.ModelProto``'s external data lives in (a path's is its folder; an ``onnx_ir.Model``'s
+    is its tensors' ``base_dir``); external data must stay inside that folder. Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     if isinstance(rules, Catalogue):
@@ -160,13 +245,16 @@ def rewrite(
             catalogue = catalogue.with_options(options)
     else:
         catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
-    proto, kind, source_dir, source_path = _to_proto(model)
-    opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
-    rewritten, report = engine.run(proto, catalogue, opts, str(source_dir) if source_dir else None, progress)
-    if check is None:
-        check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
-    if check and report.changed:
-        model_io.check_model(
-            rewritten, what="the rewritten model (a bug, please report it)", base_dir=source_dir, error=InternalError
-        )
-    return RewriteResult(rewritten, report, kind=kind, source_dir=source_dir, source_path=source_path)
+    proto, kind, external, source_path, reads = _to_proto(model, base_dir)
+    try:
+        opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
+        rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+        if check is None:
+            check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
+        if check and report.changed:
+            model_io.check_model(rewritten, what="the rewritten model (a bug, please report it)", error=InternalError)
+    except BaseException:
+        if external is not None:
+            external.close()
+        raise
+    return RewriteResult(rewritten, report, kind=kind, external=external, source_path=source_path, reads=reads)

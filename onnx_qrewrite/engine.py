@@ -27,6 +27,7 @@ from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
 from onnx_qrewrite.encoded import EncodedModel
 from onnx_qrewrite.errors import LoweringError
+from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
 from onnx_qrewrite.progress import ProgressSink
 from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
@@ -83,10 +84,10 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
 
 
 def _match(
-    model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, base_dir: str | None
+    model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, external: ExternalData | None
 ) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered], collections.Counter[str]]:
     """Which rule rewrites which node; also counts ops on the way (one walk over the model)."""
-    scopes = iter_scopes(model, base_dir)
+    scopes = iter_scopes(model, external)
     matches: dict[int, list[_Match]] = {}
     unlowered: list[Unlowered] = []
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -268,7 +269,7 @@ def run(
     model: onnx.ModelProto,
     catalogue: Catalogue,
     options: EngineOptions = EngineOptions(),
-    base_dir: str | None = None,
+    external: ExternalData | None = None,
     progress: ProgressSink | None = None,
 ) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
     """Rewrite ``model`` in place (callers pass a copy) and report what changed.
@@ -281,7 +282,7 @@ def run(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run(model, catalogue, options, base_dir, progress)
+        return _run(model, catalogue, options, external, progress)
     finally:
         if was_enabled:
             gc.enable()
@@ -291,25 +292,23 @@ def _run(
     model: onnx.ModelProto,
     catalogue: Catalogue,
     options: EngineOptions,
-    base_dir: str | None,
+    external: ExternalData | None,
     progress: ProgressSink | None,
 ) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
     report = RewriteReport()
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
-        model = opset_mod.raise_default_opset(
-            model, options.target_opset, report, why="--target-opset", base_dir=base_dir
-        )
-    scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
+        model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
+    scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
     if not report.ops_before:
         report.ops_before = collections.Counter(counts)
     needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
     if needed > (opset_mod.model_default_opset(model) or 0):
         why_rule = next(m for ms in matches.values() for m in ms if m.plan.min_opset == needed)
         model = opset_mod.raise_default_opset(
-            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}", base_dir=base_dir
+            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
         )
-        scopes, matches, unlowered, counts = _match(model, catalogue, options, base_dir)
+        scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
     if unlowered and not options.allow_unlowered:
         first = unlowered[0]
         more = f" (and {len(unlowered) - 1} more node(s))" if len(unlowered) > 1 else ""

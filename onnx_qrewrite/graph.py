@@ -10,10 +10,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from onnx_qrewrite.errors import InvalidModelError
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.external_data import ExternalData
 
 __all__ = [
     "NameAllocator",
@@ -71,7 +77,8 @@ class Scope:
     path: str
     opsets: dict[str, int]
     parent: Scope | None
-    base_dir: str | None = None
+    #: The model's external data (opened and checked), for constants stored there.
+    external: ExternalData | None = None
     _types: dict[str, int] | None = dataclasses.field(default=None, repr=False)
     _producers: dict[str, onnx.NodeProto] | None = dataclasses.field(default=None, repr=False)
     _initializers: dict[str, onnx.TensorProto] | None = dataclasses.field(default=None, repr=False)
@@ -176,7 +183,14 @@ class Scope:
         for scope in self._outward():
             tensor = scope._initializers.get(name)  # type: ignore[union-attr]
             if tensor is not None:
-                return numpy_helper.to_array(tensor, base_dir=self.root.base_dir or "")
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    external = self.root.external
+                    if external is None:
+                        raise InvalidModelError(
+                            f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
+                        )
+                    return external.to_array(tensor)
+                return numpy_helper.to_array(tensor)
             node = scope.producer(name)
             if node is not None:
                 if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
@@ -212,18 +226,18 @@ def _walk(scope: Scope) -> Iterator[Scope]:
             continue
         for attr_name, g in subgraphs(node):
             label = node.name or (node.output[0] if node.output else node.op_type)
-            child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.base_dir)
+            child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.external)
             yield from _walk(child)
     yield scope
 
 
-def iter_scopes(model: onnx.ModelProto, base_dir: str | None = None) -> list[Scope]:
+def iter_scopes(model: onnx.ModelProto, external: ExternalData | None = None) -> list[Scope]:
     """Every node list of the model, innermost first, local functions included."""
     opsets = {o.domain: o.version for o in model.opset_import}
-    scopes = list(_walk(Scope(model.graph, "main", opsets, None, base_dir)))
+    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external)))
     for fn in model.functions:
         fn_opsets = {o.domain: o.version for o in fn.opset_import} or opsets
-        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, base_dir)))
+        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, external)))
     return scopes
 
 

@@ -15,19 +15,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
-import threading
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
 from google.protobuf.message import DecodeError
 
+from onnx_qrewrite import outputs
 from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
+from onnx_qrewrite.external_data import ExternalData, all_tensors, external_tensors
 from onnx_qrewrite.progress import ProgressSink
 
-__all__ = ["SaveInfo", "check_model", "external_tensors", "load_model", "save_model"]
+__all__ = [
+    "LoadedModel",
+    "SaveInfo",
+    "check_model",
+    "external_tensors",
+    "load_model",
+    "open_model",
+    "parse_model",
+    "save_model",
+]
 
 _PROTOBUF_LIMIT = 2**31 - 1
 #: Headroom for fields other than tensor payloads when deciding whether to externalize.
@@ -38,109 +48,160 @@ _ALIGN = 64
 _CHUNK = 64 * 2**20
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+#: Refuse model files whose protobuf could not be parsed anyway (protobuf's 2 GB limit).
+_MAX_MODEL_FILE = _PROTOBUF_LIMIT
 
 
-_FILE_MODE = 0o666 & ~_umask()
+@dataclasses.dataclass
+class LoadedModel:
+    """A model parsed from the bytes of one read, with its external data opened and checked."""
+
+    proto: onnx.ModelProto
+    path: Path
+    file_id: tuple[int, int]
+    external: ExternalData | None
+
+    def reads(self) -> dict[tuple[int, int], Path]:
+        """Every file this model was read from (model file and external data), by (st_dev, st_ino)."""
+        found = {self.file_id: self.path}
+        if self.external is not None:
+            found.update(self.external.reads())
+        return found
+
+
+def _read_once(p: Path) -> tuple[bytes, tuple[int, int]]:
+    """The bytes of the model file, from one descriptor that fstat says is a regular file."""
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InvalidModelError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidModelError(f"{p}: is a directory, not an ONNX model file") from None
+    except OSError as exc:
+        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InvalidModelError(f"{p}: is a directory, not an ONNX model file")
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModelError(f"{p}: is not a regular file (a FIFO or device); give an ONNX model file")
+        if st.st_size == 0:
+            raise InvalidModelError(f"{p}: the file is empty")
+        if st.st_size > _MAX_MODEL_FILE:
+            raise InvalidModelError(
+                f"{p}: {st.st_size} bytes, more than protobuf can parse (2 GiB); is it an ONNX model?"
+            )
+        os.set_blocking(fd, True)
+        chunks = []
+        remaining = st.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, _CHUNK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks), (st.st_dev, st.st_ino)
+    except OSError as exc:
+        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def parse_model(data: bytes, label: str) -> onnx.ModelProto:
+    """Parse model bytes; anything protobuf or onnx refuses is an InvalidModelError naming ``label``."""
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise InvalidModelError(
+            f"{label}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
+            "is the file truncated or corrupt?"
+        ) from None
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise InvalidModelError(
+            f"{label}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?"
+        )
+    return model
+
+
+def open_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedModel:
+    """Read ``path`` once, parse those bytes, open and check its external data (left on disk).
+
+    The checker sees the bytes that were parsed (never the path again), and every external data
+    file is opened once, inside the model's folder (:mod:`onnx_qrewrite.external_data`).
+    """
+    p = Path(path)
+    data, fid = _read_once(p)
+    model = parse_model(data, str(p))
+    external = ExternalData.for_model(model, p.parent if str(p.parent) else Path("."), str(p))
+    try:
+        if check:
+            check_model(model, what=str(p), serialized=None if external else data)
+    except BaseException:
+        if external is not None:
+            external.close()
+        raise
+    return LoadedModel(model, p, fid, external)
 
 
 def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
     """Parse ``path`` without loading external weights; every failure is an InvalidModelError."""
-    p = Path(path)
-    if not p.exists():
-        raise InvalidModelError(f"{p}: no such file")
-    if p.is_dir():
-        raise InvalidModelError(f"{p}: is a directory, not an ONNX model file")
+    loaded = open_model(path, check=check)
+    if loaded.external is not None:
+        loaded.external.close()
+    return loaded.proto
+
+
+@contextlib.contextmanager
+def _external_data_hidden(model: onnx.ModelProto) -> Iterator[None]:
+    """Each external tensor shown to the checker as an empty tensor of the same type, then restored.
+
+    onnx's in-memory checker resolves external data against the *working directory* and takes
+    no model folder; changing the working directory is process-wide (not thread-safe). Our own
+    checks (:class:`ExternalData`) already cover what it would check of those files, through the
+    descriptors the bytes are read from, so the checker is shown the model without them.
+    """
+    saved = []
+    for t in external_tensors(model):
+        saved.append((t, list(t.dims), [(e.key, e.value) for e in t.external_data]))
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.dims[:]
+        t.dims.append(0)
     try:
-        size = p.stat().st_size
-        if size == 0:
-            raise InvalidModelError(f"{p}: the file is empty")
-        model = onnx.load(str(p), load_external_data=False)
-    except InvalidModelError:
-        raise
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise InvalidModelError(
-            f"{p}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
-            "is the file truncated or corrupt?"
-        ) from None
-    except OSError as exc:
-        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    if model.ir_version == 0 or not model.HasField("graph"):
-        raise InvalidModelError(
-            f"{p}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?"
-        )
-    if check:
-        check_model(p, what=str(p))
-    return model
-
-
-_CWD_LOCK = threading.Lock()
+        yield
+    finally:
+        for t, dims, entries in saved:
+            del t.dims[:]
+            t.dims.extend(dims)
+            for key, value in entries:
+                e = t.external_data.add()
+                e.key, e.value = key, value
+            t.data_location = onnx.TensorProto.EXTERNAL
 
 
 def check_model(
-    model: onnx.ModelProto | EncodedModel | Path,
+    model: onnx.ModelProto | EncodedModel,
     *,
     what: str,
-    base_dir: str | os.PathLike[str] | None = None,
     error: type[QRewriteError] = InvalidModelError,
+    serialized: bytes | None = None,
 ) -> None:
-    """Run onnx's checker; a path is checked by the C++ checker directly (handles external data
-    and models over 2 GB).
+    """Run onnx's checker on the model in memory (``serialized``: its bytes, when already at hand).
 
-    onnx's in-memory checker resolves external data locations against the *working directory*
-    and accepts no model folder, so for an in-memory model that references external data we point
-    the working directory at ``base_dir`` for the duration of the check (under a lock). Without a
-    ``base_dir`` such a model cannot be checked in memory, and is not.
+    External data is not looked at here: it is checked where it is opened, see
+    :func:`_external_data_hidden`. Thread-safe: nothing process-wide is touched.
     """
-    if not isinstance(model, Path) and any(True for _ in external_tensors(skeleton_of(model))):
-        if base_dir is None:
-            return
-        with _CWD_LOCK:
-            previous = os.getcwd()
-            os.chdir(base_dir)
-            try:
-                return check_model(model, what=what, error=error)
-            finally:
-                os.chdir(previous)
-    if not isinstance(model, Path) and byte_size(model) > _PROTOBUF_LIMIT:
-        return  # cannot be checked in memory; the input was checked from its file
+    if serialized is None:
+        if byte_size(model) > _PROTOBUF_LIMIT:
+            return  # cannot be checked in memory; the input was checked from its bytes
+        skeleton = skeleton_of(model)
+        with _external_data_hidden(skeleton):
+            serialized = to_bytes(model)
     try:
-        onnx.checker.check_model(str(model) if isinstance(model, Path) else to_bytes(model))
-    except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
+        onnx.checker.check_model(serialized)
+    except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as exc:
         raise error(f"{what}: fails the ONNX checker: {first_line(exc)}") from None
-
-
-def _all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    """Initializers of every graph and Constant values: where tensors with data live.
-
-    onnx's ``_get_all_tensors`` visits every attribute of every node from Python (1.9 s on a
-    400k-node graph); tensors sit in initializers and in Constant nodes' ``value``, so only those
-    are looked at (subgraphs and local functions included).
-    """
-    from onnx_qrewrite.graph import iter_scopes
-
-    for scope in iter_scopes(model):
-        container = scope.container
-        if isinstance(container, onnx.GraphProto):
-            yield from container.initializer
-        for node in container.node:
-            if node.op_type == "Constant":
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        yield attr.t
-
-
-def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    for tensor in _all_tensors(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            yield tensor
-
-
-def _external_info(tensor: onnx.TensorProto) -> dict[str, str]:
-    return {e.key: e.value for e in tensor.external_data}
 
 
 def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
@@ -151,24 +212,26 @@ def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: 
     tensor.data_location = onnx.TensorProto.EXTERNAL
 
 
-def _copy_range(src, dst, offset: int, length: int) -> None:
-    src_fd, dst_fd = src.fileno(), dst.fileno()
+def _copy_range(src_fd: int, dst, offset: int, length: int) -> None:
+    """Append ``length`` bytes at ``offset`` of ``src_fd`` to ``dst`` (in the kernel when it can).
+
+    Chunks of 64 MiB keep a SIGTERM/SIGINT waiting at most one chunk."""
+    dst_fd = dst.fileno()
     remaining = length
     if hasattr(os, "copy_file_range"):
         try:
             while remaining:
-                n = os.copy_file_range(src_fd, dst_fd, min(remaining, 1 << 30), offset + length - remaining)
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, _CHUNK), offset + length - remaining)
                 if n == 0:
                     break
                 remaining -= n
         except OSError:
             pass  # e.g. across file systems on old kernels: fall back to plain reads
-    src.seek(offset + length - remaining)
     dst.seek(0, os.SEEK_END)
     while remaining:
-        chunk = src.read(min(remaining, _CHUNK))
+        chunk = os.pread(src_fd, min(remaining, _CHUNK), offset + length - remaining)
         if not chunk:
-            raise InvalidModelError(f"{src.name}: external data ends before offset {offset + length}")
+            raise InvalidModelError(f"external data ends before offset {offset + length}")
         dst.write(chunk)
         remaining -= len(chunk)
 
@@ -185,121 +248,158 @@ def byte_size(model: onnx.ModelProto | EncodedModel) -> int:
     return model.byte_size() if isinstance(model, EncodedModel) else model.ByteSize()
 
 
+def check_output_folder(out: Path, option: str = "-o") -> Path:
+    """The folder ``out`` goes to, after checking it exists and is writable and ``out`` is usable."""
+    folder = out.parent if str(out.parent) else Path(".")
+    outputs.check_target(out, option)
+    if not folder.is_dir():
+        raise UsageError(f"{option} {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {out}: cannot write to the folder {folder} (permission denied)")
+    return folder
+
+
+def refuse_clash(out: Path, reads: dict[tuple[int, int], Path], option: str = "-o") -> None:
+    """``out`` must not be (a link to) a file the invocation reads: compared by inode."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return
+    hit = reads.get(outputs.file_id(st))
+    if hit is not None:
+        raise UsageError(f"{option} {out}: is the same file as {hit}, which this invocation reads; choose another path")
+
+
 def save_model(
     model: onnx.ModelProto | EncodedModel,
     path: str | os.PathLike[str],
     *,
-    source_dir: str | os.PathLike[str] | None = None,
+    external: ExternalData | None = None,
     reference_external_data: bool = False,
     progress: ProgressSink | None = None,
+    reads: dict[tuple[int, int], Path] | None = None,
 ) -> SaveInfo:
-    """Write ``model`` atomically; external weights are streamed from ``source_dir`` or referenced.
+    """Write ``model`` and its weights all or nothing (see :mod:`onnx_qrewrite.outputs`).
 
-    ``model`` itself is updated to point at the data file it was written with, so that the caller's
-    model and the file on disk agree.
+    External weights are streamed from the descriptors of ``external`` (opened and checked when the
+    input was read) or, with ``reference_external_data``, referenced in place. ``reads``: every
+    file the invocation reads, by (st_dev, st_ino): never written, replaced or removed. ``model`` is
+    left pointing at its input's data, so it can be saved again.
     """
     out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"{out}: is a directory; give a file name for the output model")
-    folder = out.parent if str(out.parent) else Path(".")
-    if not folder.is_dir():
-        raise UsageError(f"{out}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"{out}: cannot write to the folder {folder} (permission denied)")
+    folder = check_output_folder(out)
+    protected = dict(reads or {})
+    if external is not None:
+        protected.update(external.reads())
+    refuse_clash(out, protected)
 
     skeleton = skeleton_of(model)
     ext = list(external_tensors(skeleton))
-    src_dir = Path(source_dir) if source_dir is not None else None
-    if ext and src_dir is None:
+    saved = [(t, [(e.key, e.value) for e in t.external_data]) for t in ext]
+    moved: list[tuple[onnx.TensorProto, bytes]] = []
+    if ext and external is None:
         raise UsageError(f"{out}: the model references external data but its source folder is unknown")
-    same_folder = src_dir is not None and folder.resolve() == src_dir.resolve()
-    if reference_external_data and ext and not same_folder:
-        raise UsageError(
-            f"{out}: --reference-external-data needs the output in the input's folder ({src_dir}); "
-            "elsewhere the weights are copied"
-        )
+    if reference_external_data and ext:
+        assert external is not None
+        if folder.resolve() != external.base_dir.resolve():
+            raise UsageError(
+                f"{out}: --reference-external-data needs the output in the input's folder ({external.base_dir}); "
+                "elsewhere the weights are copied"
+            )
+    outputs.clean_leftovers(folder)
+    old_data = [p for p in outputs.previous_data_files(out) if _id_of(p) not in protected]
 
-    data_name = out.name + ".data"
-    temps: list[Path] = []
+    data_tmp: Path | None = None
+    model_tmp: Path | None = None
+    old_tmp: list[Path] = []
+    linked: Path | None = None
+    committed = False
     try:
-        data_tmp = None
         written = 0
         referenced: set[str] = set()
+        data_name: str | None = None
         too_big = byte_size(model) > _PROTOBUF_LIMIT - _LIMIT_MARGIN
-        if reference_external_data:
+        if reference_external_data and ext:
+            assert external is not None
             for t in ext:
-                info = _external_info(t)
-                referenced.add(info["location"])
-                written += int(info.get("length", 0) or 0)
-        elif ext or too_big:
-            fd, name = tempfile.mkstemp(prefix=f".{data_name}.", suffix=".tmp", dir=folder)
-            data_tmp = Path(name)
-            temps.append(data_tmp)
-            total_external = sum(int(_external_info(t).get("length", 0) or 0) for t in ext)
+                _fd, _offset, length = external.span(t)
+                referenced.add(next(e.value for e in t.external_data if e.key == "location"))
+                written += length
+        if (ext and not reference_external_data) or too_big:
+            data_name = outputs.free_data_name(out)
+            fd, data_tmp = outputs.new_temp(folder, out.name, "data")
+            spans = [external.span(t) for t in ext] if ext and external is not None else []
+            total_external = sum(length for _, _, length in spans)
             copied = 0
             with os.fdopen(fd, "wb") as dst:
-                handles: dict[str, object] = {}
-                try:
-                    for t in ext:
-                        info = _external_info(t)
-                        location = info["location"]
-                        src = handles.get(location)
-                        if src is None:
-                            src_path = src_dir / location  # type: ignore[operator]
-                            try:
-                                src = handles[location] = open(src_path, "rb")
-                            except OSError as exc:
-                                raise InvalidModelError(
-                                    f"{src_path}: cannot read external data of tensor {t.name!r}: {exc.strerror or exc}"
-                                ) from None
-                        offset = int(info.get("offset", 0) or 0)
-                        length = int(info["length"]) if "length" in info else os.fstat(src.fileno()).st_size - offset
-                        pad = (-written) % _ALIGN
-                        dst.write(b"\0" * pad)
-                        written += pad
-                        dst.flush()
-                        _copy_range(src, dst, offset, length)
-                        _set_external(t, data_name, written, length)
-                        written += length
-                        copied += length
-                        if progress is not None:
-                            progress("writing weights bytes", copied, total_external)
-                    if too_big:
-                        written = _externalize_large(skeleton, dst, data_name, written)
-                finally:
-                    for h in handles.values():
-                        h.close()  # type: ignore[attr-defined]
+                for t, (src_fd, offset, length) in zip(ext, spans, strict=True):
+                    pad = (-written) % _ALIGN
+                    dst.write(b"\0" * pad)
+                    written += pad
+                    dst.flush()
+                    _copy_range(src_fd, dst, offset, length)
+                    _set_external(t, data_name, written, length)
+                    written += length
+                    copied += length
+                    if progress is not None:
+                        progress("writing weights bytes", copied, total_external)
+                if too_big:
+                    written = _externalize_large(skeleton, dst, data_name, written, moved)
                 dst.flush()
                 os.fsync(dst.fileno())
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=folder)
-        model_tmp = Path(name)
-        temps.append(model_tmp)
+                os.fchmod(dst.fileno(), outputs.FILE_MODE)
+        fd, model_tmp = outputs.new_temp(folder, out.name, "model")
         with os.fdopen(fd, "wb") as f:
             f.write(to_bytes(model))
             f.flush()
             os.fsync(f.fileno())
-        data_path = None
-        if data_tmp is not None:
-            data_path = folder / data_name
-            os.replace(data_tmp, data_path)
-            temps.remove(data_tmp)
-        os.replace(model_tmp, out)
-        temps.remove(model_tmp)
-        for written_path in (out, data_path):
-            if written_path is not None:
-                os.chmod(written_path, _FILE_MODE)  # mkstemp creates 0600; give what open() would
+            os.fchmod(f.fileno(), outputs.FILE_MODE)
+        data_path = folder / data_name if data_name is not None else None
+        keep = {data_name, *referenced}
+        old_data = [p for p in old_data if p.name not in keep]
+        with outputs.signals_blocked():
+            if data_tmp is not None and data_name is not None:
+                outputs.link_new_name(data_tmp, folder, data_name)
+                linked = folder / data_name
+            for old in old_data:
+                fd, tmp = outputs.new_temp(folder, out.name, "old")
+                os.close(fd)
+                os.unlink(tmp)
+                os.link(old, tmp)
+                old_tmp.append(tmp)
+            os.replace(model_tmp, out)  # the commit point
+            committed = True
+            outputs.forget(model_tmp)
+            model_tmp = None
+            for old in old_data:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
+        outputs.fsync_folder(folder)
     except OSError as exc:
         raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
     finally:
-        for tmp in temps:
+        _restore(saved, moved)
+        if not committed and linked is not None:
             with contextlib.suppress(OSError):
-                tmp.unlink()
+                os.unlink(linked)
+        for tmp in (data_tmp, model_tmp, *old_tmp):
+            outputs.discard(tmp)
     return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
 
 
-def _externalize_large(model: onnx.ModelProto, dst, data_name: str, written: int) -> int:
-    """Move in-memory tensors of at least 1 KiB into the data file: the model passes 2 GB."""
-    for t in _all_tensors(model):
+def _id_of(path: Path) -> tuple[int, int] | None:
+    try:
+        return outputs.file_id(os.stat(path))
+    except OSError:
+        return None
+
+
+def _externalize_large(
+    model: onnx.ModelProto, dst, data_name: str, written: int, moved: list[tuple[onnx.TensorProto, bytes]]
+) -> int:
+    """Move in-memory tensors of at least 1 KiB into the data file: the model passes 2 GB.
+    Each moved tensor and its bytes go to ``moved`` (put back once the model is written)."""
+    for t in all_tensors(model):
         if (
             t.data_location == onnx.TensorProto.EXTERNAL
             or not t.HasField("raw_data")
@@ -309,8 +409,27 @@ def _externalize_large(model: onnx.ModelProto, dst, data_name: str, written: int
         pad = (-written) % _ALIGN
         dst.write(b"\0" * pad)
         written += pad
-        dst.write(t.raw_data)
-        _set_external(t, data_name, written, len(t.raw_data))
-        written += len(t.raw_data)
+        raw = t.raw_data
+        dst.write(raw)
+        moved.append((t, raw))
+        _set_external(t, data_name, written, len(raw))
+        written += len(raw)
         t.ClearField("raw_data")
     return written
+
+
+def _restore(
+    saved: list[tuple[onnx.TensorProto, list[tuple[str, str]]]], moved: list[tuple[onnx.TensorProto, bytes]]
+) -> None:
+    """Point the model back at its input's external data (and in-memory bytes) after writing it, so
+    that the result can be saved again and still describes where its data is read from."""
+    for t, entries in saved:
+        del t.external_data[:]
+        for key, value in entries:
+            e = t.external_data.add()
+            e.key, e.value = key, value
+        t.data_location = onnx.TensorProto.EXTERNAL
+    for t, raw in moved:
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        t.raw_data = raw

@@ -24,13 +24,11 @@ def model_default_opset(model: onnx.ModelProto) -> int | None:
     return default_opset(model.opset_import)
 
 
-def raise_default_opset(
-    model: onnx.ModelProto, target: int, report: RewriteReport, *, why: str, base_dir: str | None = None
-) -> onnx.ModelProto:
+def raise_default_opset(model: onnx.ModelProto, target: int, report: RewriteReport, *, why: str) -> onnx.ModelProto:
     """The whole model converted to default-domain opset ``target`` with onnx's version converter.
 
-    Only succeeds if the converter succeeds and its result passes the checker (external weights
-    resolved from ``base_dir``, see :func:`model_io.check_model`); the IR version is kept
+    Only succeeds if the converter succeeds and its result passes the checker (external weights are
+    checked where they are opened, see :func:`model_io.check_model`); the IR version is kept
     (onnxruntime 1.31 loads IR <= 13, and the converter does not need a newer one).
     """
     from onnx import version_converter
@@ -55,7 +53,7 @@ def raise_default_opset(
         raise LoweringError(f"{cannot}: {first_line(exc)}; {hint}") from None
     converted.ir_version = model.ir_version
     try:
-        model_io.check_model(converted, what=cannot, base_dir=base_dir, error=LoweringError)
+        model_io.check_model(converted, what=cannot, error=LoweringError)
     except LoweringError as exc:
         raise LoweringError(f"{exc}; {hint}") from None
     logger.info("raised default-domain opset %d -> %d (%s)", current, target, why)

@@ -148,8 +148,8 @@ def inspect_model(
     from onnx_qrewrite.report import op_key
 
     path = Path(path)
-    model = model_io.load_model(path)
-    base_dir = str(path.parent)
+    loaded = model_io.open_model(path)
+    model, base_dir = loaded.proto, loaded.external
     opsets = {o.domain or "ai.onnx": o.version for o in model.opset_import}
     nodes: list[QuantNode] = []
     by_label: dict[tuple[str, str], QuantNode] = {}

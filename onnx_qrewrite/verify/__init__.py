@@ -77,13 +77,11 @@ def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
     from onnx_qrewrite import model_io
 
     path = Path(model)
-    proto = model_io.load_model(path, check=False)
-    if any(True for _ in model_io.external_tensors(proto)):
-        try:
-            onnx.external_data_helper.load_external_data_for_model(proto, str(path.parent))
-        except (OSError, ValueError) as exc:
-            raise InvalidModelError(f"{path}: cannot read its external data: {exc}") from None
-    return proto, str(path)
+    loaded = model_io.open_model(path, check=False)  # external data opened and checked, read once
+    if loaded.external is not None:
+        with loaded.external:
+            loaded.external.load_into(loaded.proto)
+    return loaded.proto, str(path)
 
 
 def _versions(reference_kernels: bool) -> dict[str, str | None]:
