@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "verify": "onnx_qrewrite.commands.verify:verify_command",
     "inspect": "onnx_qrewrite.commands.inspect:inspect_command",
     "rules": "onnx_qrewrite.commands.rules:rules_command",
+    "targets": "onnx_qrewrite.commands.targets:targets_command",
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,12 @@ from onnx_qrewrite.errors import LoweringError, UsageError
 
 __all__ = ["InspectReport", "QuantNode", "inspect_command", "inspect_model"]
 
-#: Quantization ops no shipped rule lowers (yet), so that ``inspect`` lists them too. Ops a rule
-#: matches are found through the catalogue and must not be listed here (a test keeps it so).
-OTHER_QUANT_OPS = frozenset(
+#: Standard and onnxruntime ops that belong to quantized models even when no rule rewrites them.
+_QUANT_OPS = frozenset(
     {
         "QuantizeLinear",
         "DequantizeLinear",
+        "DynamicQuantizeLinear",
         "MatMulInteger",
         "ConvInteger",
         "QLinearConv",
@@ -44,7 +43,7 @@ OTHER_QUANT_OPS = frozenset(
 
 
 def _is_quantization_op(node: onnx.NodeProto) -> bool:
-    return node.op_type in OTHER_QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
+    return node.op_type in _QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
 
 
 @dataclasses.dataclass
@@ -109,13 +108,14 @@ class InspectReport:
 
 def _node_dtype(site: Any, catalogue: Any) -> str:
     """The quantized dtype as the first rule that names the op sees it, else read off the node."""
-    from onnx_qrewrite.builders import NoMatch
+    from onnx_qrewrite.builders import NoMatch, get_builder
     from onnx_qrewrite.graph import dtype_name
 
     node = site.node
     for rule in catalogue.candidates(node.domain, node.op_type):
+        builder = get_builder(rule.builder)
         try:
-            dtype = rule.implementation.quantized_dtype(site)
+            dtype = builder.quantized_dtype(site) if builder is not None else None
         except NoMatch:
             return "unknown"
         if dtype:
@@ -140,7 +140,6 @@ def inspect_model(
     *,
     target_opset: int | None = None,
     keep_opset: bool = False,
-    allow: Collection[str] | None = None,
 ) -> InspectReport:
     """What ``rewrite`` would do to the model at ``path`` with ``catalogue``; writes nothing."""
     from onnx_qrewrite import engine, model_io
@@ -158,7 +157,7 @@ def inspect_model(
         for node in scope.container.node:
             if not (catalogue.candidates(node.domain, node.op_type) or _is_quantization_op(node)):
                 continue
-            site = Site(node, scope, catalogue.same_shape_ops)
+            site = Site(node, scope)
             entry = QuantNode(scope.path, site.label, op_key(node.domain, node.op_type), _node_dtype(site, catalogue))
             nodes.append(entry)
             by_label[scope.path, site.label] = entry
@@ -167,15 +166,14 @@ def inspect_model(
     # The engine edits the model it is given; it is not needed afterwards. A failed opset raise
     # happens before anything is edited, so the same model serves the retry.
     opset_error = None
-    levels = {"allow": frozenset(allow)} if allow is not None else {}
-    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True, **levels)
+    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True)
     try:
         _, report = engine.run(model, catalogue, options, base_dir)
     except LoweringError as exc:
         if keep_opset:
             raise
         opset_error = str(exc)
-        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True, **levels)
+        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True)
         _, report = engine.run(model, catalogue, options, base_dir)
     for r in report.rewrites:
         entry = by_label.get((r.scope, r.node))
@@ -238,16 +236,29 @@ def _print_text(rep: InspectReport, all_nodes: bool) -> None:
             click.echo(f"  {n.scope}  {n.node}  {n.op}  {n.dtype}  {n.status}{becomes}{notes}")
 
 
+def _sources(profile: Any) -> dict[str, str]:
+    return {f"{profile.id}/{s.id}": f"{s.document} ({s.version})" for s in profile.sources.values()}
+
+
 @click.command("inspect")
 @click.argument("model", type=click.Path(dir_okay=False))
 @rule_selection
 @float16_semantics_option
 @click.option("--target-opset", type=int, default=None, help="Plan as if rewriting with --target-opset N.")
 @click.option("--keep-opset", is_flag=True, help="Plan as if rewriting with --keep-opset.")
-@click.option("--allow-approximate", is_flag=True, help="Plan as if rewriting with --allow-approximate.")
 @click.option("-a", "--all-nodes", is_flag=True, help="Also list every quantization node, one a line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
+@click.option(
+    "--target",
+    "target",
+    default=None,
+    metavar="NAME",
+    help="Say what target NAME (see `onnx-qrewrite targets`, or a .toml profile) refuses today, which "
+    "rule fixes it and what it would still refuse after the rewrite; exit 4 if anything would be.",
+)
+@click.pass_context
 def inspect_command(
+    ctx,
     model,
     rule_files,
     only,
@@ -257,17 +268,30 @@ def inspect_command(
     float16_semantics,
     target_opset,
     keep_opset,
-    allow_approximate,
     all_nodes,
     as_json,
+    target,
 ) -> None:
     """List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each,
     and the opset changes a rewrite needs. Writes nothing."""
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
     catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
-    allow = ("exact", "bounded", "approximate") if allow_approximate else None
-    report = inspect_model(model, catalogue, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
+    if target is not None:
+        from onnx_qrewrite.commands.target_report import print_plan
+        from onnx_qrewrite.errors import EXIT_CANNOT_LOWER
+        from onnx_qrewrite.targets import load_target, plan_for_target
+
+        profile = load_target(target)
+        plan = plan_for_target(model, catalogue, profile, target_opset=target_opset, keep_opset=keep_opset)
+        if as_json:
+            click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
+        else:
+            print_plan(plan, profile, all_nodes)
+        if not plan.ok:
+            ctx.exit(EXIT_CANNOT_LOWER)
+        return
+    report = inspect_model(model, catalogue, target_opset=target_opset, keep_opset=keep_opset)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

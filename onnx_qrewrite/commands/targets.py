@@ -1,0 +1,50 @@
+"""``onnx-qrewrite targets``: the deployment targets the tool knows, their versions and sources."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("targets")
+@click.argument("names", nargs=-1)
+@click.option("--long", "long_", is_flag=True, help="Also show every source each target's verdicts cite.")
+@click.option("--json", "as_json", is_flag=True, help="Print the targets as JSON.")
+def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
+    """List the targets (rules/targets/*.toml): id, runtime version, how verdicts are proven, and
+    the `verify --runtime` that runs it here. With NAMES, only those."""
+    from onnx_qrewrite.targets import load_target, load_targets
+
+    profiles = [load_target(n) for n in names] if names else list(load_targets().values())
+    if as_json:
+        body = [
+            {
+                "id": p.id,
+                "title": p.title,
+                "version": p.version,
+                "proof": p.proof,
+                "runtime": p.runtime,
+                "extra": p.extra,
+                "opsets": [p.opset_min, p.opset_max],
+                "keeps": sorted(p.keep),
+                "sources": {s.id: {"document": s.document, "version": s.version} for s in p.sources.values()},
+                "file": p.path,
+            }
+            for p in profiles
+        ]
+        click.echo(json.dumps(body, indent=2))
+        return
+    rows = [("target", "version", "proven by", "verify --runtime", "title")]
+    for p in profiles:
+        runtime = p.runtime or "-"
+        if p.extra:
+            runtime += f" (pip extra [{p.extra}])"
+        rows.append((p.id, p.version, p.proof, runtime, p.title))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        click.echo("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+        if long_ and r is not rows[0]:
+            p = next(x for x in profiles if x.id == r[0])
+            for s in p.sources.values():
+                click.echo(f"    [{p.id}/{s.id}] {s.document} ({s.version})")

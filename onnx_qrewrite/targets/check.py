@@ -1,0 +1,254 @@
+"""Which nodes of a model a target refuses, and why: the profile (:mod:`.profile`) applied to a model.
+
+Each reason names what failed (op, domain, opset, element type, quantization constraint) and the
+source the profile cites for it. Element types come from onnx's shape inference (run on a copy)
+plus the model's own records, so a value whose type nobody can tell is not held against a node.
+Nodes made by a rewrite carry the rule and the node they replaced in their metadata
+(``Emitter.RULE_KEY`` / ``ORIGIN_KEY``); the verdict keeps both, so ``inspect --target`` can say
+which rewrite a remaining refusal comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.graph import Scope, dtype_name, iter_scopes
+from onnx_qrewrite.targets.profile import TargetProfile
+
+__all__ = ["Refused", "check_model", "model_level_reasons"]
+
+_STANDARD = ("", "ai.onnx")
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """One node the target refuses (``node == "(model)"`` for a model-wide reason)."""
+
+    scope: str
+    node: str
+    op: str
+    domain: str
+    reasons: tuple[str, ...]
+    rule: str | None = None  # the rule that created this node, when a rewrite did
+    origin: str | None = None  # the node that rule replaced
+    unlisted: bool = False  # the target does not run this op at all (vs. a type or constraint)
+
+    @property
+    def op_key(self) -> str:
+        return self.op if self.domain in _STANDARD else f"{self.domain}::{self.op}"
+
+
+def _type_name(elem: int | None) -> str | None:
+    if not elem:
+        return None
+    name = dtype_name(elem)
+    return "float32" if name == "float" else ("float64" if name == "double" else name)
+
+
+def _metadata(node: onnx.NodeProto) -> tuple[str | None, str | None]:
+    from onnx_qrewrite.builders import Emitter
+
+    meta = {p.key: p.value for p in node.metadata_props}
+    return meta.get(Emitter.RULE_KEY), meta.get(Emitter.ORIGIN_KEY)
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return node.name or (node.output[0] if node.output else node.op_type)
+
+
+def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy with value_info filled in where onnx can infer it (never fails: types are a bonus)."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+    except Exception:  # noqa: BLE001 - onnx raises several types for models it cannot infer
+        return model
+
+
+def model_level_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
+    """Reasons the target refuses the model as a whole (its default-domain opset)."""
+    opset = next((o.version for o in model.opset_import if o.domain in _STANDARD), None)
+    if opset is None:
+        return []
+    src = profile.cite(profile.opset_source)
+    if profile.opset_min is not None and opset < profile.opset_min:
+        return [f"default-domain opset {opset} is below the lowest the target loads ({profile.opset_min}) {src}"]
+    if profile.opset_max is not None and opset > profile.opset_max:
+        return [f"default-domain opset {opset} is above the highest the target loads ({profile.opset_max}) {src}"]
+    return []
+
+
+def _quant_type(node: onnx.NodeProto, scope: Scope) -> str | None:
+    if node.op_type == "DequantizeLinear":
+        return _type_name(scope.elem_type(node.input[0]))
+    if len(node.input) > 2 and node.input[2]:
+        return _type_name(scope.elem_type(node.input[2]))
+    for attr in node.attribute:
+        if attr.name == "output_dtype" and attr.i:
+            return _type_name(attr.i)
+    return _type_name(scope.elem_type(node.output[0])) or "uint8"
+
+
+def _operand(node: onnx.NodeProto, index: int) -> str | None:
+    return node.input[index] if len(node.input) > index and node.input[index] else None
+
+
+def _node_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, graph_io: set[str]) -> list[str]:
+    domain = "" if node.domain in _STANDARD else node.domain
+    opset = scope.opsets.get(domain, scope.opsets.get("ai.onnx", 0) if not domain else 0)
+    entries = profile.support(domain, node.op_type)
+    where = domain or "ai.onnx"
+    if not entries:
+        listed_domain = any(d == domain for d, _ in profile.ops)
+        if listed_domain:
+            return [f"{where}::{node.op_type} is not among the ops the target runs"]
+        return [f"the target runs no {where} ops ({where}::{node.op_type})"]
+    in_range = [
+        e
+        for e in entries
+        if (e.min_opset is None or opset >= e.min_opset) and (e.max_opset is None or opset <= e.max_opset)
+    ]
+    if not in_range:
+        spans = ", ".join(f"{e.min_opset or ''}..{e.max_opset or ''}" for e in entries)
+        return [
+            f"{node.op_type} at opset {opset}: the target runs it at opsets {spans} {profile.cite(entries[0].source)}"
+        ]
+    reasons: list[str] = []
+    typed = [e for e in in_range if e.types is not None]
+    if typed and len(typed) == len(in_range):
+        allowed = frozenset().union(*(e.types for e in typed))  # type: ignore[arg-type]
+        quant = node.op_type in _QDQ
+        for name in node.input:
+            if not name:
+                continue
+            t = _type_name(scope.elem_type(name))
+            if t is not None and t not in allowed:
+                # Q/DQ: the quantized side is judged by [quantization], not by the float table.
+                if quant and profile.quantization is not None and t in (profile.quantization.types or ()):
+                    continue
+                reasons.append(
+                    f"{node.op_type} on {t} ({name!r}): the target takes {', '.join(sorted(allowed))} "
+                    f"{profile.cite(typed[0].source)}"
+                )
+                break
+    if domain == "" and node.op_type in _QDQ and profile.quantization is not None:
+        reasons.extend(_quantization_reasons(node, scope, profile))
+    for refusal in profile.refusals:
+        if refusal.op != node.op_type or refusal.domain != domain:
+            continue
+        why = _refusal_applies(refusal.when, refusal.types, node, scope)
+        if why is not None:
+            reasons.append(f"{node.op_type}{why}: {refusal.reason} {profile.cite(refusal.source)}")
+    reasons.extend(_network_reasons(node, scope, profile, graph_io))
+    return reasons
+
+
+def _is_constant(scope: Scope, name: str | None) -> bool:
+    return name is None or scope.initializer(name) is not None or scope.constant(name) is not None
+
+
+def _refusal_applies(when: str, types: frozenset[str], node: onnx.NodeProto, scope: Scope) -> str | None:
+    """None when the refusal does not hold for this node, else a phrase saying what it saw."""
+    if when == "always":
+        return ""
+    if when == "computed-scale":
+        return None if _is_constant(scope, _operand(node, 1)) else " with a scale computed at run time"
+    if when == "computed-zero-point":
+        return None if _is_constant(scope, _operand(node, 2)) else " with a zero point computed at run time"
+    if when == "nonzero-zero-point":
+        zp = _operand(node, 2)
+        if zp is None:
+            return None
+        value = scope.constant(zp)
+        if value is None or np.any(value.astype(np.float64) != 0):
+            return " with a non-zero (or run-time) zero point"
+        return None
+    if when == "quantized-type":
+        t = _quant_type(node, scope) if node.op_type in _QDQ else None
+        if t is None:
+            for name in [*node.input, *node.output]:
+                tn = _type_name(scope.elem_type(name)) if name else None
+                if tn in types:
+                    t = tn
+                    break
+        return f" on {t}" if t in types else None
+    return None
+
+
+def _quantization_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile) -> list[str]:
+    q = profile.quantization
+    assert q is not None
+    src = profile.cite(q.source)
+    out = []
+    qtype = _quant_type(node, scope)
+    if q.types is not None and qtype is not None and qtype not in q.types and qtype != "int32":
+        out.append(f"{node.op_type} of {qtype}: the target quantizes to {', '.join(sorted(q.types))} only {src}")
+    if qtype == "int32" and q.types is not None and "int32" not in q.types:
+        out.append(f"DequantizeLinear of int32 (a bias): not among {', '.join(sorted(q.types))} {src}")
+    scale, zp = _operand(node, 1), _operand(node, 2)
+    if q.constant_scale and not _is_constant(scope, scale):
+        out.append(f"{node.op_type} with a scale computed at run time: the target needs constant scales {src}")
+    if q.constant_zero_point and not _is_constant(scope, zp):
+        out.append(f"{node.op_type} with a zero point computed at run time: the target needs constants {src}")
+    if q.symmetric and zp is not None:
+        value = scope.constant(zp)
+        if value is not None and np.any(value.astype(np.float64) != 0):
+            out.append(f"{node.op_type} with a non-zero zero point: the target quantizes symmetrically only {src}")
+    attrs = {a.name: a for a in node.attribute}
+    if not q.blocked and "block_size" in attrs and attrs["block_size"].i:
+        out.append(f"{node.op_type} with block_size {attrs['block_size'].i}: no blocked quantization {src}")
+    if not q.per_channel and scale is not None:
+        shape = scope.recorded_shapes.get(scale)
+        value = scope.constant(scale) if shape is None else None
+        size = int(np.prod(shape)) if shape and None not in shape else (value.size if value is not None else 1)
+        if size > 1:
+            out.append(f"{node.op_type} with per-channel scales: the target takes per-tensor scales only {src}")
+    return out
+
+
+def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, graph_io: set[str]) -> list[str]:
+    if not (profile.io_only_types or profile.refused_types):
+        return []
+    src = profile.cite(profile.network_source)
+    for name in node.output:
+        t = _type_name(scope.elem_type(name)) if name else None
+        if t is None:
+            continue
+        if t in profile.refused_types:
+            return [f"produces {t} ({name!r}): the target has no {t} tensors {src}"]
+        if t in profile.io_only_types and name not in graph_io:
+            return [f"produces {t} inside the network ({name!r}): {t} only as a model input or output {src}"]
+    return []
+
+
+def _iter_nodes(model: onnx.ModelProto) -> Iterator[tuple[Scope, onnx.NodeProto]]:
+    for scope in iter_scopes(model):
+        for node in scope.container.node:
+            yield scope, node
+
+
+def check_model(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]:
+    """Every node ``profile`` refuses in ``model`` (plus a ``(model)`` entry for model-wide reasons).
+
+    ``model`` is not modified; shape inference runs on a copy. Constant nodes are judged like any
+    node (a target that has no Constant op folds them at load time only if its table says so).
+    """
+    inferred = _inferred(model)
+    graph_io = {v.name for v in (*inferred.graph.input, *inferred.graph.output)}
+    out: list[Refused] = []
+    model_reasons = model_level_reasons(inferred, profile)
+    if model_reasons:
+        out.append(Refused("main", "(model)", "(model)", "", tuple(model_reasons)))
+    for scope, node in _iter_nodes(inferred):
+        reasons = _node_reasons(node, scope, profile, graph_io)
+        if reasons:
+            rule, origin = _metadata(node)
+            unlisted = not profile.support(node.domain, node.op_type)
+            out.append(
+                Refused(scope.path, _label(node), node.op_type, node.domain, tuple(reasons), rule, origin, unlisted)
+            )
+    return out

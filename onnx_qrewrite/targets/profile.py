@@ -1,0 +1,466 @@
+"""Target profiles: what one deployment runtime accepts, read from ``rules/targets/<id>.toml``.
+
+A profile is data, like a rule file: the ops the target runs (by domain, with an opset range and
+the tensor types it takes), its quantization constraints, the tensor types it refuses inside the
+network, observed exceptions to its published tables, and the ops it runs natively that a rewrite
+must keep. Every entry names a ``[[source]]`` (a document and its version, or an observation on a
+named runtime version), so each verdict can be traced to where it came from. The loader refuses a
+file with an unknown key, a missing source, or an entry that cites no source: exit 2, naming the
+file and the key.
+
+Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<source id>"``)::
+
+    [target]
+    id = "tract"                     # the name users type: --target tract
+    title = "tract (Sonos), ONNX inference in Rust"
+    version = "0.23.9"               # the runtime version the profile holds for
+    proof = "runtime"                # how verdicts are checked: runtime | vendor-checker | published-table | spec
+    runtime = "tract"                # optional: the `verify --runtime` that runs it here
+    extra = "tract"                  # optional: pip extra that installs that runtime
+
+    [[source]]
+    id = "registry"
+    document = "sonos/tract onnx/src/ops (the op registry)"
+    version = "commit 38b383f (v0.23.5-67)"
+
+    [opset]                          # default-domain opsets the target loads
+    min = 9
+    max = 22
+    source = "registry"
+
+    [[ops]]                          # ops the target runs; several tables per domain are merged
+    domain = ""                      # "" = ai.onnx
+    names = ["Add", "Conv"]
+    types = ["float32", "int64"]     # optional: element types accepted on its inputs
+    note = "..."                     # optional
+    source = "registry"
+
+    [[refuse]]                       # exceptions to [[ops]]: a node the target refuses anyway
+    domain = ""
+    op = "QuantizeLinear"
+    when = "computed-scale"          # always | computed-scale | computed-zero-point |
+                                     # nonzero-zero-point | quantized-type (with types = [...])
+    reason = "y_scale must be a const"
+    source = "observed"
+
+    [quantization]                   # QuantizeLinear / DequantizeLinear (the standard ops)
+    types = ["int8", "uint8"]        # quantized element types accepted
+    constant_scale = true            # scales must be initializers or Constants
+    constant_zero_point = true
+    symmetric = false                # zero points must be all zero
+    per_channel = true               # 1-D scales along an axis
+    blocked = false                  # block_size (opset 21 blocked quantization)
+    source = "..."
+
+    [network]
+    io_only_types = ["uint8"]        # element types allowed only as graph inputs/outputs
+    refused_types = ["bfloat16"]     # element types refused anywhere
+    source = "..."
+
+    [rewrites]
+    keep = ["DynamicQuantizeLinear"] # standard ops the target runs natively: never rewritten for it
+    source = "..."
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from onnx_qrewrite.errors import UsageError
+
+__all__ = [
+    "OpSupport",
+    "Quantization",
+    "Refusal",
+    "Source",
+    "TargetProfile",
+    "load_target",
+    "load_targets",
+    "parse_target",
+    "shipped_targets_dir",
+]
+
+PROOFS = ("runtime", "vendor-checker", "published-table", "spec")
+REFUSE_WHEN = ("always", "computed-scale", "computed-zero-point", "nonzero-zero-point", "quantized-type")
+#: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
+TYPE_NAMES = frozenset(
+    {
+        "float32",
+        "float16",
+        "bfloat16",
+        "float64",
+        "int4",
+        "uint4",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "bool",
+        "string",
+        "float8e4m3fn",
+        "float8e4m3fnuz",
+        "float8e5m2",
+        "float8e5m2fnuz",
+        "float4e2m1",
+        "complex64",
+        "complex128",
+    }
+)
+
+_TOP_KEYS = {"target", "source", "opset", "ops", "refuse", "quantization", "network", "rewrites"}
+_TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
+_SOURCE_KEYS = {"id", "document", "version", "notes"}
+_OPSET_KEYS = {"min", "max", "source", "notes"}
+_OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
+_REFUSE_KEYS = {"domain", "op", "when", "types", "reason", "source"}
+_QUANT_KEYS = {
+    "types",
+    "constant_scale",
+    "constant_zero_point",
+    "symmetric",
+    "per_channel",
+    "blocked",
+    "source",
+    "notes",
+}
+_NETWORK_KEYS = {"io_only_types", "refused_types", "source", "notes"}
+_REWRITES_KEYS = {"keep", "prefer", "source", "notes"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    id: str
+    document: str
+    version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSupport:
+    """The target runs ``domain::op`` (at model opsets ``min_opset..max_opset``, on ``types``)."""
+
+    domain: str
+    op: str
+    source: str
+    types: frozenset[str] | None = None
+    min_opset: int | None = None
+    max_opset: int | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A node the target refuses although an ``[[ops]]`` table lists its op."""
+
+    domain: str
+    op: str
+    when: str
+    reason: str
+    source: str
+    types: frozenset[str] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    source: str
+    types: frozenset[str] | None = None
+    constant_scale: bool = False
+    constant_zero_point: bool = False
+    symmetric: bool = False
+    per_channel: bool = True
+    blocked: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetProfile:
+    id: str
+    title: str
+    version: str
+    proof: str
+    path: str
+    sources: Mapping[str, Source]
+    ops: Mapping[tuple[str, str], tuple[OpSupport, ...]]
+    refusals: tuple[Refusal, ...] = ()
+    opset_min: int | None = None
+    opset_max: int | None = None
+    opset_source: str | None = None
+    quantization: Quantization | None = None
+    io_only_types: frozenset[str] = frozenset()
+    refused_types: frozenset[str] = frozenset()
+    network_source: str | None = None
+    keep: frozenset[str] = frozenset()
+    prefer: tuple[str, ...] = ()
+    rewrites_source: str | None = None
+    runtime: str | None = None
+    extra: str | None = None
+
+    def support(self, domain: str, op: str) -> tuple[OpSupport, ...]:
+        """Every table that lists ``domain::op`` (``ai.onnx`` spelled as "")."""
+        return self.ops.get((_norm_domain(domain), op), ())
+
+    def cite(self, source_id: str | None) -> str:
+        """How a verdict names its source: ``[target/source-id]`` (``targets --long`` expands it)."""
+        return f"[{self.id}/{source_id}]" if source_id else ""
+
+    def source_text(self, source_id: str) -> str:
+        s = self.sources[source_id]
+        return f"{s.document} ({s.version})"
+
+
+def _norm_domain(domain: str) -> str:
+    return "" if domain in ("", "ai.onnx") else domain
+
+
+def _fail(path: str, where: str, message: str) -> UsageError:
+    return UsageError(f"{path}: {where}: {message}")
+
+
+def _check_keys(path: str, where: str, table: Any, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise _fail(path, where, "must be a table")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise _fail(path, where, f"unknown key {unknown[0]!r}{hint}")
+    return table
+
+
+def _string(path: str, where: str, table: dict[str, Any], key: str, *, required: bool = True) -> str | None:
+    value = table.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value:
+        raise _fail(path, where, f"'{key}' must be a non-empty string")
+    return value
+
+
+def _int(path: str, where: str, table: dict[str, Any], key: str) -> int | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(path, where, f"'{key}' must be an integer")
+    return value
+
+
+def _bool(path: str, where: str, table: dict[str, Any], key: str, default: bool) -> bool:
+    value = table.get(key, default)
+    if not isinstance(value, bool):
+        raise _fail(path, where, f"'{key}' must be true or false")
+    return value
+
+
+def _types(path: str, where: str, table: dict[str, Any], key: str) -> frozenset[str] | None:
+    value = table.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _fail(path, where, f"'{key}' must be a list of element type names")
+    for name in value:
+        if name not in TYPE_NAMES:
+            close = difflib.get_close_matches(name, sorted(TYPE_NAMES), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise _fail(path, where, f"'{key}': unknown element type {name!r}{hint}")
+    return frozenset(value)
+
+
+def _cited(path: str, where: str, table: dict[str, Any], sources: Mapping[str, Source]) -> str:
+    """Every entry cites a declared source: that is what makes a verdict traceable."""
+    source = table.get("source")
+    if not isinstance(source, str) or not source:
+        raise _fail(path, where, "'source' is missing: every entry must cite a [[source]] id")
+    if source not in sources:
+        raise _fail(path, where, f"'source' {source!r} is not a [[source]] id (known: {', '.join(sources)})")
+    return source
+
+
+def parse_target(text: str, path: str) -> TargetProfile:
+    """A profile from TOML text; ``path`` names the file in error messages."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    _check_keys(path, "top level", data, _TOP_KEYS)
+    target = _check_keys(path, "[target]", data.get("target"), _TARGET_KEYS)
+    target_id = _string(path, "[target]", target, "id")
+    title = _string(path, "[target]", target, "title")
+    version = _string(path, "[target]", target, "version")
+    proof = _string(path, "[target]", target, "proof")
+    if proof not in PROOFS:
+        raise _fail(path, "[target]", f"'proof' must be one of {', '.join(PROOFS)}, got {proof!r}")
+
+    raw_sources = data.get("source", [])
+    if not isinstance(raw_sources, list) or not raw_sources:
+        raise _fail(path, "[[source]]", "at least one [[source]] table is required")
+    sources: dict[str, Source] = {}
+    for i, item in enumerate(raw_sources):
+        where = f"[[source]] #{i + 1}"
+        raw = _check_keys(path, where, item, _SOURCE_KEYS)
+        sid = _string(path, where, raw, "id")
+        if sid in sources:
+            raise _fail(path, where, f"source id {sid!r} is defined twice")
+        sources[sid] = Source(sid, _string(path, where, raw, "document"), _string(path, where, raw, "version"))  # type: ignore[arg-type]
+
+    opset_min = opset_max = opset_source = None
+    if "opset" in data:
+        opset = _check_keys(path, "[opset]", data["opset"], _OPSET_KEYS)
+        opset_source = _cited(path, "[opset]", opset, sources)
+        opset_min, opset_max = _int(path, "[opset]", opset, "min"), _int(path, "[opset]", opset, "max")
+
+    ops: dict[tuple[str, str], list[OpSupport]] = {}
+    raw_ops = data.get("ops", [])
+    if not isinstance(raw_ops, list):
+        raise _fail(path, "[[ops]]", "must be an array of tables")
+    for i, item in enumerate(raw_ops):
+        where = f"[[ops]] #{i + 1}"
+        raw = _check_keys(path, where, item, _OPS_KEYS)
+        source = _cited(path, where, raw, sources)
+        domain = raw.get("domain", "")
+        if not isinstance(domain, str):
+            raise _fail(path, where, "'domain' must be a string")
+        names = raw.get("names")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+            raise _fail(path, where, "'names' must be a non-empty list of op names")
+        types = _types(path, where, raw, "types")
+        note = raw.get("note", "")
+        if not isinstance(note, str):
+            raise _fail(path, where, "'note' must be a string")
+        lo, hi = _int(path, where, raw, "min_opset"), _int(path, where, raw, "max_opset")
+        for name in names:
+            entry = OpSupport(_norm_domain(domain), name, source, types, lo, hi, note)
+            ops.setdefault((entry.domain, name), []).append(entry)
+
+    refusals = []
+    raw_refuse = data.get("refuse", [])
+    if not isinstance(raw_refuse, list):
+        raise _fail(path, "[[refuse]]", "must be an array of tables")
+    for i, item in enumerate(raw_refuse):
+        where = f"[[refuse]] #{i + 1}"
+        raw = _check_keys(path, where, item, _REFUSE_KEYS)
+        source = _cited(path, where, raw, sources)
+        when = _string(path, where, raw, "when")
+        if when not in REFUSE_WHEN:
+            raise _fail(path, where, f"'when' must be one of {', '.join(REFUSE_WHEN)}, got {when!r}")
+        types = _types(path, where, raw, "types") or frozenset()
+        if when == "quantized-type" and not types:
+            raise _fail(path, where, "'when = \"quantized-type\"' needs 'types'")
+        refusals.append(
+            Refusal(
+                _norm_domain(str(raw.get("domain", ""))),
+                _string(path, where, raw, "op"),  # type: ignore[arg-type]
+                when,  # type: ignore[arg-type]
+                _string(path, where, raw, "reason"),  # type: ignore[arg-type]
+                source,
+                types,
+            )
+        )
+
+    quantization = None
+    if "quantization" in data:
+        raw = _check_keys(path, "[quantization]", data["quantization"], _QUANT_KEYS)
+        quantization = Quantization(
+            source=_cited(path, "[quantization]", raw, sources),
+            types=_types(path, "[quantization]", raw, "types"),
+            constant_scale=_bool(path, "[quantization]", raw, "constant_scale", False),
+            constant_zero_point=_bool(path, "[quantization]", raw, "constant_zero_point", False),
+            symmetric=_bool(path, "[quantization]", raw, "symmetric", False),
+            per_channel=_bool(path, "[quantization]", raw, "per_channel", True),
+            blocked=_bool(path, "[quantization]", raw, "blocked", True),
+        )
+
+    io_only: frozenset[str] = frozenset()
+    refused_types: frozenset[str] = frozenset()
+    network_source = None
+    if "network" in data:
+        raw = _check_keys(path, "[network]", data["network"], _NETWORK_KEYS)
+        network_source = _cited(path, "[network]", raw, sources)
+        io_only = _types(path, "[network]", raw, "io_only_types") or frozenset()
+        refused_types = _types(path, "[network]", raw, "refused_types") or frozenset()
+
+    keep: frozenset[str] = frozenset()
+    prefer: tuple[str, ...] = ()
+    rewrites_source = None
+    if "rewrites" in data:
+        raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
+        rewrites_source = _cited(path, "[rewrites]", raw, sources)
+        for key in ("keep", "prefer"):
+            value = raw.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise _fail(path, "[rewrites]", f"'{key}' must be a list of names")
+        keep = frozenset(raw.get("keep", []))
+        prefer = tuple(raw.get("prefer", []))
+
+    return TargetProfile(
+        id=target_id,  # type: ignore[arg-type]
+        title=title,  # type: ignore[arg-type]
+        version=version,  # type: ignore[arg-type]
+        proof=proof,  # type: ignore[arg-type]
+        path=path,
+        sources=sources,
+        ops={k: tuple(v) for k, v in ops.items()},
+        refusals=tuple(refusals),
+        opset_min=opset_min,
+        opset_max=opset_max,
+        opset_source=opset_source,
+        quantization=quantization,
+        io_only_types=io_only,
+        refused_types=refused_types,
+        network_source=network_source,
+        keep=keep,
+        prefer=prefer,
+        rewrites_source=rewrites_source,
+        runtime=_string(path, "[target]", target, "runtime", required=False),
+        extra=_string(path, "[target]", target, "extra", required=False),
+    )
+
+
+def shipped_targets_dir() -> Path:
+    """``targets/`` of the shipped rule catalogue (inside the wheel, or ``rules/`` in a checkout)."""
+    from onnx_qrewrite.catalogue import shipped_rules_dir
+
+    return shipped_rules_dir() / "targets"
+
+
+def _read(path: Path) -> TargetProfile:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: target file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read target file: {exc}") from None
+    profile = parse_target(text, str(path))
+    if profile.id != path.stem:
+        raise UsageError(f"{path}: [target] id {profile.id!r} must match the file name {path.stem!r}")
+    return profile
+
+
+def load_targets(directory: str | Path | None = None) -> dict[str, TargetProfile]:
+    """Every profile in ``directory`` (default: the shipped ones), by id, in file-name order."""
+    folder = Path(directory) if directory is not None else shipped_targets_dir()
+    return {p.id: p for p in (_read(path) for path in sorted(folder.glob("*.toml")))}
+
+
+def load_target(name: str, directory: str | Path | None = None) -> TargetProfile:
+    """One profile by id (``--target NAME``), or a path to a ``.toml`` profile of the user's."""
+    if name.endswith(".toml"):
+        return _read(Path(name))
+    targets = load_targets(directory)
+    if name not in targets:
+        close = difflib.get_close_matches(name, list(targets), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UsageError(f"--target: unknown target {name!r}{hint}; known: {', '.join(targets)}")
+    return targets[name]

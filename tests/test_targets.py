@@ -1,0 +1,306 @@
+"""Targets as data: the shipped profiles load, cite their sources, agree with the published tables
+they transcribe (onnx-tensorrt's, onnxruntime's NNAPI/CoreML tables through onnxruntime's own
+usability checker), and ``targets`` / ``inspect --target`` say what a target refuses and why.
+
+What the runtimes installable here actually do is checked in test_targets_runtime.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import REAL_MODELS, REPO, SAMPLES
+from onnx import TensorProto, helper
+
+from onnx_qrewrite.api import load_rules
+from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.targets import check_model, load_target, load_targets, plan_for_target
+from onnx_qrewrite.targets.profile import parse_target
+
+TARGETS_DIR = REPO / "rules" / "targets"
+TRT_TABLE = TARGETS_DIR / "sources" / "tensorrt_operators_10.1-GA.json"
+SHIPPED = ["coreml", "nnapi", "onnx", "openvino", "qnn", "tensorrt", "tflite", "tract", "webgpu"]
+MODELS = [
+    SAMPLES / "dynamic_mlp.onnx",
+    SAMPLES / "dynamic_cnn.onnx",
+    SAMPLES / "qdq_contrib_u16.onnx",
+    *sorted(REAL_MODELS.glob("*.onnx")),
+]
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+MINIMAL = """
+[target]
+id = "mini"
+title = "a test target"
+version = "1"
+proof = "spec"
+
+[[source]]
+id = "doc"
+document = "a document"
+version = "v1"
+
+[[ops]]
+names = ["Add"]
+source = "doc"
+"""
+
+
+# -- the profiles as data -------------------------------------------------------------------------
+
+
+def test_every_shipped_target_loads_and_cites_declared_sources():
+    targets = load_targets()
+    assert sorted(targets) == SHIPPED
+    for profile in targets.values():
+        assert profile.sources, profile.id
+        cited = {e.source for entries in profile.ops.values() for e in entries}
+        cited |= {r.source for r in profile.refusals}
+        cited |= {s for s in (profile.opset_source, profile.network_source, profile.rewrites_source) if s}
+        if profile.quantization is not None:
+            cited.add(profile.quantization.source)
+        assert cited <= set(profile.sources), profile.id  # the loader enforces it; this proves it ran
+        for source in profile.sources.values():
+            assert source.document and source.version, (profile.id, source.id)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace('names = ["Add"]', 'names = ["Add"]\nsorce = "doc"'), "unknown key 'sorce'"),
+        (lambda t: t.replace('names = ["Add"]\nsource = "doc"', 'names = ["Add"]'), "'source' is missing"),
+        (
+            lambda t: t.replace('names = ["Add"]\nsource = "doc"', 'names = ["Add"]\nsource = "nodoc"'),
+            "'nodoc' is not a [[source]] id",
+        ),
+        (lambda t: t.replace('proof = "spec"', 'proof = "vibes"'), "'proof' must be one of"),
+        (lambda t: t + '\n[quantization]\ntypes = ["unit8"]\nsource = "doc"\n', "unknown element type 'unit8'"),
+        (
+            lambda t: t + '\n[[refuse]]\nop = "Add"\nwhen = "sometimes"\nreason = "x"\nsource = "doc"\n',
+            "'when' must be one of",
+        ),
+    ],
+)
+def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):
+    parse_target(MINIMAL, "mini.toml")  # the unedited text is valid
+    with pytest.raises(UsageError) as err:
+        parse_target(edit(MINIMAL), "mini.toml")
+    assert str(err.value).startswith("mini.toml: ")
+    assert message in str(err.value)
+
+
+def test_cli_bad_profile_exits_2_with_one_line(tmp_path):
+    path = tmp_path / "mini.toml"
+    path.write_text(MINIMAL.replace('names = ["Add"]', 'names = ["Add"]\nsorce = "doc"'))
+    proc = cli("inspect", SAMPLES / "dynamic_mlp.onnx", "--target", path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert str(path) in proc.stderr and "sorce" in proc.stderr and "did you mean 'source'" in proc.stderr
+
+
+def test_unknown_target_exits_2_suggesting_the_closest():
+    proc = cli("inspect", SAMPLES / "dynamic_mlp.onnx", "--target", "tensorrtt")
+    assert proc.returncode == 2
+    assert "unknown target 'tensorrtt'" in proc.stderr and "did you mean 'tensorrt'" in proc.stderr
+
+
+def test_tensorrt_profile_is_exactly_the_published_table():
+    """Every op the onnx-tensorrt 10.1-GA table marks supported, with its types, and nothing else."""
+    table = json.loads(TRT_TABLE.read_text())
+    assert table["source"]["branch"] == "10.1-GA"
+    names = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64"}
+    names |= {"BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "FP8": "float8e4m3fn", "INT4": "int4"}
+    profile = load_target("tensorrt")
+    supported = {op for op, row in table["operators"].items() if row["supported"]}
+    assert {op for (domain, op) in profile.ops if domain == ""} == supported
+    assert all(domain == "" for domain, _ in profile.ops)
+    for op in supported - {"QuantizeLinear", "DequantizeLinear"}:
+        (entry,) = profile.support("", op)
+        assert entry.types == {names[t] for t in table["operators"][op]["types"]}, op
+    assert (profile.opset_min, profile.opset_max) == tuple(table["opset_range"])
+
+
+# -- onnxruntime's own checker for the mobile EPs -------------------------------------------------
+
+
+def _built_models() -> list[onnx.ModelProto]:
+    """Small models with the ops quantized models hold: a QDQ pair, integer matmul, a QLinear op."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    inits = [
+        helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+        helper.make_tensor("z", TensorProto.UINT8, [], [128]),
+    ]
+    qdq = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], name="dq"),
+            helper.make_node("Round", ["d"], ["r"], name="round"),
+            helper.make_node("Sigmoid", ["r"], ["y"], name="sig"),
+        ],
+        "qdq",
+        [x],
+        [y],
+        inits,
+    )
+    xi = helper.make_tensor_value_info("a", TensorProto.UINT8, [1, 4])
+    yi = helper.make_tensor_value_info("b", TensorProto.INT32, [1, 4])
+    w = helper.make_tensor("w", TensorProto.UINT8, [4, 4], list(range(16)))
+    mmi = helper.make_graph([helper.make_node("MatMulInteger", ["a", "w"], ["b"], name="mmi")], "mmi", [xi], [yi], [w])
+    return [helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]) for g in (qdq, mmi)]
+
+
+def _mobile_models() -> list[onnx.ModelProto]:
+    from onnx_qrewrite import rewrite
+
+    out = _built_models()
+    for path in (SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_cnn.onnx", REAL_MODELS / "ortdyn_cnn_op17_w8u.onnx"):
+        out.append(onnx.load(path))
+        out.append(rewrite(onnx.load(path)).model)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("target", "checker"),
+    [
+        ("nnapi", lambda ck, m: ck.check_nnapi_partitions(m, require_fixed_input_sizes=False)),
+        (
+            "coreml",
+            lambda ck, m: ck.check_coreml_partitions(m, False, "coreml_supported_mlprogram_ops.md"),
+        ),
+    ],
+)
+def test_mobile_targets_agree_with_onnxruntimes_usability_checker(target, checker):
+    """The ops the profile refuses outright are exactly those onnxruntime's checker reports as
+    unsupported (Constant excepted: the checker folds Constants into initializers first)."""
+    ck = pytest.importorskip("onnxruntime.tools.mobile_helpers.usability_checker", reason="needs onnxruntime")
+    profile = load_target(target)
+    for model in _mobile_models():
+        info = checker(ck, model)
+        theirs = {op for op in info.unsupported_ops if op != "ai.onnx:Constant"}
+        ours = {f"{r.domain or 'ai.onnx'}:{r.op}" for r in check_model(model, profile) if r.unlisted}
+        assert ours == theirs, model.graph.name
+
+
+# -- inspect --target -----------------------------------------------------------------------------
+
+
+def test_inspect_target_keeps_what_the_target_runs_natively():
+    """Never make things worse: tract runs quantize_dynamic's ops, so nothing is expanded for it."""
+    plan = plan_for_target(SAMPLES / "dynamic_cnn.onnx", load_rules(), load_target("tract"))
+    assert plan.before == [] and plan.after == [] and plan.ok
+    assert "dql-expand" in plan.skipped_rules
+
+
+def test_inspect_target_names_rule_and_what_stays_refused():
+    plan = plan_for_target(SAMPLES / "dynamic_mlp.onnx", load_rules(), load_target("tensorrt"))
+    verdicts = {n.node: n for n in plan.nodes}
+    dql = [n for n in plan.nodes if n.op == "DynamicQuantizeLinear"]
+    assert len(dql) == 3 and all(n.rule == "dql-expand" for n in dql)
+    assert all("not among the ops the target runs" in n.reasons[0] for n in dql)
+    # the expansion's uint8 zero point is refused inside a TensorRT network (operators.md)
+    assert any("uint8 only as a model input or output" in a for a in dql[0].after)
+    mmi = [n for n in verdicts.values() if n.op == "MatMulInteger"]
+    assert len(mmi) == 3 and all(n.rule is None and n.after for n in mmi)
+    assert not plan.ok and plan.refused_after == len(plan.after) > 0
+
+
+def test_a_rule_that_would_make_things_worse_is_not_used(tmp_path):
+    """A profile that runs DynamicQuantizeLinear but not what it expands into, without saying
+    `keep`: the check after the rewrite finds the regression and drops the rule."""
+    profile = load_target("tract")
+    text = (TARGETS_DIR / "tract.toml").read_text().replace('keep = ["DynamicQuantizeLinear", ', "keep = [")
+    text = text.replace('"ReduceMin", ', "").replace('id = "tract"', 'id = "tractish"', 1)
+    path = tmp_path / "tractish.toml"
+    path.write_text(text)
+    profile = load_target(str(path))
+    assert "DynamicQuantizeLinear" not in profile.keep
+    plan = plan_for_target(SAMPLES / "dynamic_mlp.onnx", load_rules(), profile)
+    assert plan.ok and plan.before == []
+    assert "dql-expand" in plan.skipped_rules and "refuses" in plan.skipped_rules["dql-expand"]
+
+
+def test_quantization_constraints_are_reported():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph(
+        [
+            helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0, name="max"),
+            helper.make_node("QuantizeLinear", ["x", "m", "z"], ["q"], name="q"),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq"),
+        ],
+        "g",
+        [x],
+        [y],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("z", TensorProto.UINT8, [], [3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    refused = {r.node: " | ".join(r.reasons) for r in check_model(model, load_target("tensorrt"))}
+    assert "scale computed at run time" in refused["q"]
+    assert "quantizes to float8e4m3fn, int4, int8 only" in refused["q"]
+    assert "non-zero zero point" in refused["dq"]
+    assert set(refused) == {"q", "dq"}
+    assert {r.node for r in check_model(model, load_target("tract"))} == {"q"}  # y_scale must be a const
+
+
+def test_opset_above_the_target_is_a_model_level_refusal():
+    model = onnx.load(REAL_MODELS / "ortqdq_ms_cnn_op17_a16u_w16s.onnx")
+    del model.opset_import[:]
+    model.opset_import.extend([helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    refused = check_model(model, load_target("tensorrt"))
+    assert refused[0].node == "(model)"
+    assert "opset 21 is above the highest the target loads (20)" in refused[0].reasons[0]
+
+
+def test_targets_command_lists_every_target_with_version_and_sources():
+    proc = cli("targets")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == SHIPPED
+    assert "openvino" in proc.stdout and "2026.4.1" in proc.stdout and "pip extra [openvino]" in proc.stdout
+    body = json.loads(cli("targets", "--json", "tensorrt").stdout)
+    assert body[0]["id"] == "tensorrt" and "96e781103cfc4adf4a6bb557e94bac8e693f6f4c" in json.dumps(body)
+    long_ = cli("targets", "--long", "tract").stdout
+    assert "[tract/registry] sonos/tract" in long_ and "[tract/observed]" in long_
+
+
+def test_inspect_target_cli_exit_codes_and_json():
+    ok = cli("inspect", SAMPLES / "dynamic_cnn.onnx", "--target", "openvino")
+    assert ok.returncode == 0, ok.stderr
+    assert "nothing refused after the rewrite" in ok.stdout
+    refused = cli("inspect", SAMPLES / "dynamic_cnn.onnx", "--target", "tensorrt", "--json")
+    assert refused.returncode == 4, refused.stderr
+    body = json.loads(refused.stdout)
+    assert body["target"] == "tensorrt" and body["refused_before"] == 6 and body["ok"] is False
+    assert body["refused_after"] == len(body["after"]) > 0
+    assert {n["status"] for n in body["nodes"]} == {"refused after the rewrite"}
+    assert "tensorrt/operators-md" in body["sources"]
+    # the rewrite `inspect --target onnx` plans for a com.microsoft QDQ model removes every refusal
+    onnx_ok = cli("inspect", SAMPLES / "qdq_contrib_u16.onnx", "--target", "onnx", "--json")
+    assert onnx_ok.returncode == 0, onnx_ok.stderr
+    body = json.loads(onnx_ok.stdout)
+    assert body["refused_before"] == 22 and body["refused_after"] == 0
+    assert {n["status"] for n in body["nodes"]} == {"fixed by the rewrite"}
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: Path(p).stem)
+def test_every_target_plans_every_test_model(path):
+    """No profile/model combination crashes, and the after-count is what the plan lists."""
+    catalogue = load_rules()
+    for profile in load_targets().values():
+        plan = plan_for_target(path, catalogue, profile)
+        assert plan.refused_after == len(plan.after)
+        assert len(plan.nodes) == len(plan.before)
+        assert np.all([n.reasons for n in plan.nodes])
