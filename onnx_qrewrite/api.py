@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -225,6 +225,7 @@ def rewrite(
     target_opset: int | None = None,
     keep_opset: bool = False,
     allow_unlowered: bool = False,
+    allow: Collection[str] | None = None,
     check: bool | None = None,
     progress: ProgressSink | None = None,
     base_dir: str | os.PathLike[str] | None = None,
@@ -236,7 +237,9 @@ def rewrite(
     on the result (None: when it has at most ``AUTO_CHECK_MAX_NODES`` nodes, since on bigger graphs
     the checker alone costs as much as loading and saving the model). ``base_dir``: the folder an
     ``onnx.ModelProto``'s external data lives in (a path's is its folder; an ``onnx_ir.Model``'s
-    is its tensors' ``base_dir``); external data must stay inside that folder. Raises
+    is its tensors' ``base_dir``); external data must stay inside that folder. ``allow``: the
+    exactness levels rules may have (default ``("exact", "bounded")``; add ``"approximate"`` to run
+    the rules that change numerics by design, see :mod:`onnx_qrewrite.contract`). Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     if isinstance(rules, Catalogue):
@@ -246,8 +249,11 @@ def rewrite(
     else:
         catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
     proto, kind, external, source_path, reads = _to_proto(model, base_dir)
+    levels = {"allow": frozenset(allow)} if allow is not None else {}
     try:
-        opts = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered)
+        opts = engine.EngineOptions(
+            target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered, **levels
+        )
         rewritten, report = engine.run(proto, catalogue, opts, external, progress)
         if check is None:
             check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES

@@ -3,23 +3,37 @@
 Rule files are data, never code: they name a builder registered in :mod:`onnx_qrewrite.builders`
 and give it options. Format (``rules/*.toml``)::
 
+    title = "DynamicQuantizeLinear"                    # optional, for docs/lowerings.md
+    about = "Markdown shown above the file's rules"    # optional
+    notes = "Markdown shown below them"                # optional
+
     [[rule]]
     id = "dql-expand"                                  # stable, shown in every report
     summary = "Expand DynamicQuantizeLinear ..."       # one line for `onnx-qrewrite rules`
-    emits = "ReduceMin, ReduceMax, ..., QuantizeLinear"
+    doc = "details for docs/lowerings.md"              # optional
+    emits = "ReduceMin, ReduceMax, ..., QuantizeLinear"   # ops of the builder's contract
     builder = "dynamic_quantize_linear"
+    exactness = "exact"                                # exact | bounded | approximate
     match = [{ domain = "", op = "DynamicQuantizeLinear" }]   # several entries = aliases
     when = { dtypes = ["uint8"], min_opset = 11, max_opset = 26 }   # all optional
-    requires_opset = { int16 = 21, uint16 = 21 }       # optional: per dtype, "*" for any
-    options = { semantics = "onnxruntime" }            # passed to the builder
+    options = { semantics = "onnxruntime" }            # the builder's declared options
 
-``match.domain = "*"`` matches any non-standard domain. Rules are tried in catalogue order; the
-first whose conditions hold and whose builder accepts the node rewrites it.
+Every rule is checked against its builder's contract (:mod:`onnx_qrewrite.contract`) when the
+catalogue is built: unknown keys and options, bad values, ops the builder does not emit, and an
+exactness the builder does not deliver are usage errors naming the file, the rule and the key.
+The opset an emitted op needs is not stated here: builders take it from
+:mod:`onnx_qrewrite.kernel_opsets`.
+
+``match.domain = "*"`` matches any non-standard domain. The engine tries a node's exact rules
+first, then its bounded ones (each group in catalogue order); approximate rules only when asked,
+and then before the others. The first whose conditions hold and whose builder accepts the node
+rewrites it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -31,10 +45,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from onnx_qrewrite.builders import builder_names, get_builder
+from onnx_qrewrite.builders import Builder, builder_names, get_builder
+from onnx_qrewrite.contract import EXACTNESS, closest
 from onnx_qrewrite.errors import UsageError
 
-__all__ = ["Catalogue", "OpRef", "Rule", "load_catalogue", "parse_rules", "shipped_rules_dir"]
+__all__ = ["Catalogue", "OpRef", "Rule", "checked", "load_catalogue", "parse_rules", "shipped_rules_dir"]
 
 ANY_DOMAIN = "*"
 _STANDARD_DOMAINS = ("", "ai.onnx")
@@ -63,31 +78,59 @@ class Rule:
     emits: str
     builder: str
     match: tuple[OpRef, ...]
+    exactness: str = "exact"
     dtypes: frozenset[str] | None = None
     min_opset: int | None = None
     max_opset: int | None = None
-    requires_opset: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: The builder's options: validated against its contract, defaults filled in (see
+    #: :func:`checked`); ``given_options`` are the ones the rule file (or an override) set.
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     source: str = "<api>"
-
-    def opset_needed_for(self, dtype: str | None) -> int:
-        if dtype is not None and dtype in self.requires_opset:
-            return self.requires_opset[dtype]
-        return self.requires_opset.get("*", 0)
+    given_options: Mapping[str, Any] | None = None
+    #: Details for docs/lowerings.md (markdown, optional).
+    doc: str = ""
 
     def with_options(self, overrides: Mapping[str, Any]) -> Rule:
-        return dataclasses.replace(self, options=MappingProxyType({**self.options, **overrides}))
+        given = {**(self.given_options if self.given_options is not None else self.options), **overrides}
+        return dataclasses.replace(self, options=MappingProxyType(given), given_options=None)
 
     def describe_match(self) -> str:
         return ", ".join(str(m) for m in self.match)
 
+    @property
+    def implementation(self) -> Builder:
+        builder = get_builder(self.builder)
+        assert builder is not None  # checked when the catalogue was built
+        return builder
 
-_RULE_KEYS = {"id", "summary", "emits", "builder", "match", "when", "requires_opset", "options"}
-_WHEN_KEYS = {"dtypes", "min_opset", "max_opset"}
+    @property
+    def bound(self) -> str:
+        """The bound of a bounded rule, in words (the builder's)."""
+        return self.implementation.contract.bound if self.exactness != "exact" else ""
+
+
+_RULE_KEYS = ("id", "summary", "doc", "emits", "builder", "exactness", "match", "when", "options")
+_WHEN_KEYS = ("dtypes", "min_opset", "max_opset")
+_FILE_KEYS = ("rule", "title", "about", "notes")
+#: Keys rule files used to have, and where their content lives now.
+_REMOVED_KEYS = {
+    "requires_opset": "the opset an emitted op needs is declared once, in onnx_qrewrite/kernel_opsets.py "
+    "(builders compute it per node); use 'when.min_opset' to restrict where a rule applies",
+}
 
 
 def _fail(source: str, where: str, message: str) -> UsageError:
     return UsageError(f"{source}: {where}: {message}")
+
+
+def _unknown_keys(found: Any, valid: Sequence[str], what: str) -> str | None:
+    unknown = sorted(set(found) - set(valid))
+    if not unknown:
+        return None
+    key = unknown[0]
+    if key in _REMOVED_KEYS:
+        return f"{what} {key!r} is no longer accepted: {_REMOVED_KEYS[key]}"
+    return f"unknown {what} {key!r}{closest(key, valid)}; valid: {', '.join(valid)}"
 
 
 def _parse_rule(raw: Any, source: str, index: int) -> Rule:
@@ -96,14 +139,29 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
         raise _fail(source, where, "each [[rule]] must be a table")
     if isinstance(raw.get("id"), str):
         where = f"rule {raw['id']!r}"
-    unknown = set(raw) - _RULE_KEYS
-    if unknown:
-        raise _fail(source, where, f"unknown key(s) {', '.join(sorted(unknown))}")
+    problem = _unknown_keys(raw, _RULE_KEYS, "key")
+    if problem:
+        raise _fail(source, where, problem)
     for key in ("id", "summary", "builder"):
         if not isinstance(raw.get(key), str) or not raw[key]:
             raise _fail(source, where, f"'{key}' must be a non-empty string")
+    for key in ("doc", "emits"):
+        if not isinstance(raw.get(key, ""), str):
+            raise _fail(source, where, f"'{key}' must be a string")
     if get_builder(raw["builder"]) is None:
-        raise _fail(source, where, f"unknown builder {raw['builder']!r} (known: {', '.join(builder_names())})")
+        names = builder_names()
+        raise _fail(
+            source,
+            where,
+            f"unknown builder {raw['builder']!r}{closest(raw['builder'], names)}; known: {', '.join(names)}",
+        )
+    if not isinstance(raw.get("exactness"), str) or raw["exactness"] not in EXACTNESS:
+        raise _fail(
+            source,
+            where,
+            f"'exactness' must be one of {', '.join(EXACTNESS)}"
+            + (f", not {raw['exactness']!r}" if "exactness" in raw else " (missing)"),
+        )
     match_raw = raw.get("match")
     if isinstance(match_raw, dict):
         match_raw = [match_raw]
@@ -118,34 +176,72 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
             raise _fail(source, where, "'match.domain' must be a string")
         match.append(OpRef(domain, m["op"]))
     when = raw.get("when", {})
-    if not isinstance(when, dict) or set(when) - _WHEN_KEYS:
-        raise _fail(source, where, f"'when' may only hold {', '.join(sorted(_WHEN_KEYS))}")
+    if not isinstance(when, dict):
+        raise _fail(source, where, f"'when' must be a table of {', '.join(_WHEN_KEYS)}")
+    problem = _unknown_keys(when, _WHEN_KEYS, "key in 'when':")
+    if problem:
+        raise _fail(source, where, problem)
     dtypes = when.get("dtypes")
     if dtypes is not None and (not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes)):
         raise _fail(source, where, "'when.dtypes' must be a list of dtype names")
     for key in ("min_opset", "max_opset"):
         if key in when and (not isinstance(when[key], int) or isinstance(when[key], bool)):
             raise _fail(source, where, f"'when.{key}' must be an integer")
-    requires = raw.get("requires_opset", {})
-    if not isinstance(requires, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in requires.values()
-    ):
-        raise _fail(source, where, "'requires_opset' must map dtype names (or '*') to integers")
     options = raw.get("options", {})
     if not isinstance(options, dict):
         raise _fail(source, where, "'options' must be a table")
     return Rule(
         id=raw["id"],
         summary=raw["summary"],
-        emits=str(raw.get("emits", "")),
+        doc=raw.get("doc", ""),
+        emits=raw.get("emits", ""),
         builder=raw["builder"],
         match=tuple(match),
+        exactness=raw["exactness"],
         dtypes=frozenset(dtypes) if dtypes is not None else None,
         min_opset=when.get("min_opset"),
         max_opset=when.get("max_opset"),
-        requires_opset=MappingProxyType(dict(requires)),
         options=MappingProxyType(dict(options)),
         source=source,
+    )
+
+
+def checked(rule: Rule) -> Rule:
+    """``rule`` validated against its builder's contract, with the builder's option defaults filled
+    in. Idempotent. Raises :class:`UsageError` naming the file, the rule and the key."""
+    if rule.given_options is not None:
+        return rule
+    where = f"rule {rule.id!r}"
+    builder = get_builder(rule.builder)
+    if builder is None:
+        names = builder_names()
+        raise _fail(
+            rule.source,
+            where,
+            f"unknown builder {rule.builder!r}{closest(rule.builder, names)}; known: {', '.join(names)}",
+        )
+    contract = builder.contract
+    resolved, problems = contract.resolve(rule.options)
+    if problems:
+        key, why = problems[0]
+        raise _fail(rule.source, where, f"option {key!r} ({builder.name}): {why}")
+    for op in (o.strip() for o in rule.emits.split(",")):
+        if op and op not in contract.emits:
+            raise _fail(
+                rule.source,
+                where,
+                f"'emits' names {op!r}{closest(op, contract.emits)}, which builder {builder.name} does not emit "
+                f"(its contract: {', '.join(sorted(contract.emits))})",
+            )
+    delivered = contract.exactness(resolved)
+    if rule.exactness != delivered:
+        raise _fail(
+            rule.source,
+            where,
+            f"'exactness' is {rule.exactness!r} but builder {builder.name} with these options is {delivered!r}",
+        )
+    return dataclasses.replace(
+        rule, options=MappingProxyType(resolved), given_options=MappingProxyType(dict(rule.options))
     )
 
 
@@ -155,13 +251,16 @@ def parse_rules(text: str, source: str) -> list[Rule]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{source}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"rule"}
-    if unknown:
-        raise UsageError(f"{source}: unknown top-level key(s) {', '.join(sorted(unknown))}; expected [[rule]] tables")
+    problem = _unknown_keys(data, _FILE_KEYS, "top-level key")
+    if problem:
+        raise UsageError(f"{source}: {problem}")
+    for key in ("title", "about", "notes"):
+        if key in data and not isinstance(data[key], str):
+            raise UsageError(f"{source}: {key!r} must be a string")
     raw_rules = data.get("rule", [])
     if not isinstance(raw_rules, list):
         raise UsageError(f"{source}: 'rule' must be an array of tables ([[rule]])")
-    return [_parse_rule(r, source, i) for i, r in enumerate(raw_rules)]
+    return [checked(_parse_rule(r, source, i)) for i, r in enumerate(raw_rules)]
 
 
 def shipped_rules_dir() -> Path:
@@ -177,7 +276,7 @@ class Catalogue:
     """An ordered, validated set of rules, indexed by op for fast matching."""
 
     def __init__(self, rules: Iterable[Rule]):
-        self.rules: tuple[Rule, ...] = tuple(rules)
+        self.rules: tuple[Rule, ...] = tuple(checked(r) for r in rules)
         seen: dict[str, str] = {}
         for rule in self.rules:
             if rule.id in seen:
@@ -198,6 +297,17 @@ class Catalogue:
     def ids(self) -> list[str]:
         return [r.id for r in self.rules]
 
+    @functools.cached_property
+    def same_shape_ops(self) -> frozenset[str]:
+        """Ops matched by rules whose builder declares that output 0 has input 0's shape."""
+        return frozenset(
+            ref.op for rule in self.rules if rule.implementation.contract.preserves_shape for ref in rule.match
+        )
+
+    def matched_ops(self) -> set[tuple[str, str]]:
+        """Every (domain, op) some rule matches (domain "*" for any non-standard one)."""
+        return {(ref.domain, ref.op) for rule in self.rules for ref in rule.match}
+
     def candidates(self, domain: str, op: str) -> list[Rule]:
         """Rules whose ``match`` names this op, in catalogue order (deduplicated)."""
         out = []
@@ -217,11 +327,23 @@ class Catalogue:
 
     def with_options(self, overrides: Mapping[str, Mapping[str, Any]]) -> Catalogue:
         """Override rule options: ``{rule_id: {key: value}}``."""
-        known = set(self.ids)
+        known = self.ids
         for rule_id in overrides:
             if rule_id not in known:
-                raise UsageError(f"option for unknown rule {rule_id!r} (see `onnx-qrewrite rules`)")
-        return Catalogue(r.with_options(overrides[r.id]) if r.id in overrides else r for r in self.rules)
+                raise UsageError(
+                    f"option for unknown rule {rule_id!r}{closest(rule_id, known)} (see `onnx-qrewrite rules`)"
+                )
+        out = []
+        for rule in self.rules:
+            if rule.id not in overrides:
+                out.append(rule)
+                continue
+            try:
+                out.append(checked(rule.with_options(overrides[rule.id])))
+            except UsageError as exc:
+                why = str(exc).split(f"rule {rule.id!r}: ", 1)[-1]
+                raise UsageError(f"options for rule {rule.id!r} (overridden): {why}") from None
+        return Catalogue(out)
 
 
 def load_catalogue(paths: Iterable[str | Path] = (), *, include_shipped: bool = True) -> Catalogue:

@@ -22,11 +22,12 @@ import onnx
 
 from onnx_qrewrite import opset as opset_mod
 from onnx_qrewrite._protowire import encode_node_list, replace_nodes
-from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site, get_builder
+from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site
 from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
+from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.encoded import EncodedModel
-from onnx_qrewrite.errors import LoweringError
+from onnx_qrewrite.errors import LoweringError, UsageError
 from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
 from onnx_qrewrite.progress import ProgressSink
@@ -50,6 +51,17 @@ class EngineOptions:
     #: Stamp repeated replacements from a recorded template (builders/_stamp.py); off only to
     #: prove that stamping and building give the same bytes.
     stamp_templates: bool = True
+    #: Exactness levels rules may have (onnx_qrewrite.contract). Exact rules are always tried
+    #: first and bounded ones only where no exact rule applies; approximate rules run only when
+    #: listed here (``--allow-approximate``; a target profile may ask too), and then first.
+    allow: frozenset[str] = frozenset({EXACT, BOUNDED})
+
+    def __post_init__(self) -> None:
+        unknown = set(self.allow) - set(EXACTNESS)
+        if unknown or EXACT not in self.allow:
+            raise UsageError(
+                f"allow={sorted(self.allow)!r}: must include 'exact' and may add {', '.join(EXACTNESS[1:])}"
+            )
 
 
 @dataclasses.dataclass
@@ -60,9 +72,18 @@ class _Match:
     plan: Plan
 
 
+def _in_order(rules: list[Rule]) -> list[Rule]:
+    """A node's candidate rules in the order they are tried: approximate ones first when allowed
+    (they were asked for), then exact, then bounded; catalogue order within each group."""
+    rank = {APPROXIMATE: 0, EXACT: 1, BOUNDED: 2}
+    return sorted(rules, key=lambda r: rank[r.exactness])
+
+
 def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
-    builder = get_builder(rule.builder)
-    assert builder is not None  # validated when the catalogue was loaded
+    if rule.exactness not in options.allow:
+        flag = " (--allow-approximate)" if rule.exactness == APPROXIMATE else ""
+        raise NoMatch(f"{rule.exactness} rule: runs only when asked{flag}")
+    builder = rule.implementation
     current = site.scope.default_opset
     if rule.min_opset is not None and current < rule.min_opset:
         raise NoMatch(f"model opset {current} is below the rule's min_opset {rule.min_opset}")
@@ -72,7 +93,7 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
     if rule.dtypes is not None and dtype not in rule.dtypes:
         raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")
     plan = builder.check(site, rule.options)
-    needed = max(plan.min_opset, rule.opset_needed_for(dtype))
+    needed = plan.min_opset
     if needed > current:
         if options.keep_opset:
             raise NoMatch(f"needs opset {needed}, model has {current} and the opset is kept")
@@ -92,16 +113,17 @@ def _match(
     unlowered: list[Unlowered] = []
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     candidates_of: dict[tuple[str, str], list[Rule]] = {}
+    same_shape_ops = catalogue.same_shape_ops
     for s, scope in enumerate(scopes):
         for index, node in enumerate(scope.container.node):
             key = (node.domain, node.op_type)
             counts[key] += 1
             candidates = candidates_of.get(key)
             if candidates is None:
-                candidates = candidates_of[key] = catalogue.candidates(*key)
+                candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
             if not candidates:
                 continue
-            site = Site(node, scope)
+            site = Site(node, scope, same_shape_ops)
             reasons = []
             for rule in candidates:
                 try:
@@ -157,20 +179,19 @@ def _apply(
             pool = pools[id(root)] = ConstantPool(root, names)
         replacements: dict[int, list[bytes]] = {}
         for m in matches.get(s, ()):
-            builder = get_builder(m.rule.builder)
+            builder = m.rule.implementation
+            metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound)
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
                 key = builder.template_key(m.site, m.rule.options, m.plan)  # type: ignore[union-attr]
                 key = None if key is None else (m.rule.id, id(pool), key)
             template = templates.get(key) if key is not None else None
             if template is not None:
-                nodes, created = template.stamp(
-                    m.site, names, Emitter.prefix_for(m.site.node), Emitter.metadata_for(m.rule.id, m.site.node)
-                )
+                nodes, created = template.stamp(m.site, names, Emitter.prefix_for(m.site.node), metadata)
                 reads = template.site_inputs_read(m.site)
             else:
-                emit = Emitter(m.site, m.rule.id, names, pool)
-                builder.build(m.site, emit, m.rule.options, m.plan)  # type: ignore[union-attr]
+                emit = Emitter(m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata)
+                builder.build(m.site, emit, m.rule.options, m.plan)
                 nodes, created = emit.nodes, emit.created
                 reads = emit.names_read()
                 if key is not None:
@@ -199,6 +220,8 @@ def _apply(
                     created_nodes=tuple(n for n, _ in created),
                     created_ops=tuple(op for _, op in created),
                     notes=m.plan.notes,
+                    exactness=m.rule.exactness,
+                    bound=m.plan.bound,
                 )
             )
         built[s] = replacements

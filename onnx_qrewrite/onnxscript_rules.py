@@ -41,9 +41,6 @@ except ImportError:
 
 __all__ = ["rule_set", "rules_for"]
 
-#: Outputs of the ops the shipped builders handle (DynamicQuantizeLinear has three).
-_OUTPUTS = {"DynamicQuantizeLinear": 3}
-
 
 def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
     """The matched node alone, with what the engine needs to decide (types, shapes, constant
@@ -86,7 +83,7 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         super().__init__(name=f"{rule.id}:{ref}")
         self._rule, self._ref = rule, ref
         self._catalogue = catalogue.select(only=[rule.id])
-        self._outputs = _OUTPUTS.get(ref.op, 1)
+        self._outputs = rule.implementation.contract.outputs
         # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
         self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int]] | None = None
 

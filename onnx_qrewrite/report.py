@@ -25,6 +25,9 @@ class AppliedRewrite:
     created_nodes: tuple[str, ...]
     created_ops: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    #: The rule's exactness (onnx_qrewrite.contract) and, when bounded, this node's bound.
+    exactness: str = "exact"
+    bound: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,8 @@ class RewriteReport:
                     "created_nodes": list(r.created_nodes),
                     "created_ops": list(r.created_ops),
                     "notes": list(r.notes),
+                    "exactness": r.exactness,
+                    "bound": r.bound,
                 }
                 for r in self.rewrites
             ],
@@ -123,8 +128,22 @@ class RewriteReport:
         by_rule = self.by_rule()
         if not by_rule:
             lines.append("no rule applied; the model is unchanged")
+        levels = {r.rule: r.exactness for r in self.rewrites}
         for rule, n in by_rule.items():
-            lines.append(f"  {rule}: {n} node{'s' if n != 1 else ''} rewritten")
+            level = "" if levels[rule] == "exact" else f" [{levels[rule]}]"
+            lines.append(f"  {rule}: {n} node{'s' if n != 1 else ''} rewritten{level}")
+        inexact = [r for r in self.rewrites if r.exactness != "exact"]
+        bounded = sum(r.exactness == "bounded" for r in inexact)
+        if bounded:
+            lines.append(
+                f"  {bounded} node{'s' if bounded != 1 else ''} rewritten by bounded rules (no exact rule applies "
+                "there): within each rule's stated bound of the original, not bit-exact"
+            )
+        if len(inexact) > bounded:
+            n = len(inexact) - bounded
+            lines.append(
+                f"  {n} node{'s' if n != 1 else ''} rewritten by approximate rules (asked for): numerics changed"
+            )
         for c in self.opset_changes:
             before = "none" if c.before is None else c.before
             after = "removed" if c.after is None else c.after

@@ -4,6 +4,7 @@ with their own files; the shipped files travel inside the wheel."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import zipfile
@@ -61,35 +62,73 @@ def test_shipped_rules_are_valid_ordered_and_describable():
     assert ids.index("ms-q-standard") < ids.index("ms-q-decompose")
 
 
+_HEAD = '[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nexactness = "exact"\n'
+_QDQ = '[[rule]]\nid = "q"\nsummary = "s"\nbuilder = "standard_qdq"\nexactness = "exact"\nmatch = {op = "X"}\n'
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
         ("[[rule]\nid=", "not valid TOML"),
-        ("rules = 1", "unknown top-level key(s) rules"),
+        ("rules = 1", "unknown top-level key 'rules' (did you mean 'rule'?)"),
+        (_HEAD + 'match = {op = "X"}\ncolour = 1', "rule 'a': unknown key 'colour'"),
+        (_HEAD + 'match = {op = "X"}\nsumary = "t"', "rule 'a': unknown key 'sumary' (did you mean 'summary'?)"),
+        (_HEAD.replace("dynamic_quantize_linear", "nope") + 'match = {op = "X"}', "unknown builder 'nope'"),
         (
-            '[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\ncolour = 1',
-            "rule 'a': unknown key(s) colour",
+            _HEAD.replace("dynamic_quantize_linear", "standard_qdd") + 'match = {op = "X"}',
+            "unknown builder 'standard_qdd' (did you mean 'standard_qdq'?)",
         ),
-        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "nope"\nmatch = {op = "X"}', "unknown builder 'nope'"),
-        ('[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"', "'match' must be"),
-        (
-            '[[rule]]\nid = "a"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}\n'
-            'when = {min_opset = "13"}',
-            "'when.min_opset' must be an integer",
-        ),
+        (_HEAD, "'match' must be"),
+        (_HEAD + 'match = {op = "X"}\nwhen = {min_opset = "13"}', "'when.min_opset' must be an integer"),
+        (_HEAD + 'match = {op = "X"}\nwhen = {dtype = ["uint8"]}', "'dtype' (did you mean 'dtypes'?)"),
         ('[[rule]]\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}', "'id' must be"),
+        (_HEAD.replace('exactness = "exact"\n', "") + 'match = {op = "X"}', "'exactness' must be one of"),
+        (_HEAD.replace('"exact"', '"exactish"') + 'match = {op = "X"}', "not 'exactish'"),
+        # The builder's contract: option keys, types, values, emitted ops, exactness.
+        (
+            _QDQ + 'options = { direction = "quantize", axis_defualt = 0 }',
+            "rule 'q': option 'axis_defualt' (standard_qdq): unknown option (did you mean 'axis_default'?)",
+        ),
+        (_QDQ + 'options = { direction = "quantise" }', "'quantise' is not one of 'quantize', 'dequantize'"),
+        (_QDQ + "options = { axis_default = 0 }", "option 'direction' (standard_qdq): required option missing"),
+        (_QDQ + 'options = { direction = "quantize", axis_default = "0" }', "must be an integer, not '0'"),
+        (
+            _QDQ + 'options = { direction = "quantize", require_zero_point = 1 }',
+            "option 'require_zero_point' (standard_qdq): must be a boolean",
+        ),
+        (
+            _QDQ + 'emits = "QuantizeLinear, MatMul"\noptions = { direction = "quantize" }',
+            "'emits' names 'MatMul'",
+        ),
+        (
+            _QDQ.replace('"exact"', '"bounded"') + 'options = { direction = "quantize" }',
+            "'exactness' is 'bounded' but builder standard_qdq with these options is 'exact'",
+        ),
+        (
+            _QDQ + 'requires_opset = { "*" = 10 }\noptions = { direction = "quantize" }',
+            "key 'requires_opset' is no longer accepted: the opset an emitted op needs is declared once",
+        ),
     ],
 )
 def test_bad_rule_files_name_the_file_rule_and_problem(text, message):
-    with pytest.raises(UsageError, match="mine.toml: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UsageError, match="mine.toml: .*" + re.escape(message)):
         parse_rules(text, "mine.toml")
+
+
+def test_a_bad_option_override_is_a_usage_error_naming_rule_and_key():
+    with pytest.raises(UsageError, match=re.escape("rule 'dql-expand' (overridden): option 'semantic'")):
+        load_catalogue().with_options({"dql-expand": {"semantic": "spec"}})
+    with pytest.raises(
+        UsageError, match=re.escape("'specs' is not one of 'onnxruntime', 'spec' (did you mean 'spec'?)")
+    ):
+        load_catalogue().with_options({"dql-expand": {"semantics": "specs"}})
 
 
 def test_duplicate_rule_id_across_files_is_refused(tmp_path):
     dup = tmp_path / "dup.toml"
     dup.write_text(
         '[[rule]]\nid = "dql-expand"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\n'
-        'match = {op = "DynamicQuantizeLinear"}\n'
+        'exactness = "exact"\nmatch = {op = "DynamicQuantizeLinear"}\n'
     )
     with pytest.raises(UsageError, match="rule 'dql-expand' is already defined"):
         load_catalogue([dup])
@@ -100,7 +139,7 @@ def test_a_user_catalogue_lowers_a_new_vendor_op_without_touching_the_package(tm
     rules = tmp_path / "mycorp.toml"
     rules.write_text(
         '[[rule]]\nid = "mycorp-q"\nsummary = "MyCorp quantize -> QuantizeLinear"\nemits = "QuantizeLinear"\n'
-        'builder = "standard_qdq"\nmatch = [{ domain = "com.mycorp", op = "MyQuantize" }]\n'
+        'builder = "standard_qdq"\nexactness = "exact"\nmatch = [{ domain = "com.mycorp", op = "MyQuantize" }]\n'
         'when = { dtypes = ["uint8", "int8"] }\n'
         'options = { direction = "quantize", axis_default = 0, require_zero_point = true }\n'
     )

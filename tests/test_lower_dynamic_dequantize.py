@@ -149,7 +149,7 @@ def test_a_rule_file_can_narrow_the_domain(tmp_path):
     rules = tmp_path / "narrow.toml"
     rules.write_text(
         '[[rule]]\nid = "my-dd"\nsummary = "only my domain"\nbuilder = "dynamic_dequantize"\n'
-        'match = [{ domain = "my.domain", op = "DynamicDequantize" }]\n'
+        'exactness = "exact"\nmatch = [{ domain = "my.domain", op = "DynamicDequantize" }]\n'
         'options = { form = "arithmetic", axis_default = 1 }\n'
     )
     skip = ["onednn-dynamic-dequantize", "onednn-dynamic-dequantize-arith"]

@@ -1,11 +1,14 @@
 """Mechanism: how a replacement is built. Policy (which rule uses which builder, for which dtypes
 and opsets) lives in the rule files under ``rules/``.
 
-A builder is a small object with three methods, in the spirit of onnxscript's rewrite rules:
+A builder is a small object with a :class:`~onnx_qrewrite.contract.Contract` (its options, what
+it emits, its outputs, exactness and opset: see :mod:`onnx_qrewrite.contract`) and three methods,
+in the spirit of onnxscript's rewrite rules:
 
 ``quantized_dtype(site)``
     The dtype a rule's ``when.dtypes`` condition is checked against (None: unknown).
 ``check(site, options) -> Plan``
+    ``options`` are the rule's, validated against the contract with defaults filled in.
     Decides whether it can rewrite this node and what it needs (for example a minimum
     default-domain opset). Raises :class:`NoMatch` with a reason when it cannot: the engine then
     tries the next rule and reports the reason if none fits.
@@ -28,6 +31,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_qrewrite import _protowire
+from onnx_qrewrite.contract import Contract
+from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.graph import NameAllocator, Scope
 
 __all__ = [
@@ -61,6 +66,10 @@ class Plan:
     notes: tuple[str, ...] = ()
     #: Anything ``check`` worked out that ``build`` reuses.
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: Bounded rewrites: the largest absolute difference from the original op allowed at this
+    #: node's outputs, in the outputs' units (recorded in the created nodes' metadata; ``verify``
+    #: checks it there). None for exact rewrites.
+    bound: float | None = None
 
 
 @dataclasses.dataclass
@@ -73,6 +82,9 @@ class Site:
 
     node: onnx.NodeProto
     scope: Scope
+    #: Op types whose output 0 has input 0's shape (from the catalogue's builder contracts, plus
+    #: the standard ones): shape look-ups see through them.
+    same_shape_ops: frozenset[str] = dataclasses.field(default=frozenset(), repr=False)
     _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
@@ -117,6 +129,7 @@ class Site:
 
 class Builder(Protocol):
     name: str
+    contract: Contract
 
     def quantized_dtype(self, site: Site) -> str | None: ...
 
@@ -199,6 +212,10 @@ class ConstantPool:
         return name
 
 
+def op_key_of(domain: str, op_type: str) -> str:
+    return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
+
+
 _ATTR_CACHE: dict[tuple[str, Any], bytes] = {}
 
 
@@ -229,14 +246,29 @@ class Emitter:
 
     RULE_KEY = "onnx_qrewrite.rule"
     ORIGIN_KEY = "onnx_qrewrite.origin"
+    #: Only on nodes of non-exact rewrites: the rule's exactness, and the bound at the replaced
+    #: node's outputs (``Plan.bound``, as ``repr(float)``) that ``verify`` checks there.
+    EXACTNESS_KEY = "onnx_qrewrite.exactness"
+    BOUND_KEY = "onnx_qrewrite.bound"
 
-    def __init__(self, site: Site, rule_id: str, names: NameAllocator, constants: ConstantPool):
+    def __init__(
+        self,
+        site: Site,
+        rule_id: str,
+        names: NameAllocator,
+        constants: ConstantPool,
+        *,
+        emits: frozenset[str] | None = None,
+        metadata: bytes | None = None,
+    ):
         self.site = site
         self._names = names
         self._constants = constants
+        self._emits = emits
+        self._rule_id = rule_id
         node = site.node
         self._prefix = self.prefix_for(node)
-        self._metadata = self.metadata_for(rule_id, node)
+        self._metadata = metadata if metadata is not None else self.metadata_for(rule_id, node)
         self.nodes: list[bytes] = []
         self.created: list[tuple[str, str]] = []  # (node name, op key as in reports)
         # What a template (builders/_stamp.py) needs to replay this build:
@@ -255,8 +287,15 @@ class Emitter:
         return node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
 
     @classmethod
-    def metadata_for(cls, rule_id: str, node: onnx.NodeProto) -> bytes:
-        return _protowire.encode_metadata([(cls.RULE_KEY, rule_id), (cls.ORIGIN_KEY, node.name)])
+    def metadata_for(
+        cls, rule_id: str, node: onnx.NodeProto, exactness: str = "exact", bound: float | None = None
+    ) -> bytes:
+        entries = [(cls.RULE_KEY, rule_id), (cls.ORIGIN_KEY, node.name)]
+        if exactness != "exact":
+            entries.append((cls.EXACTNESS_KEY, exactness))
+        if bound is not None:
+            entries.append((cls.BOUND_KEY, repr(float(bound))))
+        return _protowire.encode_metadata(entries)
 
     def _fresh(self, hint: str) -> str:
         name = self._names.fresh(self._prefix + hint)
@@ -293,6 +332,11 @@ class Emitter:
         value names are separate namespaces in ONNX, and one unique name per node is cheaper and
         easier to read in a viewer.
         """
+        if self._emits is not None and (domain or op_type not in self._emits):
+            raise InternalError(
+                f"rule {self._rule_id}: its builder emitted {op_key_of(domain, op_type)}, which its contract "
+                f"does not declare (emits: {', '.join(sorted(self._emits))})"
+            )
         base = f"/{hint or op_type}"
         name = self._fresh(base)
         if isinstance(outputs, int):

@@ -18,14 +18,18 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Site
+from onnx_qrewrite.contract import Option
 from onnx_qrewrite.graph import Scope, dtype_name
 
 __all__ = [
+    "AXIS_DEFAULT",
+    "DIRECTION",
     "INTEGER_RANGES",
+    "REQUIRE_ZERO_POINT",
+    "STANDARD_SAME_SHAPE_OPS",
     "QDQNode",
     "broadcast_operand",
     "normalized_axis",
-    "option",
     "per_tensor_operand",
     "read_qdq",
     "value_shape",
@@ -53,39 +57,30 @@ DYNAMIC = "decided at run time"
 _FLOAT = onnx.TensorProto.FLOAT
 
 
-def option(options: Mapping[str, Any], key: str, allowed: tuple[Any, ...] | type, default: Any) -> Any:
-    """A rule option, validated: a value outside ``allowed`` makes the rule give way, with why."""
-    value = options.get(key, default)
-    if isinstance(allowed, tuple):
-        if value not in allowed:
-            raise NoMatch(f"option {key}={value!r} is not one of {', '.join(repr(a) for a in allowed)}")
-    elif not isinstance(value, allowed) or (isinstance(value, bool) and allowed is int):
-        raise NoMatch(f"option {key}={value!r} must be of type {allowed.__name__}")
-    return value
-
-
-#: Ops whose output has their first input's shape: a quantized tensor between a vendor Q and DQ has
-#: no value_info (shape inference cannot see through vendor ops), but its producer's input does.
-_SAME_SHAPE_OPS = frozenset(
-    {
-        "QuantizeLinear",
-        "DequantizeLinear",
-        "ExtendedQuantizeLinear",
-        "ExtendedDequantizeLinear",
-        "VitisQuantizeLinear",
-        "VitisDequantizeLinear",
-        "Cast",
-        "Identity",
-    }
+DIRECTION = Option("direction", str, allowed=("quantize", "dequantize"), doc="which op the rule replaces")
+AXIS_DEFAULT = Option(
+    "axis_default", int, 1, doc="the axis the vendor kernel uses when the node has no axis attribute (written out)"
+)
+REQUIRE_ZERO_POINT = Option(
+    "require_zero_point", bool, False, doc="the vendor kernel takes exactly three inputs (x, scale, zero point)"
 )
 
 
-def value_shape(scope: Scope, name: str, _depth: int = 0) -> tuple[int | None, ...] | None:
+#: Standard ops whose output has their first input's shape. A quantized tensor between a vendor Q
+#: and DQ has no value_info (shape inference cannot see through vendor ops), but its producer's
+#: input does: vendor ops whose builder declares ``preserves_shape`` come from the catalogue
+#: (``Site.same_shape_ops``).
+STANDARD_SAME_SHAPE_OPS = frozenset({"QuantizeLinear", "DequantizeLinear", "Cast", "Identity"})
+
+
+def value_shape(
+    scope: Scope, name: str, same_shape_ops: frozenset[str] = STANDARD_SAME_SHAPE_OPS, _depth: int = 0
+) -> tuple[int | None, ...] | None:
     """Static shape of a value visible from ``scope`` (None: unknown; None entries: unknown dims).
 
     Looks at Constant nodes, initializers and the value_info/input/output records of each scope
     from the innermost outwards; an unrecorded output of a shape-preserving op (Q/DQ, Cast,
-    Identity) has its input's shape.
+    Identity, and the ``same_shape_ops`` a catalogue declares) has its input's shape.
     """
     if not name:
         return None
@@ -104,8 +99,9 @@ def value_shape(scope: Scope, name: str, _depth: int = 0) -> tuple[int | None, .
         if recorded.get(name) is not None:
             return recorded[name]
         if producer is not None:
-            if producer.op_type in _SAME_SHAPE_OPS and producer.input and _depth < 16:
-                return value_shape(current, producer.input[0], _depth + 1)
+            same_shape = producer.op_type in STANDARD_SAME_SHAPE_OPS or producer.op_type in same_shape_ops
+            if same_shape and producer.input and _depth < 16:
+                return value_shape(current, producer.input[0], same_shape_ops, _depth + 1)
             return None
         if name in recorded:
             return None
@@ -139,7 +135,7 @@ class QDQNode:
     # scale and zero point to numpy was most of the matching time on a 20k-node model.
     @functools.cached_property
     def x_shape(self) -> tuple[int | None, ...] | None:
-        return value_shape(self.site.scope, self.x)
+        return value_shape(self.site.scope, self.x, self.site.same_shape_ops)
 
     @functools.cached_property
     def scale_value(self) -> np.ndarray | None:
@@ -201,8 +197,7 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
     Several rules try the same node (standard op, then decomposition): the reading is kept on the
     Site, which the engine creates once per node and shares between its candidate rules.
     """
-    axis_default = option(options, "axis_default", int, 1)
-    require_zp = option(options, "require_zero_point", (True, False), False)
+    axis_default, require_zp = options["axis_default"], options["require_zero_point"]
     return site.memo(
         ("qdq-read", quantize, axis_default, require_zp), lambda: _read_qdq(site, axis_default, require_zp, quantize)
     )
@@ -240,8 +235,8 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
             if elem is not None and dtype_name(elem) != dtype:
                 raise NoMatch(f"malformed node: {what} {name!r} is {dtype_name(elem)}, x is {dtype}")
 
-    scale_shape = value_shape(site.scope, scale)
-    zp_shape = value_shape(site.scope, zp) if zp else None
+    scale_shape = value_shape(site.scope, scale, site.same_shape_ops)
+    zp_shape = value_shape(site.scope, zp, site.same_shape_ops) if zp else None
     axis_given = site.has_attribute("axis")
     axis = int(site.attribute("axis", axis_default))
 
@@ -265,7 +260,7 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
             )
         if granularity == PER_AXIS and len(zp_shape) != 1:
             raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}; per-axis needs 1-D")
-    x_shape = value_shape(site.scope, x) if granularity != PER_TENSOR else None
+    x_shape = value_shape(site.scope, x, site.same_shape_ops) if granularity != PER_TENSOR else None
     if x_shape is not None:
         if len(x_shape) == 0:
             raise NoMatch(f"malformed node: x {x!r} is a scalar but the scale may have several elements")

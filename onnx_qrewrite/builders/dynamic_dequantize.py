@@ -29,12 +29,13 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
+    AXIS_DEFAULT,
     broadcast_operand,
     normalized_axis,
-    option,
     per_tensor_operand,
     value_shape,
 )
+from onnx_qrewrite.contract import Contract, Option
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["DynamicDequantizeBuilder"]
@@ -50,6 +51,22 @@ class DynamicDequantizeBuilder:
     """Replaces oneDNN's DynamicDequantize with DequantizeLinear or its Cast/Sub/Mul form."""
 
     name = "dynamic_dequantize"
+    contract = Contract(
+        options=(
+            Option(
+                "form",
+                str,
+                "dequantize_linear",
+                ("dequantize_linear", "arithmetic"),
+                doc="DequantizeLinear (gives way for a zero point of another type than src, or a "
+                "non-float32 scale) or the Cast/Sub/Mul form",
+            ),
+            AXIS_DEFAULT,
+        ),
+        emits=frozenset({"DequantizeLinear", "Cast", "Sub", "Mul", "Reshape"}),
+        preserves_shape=True,
+        opset=lambda options, dtypes: "10 (per_channel 13)" if options["form"] == "dequantize_linear" else "13",
+    )
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))
@@ -61,8 +78,7 @@ class DynamicDequantizeBuilder:
         return dtype_name(elem)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        form = option(options, "form", ("dequantize_linear", "arithmetic"), "dequantize_linear")
-        axis_default = option(options, "axis_default", int, 1)
+        form, axis_default = options["form"], options["axis_default"]
         node = site.node
         if len(node.input) not in (2, 3) or not node.input[0] or not node.input[1]:
             raise NoMatch(
@@ -104,8 +120,12 @@ class DynamicDequantizeBuilder:
 
         scale_value = site.constant(scales)
         zp_value = site.constant(zps) if zps else None
-        scale_shape = tuple(scale_value.shape) if scale_value is not None else value_shape(site.scope, scales)
-        src_shape = value_shape(site.scope, src)
+        scale_shape = (
+            tuple(scale_value.shape)
+            if scale_value is not None
+            else value_shape(site.scope, scales, site.same_shape_ops)
+        )
+        src_shape = value_shape(site.scope, src, site.same_shape_ops)
         rank = None if src_shape is None else len(src_shape)
         axis = int(site.attribute("axis", axis_default))
         if qtype == "per_tensor":
@@ -161,7 +181,9 @@ class DynamicDequantizeBuilder:
             "zp_value": zp_value,
             "scale_shape": scale_shape,
             "form": form,
-            "zp_shape": tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zps),
+            "zp_shape": tuple(zp_value.shape)
+            if zp_value is not None
+            else value_shape(site.scope, zps, site.same_shape_ops),
         }
         return Plan(min_opset=min_opset, notes=tuple(notes), data=data)
 

@@ -41,7 +41,8 @@ import numpy as np
 import onnx
 from onnx import defs
 
-from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.builders import Emitter, Plan, Site, register
+from onnx_qrewrite.contract import Contract, Option
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.graph import dtype_name
 
@@ -58,15 +59,48 @@ def spec_body(opset: int) -> onnx.FunctionProto:
 
 
 class DynamicQuantizeLinearBuilder:
+    """Expands DynamicQuantizeLinear into primitive ops valid at the model's opset (11-26)."""
+
     name = "dynamic_quantize_linear"
+    contract = Contract(
+        options=(
+            Option(
+                "semantics",
+                str,
+                "onnxruntime",
+                SEMANTICS,
+                doc="onnxruntime's kernel, bit for bit (degenerate cases included), or the ONNX spec's function body",
+            ),
+        ),
+        # The spec body (onnx's own schema) uses a subset of these at every opset 11-26.
+        emits=frozenset(
+            {
+                "ReduceMin",
+                "ReduceMax",
+                "Min",
+                "Max",
+                "Sub",
+                "Div",
+                "Equal",
+                "Where",
+                "IsNaN",
+                "Clip",
+                "Round",
+                "Cast",
+                "QuantizeLinear",
+                "Constant",
+                "Identity",
+            }
+        ),
+        outputs=3,
+        opset=lambda options, dtypes: "11",
+    )
 
     def quantized_dtype(self, site: Site) -> str | None:
         return "uint8"  # DynamicQuantizeLinear always produces uint8
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        semantics = options.get("semantics", "onnxruntime")
-        if semantics not in SEMANTICS:
-            raise NoMatch(f"option semantics={semantics!r} is not one of {', '.join(SEMANTICS)}")
+        semantics = options["semantics"]
         if len(site.node.input) != 1 or not site.node.input[0]:
             raise InvalidModelError(f"node {site.label}: DynamicQuantizeLinear takes exactly one input")
         elem = site.elem_type(site.node.input[0])
@@ -80,11 +114,11 @@ class DynamicQuantizeLinearBuilder:
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
         present = tuple(bool(o) for o in site.node.output)
-        return (options.get("semantics", "onnxruntime"), site.scope.default_opset, present)
+        return (options["semantics"], site.scope.default_opset, present)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = list(site.node.output) + [""] * (3 - len(site.node.output))
-        if options.get("semantics", "onnxruntime") == "spec":
+        if options["semantics"] == "spec":
             self._build_spec(site, emit, outputs)
         else:
             self._build_onnxruntime(site.node.input[0], emit, outputs)

@@ -71,40 +71,25 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
+    AXIS_DEFAULT,
+    DIRECTION,
     INTEGER_RANGES,
     PER_AXIS,
     PER_TENSOR,
+    REQUIRE_ZERO_POINT,
     QDQNode,
-    option,
     quantized_dtype,
     read_qdq,
     scale_and_zero_point,
 )
+from onnx_qrewrite.contract import Contract, Option
 
 __all__ = ["QDQDecomposeBuilder", "StandardQDQBuilder"]
 
 _T = onnx.TensorProto
-_DIRECTIONS = ("quantize", "dequantize")
-
-#: Lowest default-domain opset at which onnxruntime 1.31 has a CPU kernel of the standard op for
-#: each quantized type (NUMERICS.md). uint32, float16 and bfloat16 have none.
-_QUANTIZE_OPSET = {
-    "uint8": 10,
-    "int8": 10,
-    "uint16": 21,
-    "int16": 21,
-    "uint4": 21,
-    "int4": 21,
-    "float8e4m3fn": 19,
-    "float8e4m3fnuz": 19,
-    "float8e5m2": 19,
-    "float8e5m2fnuz": 19,
-}
-_DEQUANTIZE_OPSET = {**_QUANTIZE_OPSET, "int32": 10}
-#: Per-axis scales (and the ``axis`` attribute) exist from opset 13.
-_PER_AXIS_OPSET = 13
 
 _ONNX_TYPES = {
     "uint8": _T.UINT8,
@@ -123,13 +108,32 @@ _INT64_LIMIT = np.float32(2.0**63)
 
 
 def _direction(options: Mapping[str, Any]) -> bool:
-    return option(options, "direction", _DIRECTIONS, None) == "quantize"
+    return options["direction"] == "quantize"
 
 
 class StandardQDQBuilder:
     """Replaces a vendor QuantizeLinear/DequantizeLinear with the standard op of the same kind."""
 
     name = "standard_qdq"
+    contract = Contract(
+        options=(
+            DIRECTION,
+            AXIS_DEFAULT,
+            REQUIRE_ZERO_POINT,
+            Option(
+                "int32_in_int64",
+                bool,
+                False,
+                doc="the vendor kernel dequantizes int32 as (int64)x - zp: use DequantizeLinear only for a "
+                "constant zero point of 0",
+            ),
+        ),
+        emits=frozenset({"QuantizeLinear", "DequantizeLinear", "Reshape"}),
+        preserves_shape=True,
+        opset=lambda options, dtypes: kernel_opsets.describe(
+            options["direction"] == "quantize", sorted(dtypes) if dtypes is not None else None
+        ),
+    )
 
     def quantized_dtype(self, site: Site) -> str | None:
         # No options here (the Builder protocol): the op name tells the direction.
@@ -138,14 +142,11 @@ class StandardQDQBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         quantize = _direction(options)
         q = read_qdq(site, options, quantize=quantize)
-        table = _QUANTIZE_OPSET if quantize else _DEQUANTIZE_OPSET
         op = "QuantizeLinear" if quantize else "DequantizeLinear"
-        if q.dtype not in table:
+        needed = kernel_opsets.qdq_opset(quantize, q.dtype, per_axis=q.granularity != PER_TENSOR)
+        if needed is None:
             raise NoMatch(f"standard {op} has no {q.dtype} kernel in onnxruntime")
-        needed = table[q.dtype]
-        if q.granularity != PER_TENSOR:
-            needed = max(needed, _PER_AXIS_OPSET)
-        int32_in_int64 = not quantize and q.dtype == "int32" and option(options, "int32_in_int64", (True, False), False)
+        int32_in_int64 = not quantize and q.dtype == "int32" and options["int32_in_int64"]
         if int32_in_int64 and q.zero_point and (q.zp_value is None or np.any(q.zp_value != 0)):
             raise NoMatch(
                 f"zero point {q.zero_point!r} is not a constant 0: the kernel computes (int64)x - zp, "
@@ -185,8 +186,6 @@ register(StandardQDQBuilder())
 # --------------------------------------------------------------------------------------------------
 
 
-_OVERFLOW = ("int64-wrap", "saturate")
-_F16_SEMANTICS = ("strict", "kernel", "documented")
 _DECOMPOSABLE = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "bfloat16", "float16")
 
 
@@ -205,14 +204,40 @@ class QDQDecomposeBuilder:
     name = "qdq_decompose"
     #: Round needs 11, bfloat16 Cast 13, float64 Clip 12 in onnxruntime.
     MIN_OPSET = 13
+    contract = Contract(
+        options=(
+            DIRECTION,
+            AXIS_DEFAULT,
+            REQUIRE_ZERO_POINT,
+            Option(
+                "overflow",
+                str,
+                "int64-wrap",
+                ("int64-wrap", "saturate"),
+                doc="integer quantize where x / scale is NaN, infinite or >= 2^63: Quark's x86 kernel "
+                "(int64-wrap) or onnxruntime's QuantizeLinear (saturate)",
+            ),
+            Option(
+                "float16_semantics",
+                str,
+                "strict",
+                ("strict", "kernel", "documented"),
+                doc="float16, where Quark's CPU kernel and its documentation disagree",
+            ),
+        ),
+        emits=frozenset(
+            {"Div", "Round", "Cast", "Add", "Clip", "Abs", "Less", "Where", "IsNaN", "Not", "Sub", "Mul", "Reshape"}
+        ),
+        preserves_shape=True,
+        opset=lambda options, dtypes: str(QDQDecomposeBuilder.MIN_OPSET),
+    )
 
     def quantized_dtype(self, site: Site) -> str | None:
         return StandardQDQBuilder.quantized_dtype(self, site)  # type: ignore[arg-type]
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         quantize = _direction(options)
-        overflow = option(options, "overflow", _OVERFLOW, "int64-wrap")
-        f16 = option(options, "float16_semantics", _F16_SEMANTICS, "strict")
+        overflow, f16 = options["overflow"], options["float16_semantics"]
         q = read_qdq(site, options, quantize=quantize)
         if q.dtype not in _DECOMPOSABLE:
             raise NoMatch(f"no exact decomposition for {q.dtype}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,12 @@ from onnx_qrewrite.errors import LoweringError, UsageError
 
 __all__ = ["InspectReport", "QuantNode", "inspect_command", "inspect_model"]
 
-#: Standard and onnxruntime ops that belong to quantized models even when no rule rewrites them.
-_QUANT_OPS = frozenset(
+#: Quantization ops no shipped rule lowers (yet), so that ``inspect`` lists them too. Ops a rule
+#: matches are found through the catalogue and must not be listed here (a test keeps it so).
+OTHER_QUANT_OPS = frozenset(
     {
         "QuantizeLinear",
         "DequantizeLinear",
-        "DynamicQuantizeLinear",
         "MatMulInteger",
         "ConvInteger",
         "QLinearConv",
@@ -43,7 +44,7 @@ _QUANT_OPS = frozenset(
 
 
 def _is_quantization_op(node: onnx.NodeProto) -> bool:
-    return node.op_type in _QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
+    return node.op_type in OTHER_QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
 
 
 @dataclasses.dataclass
@@ -108,14 +109,13 @@ class InspectReport:
 
 def _node_dtype(site: Any, catalogue: Any) -> str:
     """The quantized dtype as the first rule that names the op sees it, else read off the node."""
-    from onnx_qrewrite.builders import NoMatch, get_builder
+    from onnx_qrewrite.builders import NoMatch
     from onnx_qrewrite.graph import dtype_name
 
     node = site.node
     for rule in catalogue.candidates(node.domain, node.op_type):
-        builder = get_builder(rule.builder)
         try:
-            dtype = builder.quantized_dtype(site) if builder is not None else None
+            dtype = rule.implementation.quantized_dtype(site)
         except NoMatch:
             return "unknown"
         if dtype:
@@ -140,6 +140,7 @@ def inspect_model(
     *,
     target_opset: int | None = None,
     keep_opset: bool = False,
+    allow: Collection[str] | None = None,
 ) -> InspectReport:
     """What ``rewrite`` would do to the model at ``path`` with ``catalogue``; writes nothing."""
     from onnx_qrewrite import engine, model_io
@@ -157,7 +158,7 @@ def inspect_model(
         for node in scope.container.node:
             if not (catalogue.candidates(node.domain, node.op_type) or _is_quantization_op(node)):
                 continue
-            site = Site(node, scope)
+            site = Site(node, scope, catalogue.same_shape_ops)
             entry = QuantNode(scope.path, site.label, op_key(node.domain, node.op_type), _node_dtype(site, catalogue))
             nodes.append(entry)
             by_label[scope.path, site.label] = entry
@@ -166,14 +167,15 @@ def inspect_model(
     # The engine edits the model it is given; it is not needed afterwards. A failed opset raise
     # happens before anything is edited, so the same model serves the retry.
     opset_error = None
-    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True)
+    levels = {"allow": frozenset(allow)} if allow is not None else {}
+    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True, **levels)
     try:
         _, report = engine.run(model, catalogue, options, base_dir)
     except LoweringError as exc:
         if keep_opset:
             raise
         opset_error = str(exc)
-        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True)
+        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True, **levels)
         _, report = engine.run(model, catalogue, options, base_dir)
     for r in report.rewrites:
         entry = by_label.get((r.scope, r.node))
@@ -246,6 +248,7 @@ def _sources(profile: Any) -> dict[str, str]:
 @float16_semantics_option
 @click.option("--target-opset", type=int, default=None, help="Plan as if rewriting with --target-opset N.")
 @click.option("--keep-opset", is_flag=True, help="Plan as if rewriting with --keep-opset.")
+@click.option("--allow-approximate", is_flag=True, help="Plan as if rewriting with --allow-approximate.")
 @click.option("-a", "--all-nodes", is_flag=True, help="Also list every quantization node, one a line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
 @click.option(
@@ -268,6 +271,7 @@ def inspect_command(
     float16_semantics,
     target_opset,
     keep_opset,
+    allow_approximate,
     all_nodes,
     as_json,
     target,
@@ -291,7 +295,8 @@ def inspect_command(
         if not plan.ok:
             ctx.exit(EXIT_CANNOT_LOWER)
         return
-    report = inspect_model(model, catalogue, target_opset=target_opset, keep_opset=keep_opset)
+    allow = ("exact", "bounded", "approximate") if allow_approximate else None
+    report = inspect_model(model, catalogue, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -118,6 +118,11 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
 @click.option(
+    "--allow-approximate",
+    is_flag=True,
+    help="Also apply approximate rules (they change the model's numerics by design; tried first).",
+)
+@click.option(
     "--check/--no-check",
     default=None,
     help="Run onnx's checker on the result (default: when it has at most 20k nodes).",
@@ -171,6 +176,7 @@ def rewrite_command(
     target_opset,
     keep_opset,
     allow_unlowered,
+    allow_approximate,
     check,
     reference_external_data,
     report_path,
@@ -205,6 +211,7 @@ def rewrite_command(
         "target_opset": target_opset,
         "keep_opset": keep_opset,
         "allow_unlowered": allow_unlowered,
+        "allow": ("exact", "bounded", "approximate") if allow_approximate else None,
         "check": check,
     }
     tasks = [

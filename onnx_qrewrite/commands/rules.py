@@ -23,10 +23,11 @@ def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) ->
                 conds.append("dtypes " + ",".join(sorted(rule.dtypes)))
             if rule.min_opset is not None or rule.max_opset is not None:
                 conds.append(f"opset {rule.min_opset or ''}..{rule.max_opset or ''}")
-            if rule.requires_opset:
-                conds.append("needs opset " + ", ".join(f"{k}:{v}" for k, v in rule.requires_opset.items()))
             if conds:
                 click.echo(f"{'':{width}}  when: {'; '.join(conds)}")
+            contract = rule.implementation.contract
+            click.echo(f"{'':{width}}  exactness: {rule.exactness}" + (f" ({rule.bound})" if rule.bound else ""))
+            click.echo(f"{'':{width}}  emitted ops need opset: {contract.opset(rule.options, rule.dtypes)}")
             if rule.options:
                 click.echo(f"{'':{width}}  options: {dict(rule.options)}")
             click.echo(f"{'':{width}}  from {rule.source}")
