@@ -3,12 +3,15 @@ README in each folder for where they came from)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_errors
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -38,6 +41,58 @@ def session(model: onnx.ModelProto | str | Path, *, opt: str = "disable", thread
     so.inter_op_num_threads = 1
     src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
     return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+
+# What onnxruntime raises when it refuses a model or a kernel refuses its inputs.
+_REFUSED = (_ort_errors.Fail, _ort_errors.InvalidGraph, _ort_errors.InvalidArgument, _ort_errors.RuntimeException)
+
+
+@functools.cache
+def runtime_max_opset() -> int:
+    """The highest default-domain opset the installed onnxruntime loads, probed with a one-node model
+    (1.31 loads 26; 1.23, the last with a Python 3.10 wheel, 23)."""
+    best = 0
+    for opset in range(7, onnx.defs.onnx_opset_version() + 1):
+        graph = helper.make_graph(
+            [helper.make_node("Identity", ["x"], ["y"])],
+            "probe",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        )
+        try:
+            session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8))
+        except _REFUSED:
+            break
+        best = opset
+    return best
+
+
+def require_runtime_opset(opset: int) -> None:
+    """Skip, saying why, when the installed onnxruntime cannot load ``opset``: a limit of that runtime,
+    not of the rewrite (the rewrite's validity at that opset is still checked by onnx's checker)."""
+    if runtime_max_opset() < opset:
+        pytest.skip(
+            f"onnxruntime {ort.__version__} loads default-domain opsets up to {runtime_max_opset()}, not {opset}"
+        )
+
+
+@functools.cache
+def runtime_runs_int32_dequantize_with_zero_point() -> bool:
+    """onnxruntime 1.31 dequantizes int32 with a nonzero zero point; 1.23 refuses ("DequantizeLinear
+    with type int32 or float8 should have no zero point or all zero points should be 0")."""
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["x", "s", "zp"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.INT32, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]), helper.make_tensor("zp", TensorProto.INT32, [], [3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    try:
+        run(model, {"x": np.array([5, 7], np.int32)})
+    except _REFUSED:
+        return False
+    return True
 
 
 def run(model, feeds: dict[str, np.ndarray], **kw) -> dict[str, np.ndarray]:
