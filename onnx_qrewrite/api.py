@@ -229,6 +229,7 @@ def rewrite(
     check: bool | None = None,
     progress: ProgressSink | None = None,
     base_dir: str | os.PathLike[str] | None = None,
+    provenance: str = "compact",
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
@@ -239,7 +240,10 @@ def rewrite(
     ``onnx.ModelProto``'s external data lives in (a path's is its folder; an ``onnx_ir.Model``'s
     is its tensors' ``base_dir``); external data must stay inside that folder. ``allow``: the
     exactness levels rules may have (default ``("exact", "bounded")``; add ``"approximate"`` to run
-    the rules that change numerics by design, see :mod:`onnx_qrewrite.contract`). Raises
+    the rules that change numerics by design, see :mod:`onnx_qrewrite.contract`). ``provenance``:
+    which created nodes carry rule/origin metadata, "compact" (the first of each replacement),
+    "full" (all) or "none" (see :mod:`onnx_qrewrite.provenance`; the report always has the full
+    mapping). Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     if isinstance(rules, Catalogue):
@@ -248,11 +252,18 @@ def rewrite(
             catalogue = catalogue.with_options(options)
     else:
         catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
+    from onnx_qrewrite.provenance import check_mode
+
+    check_mode(provenance)
     proto, kind, external, source_path, reads = _to_proto(model, base_dir)
     levels = {"allow": frozenset(allow)} if allow is not None else {}
     try:
         opts = engine.EngineOptions(
-            target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=allow_unlowered, **levels
+            target_opset=target_opset,
+            keep_opset=keep_opset,
+            allow_unlowered=allow_unlowered,
+            provenance=provenance,
+            **levels,
         )
         rewritten, report = engine.run(proto, catalogue, opts, external, progress)
         if check is None:

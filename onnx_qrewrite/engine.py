@@ -21,6 +21,7 @@ import logging
 import onnx
 
 from onnx_qrewrite import opset as opset_mod
+from onnx_qrewrite import provenance as provenance_mod
 from onnx_qrewrite._protowire import encode_node_list, replace_nodes
 from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site
 from onnx_qrewrite.builders._stamp import Template
@@ -62,6 +63,9 @@ class EngineOptions:
             raise UsageError(
                 f"allow={sorted(self.allow)!r}: must include 'exact' and may add {', '.join(EXACTNESS[1:])}"
             )
+
+    #: Which created nodes carry rule/origin metadata: "compact", "full" or "none" (provenance.py).
+    provenance: str = provenance_mod.DEFAULT_MODE
 
 
 @dataclasses.dataclass
@@ -153,6 +157,7 @@ def _apply(
     report: RewriteReport,
     stamp_templates: bool = True,
     progress: ProgressSink | None = None,
+    provenance: str = provenance_mod.DEFAULT_MODE,
 ) -> tuple[collections.Counter[str], bytes | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
 
@@ -180,7 +185,7 @@ def _apply(
         replacements: dict[int, list[bytes]] = {}
         for m in matches.get(s, ()):
             builder = m.rule.implementation
-            metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound)
+            metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance)
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
                 key = builder.template_key(m.site, m.rule.options, m.plan)  # type: ignore[union-attr]
@@ -288,6 +293,15 @@ def _splice(
     return main_nodes
 
 
+def _record_provenance_mode(model: onnx.ModelProto, mode: str) -> None:
+    """Say in the model how its created nodes carry provenance (provenance.py), replacing what an
+    earlier rewrite said."""
+    kept = [e for e in model.metadata_props if e.key != provenance_mod.MODE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=provenance_mod.MODE_KEY, value=mode)
+
+
 def run(
     model: onnx.ModelProto,
     catalogue: Catalogue,
@@ -345,7 +359,10 @@ def _run(
         report.warnings.append(f"left {u.node} ({u.op_type}) in place: {'; '.join(u.reasons)}")
     result: onnx.ModelProto | EncodedModel = model
     if matches:
-        delta, main_nodes = _apply(model, scopes, matches, report, options.stamp_templates, progress)
+        _record_provenance_mode(model, options.provenance)
+        delta, main_nodes = _apply(
+            model, scopes, matches, report, options.stamp_templates, progress, options.provenance
+        )
         counts.update(delta)
         if main_nodes is not None:
             result = EncodedModel(model, main_nodes)

@@ -24,7 +24,7 @@ KERNEL_OPS = [
     "Max",
     "Sub",
     "Div",
-    "Equal",
+    "Cast",
     "Where",
     "Div",
     "IsNaN",

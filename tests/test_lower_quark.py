@@ -578,7 +578,12 @@ def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
 
 
 def test_rewritten_nodes_carry_rule_and_origin():
-    result = onnx_qrewrite.rewrite(fp16_model(1.0, 0.0))
-    for node in result.model.graph.node:
-        meta = {p.key: p.value for p in node.metadata_props}
-        assert meta == {"onnx_qrewrite.rule": "quark-q-float16", "onnx_qrewrite.origin": "n"}
+    from onnx_qrewrite.provenance import attribute_nodes
+
+    expected = {"onnx_qrewrite.rule": "quark-q-float16", "onnx_qrewrite.origin": "n"}
+    full = onnx_qrewrite.rewrite(fp16_model(1.0, 0.0), provenance="full").model
+    for node in full.graph.node:
+        assert {p.key: p.value for p in node.metadata_props} == expected
+    compact = onnx_qrewrite.rewrite(fp16_model(1.0, 0.0)).model  # the default: on the first node
+    assert [{p.key: p.value for p in node.metadata_props} for node in compact.graph.node] == [expected, {}]
+    assert attribute_nodes(compact.graph.node) == [("quark-q-float16", "n")] * 2

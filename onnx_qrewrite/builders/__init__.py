@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_qrewrite import _protowire
+from onnx_qrewrite import _protowire, provenance
 from onnx_qrewrite.contract import Contract
 from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.graph import NameAllocator, Scope
@@ -168,6 +168,10 @@ def _load_builtin_builders() -> None:
             importlib.import_module(f"{__name__}.{info.name}")
 
 
+#: Constant names say their dtype briefly (they are read by every node that uses them).
+_SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "int64": "i64", "int32": "i32", "uint8": "u8"}
+
+
 class ConstantPool:
     """Shared constants for one root scope (the main graph, or one local function).
 
@@ -191,7 +195,8 @@ class ConstantPool:
         tensor = numpy_helper.from_array(array)
         flat = np.asarray(array).ravel()
         hint = "_".join(f"{v:g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:4])
-        name = self._names.fresh(f"qrw_const_{np.asarray(array).dtype}_{hint}".replace("-", "m"))
+        dtype = _SHORT_DTYPES.get(array.dtype.name, array.dtype.name)
+        name = self._names.fresh(f"qrw_const_{dtype}_{hint}".replace("-", "m"))
         tensor.name = name
         container = self._root.container
         if isinstance(container, onnx.GraphProto):
@@ -240,12 +245,14 @@ def _encode_attributes(attrs: Mapping[str, Any]) -> bytes:
 class Emitter:
     """Creates the replacement nodes of one rewrite, with model-wide unique, deterministic names.
 
-    Every created node carries metadata ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin`` so a
-    verifier (or a person) can trace it back to the rule and the node it replaced.
+    Created nodes carry metadata ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin`` so a
+    verifier (or a person) can trace them back to the rule and the node they replace: on the first
+    node only (``compact``, the default), on every node (``full``) or on none (``none``); see
+    :mod:`onnx_qrewrite.provenance`. Created names always start with ``<prefix>/``.
     """
 
-    RULE_KEY = "onnx_qrewrite.rule"
-    ORIGIN_KEY = "onnx_qrewrite.origin"
+    RULE_KEY = provenance.RULE_KEY
+    ORIGIN_KEY = provenance.ORIGIN_KEY
     #: Only on nodes of non-exact rewrites: the rule's exactness, and the bound at the replaced
     #: node's outputs (``Plan.bound``, as ``repr(float)``) that ``verify`` checks there.
     EXACTNESS_KEY = "onnx_qrewrite.exactness"
@@ -259,7 +266,7 @@ class Emitter:
         constants: ConstantPool,
         *,
         emits: frozenset[str] | None = None,
-        metadata: bytes | None = None,
+        metadata: tuple[bytes, bytes] | None = None,
     ):
         self.site = site
         self._names = names
@@ -268,7 +275,7 @@ class Emitter:
         self._rule_id = rule_id
         node = site.node
         self._prefix = self.prefix_for(node)
-        self._metadata = metadata if metadata is not None else self.metadata_for(rule_id, node)
+        self._meta_first, self._meta_rest = metadata if metadata is not None else self.metadata_for(rule_id, node)
         self.nodes: list[bytes] = []
         self.created: list[tuple[str, str]] = []  # (node name, op key as in reports)
         # What a template (builders/_stamp.py) needs to replay this build:
@@ -288,14 +295,24 @@ class Emitter:
 
     @classmethod
     def metadata_for(
-        cls, rule_id: str, node: onnx.NodeProto, exactness: str = "exact", bound: float | None = None
-    ) -> bytes:
+        cls,
+        rule_id: str,
+        node: onnx.NodeProto,
+        exactness: str = "exact",
+        bound: float | None = None,
+        mode: str = provenance.DEFAULT_MODE,
+    ) -> tuple[bytes, bytes]:
+        """Encoded metadata of a replacement's first node and of its other nodes, for provenance
+        ``mode`` (compact: the first node only; full: every node; none: no node)."""
+        if mode == "none":
+            return b"", b""
         entries = [(cls.RULE_KEY, rule_id), (cls.ORIGIN_KEY, node.name)]
         if exactness != "exact":
             entries.append((cls.EXACTNESS_KEY, exactness))
         if bound is not None:
             entries.append((cls.BOUND_KEY, repr(float(bound))))
-        return _protowire.encode_metadata(entries)
+        encoded = _protowire.encode_metadata(entries)
+        return encoded, (encoded if mode == "full" else b"")
 
     def _fresh(self, hint: str) -> str:
         name = self._names.fresh(self._prefix + hint)
@@ -345,7 +362,8 @@ class Emitter:
             outputs = [o if o else self._fresh(f"{base}_unused") for o in outputs]
         tail = _protowire.node_tail(op_type, domain, _encode_attributes(attrs))
         self.records.append((op_type, domain, list(inputs), list(outputs), name, tail))
-        self.nodes.append(_protowire.encode_node_fields(inputs, outputs, name, tail + self._metadata))
+        metadata = self._meta_rest if self.nodes else self._meta_first
+        self.nodes.append(_protowire.encode_node_fields(inputs, outputs, name, tail + metadata))
         self.created.append((name, op_type if not domain else f"{domain}::{op_type}"))
         return list(outputs)
 

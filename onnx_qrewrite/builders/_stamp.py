@@ -40,7 +40,7 @@ class _NodeSpec:
 class Template:
     """A recorded replacement, compiled to a table: per stamp, each name's length-prefixed bytes
     are computed once and every node is one ``join`` over precomputed indices into
-    ``[names..., static pieces..., metadata]``."""
+    ``[names..., static pieces..., first node's metadata, other nodes' metadata]``."""
 
     def __init__(self, hints: list[str], nodes: list[_NodeSpec], n_inputs: int, n_outputs: int):
         self._hints = hints  # fresh-name suffixes, in the order the recording drew them
@@ -75,7 +75,7 @@ class Template:
                 if tag == _NODE_INPUT and kind == "in":
                     inputs_read.add(value)
             indices.append(piece(spec.tail))
-            indices.append(-1)  # metadata, last in the table
+            indices.append(-1 if self._indices else -2)  # metadata: the first node's, then the rest's
             self._indices.append(indices)
             self._name_slots.append(spec.head[-1][1])
         self._static = static
@@ -117,7 +117,7 @@ class Template:
         return {site.node.input[i] for i in self._inputs_read}
 
     def stamp(
-        self, site: Site, names: NameAllocator, prefix: str, metadata: bytes
+        self, site: Site, names: NameAllocator, prefix: str, metadata: tuple[bytes, bytes]
     ) -> tuple[list[bytes], list[tuple[str, str]]]:
         """Encoded nodes and (name, op) pairs for ``site``, as a build would have produced them."""
         if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
@@ -125,7 +125,7 @@ class Template:
         fresh = [names.fresh(prefix + hint) for hint in self._hints]
         table = [_length_prefixed(n.encode()) for n in (*fresh, *site.node.input, *site.node.output)]
         table += self._static
-        table.append(metadata)
+        table.extend(metadata)
         join = b"".join
         nodes = [join([table[i] for i in indices]) for indices in self._indices]
         created = [

@@ -3,15 +3,17 @@
 ``semantics = "onnxruntime"`` (default) reproduces onnxruntime's kernel bit for bit, in 13 ops::
 
     lo, hi   = Min(ReduceMin(x), 0), Max(ReduceMax(x), 0)
-    y_scale  = Where(Equal(hi, lo), 1, (hi - lo) / 255)                     # (1)
+    span     = hi - lo
+    y_scale  = Where(spread = Cast<bool>(span), step = span / 255, 1)      # (1)
     t        = lo / y_scale
-    y_zp     = QuantizeLinear(Where(IsNaN(t), -255, t), scale=-1)           # (2), (3)
+    y_zp     = QuantizeLinear(t_ok = Where(IsNaN(t), -255, t), scale=-1)    # (2), (3)
     y        = QuantizeLinear(x, y_scale, y_zp)
 
 (1) onnxruntime uses scale 1.0 when max == min (all zeros); the spec body divides 0/0. The guard
-    tests ``Equal(hi, lo)``, never ``scale == 0``: for tiny denormal ranges the scale underflows to
-    0.0 while hi != lo, and onnxruntime keeps that 0.0 (NUMERICS.md: 495,582 of 1,000 values
-    differ with the wrong guard).
+    tests the range (``hi == lo`` exactly when ``hi - lo`` is 0, since hi >= 0 >= lo and IEEE
+    subtraction of distinct values is never 0; a bool Cast is that test in one op with one input),
+    never ``scale == 0``: for tiny denormal ranges the scale underflows to 0.0 while hi != lo, and
+    onnxruntime keeps that 0.0 (NUMERICS.md: 495,582 of 1,000 values differ with the wrong guard).
 (2) onnxruntime computes ``zp0 = 0 - lo / scale`` and ``max(qmin, min(qmax, zp0))`` with
     std::min/max, which turns a NaN zero point (input holding -inf, a scale that underflowed to 0
     over a zero minimum: 0/0) into 255; QuantizeLinear maps NaN to 0, so NaN becomes -255 first.
@@ -131,19 +133,22 @@ class DynamicQuantizeLinearBuilder:
         qmax = emit.const(255.0, np.float32)
         minus_one = emit.const(-1.0, np.float32)
         minus_qmax = emit.const(-255.0, np.float32)
-        x_min = emit.op1("ReduceMin", [x], keepdims=0)
-        x_max = emit.op1("ReduceMax", [x], keepdims=0)
-        lo = emit.op1("Min", [x_min, zero])
-        hi = emit.op1("Max", [x_max, zero])
-        span = emit.op1("Sub", [hi, lo], hint="Range")
-        ratio = emit.op1("Div", [span, qmax], hint="RangeOver255")
-        flat = emit.op1("Equal", [hi, lo], hint="RangeIsZero")
-        scale = emit.op1("Where", [flat, one, ratio], y_scale, hint="Scale")
-        lo_scaled = emit.op1("Div", [lo, scale], hint="MinScaled")
-        zp_nan = emit.op1("IsNaN", [lo_scaled])
-        guarded = emit.op1("Where", [zp_nan, minus_qmax, lo_scaled], hint="NaNZeroPointTo255")
-        zp = emit.op1("QuantizeLinear", [guarded, minus_one], y_zero_point, hint="ZeroPoint")
-        emit.op1("QuantizeLinear", [x, scale, zp], y)
+        # Short hints: created names are "<replaced node>/<hint>", and a chain of 20k quantizers
+        # repeats each hint ~3 times per quantizer (node, value, readers); names are most of the
+        # output's bytes. They follow the formula in the module docstring.
+        x_min = emit.op1("ReduceMin", [x], keepdims=0, hint="min")
+        x_max = emit.op1("ReduceMax", [x], keepdims=0, hint="max")
+        lo = emit.op1("Min", [x_min, zero], hint="lo")
+        hi = emit.op1("Max", [x_max, zero], hint="hi")
+        span = emit.op1("Sub", [hi, lo], hint="span")
+        step = emit.op1("Div", [span, qmax], hint="step")
+        spread = emit.op1("Cast", [span], to=onnx.TensorProto.BOOL, hint="spread")
+        scale = emit.op1("Where", [spread, step, one], y_scale, hint="scale")
+        t = emit.op1("Div", [lo, scale], hint="t")
+        t_nan = emit.op1("IsNaN", [t], hint="nan")
+        guarded = emit.op1("Where", [t_nan, minus_qmax, t], hint="t_ok")
+        zp = emit.op1("QuantizeLinear", [guarded, minus_one], y_zero_point, hint="zp")
+        emit.op1("QuantizeLinear", [x, scale, zp], y, hint="y")
 
     @staticmethod
     def _build_spec(site: Site, emit: Emitter, outputs: list[str]) -> None:

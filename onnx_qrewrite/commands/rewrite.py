@@ -128,6 +128,14 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     help="Run onnx's checker on the result (default: when it has at most 20k nodes).",
 )
 @click.option(
+    "--provenance",
+    type=click.Choice(["compact", "full", "none"]),
+    default="compact",
+    show_default=True,
+    help="Rule/origin metadata on the first created node of each rewrite (compact), on every "
+    "created node (full) or none; --report always has the full mapping.",
+)
+@click.option(
     "--reference-external-data",
     is_flag=True,
     help="Zero copy: reference the input's external data file (output must be in the same folder).",
@@ -178,6 +186,7 @@ def rewrite_command(
     allow_unlowered,
     allow_approximate,
     check,
+    provenance,
     reference_external_data,
     report_path,
     jobs,
@@ -213,6 +222,7 @@ def rewrite_command(
         "allow_unlowered": allow_unlowered,
         "allow": ("exact", "bounded", "approximate") if allow_approximate else None,
         "check": check,
+        "provenance": provenance,
     }
     tasks = [
         _Task(

@@ -50,11 +50,14 @@ def _type_name(elem: int | None) -> str | None:
     return "float32" if name == "float" else ("float64" if name == "double" else name)
 
 
-def _metadata(node: onnx.NodeProto) -> tuple[str | None, str | None]:
-    from onnx_qrewrite.builders import Emitter
+def _iter_nodes(model: onnx.ModelProto) -> Iterator[tuple[Scope, onnx.NodeProto, tuple[str, str] | None]]:
+    """Each node with the (rule, origin) that created it, if a rewrite did (provenance.py: with
+    compact provenance only a replacement's first node carries the entries)."""
+    from onnx_qrewrite.provenance import attribute_nodes
 
-    meta = {p.key: p.value for p in node.metadata_props}
-    return meta.get(Emitter.RULE_KEY), meta.get(Emitter.ORIGIN_KEY)
+    for scope in iter_scopes(model):
+        nodes = scope.container.node
+        yield from zip((scope,) * len(nodes), nodes, attribute_nodes(nodes), strict=True)
 
 
 def _label(node: onnx.NodeProto) -> str:
@@ -225,12 +228,6 @@ def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile,
     return []
 
 
-def _iter_nodes(model: onnx.ModelProto) -> Iterator[tuple[Scope, onnx.NodeProto]]:
-    for scope in iter_scopes(model):
-        for node in scope.container.node:
-            yield scope, node
-
-
 def check_model(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]:
     """Every node ``profile`` refuses in ``model`` (plus a ``(model)`` entry for model-wide reasons).
 
@@ -243,10 +240,10 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]
     model_reasons = model_level_reasons(inferred, profile)
     if model_reasons:
         out.append(Refused("main", "(model)", "(model)", "", tuple(model_reasons)))
-    for scope, node in _iter_nodes(inferred):
+    for scope, node, provenance in _iter_nodes(inferred):
         reasons = _node_reasons(node, scope, profile, graph_io)
         if reasons:
-            rule, origin = _metadata(node)
+            rule, origin = provenance or (None, None)
             unlisted = not profile.support(node.domain, node.op_type)
             out.append(
                 Refused(scope.path, _label(node), node.op_type, node.domain, tuple(reasons), rule, origin, unlisted)

@@ -1,11 +1,15 @@
 """Find the first node of the rewritten model whose output differs from the original's.
 
 The rewrite keeps the output names of the nodes it replaces (the Cast or QuantizeLinear that now
-produces ``y`` is compared with the vendor node that produced ``y``), and nodes it creates carry
-``metadata_props`` ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin``. So: expose every value the
+produces ``y`` is compared with the vendor node that produced ``y``), and the nodes it creates are
+traceable to their rule and origin through ``metadata_props`` ``onnx_qrewrite.rule`` and
+``onnx_qrewrite.origin`` (on every created node, or on the first of each replacement: see
+:mod:`onnx_qrewrite.provenance`). So: expose every value the
 two main graphs share as an extra graph output, run both models once on the failing sample, and
 walk the rewritten graph in topological order (the order ONNX requires nodes to be listed in); the
-first shared value that differs names the node and, through its metadata, the rule to blame.
+first shared value that differs names the node and, through its provenance, the rule to blame.
+A model rewritten with ``--provenance none`` still gets the node named, with a note that the rule
+was not recorded in the model (the rewrite's JSON report has it).
 
 Values are exposed without a declared type: onnxruntime infers it when it loads the model, which
 covers every main-graph tensor a session can produce; non-tensor values are skipped.
@@ -23,7 +27,7 @@ from collections.abc import Callable
 
 import onnx
 
-from onnx_qrewrite.builders import Emitter
+from onnx_qrewrite import provenance
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
@@ -32,9 +36,9 @@ __all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize"]
 
 logger = logging.getLogger(__name__)
 
-#: metadata_props keys the rewrite engine writes on every node it creates (the Emitter's contract).
-RULE_KEY = Emitter.RULE_KEY
-ORIGIN_KEY = Emitter.ORIGIN_KEY
+#: metadata_props keys the rewrite engine writes on the nodes it creates (provenance.py).
+RULE_KEY = provenance.RULE_KEY
+ORIGIN_KEY = provenance.ORIGIN_KEY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +81,14 @@ def localize(
     node. ``make_runner(model, side)`` opens a session for ``side`` ("original" / "rewritten")
     with the same settings as the comparison run."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
+    origins = provenance.attribute_nodes(rewritten.graph.node)
     candidates = [
-        (node, out) for node in rewritten.graph.node for out in node.output if out and out in produced_by_original
+        (node, out, origin)
+        for node, origin in zip(rewritten.graph.node, origins, strict=True)
+        for out in node.output
+        if out and out in produced_by_original
     ]
-    names = list(dict.fromkeys(out for _, out in candidates))
+    names = list(dict.fromkeys(out for _, out, _ in candidates))
     if not names:
         return Localization(sample.name, 0, note="the two models share no intermediate value names")
     original_runner = make_runner(_with_outputs(original, names), "original")
@@ -94,7 +102,7 @@ def localize(
     expected = original_runner.run(sample.feeds, tensors)
     actual = rewritten_runner.run(sample.feeds, tensors)
     compared = 0
-    for node, out in candidates:
+    for node, out, origin in candidates:
         if out not in expected:
             continue
         compared += 1
@@ -103,17 +111,23 @@ def localize(
             out, sample.name, original_value, actual[out], tolerances.for_value(out, original_value.dtype)
         )
         if not comparison.passed:
-            meta = {p.key: p.value for p in node.metadata_props}
             logger.info("first differing value: %s (node %s)", out, node.name or out)
+            note = None
+            if origin is None and provenance.model_mode(rewritten) == "none":
+                note = (
+                    "the rewrite was made with --provenance none, so the model does not say which rule "
+                    "made this node; its JSON report (--report) does"
+                )
             return Localization(
                 sample.name,
                 compared,
                 node=node.name or out,
                 op_type=node.op_type,
                 domain=node.domain or "ai.onnx",
-                rule=meta.get(RULE_KEY),
-                origin=meta.get(ORIGIN_KEY),
+                rule=origin[0] if origin else None,
+                origin=origin[1] if origin else None,
                 comparison=comparison,
+                note=note,
             )
     return Localization(
         sample.name,

@@ -387,9 +387,10 @@ def _localization_lines(loc: Localization | None) -> list[str]:
         return [f"localisation: {loc.note}"]
     c = loc.comparison
     assert c is not None
-    made_by = f"rule {loc.rule}" if loc.rule else "not created by the rewrite"
+    made_by = f"rule {loc.rule}" if loc.rule else ("rule not recorded" if loc.note else "not created by the rewrite")
     origin = f", replacing original node {loc.origin!r}" if loc.origin else ""
     return [
         f"first differing node: {loc.node!r} ({loc.domain}::{loc.op_type}, {made_by}{origin})",
         f"  value {c.name!r} on sample {loc.sample!r}: {_failure_message(c)}; worst {_fmt_worst(c)}",
+        *([f"  note: {loc.note}"] if loc.note else []),
     ]
