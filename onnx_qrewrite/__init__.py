@@ -21,6 +21,8 @@ from onnx_qrewrite.errors import (
     UsageError,
 )
 
+#: The one place the version is written: pyproject.toml reads it from here (hatch), the command
+#: line's --version prints it, and tests/test_packaging.py checks the installed metadata agrees.
 __version__ = "0.1.0"
 
 __all__ = [

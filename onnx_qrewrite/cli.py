@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from onnx_qrewrite import __version__
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 
 __all__ = ["main"]
@@ -62,7 +63,7 @@ class _LazyGroup(click.Group):
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="onnx-qrewrite", prog_name="onnx-qrewrite")
+@click.version_option(version=__version__, prog_name="onnx-qrewrite")
 @click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
 @click.option("-q", "--quiet", is_flag=True, help="Only errors; no summary, no progress.")
 @click.pass_context

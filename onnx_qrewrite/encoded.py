@@ -16,6 +16,8 @@ __all__ = ["EncodedModel", "skeleton_of", "to_bytes", "to_proto"]
 
 
 class EncodedModel:
+    """A model as its skeleton plus the wire bytes of its main graph's nodes (see the module docstring)."""
+
     def __init__(self, skeleton: onnx.ModelProto, graph_nodes: bytes):
         #: The model without its main graph's nodes: initializers, I/O, functions, metadata.
         self.skeleton = skeleton
@@ -23,22 +25,27 @@ class EncodedModel:
         self.graph_nodes = graph_nodes
 
     def byte_size(self) -> int:
+        """Serialized size in bytes, without serializing (an upper bound by the 16 bytes of field framing)."""
         return self.skeleton.ByteSize() + len(self.graph_nodes) + 16
 
     def to_bytes(self) -> bytes:
+        """The serialized ``ModelProto``: the skeleton with the encoded nodes spliced in."""
         return splice_graph_nodes(self.skeleton, self.graph_nodes)
 
     def to_proto(self) -> onnx.ModelProto:
+        """The model as an ``onnx.ModelProto`` (parses every node: costs time on large graphs)."""
         model = onnx.ModelProto()
         model.ParseFromString(self.to_bytes())
         return model
 
 
 def to_bytes(model: onnx.ModelProto | EncodedModel) -> bytes:
+    """Serialize a ``ModelProto`` or an :class:`EncodedModel` alike."""
     return model.to_bytes() if isinstance(model, EncodedModel) else model.SerializeToString()
 
 
 def to_proto(model: onnx.ModelProto | EncodedModel) -> onnx.ModelProto:
+    """A ``ModelProto`` from either kind of model (an ``EncodedModel`` is parsed)."""
     return model.to_proto() if isinstance(model, EncodedModel) else model
 
 

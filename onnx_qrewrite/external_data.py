@@ -74,6 +74,7 @@ def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
 
 
 def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    """The tensors :func:`all_tensors` finds whose data is stored in an external file."""
     for tensor in all_tensors(model):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             yield tensor

@@ -59,6 +59,7 @@ def dtype_name(elem_type: int) -> str:
 
 
 def default_opset(opset_imports) -> int | None:
+    """The default-domain (``""`` or ``ai.onnx``) version among ``opset_imports``, or None if absent."""
     for entry in opset_imports:
         if entry.domain in ("", "ai.onnx"):
             return entry.version

@@ -149,4 +149,6 @@ def rules_for(catalogue: Catalogue | None = None) -> list[pattern.RewriteRule]:
 
 
 def rule_set(catalogue: Catalogue | None = None) -> pattern.RewriteRuleSet:
+    """The catalogue (default: the shipped rules) as an onnxscript ``RewriteRuleSet``, to pass as
+    ``pattern_rewrite_rules``."""
     return pattern.RewriteRuleSet(rules_for(catalogue))

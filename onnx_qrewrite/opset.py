@@ -21,6 +21,7 @@ MAX_RUNTIME_OPSET = 26
 
 
 def model_default_opset(model: onnx.ModelProto) -> int | None:
+    """The model's default-domain opset version, or None if it imports none."""
     return default_opset(model.opset_import)
 
 

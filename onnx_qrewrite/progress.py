@@ -18,6 +18,8 @@ DELAY_SECONDS = 0.5
 
 
 class ProgressSink(Protocol):
+    """Where library code reports progress: called with a phase name, units done and units in total."""
+
     def __call__(self, phase: str, done: int, total: int) -> None: ...
 
 

@@ -60,6 +60,7 @@ def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> N
 
 
 def op_key(domain: str, op_type: str) -> str:
+    """How reports name an op: ``Op`` for the default domain, ``domain::Op`` otherwise."""
     return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
 
 
@@ -87,15 +88,18 @@ class RewriteReport:
 
     @property
     def changed(self) -> bool:
+        """True when the rewrite changed anything: a node rewritten or an opset import changed."""
         return bool(self.rewrites or self.opset_changes)
 
     def by_rule(self) -> dict[str, int]:
+        """How many nodes each rule rewrote, e.g. ``{"dql-expand": 3}``."""
         counts: dict[str, int] = {}
         for r in self.rewrites:
             counts[r.rule] = counts.get(r.rule, 0) + 1
         return counts
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready data (what ``--report`` writes)."""
         # Field by field, not dataclasses.asdict: that deep-copies every tuple (1.5 s for 20k rewrites).
         return {
             "rewrites": [

@@ -4,6 +4,8 @@ README in each folder for where they came from)."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +116,19 @@ def assert_bitwise_equal(actual: np.ndarray, expected: np.ndarray, what: str = "
             f"{what}: {bad.size} of {a.size} elements differ; first at flat index {i}: "
             f"got {actual.ravel()[i]!r}, expected {expected.ravel()[i]!r}"
         )
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from this checkout, offline (hatchling is in the test extra), once per run."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    (path,) = out.glob("onnx_qrewrite-*.whl")
+    return path
 
 
 def op_types(model: onnx.ModelProto) -> list[str]:

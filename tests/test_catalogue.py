@@ -167,18 +167,6 @@ def test_only_and_skip_select_rules():
     assert "dql-expand" not in load_catalogue().select(skip=["dql-expand"]).ids
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
-        check=True,
-        capture_output=True,
-    )
-    (path,) = out.glob("onnx_qrewrite-*.whl")
-    return path
-
-
 def test_the_wheel_carries_the_rule_catalogue_and_finds_it_installed(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(p.name for p in (REPO / "rules").glob("*.toml"))

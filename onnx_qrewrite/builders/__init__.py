@@ -128,30 +128,39 @@ class Site:
 
 
 class Builder(Protocol):
+    """What the engine calls to rewrite one node (its three methods: see this module's docstring);
+    instances register with :func:`register`."""
+
     name: str
     contract: Contract
 
-    def quantized_dtype(self, site: Site) -> str | None: ...
+    def quantized_dtype(self, site: Site) -> str | None:
+        """The dtype a rule's ``when.dtypes`` condition is checked against (None: unknown)."""
 
-    def check(self, site: Site, options: Mapping[str, Any]) -> Plan: ...
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        """Whether this node can be rewritten and what that needs; raises :class:`NoMatch` with a reason if not."""
 
-    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None: ...
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        """Emit the replacement, writing the original node's output names so nothing downstream changes."""
 
 
 _REGISTRY: dict[str, Builder] = {}
 
 
 def register(builder: Builder) -> Builder:
+    """Make ``builder`` available to rule files under its ``name``; returns it (usable as a decorator)."""
     _REGISTRY[builder.name] = builder
     return builder
 
 
 def get_builder(name: str) -> Builder | None:
+    """The builder registered as ``name`` (the built-in ones load on first use), or None."""
     _load_builtin_builders()
     return _REGISTRY.get(name)
 
 
 def builder_names() -> list[str]:
+    """Names of every registered builder, sorted: what a rule file's ``builder`` may say."""
     _load_builtin_builders()
     return sorted(_REGISTRY)
 

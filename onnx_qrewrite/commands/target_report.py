@@ -11,6 +11,7 @@ __all__ = ["print_plan"]
 
 
 def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
+    """Print ``inspect --target``'s plan: what the target refuses today, and what each node becomes."""
     click.echo(f"{plan.model}: target {profile.id} ({profile.title}, {profile.version}; proven by {profile.proof})")
     click.echo(f"refused today: {len(plan.before)} node(s); after the rewrite: {len(plan.after)}")
     for rule_id, why in plan.skipped_rules.items():

@@ -85,9 +85,12 @@ class Tolerances:
         return cls(atol_default, rtol_default, int(lsb_default or 0), atol_per, rtol_per, lsb_per)
 
     def output_names(self) -> set[str]:
+        """Names of the outputs given their own tolerance (``NAME:VALUE``)."""
         return {*self.output_atol, *self.output_rtol, *self.output_lsb}
 
     def for_value(self, name: str, dtype: np.dtype) -> Tolerance:
+        """The tolerance for the value ``name`` of ``dtype``: its own if given, else the global
+        option, else the dtype's default."""
         default_atol, default_rtol = DEFAULT_FLOAT_TOLERANCES.get(dtype.name, (0.0, 0.0))
         atol = self.output_atol.get(name, default_atol if self.atol is None else self.atol)
         rtol = self.output_rtol.get(name, default_rtol if self.rtol is None else self.rtol)
@@ -153,14 +156,17 @@ class ValueComparison:
 
     @property
     def passed(self) -> bool:
+        """True when the value could be compared and every element is within tolerance."""
         return self.problem is None and self.mismatches == 0
 
     @property
     def exact_match_rate(self) -> float:
+        """Fraction of elements bit-for-bit equal (1.0 for an empty value)."""
         return self.exact_matches / self.elements if self.elements else 1.0
 
     @property
     def tolerance_text(self) -> str:
+        """The tolerance applied, as the report prints it."""
         return self.tolerance.describe(self.integer)
 
 

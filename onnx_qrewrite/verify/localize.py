@@ -57,6 +57,7 @@ class Localization:
 
     @property
     def found(self) -> bool:
+        """True when a first differing value was found in the rewritten model."""
         return self.comparison is not None
 
 

@@ -59,14 +59,17 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
+        """True when there were outputs to compare and every one agreed."""
         return bool(self.outputs) and all(o.passed for o in self.outputs)
 
     @property
     def verdict(self) -> str:
+        """``PASSED`` or ``FAILED``, as the final line of the table says."""
         return "PASSED" if self.passed else "FAILED"
 
     @property
     def exit_code(self) -> int:
+        """The command line's exit code for this result: 0 agreed, 1 disagreed."""
         from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_OK
 
         return EXIT_OK if self.passed else EXIT_DISAGREE
@@ -130,6 +133,7 @@ class VerifyReport:
         }
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
+        """Write the JSON report (``report.schema.json``) to ``path``."""
         write_report_file(path, json.dumps(self.to_dict(), indent=2) + "\n", "--report")
 
     # -- JUnit ------------------------------------------------------------------------------
@@ -179,6 +183,7 @@ class VerifyReport:
         return ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n"
 
     def write_junit(self, path: str | os.PathLike[str]) -> None:
+        """Write the JUnit XML report (one test case per output) to ``path``."""
         write_report_file(path, self.junit_xml(), "--junit")
 
     # -- table ------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class SessionSettings:
             raise UsageError(f"--custom-op-library: {self.custom_op_library}: no such file")
 
     def session_options(self) -> ort.SessionOptions:
+        """onnxruntime session options with these settings (the same for both models)."""
         options = ort.SessionOptions()
         options.graph_optimization_level = OPT_LEVELS[self.opt_level]
         options.intra_op_num_threads = self.threads
