@@ -112,6 +112,20 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             help="Write the inputs used to this .npz file.",
         ),
         click.option(
+            "--runtime",
+            type=click.Choice(["onnxruntime", "openvino", "tract", "qnn"]),
+            default="onnxruntime",
+            show_default=True,
+            help="Run the rewritten model on this runtime (the original stays in onnxruntime); each is an "
+            "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn).",
+        ),
+        click.option(
+            "--providers",
+            default=None,
+            metavar="EP[,EP...]",
+            help="onnxruntime execution providers for the rewritten model, e.g. CUDAExecutionProvider.",
+        ),
+        click.option(
             "--localize/--no-localize",
             default=True,
             show_default=True,
@@ -163,6 +177,8 @@ def verify_kwargs(
     custom_op_library: str | None,
     save_inputs: str | None,
     localize: bool,
+    runtime: str = "onnxruntime",
+    providers: str | None = None,
 ) -> dict[str, Any]:
     """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option."""
     from onnx_qrewrite.verify import Tolerances
@@ -182,6 +198,8 @@ def verify_kwargs(
         "custom_op_library": custom_op_library,
         "save_inputs": save_inputs,
         "localize_failures": localize,
+        "runtime": runtime,
+        "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
     }
 
 

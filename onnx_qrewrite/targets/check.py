@@ -170,6 +170,12 @@ def _refusal_applies(when: str, types: frozenset[str], node: onnx.NodeProto, sco
         if value is None or np.any(value.astype(np.float64) != 0):
             return " with a non-zero (or run-time) zero point"
         return None
+    if when == "type":
+        for name in [*node.input, *node.output]:
+            t = _type_name(scope.elem_type(name)) if name else None
+            if t in types:
+                return f" on {t} ({name!r})"
+        return None
     if when == "quantized-type":
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if t is None:

@@ -54,6 +54,9 @@ class TargetPlan:
     after: list[Refused]
     nodes: list[NodeVerdict]
     skipped_rules: dict[str, str]  # rule id -> why it is not used for this target
+    #: The rewrite for this target (in memory) and the rules that made it; not in to_dict().
+    rewritten: onnx.ModelProto | None = dataclasses.field(default=None, repr=False)
+    catalogue: Catalogue | None = dataclasses.field(default=None, repr=False)
 
     @property
     def refused_after(self) -> int:
@@ -175,4 +178,6 @@ def plan_for_target(
             same = after_same.get((r.scope, r.node))
             reasons = same.reasons if same is not None else ()
         nodes.append(NodeVerdict(r.scope, r.node, r.op_key, r.reasons, rule, _exactness(chosen, rule), reasons))
-    return TargetPlan(str(path), profile.id, profile.version, profile.proof, before, after, nodes, skipped)
+    return TargetPlan(
+        str(path), profile.id, profile.version, profile.proof, before, after, nodes, skipped, rewritten, chosen
+    )

@@ -39,7 +39,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     domain = ""
     op = "QuantizeLinear"
     when = "computed-scale"          # always | computed-scale | computed-zero-point |
-                                     # nonzero-zero-point | quantized-type (with types = [...])
+                                     # nonzero-zero-point | quantized-type (with types = [...]) |
+                                     # type (any input or output of these types)
     reason = "y_scale must be a const"
     source = "observed"
 
@@ -91,7 +92,7 @@ __all__ = [
 ]
 
 PROOFS = ("runtime", "vendor-checker", "published-table", "spec")
-REFUSE_WHEN = ("always", "computed-scale", "computed-zero-point", "nonzero-zero-point", "quantized-type")
+REFUSE_WHEN = ("always", "computed-scale", "computed-zero-point", "nonzero-zero-point", "quantized-type", "type")
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
     {
@@ -356,8 +357,8 @@ def parse_target(text: str, path: str) -> TargetProfile:
         if when not in REFUSE_WHEN:
             raise _fail(path, where, f"'when' must be one of {', '.join(REFUSE_WHEN)}, got {when!r}")
         types = _types(path, where, raw, "types") or frozenset()
-        if when == "quantized-type" and not types:
-            raise _fail(path, where, "'when = \"quantized-type\"' needs 'types'")
+        if when in ("quantized-type", "type") and not types:
+            raise _fail(path, where, f"'when = \"{when}\"' needs 'types'")
         refusals.append(
             Refusal(
                 _norm_domain(str(raw.get("domain", ""))),

@@ -19,6 +19,7 @@ This is the only part of onnx-qrewrite that imports onnxruntime, an optional dep
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -27,6 +28,7 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -99,9 +101,15 @@ def _versions(reference_kernels: bool) -> dict[str, str | None]:
     return versions
 
 
-def _check_interfaces(original: ModelRunner, rewritten: ModelRunner) -> None:
-    a = {i.name: i.type for i in original.session.get_inputs()}
-    b = {i.name: i.type for i in rewritten.session.get_inputs()}
+def _input_types(runner: Any) -> dict[str, str]:
+    if isinstance(runner, ModelRunner):
+        return {i.name: i.type for i in runner.session.get_inputs()}
+    return dict(runner.input_types)  # another runtime's runner (verify/runtimes.py)
+
+
+def _check_interfaces(original: ModelRunner, rewritten: Any) -> None:
+    a = _input_types(original)
+    b = _input_types(rewritten)
     if a != b:
         diff = sorted(set(a.items()) ^ set(b.items()))
         raise UsageError(
@@ -196,6 +204,8 @@ def verify(
     localize_failures: bool = True,
     save_inputs: str | os.PathLike[str] | None = None,
     progress: ProgressSink | None = None,
+    runtime: str = "onnxruntime",
+    providers: Sequence[str] | None = None,
 ) -> VerifyReport:
     """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
 
@@ -208,9 +218,27 @@ def verify(
     Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
     that cannot be loaded or run and for bad options; a disagreement is a report with
     ``passed == False``, never an exception.
+
+    ``runtime``: run ``rewritten`` on onnxruntime (default; ``providers`` picks its execution
+    providers), ``openvino``, ``tract`` or ``qnn`` (see :mod:`.runtimes`: their settings are in the
+    report, and their default float tolerances account for their arithmetic); the original always
+    runs in onnxruntime on the CPU. A runtime that is not installed is a
+    :class:`~onnx_qrewrite.errors.MissingDependencyError` naming the extra to install.
     """
+    from onnx_qrewrite.verify.runtimes import make_runner as make_runtime_runner
+    from onnx_qrewrite.verify.runtimes import runtime_info
+
     started = time.perf_counter()
+    if providers and runtime != "onnxruntime":
+        raise UsageError(
+            f"--providers chooses onnxruntime's execution providers; it does not apply to --runtime {runtime}"
+        )
+    rt = runtime_info(runtime, providers or (), threads)
     tolerances = tolerances or Tolerances()
+    if rt.atol is not None and tolerances.atol is None:
+        tolerances = dataclasses.replace(tolerances, atol=rt.atol)
+    if rt.rtol is not None and tolerances.rtol is None:
+        tolerances = dataclasses.replace(tolerances, rtol=rt.rtol)
     session = SessionSettings(
         opt_level=opt_level,
         threads=threads,
@@ -242,7 +270,11 @@ def verify(
                 reference_kernels=reference_kernels,
                 register_custom_library=True,
             )
-        return ModelRunner(model, label=rewritten_label, settings=session)
+        if runtime != "onnxruntime":
+            return make_runtime_runner(runtime, model, label=rewritten_label, threads=threads, shapes=generation.shapes)
+        return ModelRunner(
+            model, label=rewritten_label, settings=session, providers=providers or ("CPUExecutionProvider",)
+        )
 
     original_runner = make_runner(original_model, "original")
     rewritten_runner = _open_rewritten(rewritten_model, make_runner)
@@ -258,7 +290,9 @@ def verify(
     outputs = _compare_outputs(original_runner, rewritten_runner, used, tolerances, progress)
 
     localization = None
-    if localize_failures and not all(o.passed for o in outputs):
+    # Localising runs intermediate values of both models in onnxruntime: that says which rewrite
+    # differs, not where another runtime goes wrong, so it is done for onnxruntime only.
+    if localize_failures and runtime == "onnxruntime" and not all(o.passed for o in outputs):
         failing = {s for o in outputs for s in o.failed_samples}
         sample = next((s for s in used if s.name in failing), used[0])
         localization = localize(original_model, rewritten_model, sample, tolerances, make_runner)
@@ -268,7 +302,9 @@ def verify(
         rewritten=rewritten_label,
         outputs=tuple(outputs),
         samples=tuple(used),
-        settings=VerifySettings(session, tolerances, generation_used, inputs_file, reference_kernels, vendor_nodes),
+        settings=VerifySettings(
+            session, tolerances, generation_used, inputs_file, reference_kernels, vendor_nodes, runtime=rt
+        ),
         versions=_versions(reference_kernels),
         localization=localization,
         duration_seconds=time.perf_counter() - started,

@@ -42,6 +42,7 @@ class VerifySettings:
     inputs_file: str | None = None
     reference_kernels: bool = False  # vendor nodes of the original ran on the numpy kernels
     vendor_nodes: int = 0
+    runtime: Any = None  # verify.runtimes.RuntimeInfo: what ran the rewritten model (None: onnxruntime CPU)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,7 @@ class VerifyReport:
                 "custom_op_library": None if s.session.custom_op_library is None else str(s.session.custom_op_library),
                 "reference_kernels": s.reference_kernels,
                 "vendor_nodes": s.vendor_nodes,
+                "runtime": _runtime_dict(s.runtime),
                 "tolerances": {
                     "atol": s.tolerances.atol,
                     "rtol": s.tolerances.rtol,
@@ -202,6 +204,7 @@ class VerifyReport:
             f"rewritten: {self.rewritten}",
             f"settings:  onnxruntime opt-level {s.session.opt_level}, threads {threads}; "
             f"samples: {', '.join(sample.name for sample in self.samples)}",
+            *_runtime_lines(s.runtime),
             "",
         ]
         header = (
@@ -398,4 +401,22 @@ def _localization_lines(loc: Localization | None) -> list[str]:
         f"first differing node: {loc.node!r} ({loc.domain}::{loc.op_type}, {made_by}{origin})",
         f"  value {c.name!r} on sample {loc.sample!r}: {_failure_message(c)}; worst {_fmt_worst(c)}",
         *([f"  note: {loc.note}"] if loc.note else []),
+    ]
+
+
+def _runtime_dict(runtime: Any) -> dict[str, Any] | None:
+    if runtime is None:
+        return None
+    return {"name": runtime.name, "version": runtime.version, "settings": dict(runtime.settings)}
+
+
+def _runtime_lines(runtime: Any) -> list[str]:
+    """Which runtime ran the rewritten model and how: settings that decide its numbers are stated."""
+    if runtime is None or (
+        runtime.name == "onnxruntime" and runtime.settings.get("providers") == "CPUExecutionProvider"
+    ):
+        return []
+    settings = ", ".join(f"{k}={v}" for k, v in runtime.settings.items())
+    return [
+        f"runtime:   rewritten ran on {runtime.name} {runtime.version or ''} ({settings}); original on onnxruntime CPU"
     ]

@@ -118,9 +118,11 @@ class ModelRunner:
         settings: SessionSettings,
         reference_kernels: bool = False,
         register_custom_library: bool = False,
+        providers: Sequence[str] = ("CPUExecutionProvider",),
     ) -> None:
         """``reference_kernels``: retarget vendor nodes to the numpy kernels first;
-        ``register_custom_library``: load ``settings.custom_op_library`` into this session."""
+        ``register_custom_library``: load ``settings.custom_op_library`` into this session;
+        ``providers``: onnxruntime execution providers (``verify --providers``, rewritten side)."""
         self.label = label
         options = settings.session_options()
         if register_custom_library and settings.custom_op_library is not None:
@@ -140,7 +142,7 @@ class ModelRunner:
                 options.register_custom_ops_library(reference_ops.register_reference_kernels())
         self.model = model
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
             raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {first_line(exc)}") from None
         self.input_names = [i.name for i in self.session.get_inputs()]

@@ -1,0 +1,320 @@
+"""The runtimes ``verify --runtime`` can run the rewritten model on (the original always runs in
+onnxruntime, where its ops run): onnxruntime itself (with ``--providers``), OpenVINO, tract and
+Qualcomm QNN (onnxruntime's QNN execution provider).
+
+Each runner has the interface the verifier uses of :class:`~.session.ModelRunner` (``label``,
+``input_types``, ``output_types``, ``run``) and reports the settings that decide its numbers,
+because a runtime's defaults can change the verdict:
+
+- OpenVINO's CPU plugin runs float32 models in bfloat16 on CPUs that have it unless
+  ``INFERENCE_PRECISION_HINT=f32`` is set (7e-4 to 3e-3 relative L2 on float models otherwise);
+- tract refuses concrete inputs when ``value_info`` holds symbolic dims that quantizers renamed,
+  so value_info is dropped and each input's fact (shape, type) comes from the inputs given;
+- QNN needs static input shapes (symbolic dims fixed as onnxruntime's make_dynamic_shape_fixed
+  does, from ``--input-shape`` or 1), a ``soc_model`` (graph finalisation fails with the default),
+  onnxruntime's default optimisation level (its QDQ fusions are how QNN runs quantize_dynamic
+  models) and ``session.disable_cpu_ep_fallback=1``, so a node QNN refuses is an error rather than
+  a silent fallback to the CPU.
+
+Default tolerances per runtime account for its arithmetic (float32 kernels that sum in another
+order; QNN's fp16-like float path); they are wide enough for that and far below the errors of a
+runtime computing wrong numbers (e.g. 0.135 on a uint16 QDQ CNN in OpenVINO 2026.4.1), which must
+fail, not hide. ``--atol``/``--rtol`` override them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.errors import InvalidModelError, MissingDependencyError, UsageError, first_line
+
+__all__ = ["RUNTIMES", "RuntimeInfo", "make_runner", "runtime_info"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSpec:
+    module: str  # what must import
+    distribution: str  # what pip installs
+    extra: str  # onnx-qrewrite's extra that installs it
+    #: default float tolerances (atol, rtol) for the rewritten model on this runtime
+    atol: float
+    rtol: float
+
+
+RUNTIMES: dict[str, RuntimeSpec] = {
+    "onnxruntime": RuntimeSpec("onnxruntime", "onnxruntime", "verify", 0.0, 0.0),
+    "openvino": RuntimeSpec("openvino", "openvino", "openvino", 1e-5, 1e-4),
+    "tract": RuntimeSpec("tract", "tract", "tract", 1e-5, 1e-4),
+    "qnn": RuntimeSpec("onnxruntime_qnn", "onnxruntime-qnn", "qnn", 5e-2, 5e-2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeInfo:
+    """What ran the rewritten model, as the report states it."""
+
+    name: str
+    version: str | None
+    settings: Mapping[str, str]
+    atol: float | None  # default float tolerance on this runtime (None: onnxruntime's per-dtype ones)
+    rtol: float | None
+
+
+def _require(name: str) -> Any:
+    if name not in RUNTIMES:
+        raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {name!r}")
+    spec = RUNTIMES[name]
+    try:
+        return importlib.import_module(spec.module)
+    except ImportError:
+        raise MissingDependencyError(
+            f"--runtime {name} needs {spec.distribution}, which is not installed: "
+            f"pip install 'onnx-qrewrite[{spec.extra}]'"
+        ) from None
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> RuntimeInfo:
+    """Check ``name`` is installed (else exit 2 naming the extra) and say how it will be run."""
+    _require(name)
+    spec = RUNTIMES[name]
+    settings: dict[str, str]
+    if name == "onnxruntime":
+        settings = {"providers": ",".join(providers or ("CPUExecutionProvider",))}
+        return RuntimeInfo(name, _version("onnxruntime"), settings, None, None)
+    if name == "openvino":
+        settings = {"device": "CPU", "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": str(threads or 0)}
+    elif name == "tract":
+        settings = {"value_info": "dropped", "input facts": "from the inputs given", "optimisation": "into_model"}
+    else:
+        settings = {
+            "backend_type": "htp",
+            "soc_model": "60",
+            "session.disable_cpu_ep_fallback": "1",
+            "graph_optimization_level": "onnxruntime default (all)",
+            "input shapes": "symbolic dims fixed from --input-shape (default 1)",
+        }
+    return RuntimeInfo(name, _version(spec.distribution), settings, spec.atol, spec.rtol)
+
+
+def _input_types(model: onnx.ModelProto) -> dict[str, str]:
+    init = {t.name for t in model.graph.initializer}
+    out = {}
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        elem = vi.type.tensor_type.elem_type
+        name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "undefined"
+        out[vi.name] = f"tensor({name})"
+    return out
+
+
+def _output_types(model: onnx.ModelProto) -> dict[str, str]:
+    out = {}
+    for vi in model.graph.output:
+        elem = vi.type.tensor_type.elem_type
+        out[vi.name] = f"tensor({onnx.TensorProto.DataType.Name(elem).lower() if elem else 'undefined'})"
+    return out
+
+
+class _Runner:
+    """Common part: the label, the declared interface, and the temporary copy some runtimes read
+    (inside a private temporary folder, never beside the user's files)."""
+
+    def __init__(self, model: onnx.ModelProto, label: str, runtime: str) -> None:
+        self.label = label
+        self.runtime = runtime
+        self.model = model
+        self.input_types = _input_types(model)
+        self.input_names = list(self.input_types)
+        self.output_types = _output_types(model)
+        self._tmp = tempfile.TemporaryDirectory(prefix="onnx-qrewrite-")
+
+    def _write(self, model: onnx.ModelProto) -> Path:
+        path = Path(self._tmp.name) / "model.onnx"
+        path.write_bytes(model.SerializeToString())
+        return path
+
+    def _fail(self, what: str, exc: BaseException) -> InvalidModelError:
+        return InvalidModelError(f"{self.label}: {self.runtime} {what}: {first_line(exc)}")
+
+
+class OpenVINORunner(_Runner):
+    def __init__(self, model: onnx.ModelProto, *, label: str, threads: int = 1) -> None:
+        super().__init__(model, label, "openvino")
+        ov = _require("openvino")
+        config = {"INFERENCE_PRECISION_HINT": "f32"}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = str(threads)
+        try:
+            core = ov.Core()
+            self._compiled = core.compile_model(core.read_model(str(self._write(model))), "CPU", config)
+        except Exception as exc:  # noqa: BLE001 - OpenVINO raises RuntimeError and others here
+            raise self._fail("cannot load the model", exc) from None
+        # An OpenVINO output can carry several tensor names; use the one the ONNX graph declares.
+        declared = list(self.output_types)
+        self._names = [
+            next((n for n in declared if n in o.get_names()), next(iter(o.get_names()), None))
+            for o in self._compiled.outputs
+        ]
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        try:
+            result = self._compiled({n: np.ascontiguousarray(feeds[n]) for n in self.input_names})
+        except KeyError as exc:
+            raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
+        except Exception as exc:  # noqa: BLE001 - a kernel failed at run time
+            raise self._fail("failed while running the model", exc) from None
+        values = {}
+        for port, name in zip(self._compiled.outputs, self._names, strict=True):
+            values[name] = np.asarray(result[port])
+        wanted = list(outputs) if outputs is not None else list(self.output_types)
+        return {n: values[n] for n in wanted if n in values}
+
+
+_TRACT_TYPES = {
+    np.dtype("float32"): "f32",
+    np.dtype("float16"): "f16",
+    np.dtype("float64"): "f64",
+    np.dtype("int8"): "i8",
+    np.dtype("uint8"): "u8",
+    np.dtype("int16"): "i16",
+    np.dtype("uint16"): "u16",
+    np.dtype("int32"): "i32",
+    np.dtype("int64"): "i64",
+    np.dtype("bool"): "bool",
+}
+
+
+class TractRunner(_Runner):
+    def __init__(self, model: onnx.ModelProto, *, label: str) -> None:
+        super().__init__(model, label, "tract")
+        self._tract = _require("tract")
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)
+        del stripped.graph.value_info[:]
+        self._path = self._write(stripped)
+        self._runnables: dict[tuple, Any] = {}
+        try:
+            self._tract.onnx().load(str(self._path))  # fail early, as the other runtimes do
+        except Exception as exc:  # noqa: BLE001 - tract raises TractError and others
+            raise self._fail("cannot load the model", exc) from None
+
+    def _runnable(self, arrays: list[np.ndarray]) -> Any:
+        key = tuple((a.shape, a.dtype.str) for a in arrays)
+        if key not in self._runnables:
+            try:
+                inference = self._tract.onnx().load(str(self._path))
+                for i, array in enumerate(arrays):
+                    dims = ",".join(str(d) for d in array.shape)
+                    fact = f"{dims},{_TRACT_TYPES[array.dtype]}" if dims else _TRACT_TYPES[array.dtype]
+                    inference.set_input_fact(i, fact)
+                self._runnables[key] = inference.into_model().into_runnable()
+            except Exception as exc:  # noqa: BLE001
+                raise self._fail("cannot load the model", exc) from None
+        return self._runnables[key]
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        try:
+            arrays = [np.ascontiguousarray(feeds[n]) for n in self.input_names]
+        except KeyError as exc:
+            raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
+        runnable = self._runnable(arrays)
+        try:
+            result = runnable.run(arrays)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("failed while running the model", exc) from None
+        values = {name: r.to_numpy() for name, r in zip(self.output_types, result, strict=True)}
+        wanted = list(outputs) if outputs is not None else list(self.output_types)
+        return {n: values[n] for n in wanted}
+
+
+def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
+    """A copy with every symbolic input dimension fixed (``shapes`` by input name, else 1), as
+    onnxruntime's make_dynamic_shape_fixed does: the dim_param is replaced wherever it appears."""
+    from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
+
+    fixed = onnx.ModelProto()
+    fixed.CopyFrom(model)
+    for vi in fixed.graph.input:
+        given = shapes.get(vi.name)
+        for i, dim in enumerate(vi.type.tensor_type.shape.dim):
+            if dim.dim_param:
+                value = int(given[i]) if given is not None and i < len(given) else 1
+                make_dim_param_fixed(fixed.graph, dim.dim_param, value)
+    fix_output_shapes(fixed)
+    return fixed
+
+
+_QNN_REGISTERED: set[str] = set()
+
+
+class QnnRunner(_Runner):
+    def __init__(self, model: onnx.ModelProto, *, label: str, shapes: Mapping[str, Sequence[int]]) -> None:
+        qnn = _require("qnn")
+        from onnx_qrewrite.verify._ort import ort
+
+        model = fix_input_shapes(model, shapes)
+        super().__init__(model, label, "qnn")
+        name = qnn.get_ep_name()
+        if name not in _QNN_REGISTERED:
+            try:
+                ort.register_execution_provider_library(name, qnn.get_library_path())
+            except Exception as exc:  # noqa: BLE001 - already registered in this process
+                if "already" not in str(exc).lower():
+                    raise self._fail("cannot register the QNN execution provider", exc) from None
+            _QNN_REGISTERED.add(name)
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == name]
+        if not devices:
+            raise MissingDependencyError(f"--runtime qnn: onnxruntime-qnn offers no device for {name} here")
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        options.log_severity_level = 4
+        options.add_provider_for_devices(devices, {"backend_type": "htp", "soc_model": "60"})
+        try:
+            self.session = ort.InferenceSession(model.SerializeToString(), options)
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("cannot load the model (CPU fallback disabled)", exc) from None
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        names = list(outputs) if outputs is not None else list(self.output_types)
+        try:
+            values = self.session.run(names, {n: feeds[n] for n in self.input_names})
+        except KeyError as exc:
+            raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
+        except Exception as exc:  # noqa: BLE001
+            raise self._fail("failed while running the model", exc) from None
+        return dict(zip(names, values, strict=True))
+
+
+def make_runner(
+    runtime: str,
+    model: onnx.ModelProto,
+    *,
+    label: str,
+    threads: int = 1,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Any:
+    """A runner of ``model`` on ``runtime`` (not onnxruntime: :class:`~.session.ModelRunner` is)."""
+    if runtime == "openvino":
+        return OpenVINORunner(model, label=label, threads=threads)
+    if runtime == "tract":
+        return TractRunner(model, label=label)
+    if runtime == "qnn":
+        return QnnRunner(model, label=label, shapes=shapes or {})
+    raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
