@@ -3,9 +3,9 @@
 Each reason names what failed (op, domain, opset, element type, quantization constraint) and the
 source the profile cites for it. Element types come from onnx's shape inference (run on a copy)
 plus the model's own records, so a value whose type nobody can tell is not held against a node.
-Nodes made by a rewrite carry the rule and the node they replaced in their metadata
-(``Emitter.RULE_KEY`` / ``ORIGIN_KEY``); the verdict keeps both, so ``inspect --target`` can say
-which rewrite a remaining refusal comes from.
+Nodes made by a rewrite are attributed to the rule and the node they replaced from their
+provenance metadata (:mod:`onnx_qrewrite.provenance`, compact or full); the verdict keeps both, so
+``inspect --target`` can say which rewrite a remaining refusal comes from.
 """
 
 from __future__ import annotations
