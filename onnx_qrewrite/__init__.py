@@ -12,7 +12,8 @@ The stages are plain functions over ``onnx.ModelProto``: load -> match -> lower 
 
 from __future__ import annotations
 
-from onnx_qrewrite.api import RewriteResult, load_rules, rewrite
+from typing import TYPE_CHECKING, Any
+
 from onnx_qrewrite.errors import (
     InternalError,
     InvalidModelError,
@@ -37,6 +38,29 @@ __all__ = [
     "rewrite",
     "verify",
 ]
+
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.api import RewriteResult, load_rules, rewrite
+
+#: Loaded on first use (PEP 562): importing the package must not import onnx, numpy and the engine,
+#: which every command-line start would otherwise pay for (``--help``, ``rules``, ``verify``).
+_LAZY = {"RewriteResult": "onnx_qrewrite.api", "load_rules": "onnx_qrewrite.api", "rewrite": "onnx_qrewrite.api"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'onnx_qrewrite' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def verify(original, rewritten, **options):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Union
 import onnx
 
 from onnx_qrewrite import engine, model_io
-from onnx_qrewrite.catalogue import Catalogue, load_catalogue
+from onnx_qrewrite.catalogue import Catalogue, load_rules
 from onnx_qrewrite.encoded import EncodedModel, to_proto
 from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
 from onnx_qrewrite.external_data import ExternalData
@@ -30,22 +30,6 @@ _CHECKABLE_IN_MEMORY = 2**31 - 2**26
 AUTO_CHECK_MAX_NODES = 20_000
 
 ModelLike = Union[str, os.PathLike, onnx.ModelProto, "onnx_ir.Model"]
-
-
-def load_rules(
-    paths: Iterable[str | os.PathLike[str]] = (),
-    *,
-    only: Sequence[str] | None = None,
-    skip: Sequence[str] | None = None,
-    options: Mapping[str, Mapping[str, Any]] | None = None,
-    include_shipped: bool = True,
-) -> Catalogue:
-    """The shipped catalogue plus ``paths``, selected with ``only``/``skip``, options overridden."""
-    catalogue = load_catalogue(paths, include_shipped=include_shipped)
-    catalogue = catalogue.select(only, skip)
-    if options:
-        catalogue = catalogue.with_options(options)
-    return catalogue
 
 
 class RewriteResult:

@@ -49,7 +49,16 @@ from onnx_qrewrite.builders import Builder, builder_names, get_builder
 from onnx_qrewrite.contract import EXACTNESS, closest
 from onnx_qrewrite.errors import UsageError
 
-__all__ = ["Catalogue", "OpRef", "Rule", "checked", "load_catalogue", "parse_rules", "shipped_rules_dir"]
+__all__ = [
+    "Catalogue",
+    "OpRef",
+    "Rule",
+    "checked",
+    "load_catalogue",
+    "load_rules",
+    "parse_rules",
+    "shipped_rules_dir",
+]
 
 ANY_DOMAIN = "*"
 _STANDARD_DOMAINS = ("", "ai.onnx")
@@ -361,3 +370,21 @@ def load_catalogue(paths: Iterable[str | Path] = (), *, include_shipped: bool = 
             raise UsageError(f"{path}: cannot read rule file: {exc}") from None
         rules.extend(parse_rules(text, str(path)))
     return Catalogue(rules)
+
+
+def load_rules(
+    paths: Iterable[str | Path] = (),
+    *,
+    only: Sequence[str] | None = None,
+    skip: Sequence[str] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    include_shipped: bool = True,
+) -> Catalogue:
+    """The shipped catalogue plus ``paths``, selected with ``only``/``skip``, options overridden.
+
+    Here, not in ``api``, so the command line reads rules without importing the engine."""
+    catalogue = load_catalogue(paths, include_shipped=include_shipped)
+    catalogue = catalogue.select(only, skip)
+    if options:
+        catalogue = catalogue.with_options(options)
+    return catalogue

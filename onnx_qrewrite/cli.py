@@ -27,9 +27,35 @@ SUBCOMMANDS = {
 }
 
 
+#: name -> the command's short help, so that ``--help`` lists the subcommands without importing
+#: them (each pulls in onnx and numpy: most of the start-up time). tests/test_startup.py checks
+#: that this table says what the commands themselves say.
+SHORT_HELP = {
+    "inspect": "List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each, "
+    "and the opset changes a rewrite needs.",
+    "rewrite": "Rewrite MODELS with the rules and write them to OUTPUT.",
+    "rules": "List the available rules: id, what it matches, what it emits.",
+    "targets": "List the targets (rules/targets/*.toml): id, runtime version, how verdicts are proven, "
+    "and the `verify --runtime` that runs it here.",
+    "verify": "Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.",
+}
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(SUBCOMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's layout, from :data:`SHORT_HELP` instead of the imported commands."""
+        from click.utils import make_default_short_help
+
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = [(n, make_default_short_help(SHORT_HELP.get(n, ""), limit)) for n in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         target = SUBCOMMANDS.get(name)

@@ -89,7 +89,7 @@ def float16_semantics_option(func: Callable) -> Callable:
 
 
 def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics=None):
-    from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.catalogue import load_rules  # not through api: that imports the engine
 
     catalogue = load_rules(
         rule_files,

@@ -1,0 +1,47 @@
+"""Start-up: importing the package and ``--help`` load neither onnx nor numpy, and the help text
+the command line prints without importing the subcommands is the one they carry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import click
+
+from onnx_qrewrite import cli
+
+
+def _modules_after(code: str) -> set[str]:
+    probe = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return set(out.strip().splitlines()[-1].split())
+
+
+def test_importing_the_package_loads_no_onnx_or_numpy():
+    loaded = _modules_after("import onnx_qrewrite")
+    assert "onnx" not in loaded and "numpy" not in loaded and "onnxruntime" not in loaded
+
+
+def test_help_loads_no_subcommand_and_no_onnx():
+    loaded = _modules_after(
+        "from onnx_qrewrite.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    )
+    assert "onnx" not in loaded and "numpy" not in loaded
+    assert not any(m.startswith("onnx_qrewrite.commands") for m in loaded)
+
+
+def test_the_lazy_api_is_the_api():
+    import onnx_qrewrite
+    from onnx_qrewrite import api
+
+    assert onnx_qrewrite.rewrite is api.rewrite and onnx_qrewrite.RewriteResult is api.RewriteResult
+    assert "rewrite" in dir(onnx_qrewrite)
+
+
+def test_short_help_table_matches_the_commands():
+    ctx = click.Context(cli.main)
+    assert set(cli.SHORT_HELP) == set(cli.SUBCOMMANDS)
+    for name in cli.SUBCOMMANDS:
+        command = cli.main.get_command(ctx, name)
+        assert command is not None
+        assert command.get_short_help_str(limit=1000) == cli.SHORT_HELP[name], name
