@@ -199,6 +199,45 @@ def _to_proto(
     raise UsageError(f"rewrite() takes a path, onnx.ModelProto or onnx_ir.Model, not {type(model).__name__}")
 
 
+def _for_target(
+    proto: onnx.ModelProto,
+    catalogue: Catalogue,
+    opts: engine.EngineOptions,
+    external: Any,
+    target: str,
+    source_path: Path | None,
+    allow: Collection[str] | None,
+) -> tuple[Catalogue, engine.EngineOptions, Any]:
+    """The rules and engine options for ``target``, planned and checked (targets/plan.py) before
+    anything is rewritten; a node the target would still refuse fails unless allow_unlowered."""
+    import dataclasses
+
+    from onnx_qrewrite.errors import LoweringError
+    from onnx_qrewrite.targets import load_target, plan_for_model
+
+    profile = load_target(target)
+    plan = plan_for_model(
+        proto,
+        catalogue,
+        profile,
+        external=external,
+        label=str(source_path) if source_path is not None else "input model",
+        target_opset=opts.target_opset,
+        keep_opset=opts.keep_opset,
+        allow=allow,
+    )
+    if plan.after and not opts.allow_unlowered:
+        first = plan.after[0]
+        raise LoweringError(plan.refusal_error(), node=first.node)
+    used = dataclasses.replace(
+        opts,
+        max_opset=plan.options.max_opset,
+        keep_opset=plan.options.keep_opset,
+        target_opset=plan.options.target_opset,
+    )
+    return plan.catalogue, used, plan
+
+
 def rewrite(
     model: ModelLike,
     *,
@@ -214,6 +253,7 @@ def rewrite(
     progress: ProgressSink | None = None,
     base_dir: str | os.PathLike[str] | None = None,
     provenance: str = "compact",
+    target: str | os.PathLike[str] | None = None,
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
@@ -227,7 +267,12 @@ def rewrite(
     the rules that change numerics by design, see :mod:`onnx_qrewrite.contract`). ``provenance``:
     which created nodes carry rule/origin metadata, "compact" (the first of each replacement),
     "full" (all) or "none" (see :mod:`onnx_qrewrite.provenance`; the report always has the full
-    mapping). Raises
+    mapping). ``target``: rewrite for that deployment target (a name from ``onnx-qrewrite
+    targets`` or a profile's path, see :mod:`onnx_qrewrite.targets`): the ops it runs natively are
+    kept, no rule that would make a node it accepts refused is used, the opset stays within what it
+    loads, and a node it would still refuse is a :class:`~onnx_qrewrite.errors.LoweringError`
+    (exit 4) unless ``allow_unlowered`` (then a warning); the report's ``target`` says what it
+    refuses before and after. Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     if isinstance(rules, Catalogue):
@@ -249,7 +294,15 @@ def rewrite(
             provenance=provenance,
             **levels,
         )
+        plan = None
+        if target is not None:
+            catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
         rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+        if plan is not None:
+            report.target = plan.to_dict()
+            report.warnings.extend(
+                f"target {plan.target} would still refuse {r.node} ({r.op_key}): {r.reasons[0]}" for r in plan.after
+            )
         if check is None:
             check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
         if check and report.changed:

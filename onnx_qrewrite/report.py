@@ -85,6 +85,8 @@ class RewriteReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
     #: Initializers only replaced nodes read (e.g. a zero point of 0 a lowering leaves out).
     removed_initializers: list[str] = dataclasses.field(default_factory=list)
+    #: ``rewrite --target``: what the target refuses before and after (targets.TargetPlan.to_dict()).
+    target: dict[str, Any] | None = None
 
     @property
     def changed(self) -> bool:
@@ -124,6 +126,7 @@ class RewriteReport:
             "ops_after": dict(sorted(self.ops_after.items())),
             "warnings": list(self.warnings),
             "removed_initializers": list(self.removed_initializers),
+            **({"target": self.target} if self.target is not None else {}),
         }
 
     def summary_lines(self) -> list[str]:
@@ -148,6 +151,13 @@ class RewriteReport:
             lines.append(
                 f"  {n} node{'s' if n != 1 else ''} rewritten by approximate rules (asked for): numerics changed"
             )
+        if self.target is not None:
+            t = self.target
+            lines.append(
+                f"  target {t['target']} ({t['target_version']}): refused before {t['refused_before']}, "
+                f"after {t['refused_after']}"
+            )
+            lines.extend(f"  target {t['target']}: rule {r} not used: {why}" for r, why in t["skipped_rules"].items())
         for c in self.opset_changes:
             before = "none" if c.before is None else c.before
             after = "removed" if c.after is None else c.after

@@ -304,3 +304,67 @@ def test_every_target_plans_every_test_model(path):
         assert plan.refused_after == len(plan.after)
         assert len(plan.nodes) == len(plan.before)
         assert np.all([n.reasons for n in plan.nodes])
+
+
+# -- rewrite --target -----------------------------------------------------------------------------
+
+
+def test_rewrite_for_a_target_keeps_what_it_runs_natively(tmp_path):
+    out = tmp_path / "out.onnx"
+    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tract")
+    assert proc.returncode == 0, proc.stderr
+    assert "target tract (0.23.9): refused before 0, after 0" in proc.stdout
+    assert "rule dql-expand not used: tract runs DynamicQuantizeLinear natively" in proc.stdout
+    assert [n.op_type for n in onnx.load(out).graph.node] == [
+        n.op_type for n in onnx.load(SAMPLES / "dynamic_mlp.onnx").graph.node
+    ]
+
+
+def test_rewrite_for_a_target_that_would_still_refuse_exits_4_and_writes_nothing(tmp_path):
+    out = tmp_path / "out.onnx"
+    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tensorrt")
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "target tensorrt would still refuse node" in line and "inspect --target tensorrt" in line
+    assert not out.exists()
+    report = tmp_path / "r.json"
+    proc = cli(
+        "rewrite",
+        SAMPLES / "dynamic_mlp.onnx",
+        "-o",
+        out,
+        "--target",
+        "tensorrt",
+        "--allow-unlowered",
+        "--report",
+        report,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: target tensorrt would still refuse" in proc.stdout
+    body = json.loads(report.read_text())
+    assert body["target"]["target"] == "tensorrt" and body["target"]["refused_after"] > 0
+
+
+def test_rewrite_api_with_a_target_reports_before_and_after():
+    from onnx_qrewrite import rewrite
+
+    result = rewrite(SAMPLES / "qdq_contrib_u16.onnx", target="onnx")
+    assert result.report.target["refused_before"] == 22 and result.report.target["refused_after"] == 0
+    assert check_model(result.model, load_target("onnx")) == []
+    kept = rewrite(SAMPLES / "dynamic_cnn.onnx", target="openvino")
+    assert kept.report.rewrites == [] and "dql-expand" in kept.report.target["skipped_rules"]
+
+
+def test_rewrite_target_verify_says_when_the_runtime_is_missing(tmp_path):
+    from test_optional_dependencies import without
+
+    out = tmp_path / "out.onnx"
+    proc = without(
+        ("openvino",), "rewrite", SAMPLES / "dynamic_cnn.onnx", "-o", out, "--target", "openvino", "--verify"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "target openvino's runtime (openvino) is not installed (pip install 'onnx-qrewrite[openvino]')" in proc.stderr
+    )
+    assert "verifying in onnxruntime instead" in proc.stderr
+    assert "PASSED" in proc.stdout

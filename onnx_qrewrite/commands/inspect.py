@@ -287,7 +287,8 @@ def inspect_command(
         from onnx_qrewrite.targets import load_target, plan_for_target
 
         profile = load_target(target)
-        plan = plan_for_target(model, catalogue, profile, target_opset=target_opset, keep_opset=keep_opset)
+        allow = ("exact", "bounded", "approximate") if allow_approximate else None
+        plan = plan_for_target(model, catalogue, profile, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
         if as_json:
             click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
         else:

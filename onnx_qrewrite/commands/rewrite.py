@@ -89,6 +89,31 @@ def _rewrite_one(task: _Task) -> Outcome:
     return outcome
 
 
+def _target_runtime(profile: Any, asked: str | None) -> str:
+    """``rewrite --target T --verify`` verifies on T's runtime when it is installed, and says so
+    clearly (on stderr) when it is not and onnxruntime verifies instead."""
+    import importlib
+
+    from onnx_qrewrite.verify.runtimes import RUNTIMES
+
+    if asked not in (None, "onnxruntime"):
+        return asked
+    runtime = profile.runtime
+    if runtime is None or runtime not in RUNTIMES:
+        click.echo(f"onnx-qrewrite: note: no runtime for target {profile.id} here; verifying in onnxruntime", err=True)
+        return "onnxruntime"
+    try:
+        importlib.import_module(RUNTIMES[runtime].module)  # verify imports it next anyway
+    except ImportError:
+        click.echo(
+            f"onnx-qrewrite: note: target {profile.id}'s runtime ({RUNTIMES[runtime].distribution}) is not installed "
+            f"(pip install 'onnx-qrewrite[{RUNTIMES[runtime].extra}]'); verifying in onnxruntime instead",
+            err=True,
+        )
+        return "onnxruntime"
+    return runtime
+
+
 def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     out = Path(output)
     if len(models) == 1 and not (out.is_dir() or output.endswith(("/", "\\"))):
@@ -117,6 +142,14 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 @click.option("--target-opset", type=int, default=None, help="Raise the default-domain opset to N first (max 26).")
 @click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
+@click.option(
+    "--target",
+    "target",
+    default=None,
+    metavar="NAME",
+    help="Rewrite for this deployment target (see `onnx-qrewrite targets`, or a .toml profile): keep what it "
+    "runs natively, stay within its opsets; exit 4 naming each node it would still refuse unless --allow-unlowered.",
+)
 @click.option(
     "--allow-approximate",
     is_flag=True,
@@ -184,6 +217,7 @@ def rewrite_command(
     target_opset,
     keep_opset,
     allow_unlowered,
+    target,
     allow_approximate,
     check,
     provenance,
@@ -211,6 +245,12 @@ def rewrite_command(
             raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
     load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
+    if target is not None:
+        from onnx_qrewrite.targets import load_target
+
+        profile = load_target(target)
+        if do_verify:
+            verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
     quiet = bool(ctx.obj.get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
@@ -223,6 +263,7 @@ def rewrite_command(
         "allow": ("exact", "bounded", "approximate") if allow_approximate else None,
         "check": check,
         "provenance": provenance,
+        "target": target,
     }
     tasks = [
         _Task(

@@ -8,7 +8,7 @@ would still refuse afterwards (``inspect --target``).
 from __future__ import annotations
 
 from onnx_qrewrite.targets.check import Refused, check_model
-from onnx_qrewrite.targets.plan import NodeVerdict, TargetPlan, plan_for_target, target_catalogue
+from onnx_qrewrite.targets.plan import NodeVerdict, TargetPlan, plan_for_model, plan_for_target, target_catalogue
 from onnx_qrewrite.targets.profile import TargetProfile, load_target, load_targets, shipped_targets_dir
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "check_model",
     "load_target",
     "load_targets",
+    "plan_for_model",
     "plan_for_target",
     "shipped_targets_dir",
     "target_catalogue",

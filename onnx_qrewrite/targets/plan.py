@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from onnx_qrewrite.catalogue import Catalogue
 from onnx_qrewrite.targets.check import Refused, check_model
 from onnx_qrewrite.targets.profile import TargetProfile
 
-__all__ = ["NodeVerdict", "TargetPlan", "engine_options", "plan_for_target", "target_catalogue"]
+__all__ = ["NodeVerdict", "TargetPlan", "engine_options", "plan_for_model", "plan_for_target", "target_catalogue"]
 
 
 @dataclasses.dataclass
@@ -57,6 +58,16 @@ class TargetPlan:
     #: The rewrite for this target (in memory) and the rules that made it; not in to_dict().
     rewritten: onnx.ModelProto | None = dataclasses.field(default=None, repr=False)
     catalogue: Catalogue | None = dataclasses.field(default=None, repr=False)
+    options: Any = dataclasses.field(default=None, repr=False)  # the engine options of that rewrite
+
+    def refusal_error(self) -> str:
+        """One line for ``rewrite --target`` when the target would still refuse something."""
+        first = self.after[0]
+        more = f" (and {len(self.after) - 1} more node(s); `inspect --target {self.target}` lists them)"
+        return (
+            f"{self.model}: target {self.target} would still refuse node {first.node} ({first.op_key}) "
+            f"after the rewrite: {first.reasons[0]}{more if len(self.after) > 1 else ''}"
+        )
 
     @property
     def refused_after(self) -> int:
@@ -92,32 +103,46 @@ def target_catalogue(catalogue: Catalogue, profile: TargetProfile) -> tuple[Cata
     return catalogue.select(only=kept) if skipped else catalogue, skipped
 
 
-def engine_options(profile: TargetProfile, *, target_opset: int | None = None, keep_opset: bool = False) -> Any:
+def engine_options(
+    profile: TargetProfile,
+    *,
+    target_opset: int | None = None,
+    keep_opset: bool = False,
+    allow: Collection[str] | None = None,
+) -> Any:
     """The engine's options for ``profile``: a rewrite never raises the opset above what the
-    target loads (``[opset] max``), so rules that would need more give way to the next rule."""
+    target loads (``[opset] max``), so rules that would need more give way to the next rule.
+    Exactness levels as for any rewrite (exact first, bounded where no exact rule applies,
+    approximate only when ``allow`` names it)."""
     from onnx_qrewrite import engine
     from onnx_qrewrite.opset import MAX_RUNTIME_OPSET
 
     highest = min(MAX_RUNTIME_OPSET, profile.opset_max or MAX_RUNTIME_OPSET)
+    levels = {"allow": frozenset(allow)} if allow is not None else {}
     return engine.EngineOptions(
-        target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True, max_opset=highest
+        target_opset=target_opset,
+        keep_opset=keep_opset,
+        allow_unlowered=True,
+        max_opset=highest,
+        provenance="full",
+        **levels,
     )
 
 
-def _rewrite(model: onnx.ModelProto, catalogue: Catalogue, base_dir: str, options: Any) -> tuple[onnx.ModelProto, Any]:
+def _rewrite(model: onnx.ModelProto, catalogue: Catalogue, external: Any, options: Any) -> tuple[Any, Any, Any]:
     from onnx_qrewrite import engine
     from onnx_qrewrite.encoded import to_proto
     from onnx_qrewrite.errors import LoweringError
 
     try:
-        out, report = engine.run(copy.deepcopy(model), catalogue, options, base_dir)
+        out, report = engine.run(copy.deepcopy(model), catalogue, options, external)
     except LoweringError:
         if options.keep_opset:
             raise
         # Raising the opset failed: plan with the opset kept, as `inspect` does.
         options = dataclasses.replace(options, keep_opset=True, target_opset=None)
-        out, report = engine.run(copy.deepcopy(model), catalogue, options, base_dir)
-    return to_proto(out), report
+        out, report = engine.run(copy.deepcopy(model), catalogue, options, external)
+    return to_proto(out), report, options
 
 
 def _exactness(catalogue: Catalogue, rule_id: str | None) -> str | None:
@@ -135,19 +160,47 @@ def plan_for_target(
     *,
     target_opset: int | None = None,
     keep_opset: bool = False,
+    allow: Collection[str] | None = None,
 ) -> TargetPlan:
     """Check the model at ``path`` against ``profile`` before and after the target's rewrite."""
     from onnx_qrewrite import model_io
 
-    path = Path(path)
-    model = model_io.load_model(path)
-    base_dir = str(path.parent)
+    loaded = model_io.open_model(path)
+    try:
+        return plan_for_model(
+            loaded.proto,
+            catalogue,
+            profile,
+            external=loaded.external,
+            label=str(path),
+            target_opset=target_opset,
+            keep_opset=keep_opset,
+            allow=allow,
+        )
+    finally:
+        if loaded.external is not None:
+            loaded.external.close()
+
+
+def plan_for_model(
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    profile: TargetProfile,
+    *,
+    external: Any = None,
+    label: str = "model",
+    target_opset: int | None = None,
+    keep_opset: bool = False,
+    allow: Collection[str] | None = None,
+) -> TargetPlan:
+    """:func:`plan_for_target` for a model in memory (not modified); ``external`` is its opened
+    external data (model_io.ExternalData), if any."""
     before = check_model(model, profile)
     chosen, skipped = target_catalogue(catalogue, profile)
     refused_now = {(r.scope, r.node) for r in before}
-    options = engine_options(profile, target_opset=target_opset, keep_opset=keep_opset)
+    options = engine_options(profile, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
     for _ in range(len(chosen) + 1):
-        rewritten, report = _rewrite(model, chosen, base_dir, options)
+        rewritten, report, used = _rewrite(model, chosen, external, options)
         after = check_model(rewritten, profile)
         # Never make things worse: a rule that turned an accepted node into refused ones is dropped.
         worse = {
@@ -179,5 +232,5 @@ def plan_for_target(
             reasons = same.reasons if same is not None else ()
         nodes.append(NodeVerdict(r.scope, r.node, r.op_key, r.reasons, rule, _exactness(chosen, rule), reasons))
     return TargetPlan(
-        str(path), profile.id, profile.version, profile.proof, before, after, nodes, skipped, rewritten, chosen
+        label, profile.id, profile.version, profile.proof, before, after, nodes, skipped, rewritten, chosen, used
     )
