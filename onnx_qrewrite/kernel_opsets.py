@@ -9,7 +9,7 @@ policy, not a fact about the emitted ops). Changing a number here changes what t
 
 from __future__ import annotations
 
-__all__ = ["BLOCKED", "DEQUANTIZE_LINEAR", "PER_AXIS", "QUANTIZE_LINEAR", "describe", "qdq_opset"]
+__all__ = ["BLOCKED", "DEQUANTIZE_LINEAR", "NBITS_UNPACKED", "PER_AXIS", "QUANTIZE_LINEAR", "describe", "qdq_opset"]
 
 #: QuantizeLinear: uint32, float16 and bfloat16 as the quantized type have no kernel.
 QUANTIZE_LINEAR: dict[str, int] = {
@@ -30,6 +30,8 @@ DEQUANTIZE_LINEAR: dict[str, int] = {**QUANTIZE_LINEAR, "int32": 10}
 PER_AXIS = 13
 #: Blocked quantization (``block_size``) exists from opset 21.
 BLOCKED = 21
+#: MatMulNBits unpacked into Cast/Sub/Mul/Reshape/Slice/MatMul: Slice with inputs needs 10.
+NBITS_UNPACKED = 10
 
 
 def qdq_opset(quantize: bool, dtype: str, *, per_axis: bool = False, blocked: bool = False) -> int | None:

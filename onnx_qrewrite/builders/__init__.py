@@ -192,12 +192,13 @@ class ConstantPool:
     def __init__(self, root: Scope, names: NameAllocator):
         self._root = root
         self._names = names
-        self._by_value: dict[tuple[str, tuple[int, ...], bytes], str] = {}
+        self._by_value: dict[tuple[str, str, tuple[int, ...], bytes], str] = {}
         self.constant_nodes: list[bytes] = []
 
     def get(self, array: np.ndarray) -> str:
         array = np.asarray(array)
-        key = (array.dtype.str, array.shape, array.tobytes())
+        # The name too: ml_dtypes' int4 and uint4 share dtype.str ('<V1').
+        key = (array.dtype.str, array.dtype.name, array.shape, array.tobytes())
         name = self._by_value.get(key)
         if name is not None:
             return name

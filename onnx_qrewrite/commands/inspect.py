@@ -34,7 +34,6 @@ OTHER_QUANT_OPS = frozenset(
         "QLinearMatMul",
         "QGemm",
         "QAttention",
-        "MatMulNBits",
         "MatMulBnb4",
         "MatMulIntegerToFloat",
         "DynamicQuantizeMatMul",

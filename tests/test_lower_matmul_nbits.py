@@ -1,0 +1,340 @@
+"""com.microsoft MatMulNBits -> blocked DequantizeLinear (or unpacked Cast/Sub/Mul) + MatMul.
+
+onnxruntime runs the original op itself, so every case compares the original and the rewrite in the
+same runtime. Two batteries, because the rewrite makes two claims:
+
+- the dequantized weights are the kernel's, bit for bit: with an identity matrix as A every sum
+  in the GEMM is exact, so the kernel's output *is* its dequantized weights (transposed);
+- the product differs only by the summation order over K: within 2·γ(K)·Σ|a·w| of the kernel
+  (computed per output element in float64), the bound the rules declare.
+
+And a broken rewrite (wrong block size, zero point dropped, a scale one ulp off) is caught by
+``verify`` and localised to the node it broke.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.builders.matmul_nbits import pack
+from onnx_qrewrite.verify import Tolerances, verify
+
+RNG = np.random.default_rng(11)
+
+
+def nbits_model(
+    k: int,
+    n: int,
+    bits: int,
+    block_size: int,
+    zero_points: str,
+    *,
+    opset: int = 21,
+    accuracy_level: int | None = None,
+    bias: bool = False,
+    a_shape: tuple = (2, 3),
+    edge: bool = False,
+    g_idx: bool = False,
+) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A -> MatMulNBits -> Y -> Relu -> R, and the float64 dequantized weights [K, N] it uses."""
+    nb = -(-k // block_size)
+    q = RNG.integers(0, 2**bits, (n, nb * block_size)).astype(np.uint8)
+    scale = RNG.uniform(1e-3, 0.1, (n, nb)).astype(np.float32)
+    if edge:  # extremes of q and of the scales: zero, subnormal, huge, negative
+        q[0, :] = 0
+        q[1, :] = 2**bits - 1
+        scale.flat[:5] = [0.0, 1e-40, 3e30, -0.25, 1.0]
+    packed = pack(q, bits).reshape(n, nb, block_size * bits // 8)
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scale, "S")]
+    inputs = ["A", "B", "S"]
+    zp_values = np.full((n, nb), 2 ** (bits - 1), np.float64)
+    if zero_points == "uint8":
+        zp = RNG.integers(0, 2**bits, (n, nb)).astype(np.uint8)
+        zp_values = zp.astype(np.float64)
+        inits.append(numpy_helper.from_array(pack(zp, bits), "Z"))
+        inputs.append("Z")
+    elif zero_points == "float":
+        zp = RNG.uniform(0, 2**bits - 1, (n, nb)).astype(np.float32)
+        zp_values = zp.astype(np.float64)
+        inits.append(numpy_helper.from_array(zp.reshape(-1), "Z"))
+        inputs.append("Z")
+    if g_idx:
+        inputs += [""] * (4 - len(inputs)) + ["G"]
+        inits.append(numpy_helper.from_array((np.arange(k) // block_size).astype(np.int32), "G"))
+    if bias:
+        inputs += [""] * (5 - len(inputs)) + ["bias"]
+        inits.append(numpy_helper.from_array(RNG.standard_normal(n).astype(np.float32), "bias"))
+    attrs = {"K": k, "N": n, "bits": bits, "block_size": block_size}
+    if accuracy_level is not None:
+        attrs["accuracy_level"] = accuracy_level
+    nodes = [
+        helper.make_node("MatMulNBits", inputs, ["Y"], name="nbits", domain="com.microsoft", **attrs),
+        helper.make_node("Relu", ["Y"], ["R"], name="relu"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [*a_shape, k])],
+        [
+            helper.make_tensor_value_info("Y", TensorProto.FLOAT, [*a_shape, n]),
+            helper.make_tensor_value_info("R", TensorProto.FLOAT, [*a_shape, n]),
+        ],
+        inits,
+    )
+    model = helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
+    s = np.repeat(scale, block_size, axis=1)[:, :k]
+    z = np.repeat(zp_values, block_size, axis=1)[:, :k]
+    if zero_points == "float":  # the kernel's formula, in float32: q * s + (-(s * zp))
+        adjust = -(s * z.astype(np.float32))
+        return model, (q[:, :k].astype(np.float32) * s + adjust).T.astype(np.float64)
+    return model, ((q[:, :k] - z) * s.astype(np.float64)).T
+
+
+def gamma(k: int) -> float:
+    u = 2.0**-24
+    return k * u / (1 - k * u)
+
+
+def assert_within_summation_bound(got: np.ndarray, want: np.ndarray, a: np.ndarray, w: np.ndarray, k: int, what: str):
+    bound = 2 * gamma(k) * (np.abs(a.astype(np.float64)) @ np.abs(w))
+    excess = np.abs(got.astype(np.float64) - want.astype(np.float64)) - bound
+    assert np.all(excess <= 0), f"{what}: {int((excess > 0).sum())} elements beyond 2·γ(K)·Σ|a·w|"
+
+
+FORMS = {
+    # form -> (model opset, keep_opset, rule, ops without bias)
+    "blocked": (21, False, "matmul-nbits-blocked-dq", ["DequantizeLinear", "MatMul", "Relu"]),
+    "unpacked": (17, True, "matmul-nbits-unpacked", ["Cast", "Sub", "Mul", "Reshape", "Slice", "MatMul", "Relu"]),
+}
+CASES = [
+    (bits, block_size, zp, form)
+    for bits in (4, 8)
+    for block_size in (16, 32, 64, 128, 256)
+    for zp in ("none", "uint8", "float")
+    for form in FORMS
+    if not (zp == "float" and bits == 8)  # float zero points: 4-bit only in onnxruntime
+]
+
+
+def _expected_ops(form: str, zp: str) -> list[str]:
+    if zp == "float":  # DequantizeLinear takes integer zero points only: the unpacked form
+        return ["Cast", "Mul", "Add", "Reshape", "Slice", "MatMul", "Relu"]
+    return FORMS[form][3]
+
+
+@rule_marker("matmul-nbits-blocked-dq", "positive")
+@rule_marker("matmul-nbits-unpacked", "positive")
+@pytest.mark.parametrize("bits, block_size, zp, form", CASES, ids=[f"{b}bit-bs{s}-zp_{z}-{f}" for b, s, z, f in CASES])
+def test_weights_bit_identical_and_products_within_the_summation_bound(bits, block_size, zp, form):
+    k, n = 2 * block_size + 3, 9  # a partial last block
+    opset, keep, rule, _ = FORMS[form]
+    original, w = nbits_model(k, n, bits, block_size, zp, opset=opset, edge=True, a_shape=(k,))
+    result = onnx_qrewrite.rewrite(original, keep_opset=keep)
+    expected_rule = "matmul-nbits-unpacked" if zp == "float" else rule
+    assert result.report.by_rule() == {expected_rule: 1}
+    assert op_types(result.model) == _expected_ops(form, zp)
+    assert {o.domain for o in result.model.opset_import} == {""}
+    assert [(r.exactness, r.bound) for r in result.report.rewrites] == [("bounded", None)]
+    what = f"{bits}-bit, block {block_size}, zero points {zp}, {form}"
+
+    # 1. An identity A: every sum is exact, the outputs are the dequantized weights.
+    eye = {"A": np.eye(k, dtype=np.float32)}
+    want, got = run(original, eye), run(result.model, eye)
+    assert_bitwise_equal(got["Y"], want["Y"], f"{what}: dequantized weights")
+    assert np.allclose(want["Y"], w, rtol=2**-23, atol=0), f"{what}: the test's own reference"
+
+    # 2. Random A (with zeros and signs): the same products summed in another order.
+    a = RNG.standard_normal((2, 3, k)).astype(np.float32)
+    a[0, 0, :7] = 0.0
+    model_b, _ = nbits_model(k, n, bits, block_size, zp, opset=opset, a_shape=(2, 3))
+    rewritten_b = onnx_qrewrite.rewrite(model_b, keep_opset=keep).model
+    w_b = _weights_of(model_b)
+    want, got = run(model_b, {"A": a}), run(rewritten_b, {"A": a})
+    assert_within_summation_bound(got["Y"], want["Y"], a, w_b, k, what)
+
+
+def _weights_of(model: onnx.ModelProto) -> np.ndarray:
+    """The kernel's dequantized weights [K, N] (float64), read back through an identity input."""
+    node = model.graph.node[0]
+    k = next(a.i for a in node.attribute if a.name == "K")
+    probe = copy.deepcopy(model)
+    for value in (*probe.graph.input, *probe.graph.output):
+        value.type.tensor_type.ClearField("shape")
+    return run(probe, {"A": np.eye(k, dtype=np.float32)})["Y"].astype(np.float64)
+
+
+@pytest.mark.parametrize("k", [64, 300, 1024])
+@pytest.mark.parametrize("a_shape", [(1,), (4,), (2, 3)])
+def test_long_sums_stay_within_the_bound_and_the_bound_is_not_vacuous(k, a_shape):
+    original, _ = nbits_model(k, 33, 4, 32, "uint8", a_shape=a_shape)
+    rewritten = onnx_qrewrite.rewrite(original).model
+    a = RNG.standard_normal((*a_shape, k)).astype(np.float32)
+    want, got = run(original, {"A": a})["Y"], run(rewritten, {"A": a})["Y"]
+    w = _weights_of(original)
+    assert_within_summation_bound(got, want, a, w, k, f"K={k}, A {a_shape}")
+    # Differences seen are far below the bound, which is far below a quantization step of the weights.
+    bound = 2 * gamma(k) * (np.abs(a.astype(np.float64)) @ np.abs(w))
+    assert np.max(np.abs(got - want) / bound) < 0.5
+    step = np.abs(a.astype(np.float64)) @ np.full_like(w, 1e-3)  # smallest scale: one step per weight
+    assert np.all(bound < step)
+
+
+def test_bias_becomes_an_add():
+    original, _ = nbits_model(80, 12, 4, 16, "uint8", bias=True, a_shape=(80,))
+    result = onnx_qrewrite.rewrite(original)
+    assert op_types(result.model) == ["DequantizeLinear", "MatMul", "Add", "Relu"]
+    eye = {"A": np.eye(80, dtype=np.float32)}
+    assert_bitwise_equal(run(result.model, eye)["Y"], run(original, eye)["Y"], "with bias")
+
+
+@rule_marker("matmul-nbits-int8-activations", "positive")
+@rule_marker("matmul-nbits-int8-activations-unpacked", "positive")
+@rule_marker("matmul-nbits-blocked-dq", "negative")
+@rule_marker("matmul-nbits-unpacked", "negative")
+def test_accuracy_level_4_is_approximate_and_runs_only_when_asked():
+    original, _ = nbits_model(96, 16, 4, 32, "uint8", accuracy_level=4, a_shape=(96,))
+    with pytest.raises(onnx_qrewrite.LoweringError) as exc:
+        onnx_qrewrite.rewrite(original)
+    assert "matmul-nbits-blocked-dq: accuracy_level 4" in str(exc.value)
+    assert "--allow-approximate" in str(exc.value)
+    for keep, rule in ((False, "matmul-nbits-int8-activations"), (True, "matmul-nbits-int8-activations-unpacked")):
+        model = copy.deepcopy(original)
+        if keep:
+            model.opset_import[0].version = 17
+        result = onnx_qrewrite.rewrite(model, allow=("exact", "bounded", "approximate"), keep_opset=keep)
+        assert result.report.by_rule() == {rule: 1}
+        assert [r.exactness for r in result.report.rewrites] == ["approximate"]
+        # The rewrite computes what accuracy_level 0 computes; the int8 kernel does not (this CPU).
+        as_level_0 = copy.deepcopy(model)
+        next(a for a in as_level_0.graph.node[0].attribute if a.name == "accuracy_level").i = 0
+        eye = {"A": np.eye(96, dtype=np.float32)}
+        assert_bitwise_equal(run(result.model, eye)["Y"], run(as_level_0, eye)["Y"], "float32 weights")
+        assert not np.array_equal(run(result.model, eye)["Y"], run(model, eye)["Y"])
+
+
+@rule_marker("matmul-nbits-int8-activations", "negative")
+def test_the_approximate_rule_leaves_other_accuracy_levels_to_the_bounded_ones():
+    original, _ = nbits_model(64, 8, 8, 32, "none", accuracy_level=1, a_shape=(64,))
+    result = onnx_qrewrite.rewrite(original, allow=("exact", "bounded", "approximate"))
+    assert result.report.by_rule() == {"matmul-nbits-blocked-dq": 1}
+    # Float zero points never take the int8 kernel: bounded even at accuracy_level 4.
+    original, _ = nbits_model(64, 8, 4, 32, "float", accuracy_level=4, a_shape=(64,))
+    assert onnx_qrewrite.rewrite(original).report.by_rule() == {"matmul-nbits-unpacked": 1}
+
+
+@rule_marker("matmul-nbits-int8-activations-unpacked", "negative")
+def test_g_idx_and_runtime_weights_are_not_lowered():
+    original, _ = nbits_model(64, 8, 4, 32, "uint8", g_idx=True)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="g_idx 'G' \\(act-order\\)"):
+        onnx_qrewrite.rewrite(original, allow=("exact", "bounded", "approximate"))
+    runtime = copy.deepcopy(nbits_model(64, 8, 4, 32, "none")[0])
+    b = next(t for t in runtime.graph.initializer if t.name == "B")
+    runtime.graph.input.append(helper.make_tensor_value_info("B", TensorProto.UINT8, list(b.dims)))
+    runtime.graph.initializer.remove(b)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="B 'B' is computed at run time"):
+        onnx_qrewrite.rewrite(runtime)
+
+
+# --- broken rewrites are caught at the node they break --------------------------------------------
+
+
+def _break(rewritten: onnx.ModelProto, how: str) -> onnx.ModelProto:
+    broken = copy.deepcopy(rewritten)
+    dq = next(n for n in broken.graph.node if n.op_type == "DequantizeLinear")
+    inits = {t.name: t for t in broken.graph.initializer}
+    scale = numpy_helper.to_array(inits[dq.input[1]])
+    if how == "scale one ulp off":
+        scale = scale.copy()
+        scale[1, 2] = np.nextafter(scale[1, 2], np.float32(1))
+        inits[dq.input[1]].CopyFrom(numpy_helper.from_array(scale, dq.input[1]))
+    elif how == "zero point dropped":
+        del dq.input[2]
+    elif how == "wrong block size":  # blocks twice as long: every other block's scale and zero point
+        block = next(a for a in dq.attribute if a.name == "block_size")
+        block.i *= 2
+        for name in dq.input[1:]:
+            inits[name].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(inits[name])[::2].copy(), name))
+    return broken
+
+
+@pytest.mark.parametrize("how", ["scale one ulp off", "zero point dropped", "wrong block size"])
+def test_verify_catches_a_broken_rewrite_at_the_node_it_breaks(how):
+    k = 96
+    original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(k,))
+    rewritten = onnx_qrewrite.rewrite(original).model
+    exact = Tolerances(atol=0, rtol=0)
+    eye = {"A": np.eye(k, dtype=np.float32)}
+    good = verify(original, rewritten, inputs=eye, tolerances=exact)
+    assert good.passed, good.to_table()
+    report = verify(original, _break(rewritten, how), inputs=eye, tolerances=exact)
+    assert not report.passed
+    loc = report.localization
+    assert loc is not None and loc.found, report.to_table()
+    assert (loc.origin, loc.rule, loc.comparison.name) == ("nbits", "matmul-nbits-blocked-dq", "Y")
+
+
+# --- a real model, made by onnxruntime's own quantizer --------------------------------------------
+
+
+def _mlp(k: int = 64, hidden: int = 96, n: int = 32) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((k, hidden)).astype(np.float32)
+    w2 = rng.standard_normal((hidden, n)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h"]),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "W2"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 5, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5, n])],
+        [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize("bits, block_size, symmetric", [(4, 32, False), (4, 16, True), (8, 32, False), (8, 64, True)])
+def test_a_model_from_onnxruntimes_matmul_nbits_quantizer(bits, block_size, symmetric):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    config = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=symmetric, bits=bits)
+    quantizer = MatMulNBitsQuantizer(_mlp(), algo_config=config)
+    quantizer.process()
+    original = quantizer.model.model
+    assert [n.op_type for n in original.graph.node] == ["MatMulNBits", "Relu", "MatMulNBits"]
+    result = onnx_qrewrite.rewrite(original)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert {o.domain for o in result.model.opset_import} == {""}
+    assert result.report.by_rule() == {"matmul-nbits-blocked-dq": 2}
+    report = verify(original, result.model, input_shapes={"x": (3, 5, 64)})
+    assert report.passed, report.to_table()
+    # And on the opset it came with, unpacked.
+    kept = onnx_qrewrite.rewrite(original, keep_opset=True)
+    assert kept.report.by_rule() == {"matmul-nbits-unpacked": 2}
+    assert {o.domain: o.version for o in kept.model.opset_import} == {"": 17}
+    report = verify(original, kept.model, input_shapes={"x": (3, 5, 64)})
+    assert report.passed, report.to_table()
+
+
+def test_int4_constants_do_not_share_a_name_with_equal_uint4_bytes():
+    # ml_dtypes' int4 and uint4 have the same dtype.str: the constant pool must tell them apart.
+    from onnx_qrewrite.builders import ConstantPool
+    from onnx_qrewrite.graph import NameAllocator, iter_scopes
+
+    model = helper.make_model(helper.make_graph([], "g", [], []))
+    pool = ConstantPool(iter_scopes(model)[0], NameAllocator(model))
+    a = pool.get(np.array([1, 2], ml_dtypes.int4))
+    b = pool.get(np.array([1, 2], ml_dtypes.uint4))
+    assert a != b
