@@ -201,7 +201,48 @@ def check_model(
     try:
         onnx.checker.check_model(serialized)
     except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as exc:
+        hidden = _without_ort_onnx_domain_ops(serialized) if _is_ort_onnx_domain_op_error(exc) else None
+        if hidden is not None:
+            try:
+                onnx.checker.check_model(hidden)
+                return
+            except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as again:
+                exc = again
         raise error(f"{what}: fails the ONNX checker: {first_line(exc)}") from None
+
+
+#: Ops onnxruntime defines in the ONNX domain itself: its optimizer writes SimplifiedLayerNormalization
+#: (RMS norms) there, and onnx's checker has no schema for it. Such models are valid for onnxruntime,
+#: and a rule lowers the op; the checker checks everything else.
+ORT_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_ORT_EXTENSION_DOMAIN = "com.microsoft"
+
+
+def _is_ort_onnx_domain_op_error(exc: Exception) -> bool:
+    return any(f"No Op registered for {op} with domain_version" in str(exc) for op in ORT_ONNX_DOMAIN_OPS)
+
+
+def _without_ort_onnx_domain_ops(serialized: bytes) -> bytes | None:
+    """The model with those nodes moved to onnxruntime's own domain (whose ops the checker does not
+    look up), or None when there is none. Only on the failure path: a parse and a serialization."""
+    model = onnx.ModelProto()
+    model.ParseFromString(serialized)
+    moved = False
+    graphs = [model.graph, *model.functions]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS:
+                node.domain = _ORT_EXTENSION_DOMAIN
+                moved = True
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    if not moved:
+        return None
+    if all(o.domain != _ORT_EXTENSION_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(_ORT_EXTENSION_DOMAIN, 1))
+    return model.SerializeToString()
 
 
 def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:

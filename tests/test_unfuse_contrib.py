@@ -1,0 +1,494 @@
+"""onnxruntime's com.microsoft fusions -> the standard ops, against onnxruntime's own CPU kernels.
+
+The original op and its rewrite run in the same onnxruntime on inputs with zeros, -0, subnormals,
+±1e30, ±inf and NaN. Exact rules are asserted bit for bit; bounded ones within the bound their
+builder states, with a broken rewrite shown to exceed it. The real model is made by onnxruntime's
+own optimizer (ORT_ENABLE_EXTENDED) from a small transformer block and CNN built here.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.verify import verify
+
+RNG = np.random.default_rng(3)
+SHAPE = (4, 7, 64)
+
+
+def edge_input(shape=SHAPE, scale: float = 3.0) -> np.ndarray:
+    x = (RNG.standard_normal(shape) * scale).astype(np.float32)
+    x.flat[:12] = [0.0, -0.0, 1e-40, -1e-40, 1e30, -1e30, np.inf, -np.inf, np.nan, 5.5, -5.5, 10.0]
+    return x
+
+
+def one_node(op, inputs, attrs=None, inits=(), opset=17, domain="com.microsoft", outputs=("y",)):
+    node = helper.make_node(
+        op, [name for name, _ in inputs], list(outputs), name="fused", domain=domain, **(attrs or {})
+    )
+    feeds = [(n, s) for n, s in inputs if n and n not in {t.name for t in inits}]
+    rank = len(inputs[0][1])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in feeds],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, [f"d{i}" for i in range(rank)]) for o in outputs if o],
+        list(inits),
+    )
+    return helper.make_model(
+        graph, ir_version=9, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def const(name, value):
+    return numpy_helper.from_array(np.asarray(value, np.float32), name)
+
+
+def rewrite_and_run(original, feeds, **kw):
+    result = onnx_qrewrite.rewrite(original, **kw)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    return result, run(original, feeds), run(result.model, feeds)
+
+
+BIAS = RNG.standard_normal(64).astype(np.float32)
+EXACT_CASES = {
+    "unfuse-gelu": (lambda: one_node("Gelu", [("x", SHAPE)]), ["Mul", "Erf", "Mul", "Add", "Mul"]),
+    "unfuse-bias-gelu": (
+        lambda: one_node("BiasGelu", [("x", SHAPE), ("b", (64,))], inits=[const("b", BIAS)]),
+        ["Add", "Mul", "Erf", "Mul", "Add", "Mul"],
+    ),
+    "unfuse-quick-gelu": (
+        lambda: one_node("QuickGelu", [("x", SHAPE)], {"alpha": 1.702}),
+        ["Mul", "Sigmoid", "Mul"],
+    ),
+    "unfuse-fast-gelu": (lambda: one_node("FastGelu", [("x", SHAPE)], opset=20), ["Gelu"]),
+    "unfuse-simplified-layer-norm": (
+        lambda: one_node(
+            "SimplifiedLayerNormalization",
+            [("x", SHAPE), ("g", (64,))],
+            {"epsilon": 1e-6, "axis": -1},
+            [const("g", BIAS)],
+            opset=23,
+            domain="",
+        ),
+        ["RMSNormalization"],
+    ),
+}
+
+
+@rule_marker("unfuse-gelu", "positive")
+@rule_marker("unfuse-bias-gelu", "positive")
+@rule_marker("unfuse-quick-gelu", "positive")
+@rule_marker("unfuse-fast-gelu", "positive")
+@rule_marker("unfuse-simplified-layer-norm", "positive")
+@pytest.mark.parametrize("rule", list(EXACT_CASES))
+def test_elementwise_fusions_are_bit_exact(rule):
+    make, ops = EXACT_CASES[rule]
+    x = edge_input()
+    if rule == "unfuse-simplified-layer-norm":
+        x = edge_input(scale=3.0)
+        x[0] = np.abs(x[0]) + 1000.0  # a large mean
+        x[1:2, :, :] = RNG.standard_normal((1, 7, 64)).astype(np.float32) * 1e-20
+    result, want, got = rewrite_and_run(make(), {"x": x})
+    assert result.report.by_rule() == {rule: 1}
+    assert op_types(result.model) == ops
+    assert_bitwise_equal(got["y"], want["y"], rule)
+
+
+def test_fast_gelu_with_bias_is_add_then_gelu():
+    original = one_node("FastGelu", [("x", SHAPE), ("b", (64,))], inits=[const("b", BIAS)], opset=20)
+    result, want, got = rewrite_and_run(original, {"x": edge_input()})
+    assert op_types(result.model) == ["Add", "Gelu"]
+    assert_bitwise_equal(got["y"], want["y"], "FastGelu with bias")
+
+
+@rule_marker("unfuse-fast-gelu-decomposed", "positive")
+@rule_marker("unfuse-fast-gelu", "negative")
+def test_fast_gelu_below_opset_20_is_bounded():
+    original = one_node("FastGelu", [("x", SHAPE)], opset=17)
+    x = edge_input()
+    result, want, got = rewrite_and_run(original, {"x": x}, keep_opset=True)
+    assert result.report.by_rule() == {"unfuse-fast-gelu-decomposed": 1}
+    assert [r.exactness for r in result.report.rewrites] == ["bounded"]
+    finite = np.isfinite(x)
+    diff = np.abs(got["y"][finite].astype(np.float64) - want["y"][finite])
+    bound = 2.0**-21 * (np.abs(x[finite].astype(np.float64)) + 1)
+    assert np.all(diff <= bound) and diff.max() > 0  # not exact, within the stated bound
+    # Without --keep-opset the model is raised to 20 and the exact rule applies.
+    assert onnx_qrewrite.rewrite(original).report.by_rule() == {"unfuse-fast-gelu": 1}
+
+
+@rule_marker("unfuse-gelu", "negative")
+@rule_marker("unfuse-bias-gelu", "negative")
+@rule_marker("unfuse-quick-gelu", "negative")
+@rule_marker("unfuse-fast-gelu-decomposed", "negative")
+@pytest.mark.parametrize("op", ["Gelu", "FastGelu"])
+def test_float16_and_malformed_activations_are_not_lowered(op):
+    node = helper.make_node(op, ["x"], ["y"], name="fused", domain="com.microsoft")
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [3])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    with pytest.raises(onnx_qrewrite.LoweringError, match="'x' is float16; only float32 was measured") as exc:
+        onnx_qrewrite.rewrite(model, keep_opset=True)
+    if op == "FastGelu":
+        assert "unfuse-fast-gelu-decomposed: 'x' is float16" in str(exc.value)
+    for op in ("BiasGelu", "QuickGelu"):
+        bad = one_node(op, [("x", SHAPE)] + ([] if op == "BiasGelu" else [("x2", SHAPE)]))
+        with pytest.raises(onnx_qrewrite.LoweringError, match="malformed node"):
+            onnx_qrewrite.rewrite(bad)
+
+
+ACTIVATIONS = [
+    ("Relu", {}, {}),
+    ("LeakyRelu", {"alpha": 0.1}, {"activation_alpha": 0.1}),
+    ("Sigmoid", {}, {}),
+    ("Tanh", {}, {}),
+    ("HardSigmoid", {"alpha": 0.2, "beta": 0.5}, {"activation_alpha": 0.2, "activation_beta": 0.5}),
+]
+
+
+@rule_marker("unfuse-fused-gemm", "positive")
+@pytest.mark.parametrize("activation, attrs, fused_attrs", ACTIVATIONS, ids=[a for a, _, _ in ACTIVATIONS])
+@pytest.mark.parametrize("trans", [(0, 0), (1, 1)])
+def test_fused_gemm_is_gemm_and_the_activation(activation, attrs, fused_attrs, trans):
+    a = edge_input((300, 8) if trans[0] else (8, 300), scale=0.2)
+    b = RNG.standard_normal((24, 300) if trans[1] else (300, 24)).astype(np.float32)
+    original = one_node(
+        "FusedGemm",
+        [("a", a.shape), ("b", b.shape), ("c", (24,))],
+        {"alpha": 0.7, "beta": 1.5, "transA": trans[0], "transB": trans[1], "activation": activation, **fused_attrs},
+        [const("b", b), const("c", BIAS[:24])],
+    )
+    result, want, got = rewrite_and_run(original, {"a": a})
+    assert op_types(result.model) == ["Gemm", activation]
+    assert_bitwise_equal(got["y"], want["y"], f"FusedGemm {activation}")
+
+
+CONV_ACTIVATIONS = [
+    ("Relu", []),
+    ("LeakyRelu", [0.1]),
+    ("Sigmoid", []),
+    ("Tanh", []),
+    ("Clip", [0.0, 6.0]),
+    ("HardSigmoid", [0.2, 0.5]),
+]
+
+
+@rule_marker("unfuse-fused-conv", "positive")
+@pytest.mark.parametrize("activation, params", CONV_ACTIVATIONS, ids=[a for a, _ in CONV_ACTIVATIONS])
+@pytest.mark.parametrize("with_sum", [False, True])
+def test_fused_conv_is_conv_and_the_activation(activation, params, with_sum):
+    x = edge_input((2, 8, 10, 10), scale=1.0)
+    w = RNG.standard_normal((16, 4, 3, 3)).astype(np.float32)
+    inputs = [("x", x.shape), ("w", w.shape), ("b", (16,))] + ([("z", (2, 16, 5, 5))] if with_sum else [])
+    attrs = {"activation": activation, "group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    if params:
+        attrs["activation_params"] = params
+    original = one_node("FusedConv", inputs, attrs, [const("w", w), const("b", BIAS[:16])])
+    feeds = {"x": x} | ({"z": edge_input((2, 16, 5, 5))} if with_sum else {})
+    result, want, got = rewrite_and_run(original, feeds)
+    expected = ["Conv", "Add", "Reshape", "Add", activation] if with_sum else ["Conv", activation]
+    assert op_types(result.model) == expected
+    assert_bitwise_equal(got["y"], want["y"], f"FusedConv {activation}, sum input {with_sum}")
+
+
+@rule_marker("unfuse-fused-gemm", "negative")
+@rule_marker("unfuse-fused-conv", "negative")
+def test_unknown_activations_are_not_lowered():
+    original = one_node("FusedGemm", [("a", (2, 3)), ("b", (3, 4))], {"activation": "Elu"})
+    with pytest.raises(onnx_qrewrite.LoweringError, match="activation 'Elu' is not one of"):
+        onnx_qrewrite.rewrite(original)
+    original = one_node("FusedConv", [("x", (1, 1, 3, 3)), ("w", (1, 1, 1, 1))], {"activation": "Softplus"})
+    with pytest.raises(onnx_qrewrite.LoweringError, match="activation 'Softplus'"):
+        onnx_qrewrite.rewrite(original)
+
+
+def _fused_matmul(k, alpha, trans_a, trans_b):
+    sa = (2, 3, k, 12) if trans_a else (2, 3, 12, k)
+    sb = (2, 3, 20, k) if trans_b else (2, 3, k, 20)
+    original = one_node("FusedMatMul", [("a", sa), ("b", sb)], {"alpha": alpha, "transA": trans_a, "transB": trans_b})
+    a, b = (RNG.standard_normal(s).astype(np.float32) for s in (sa, sb))
+    return original, {"a": a, "b": b}
+
+
+@rule_marker("unfuse-fused-matmul", "positive")
+@rule_marker("unfuse-fused-matmul-scaled", "negative")
+@pytest.mark.parametrize("k", [16, 300, 2000])
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_fused_matmul_with_alpha_1_is_exact(k, trans_b):
+    original, feeds = _fused_matmul(k, 1.0, 0, trans_b)
+    result, want, got = rewrite_and_run(original, feeds)
+    assert result.report.by_rule() == {"unfuse-fused-matmul": 1}
+    assert op_types(result.model) == (["Transpose", "MatMul"] if trans_b else ["MatMul"])
+    assert_bitwise_equal(got["y"], want["y"], f"K={k}, transB={trans_b}")
+
+
+@rule_marker("unfuse-fused-matmul-scaled", "positive")
+@rule_marker("unfuse-fused-matmul", "negative")
+@pytest.mark.parametrize("k", [16, 300, 1000])
+@pytest.mark.parametrize("alpha, trans_a, trans_b", [(0.125, 0, 1), (0.3, 1, 0), (1.0, 1, 1)])
+def test_fused_matmul_with_alpha_or_trans_a_is_bounded(k, alpha, trans_a, trans_b):
+    original, feeds = _fused_matmul(k, alpha, trans_a, trans_b)
+    result, want, got = rewrite_and_run(original, feeds)
+    assert result.report.by_rule() == {"unfuse-fused-matmul-scaled": 1}
+    assert [r.exactness for r in result.report.rewrites] == ["bounded"]
+    a = np.swapaxes(feeds["a"], -1, -2) if trans_a else feeds["a"]
+    b = np.swapaxes(feeds["b"], -1, -2) if trans_b else feeds["b"]
+    u = 2.0**-24
+    gamma = k * u / (1 - k * u)
+    exact = alpha * (a.astype(np.float64) @ b.astype(np.float64))
+    bound = 2 * gamma * abs(alpha) * (np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))) + 2 * u * np.abs(
+        exact
+    )
+    assert np.all(np.abs(got["y"] - want["y"].astype(np.float64)) <= bound)
+
+
+LN_H = 64
+
+
+def _skip_ln(op, bias: bool, beta: bool, sum_output: bool, opset=17):
+    inputs = [("x", SHAPE), ("s", SHAPE), ("g", (LN_H,))]
+    inits = [const("g", RNG.standard_normal(LN_H) + 1)]
+    if op == "SkipLayerNormalization":
+        inputs.append(("beta", (LN_H,)) if beta else ("", None))
+        if beta:
+            inits.append(const("beta", RNG.standard_normal(LN_H)))
+    if bias:
+        inputs.append(("bias", (LN_H,)))
+        inits.append(const("bias", RNG.standard_normal(LN_H)))
+    outputs = ["y", "", "", "sum"] if sum_output else ["y"]
+    return one_node(op, inputs, {"epsilon": 1e-5}, inits, opset=opset, outputs=outputs)
+
+
+def _assert_normalization_bound(got, want, what):
+    # The bound the builder states: a few ulp of the output (the kernel sums mean and mean square
+    # sequentially in float32, the standard op in another order).
+    diff = np.abs(got.astype(np.float64) - want)
+    bound = 16 * 2.0**-24 * (np.abs(want.astype(np.float64)) + 1)
+    assert np.all(diff <= bound), f"{what}: {np.max(diff - bound):g} beyond"
+
+
+@rule_marker("unfuse-skip-layer-norm", "positive")
+@pytest.mark.parametrize("bias, beta, sum_output", [(True, True, True), (False, True, False), (True, False, True)])
+def test_skip_layer_norm_is_add_and_layer_normalization(bias, beta, sum_output):
+    original = _skip_ln("SkipLayerNormalization", bias, beta, sum_output)
+    x, s = (RNG.standard_normal(SHAPE).astype(np.float32) * 3 for _ in range(2))
+    result, want, got = rewrite_and_run(original, {"x": x, "s": s})
+    assert op_types(result.model) == ["Add"] * (1 + bias) + ["LayerNormalization"]
+    assert [r.exactness for r in result.report.rewrites] == ["bounded"]
+    if sum_output:
+        assert_bitwise_equal(got["sum"], want["sum"], "input + skip + bias")
+    _assert_normalization_bound(got["y"], want["y"], "SkipLayerNormalization")
+
+
+@rule_marker("unfuse-skip-simplified-layer-norm", "positive")
+@pytest.mark.parametrize("opset", [17, 23])
+def test_skip_simplified_layer_norm(opset):
+    original = _skip_ln("SkipSimplifiedLayerNormalization", True, False, True, opset=opset)
+    x, s = (RNG.standard_normal(SHAPE).astype(np.float32) * 3 for _ in range(2))
+    result, want, got = rewrite_and_run(original, {"x": x, "s": s}, keep_opset=True)
+    ops = op_types(result.model)
+    assert ops[:2] == ["Add", "Add"] and (ops[2:] == ["RMSNormalization"] if opset == 23 else "ReduceMean" in ops)
+    assert_bitwise_equal(got["sum"], want["sum"], "input + skip + bias")
+    _assert_normalization_bound(got["y"], want["y"], f"SkipSimplifiedLayerNormalization, opset {opset}")
+
+
+@rule_marker("unfuse-simplified-layer-norm-decomposed", "positive")
+@rule_marker("unfuse-simplified-layer-norm", "negative")
+def test_simplified_layer_norm_below_opset_23_is_bounded():
+    make, _ = EXACT_CASES["unfuse-simplified-layer-norm"]
+    original = make()
+    original.opset_import[0].version = 17
+    x = RNG.standard_normal(SHAPE).astype(np.float32) * 3
+    result, want, got = rewrite_and_run(original, {"x": x}, keep_opset=True)
+    assert result.report.by_rule() == {"unfuse-simplified-layer-norm-decomposed": 1}
+    _assert_normalization_bound(got["y"], want["y"], "SimplifiedLayerNormalization, opset 17")
+
+
+@rule_marker("unfuse-skip-layer-norm", "negative")
+@rule_marker("unfuse-skip-simplified-layer-norm", "negative")
+@rule_marker("unfuse-simplified-layer-norm-decomposed", "negative")
+def test_normalizations_with_statistics_outputs_are_not_lowered():
+    original = one_node(
+        "SkipLayerNormalization",
+        [("x", SHAPE), ("s", SHAPE), ("g", (LN_H,))],
+        {"epsilon": 1e-5},
+        [const("g", np.ones(LN_H))],
+        outputs=["y", "mean"],
+    )
+    with pytest.raises(onnx_qrewrite.LoweringError, match="mean / inv_std_var outputs are used"):
+        onnx_qrewrite.rewrite(original)
+    original = one_node(
+        "SkipSimplifiedLayerNormalization",
+        [("x", SHAPE), ("s", SHAPE), ("g", (LN_H,))],
+        {"epsilon": 1e-5},
+        [const("g", np.ones(LN_H))],
+        outputs=["y", "", "istd"],
+    )
+    with pytest.raises(onnx_qrewrite.LoweringError, match="mean / inv_std_var outputs are used"):
+        onnx_qrewrite.rewrite(original)
+    original = one_node(
+        "SimplifiedLayerNormalization",
+        [("x", SHAPE), ("g", (LN_H,))],
+        {"axis": 1},
+        [const("g", np.ones(LN_H))],
+        domain="",
+    )
+    with pytest.raises(onnx_qrewrite.LoweringError, match="axis 1 is not the last axis"):
+        onnx_qrewrite.rewrite(original)
+
+
+def test_a_broken_skip_layer_norm_rewrite_is_caught_at_its_node():
+    original = _skip_ln("SkipLayerNormalization", True, True, False)
+    rewritten = onnx_qrewrite.rewrite(original).model
+    broken = copy.deepcopy(rewritten)
+    ln = next(n for n in broken.graph.node if n.op_type == "LayerNormalization")
+    next(a for a in ln.attribute if a.name == "epsilon").f = 1e-3  # a wrong epsilon
+    feeds = {"x": RNG.standard_normal(SHAPE).astype(np.float32), "s": RNG.standard_normal(SHAPE).astype(np.float32)}
+    assert verify(original, rewritten, inputs=feeds).passed
+    report = verify(original, broken, inputs=feeds)
+    assert not report.passed
+    assert (report.localization.origin, report.localization.rule) == ("fused", "unfuse-skip-layer-norm")
+
+
+# --- a real model: onnxruntime's optimizer fuses a small transformer block and a CNN -------------
+
+
+def _tiny_transformer() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    hidden, ffn = 32, 64
+    inits: dict[str, onnx.TensorProto] = {}
+    nodes: list[onnx.NodeProto] = []
+
+    def c(name, value):
+        inits[name] = numpy_helper.from_array(np.asarray(value, np.float32), name)
+        return name
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * 0.2
+
+    def n(op, inputs, output, **attrs):
+        nodes.append(helper.make_node(op, inputs, [output], **attrs))
+        return output
+
+    q = n("MatMul", ["x", c("Wq", w(hidden, hidden))], "q")
+    k = n("MatMul", ["x", c("Wk", w(hidden, hidden))], "k")
+    v = n("MatMul", ["x", c("Wv", w(hidden, hidden))], "v")
+    scores = n("Mul", [n("MatMul", [q, n("Transpose", [k], "kt", perm=[0, 2, 1])], "s"), c("scale", 0.125)], "s2")
+    attn = n("MatMul", [n("Softmax", [scores], "p", axis=-1), v], "a")
+    o = n("Add", [n("MatMul", [attn, c("Wo", w(hidden, hidden))], "o0"), c("bo", w(hidden))], "o")
+    r = n("Add", [o, "x"], "r")  # residual + LayerNorm as PyTorch exports it
+    mu = n("ReduceMean", [r], "mu", axes=[-1])
+    d = n("Sub", [r, mu], "d")
+    var = n("ReduceMean", [n("Pow", [d, c("two", 2.0)], "d2")], "var", axes=[-1])
+    nz = n("Div", [d, n("Sqrt", [n("Add", [var, c("eps", 1e-5)], "ve")], "sd")], "nz")
+    ln = n("Add", [n("Mul", [nz, c("g1", w(hidden) + 1)], "ln0"), c("b1", w(hidden))], "ln")
+    h1 = n("Add", [n("MatMul", [ln, c("W1", w(hidden, ffn))], "h0"), c("bh", w(ffn))], "h1")
+    e = n("Erf", [n("Div", [h1, c("sqrt2", math.sqrt(2.0))], "hd")], "e")
+    g = n("Mul", [n("Mul", [h1, n("Add", [e, c("one", 1.0)], "e1")], "gm"), c("half", 0.5)], "g")
+    h2 = n("Add", [n("MatMul", [g, c("W2", w(ffn, hidden))], "h20"), c("bh2", w(hidden))], "h2")
+    qg = n("Mul", [h2, n("Sigmoid", [n("Mul", [h2, c("qa", 1.702)], "qm")], "qs")], "qg")
+    r2 = n("Add", [qg, ln], "r2")
+    ms = n("ReduceMean", [n("Pow", [r2, c("two2", 2.0)], "sq")], "ms", axes=[-1])
+    rms = n(
+        "Mul",
+        [n("Div", [r2, n("Sqrt", [n("Add", [ms, c("eps2", 1e-6)], "mse")], "rs")], "rd"), c("g2", w(hidden) + 1)],
+        "rms",
+    )
+    inits["shape"] = numpy_helper.from_array(np.array([-1, hidden], np.int64), "shape")
+    flat = n("Reshape", [rms, "shape"], "flat")
+    n("Relu", [n("Gemm", [flat, c("Wg", w(hidden, 10)), c("bg", w(10))], "gemm")], "y")
+    graph = helper.make_graph(
+        nodes,
+        "tiny_transformer",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 10])],
+        list(inits.values()),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _tiny_cnn() -> onnx.ModelProto:
+    rng = np.random.default_rng(1)
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1")
+    b1 = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b1")
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny_cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])],
+        [w1, b1],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _ort_optimized(model: onnx.ModelProto, tmp_path, name: str) -> onnx.ModelProto:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+    ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return onnx.load(so.optimized_model_filepath)
+
+
+@pytest.mark.parametrize("make", [_tiny_transformer, _tiny_cnn], ids=["transformer", "cnn"])
+def test_a_model_fused_by_onnxruntimes_optimizer_runs_on_standard_ops(make, tmp_path):
+    original = make()
+    fused = _ort_optimized(original, tmp_path, make.__name__)
+    contrib = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft" or n.op_type.startswith("Simplified")}
+    expected = (
+        {"FusedMatMul", "SkipLayerNormalization", "Gelu", "QuickGelu", "SimplifiedLayerNormalization", "FusedGemm"}
+        if make is _tiny_transformer
+        else {"FusedConv"}
+    )
+    assert contrib == expected
+    if make is _tiny_transformer:  # FusedMatMul's transposes need ranks, which the optimizer does not record
+        with pytest.raises(onnx_qrewrite.LoweringError, match="run onnx shape inference on the model first"):
+            onnx_qrewrite.rewrite(fused)
+        fused = onnx.shape_inference.infer_shapes(fused)
+    result = onnx_qrewrite.rewrite(fused)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert not {n.op_type for n in result.model.graph.node} & (contrib - {"Gelu"})
+    # onnxruntime's optimizer imports a dozen domains it never uses; the rewrite drops the one it emptied.
+    assert "com.microsoft" not in {o.domain for o in result.model.opset_import}
+    report = verify(fused, result.model)
+    assert report.passed, report.to_table()
+    # And against the unfused model it came from, in onnxruntime without optimisation.
+    x = np.random.default_rng(2).standard_normal(
+        [d.dim_value for d in original.graph.input[0].type.tensor_type.shape.dim]
+    )
+    feeds = {"x": x.astype(np.float32)}
+    np.testing.assert_allclose(run(result.model, feeds)["y"], run(original, feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_input_check_accepts_onnxruntimes_onnx_domain_op_and_nothing_else(tmp_path):
+    # onnx's checker has no schema for onnxruntime's SimplifiedLayerNormalization (ONNX domain):
+    # the model is valid for onnxruntime, and is read, from memory and from a file.
+    make, _ = EXACT_CASES["unfuse-simplified-layer-norm"]
+    model = make()
+    path = tmp_path / "rms.onnx"
+    onnx.save(model, path)
+    for source in (model, path):
+        assert onnx_qrewrite.rewrite(source).report.by_rule() == {"unfuse-simplified-layer-norm": 1}
+    # Any other unknown ONNX-domain op is still an invalid model.
+    model.graph.node[0].op_type = "SimplifiedLayerNormalizationX"
+    with pytest.raises(onnx_qrewrite.InvalidModelError, match="No Op registered for SimplifiedLayerNormalizationX"):
+        onnx_qrewrite.rewrite(model)
