@@ -15,7 +15,7 @@ from onnx_qrewrite.catalogue import Catalogue, load_rules
 from onnx_qrewrite.encoded import EncodedModel, to_proto
 from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
 from onnx_qrewrite.external_data import ExternalData
-from onnx_qrewrite.progress import ProgressSink
+from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.report import RewriteReport
 
 if TYPE_CHECKING:
@@ -94,14 +94,15 @@ class RewriteResult:
             import onnx_ir as ir
 
             target = ir.serde.serialize_model(self._model)
-        return model_io.save_model(
-            target,
-            out,
-            external=self.external,
-            reference_external_data=reference_external_data,
-            progress=progress,
-            reads=self.reads,
-        )
+        with stage(progress, "writing model"):
+            return model_io.save_model(
+                target,
+                out,
+                external=self.external,
+                reference_external_data=reference_external_data,
+                progress=progress,
+                reads=self.reads,
+            )
 
 
 def _ir_graphs(graph: Any) -> Iterator[Any]:
@@ -284,7 +285,8 @@ def rewrite(
     from onnx_qrewrite.provenance import check_mode
 
     check_mode(provenance)
-    proto, kind, external, source_path, reads = _to_proto(model, base_dir)
+    with stage(progress, "loading model"):
+        proto, kind, external, source_path, reads = _to_proto(model, base_dir)
     levels = {"allow": frozenset(allow)} if allow is not None else {}
     try:
         opts = engine.EngineOptions(
@@ -306,7 +308,10 @@ def rewrite(
         if check is None:
             check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
         if check and report.changed:
-            model_io.check_model(rewritten, what="the rewritten model (a bug, please report it)", error=InternalError)
+            with stage(progress, "checking the result"):
+                model_io.check_model(
+                    rewritten, what="the rewritten model (a bug, please report it)", error=InternalError
+                )
     except BaseException:
         if external is not None:
             external.close()

@@ -31,7 +31,7 @@ from onnx_qrewrite.encoded import EncodedModel
 from onnx_qrewrite.errors import LoweringError, UsageError
 from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
-from onnx_qrewrite.progress import ProgressSink
+from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
 
 __all__ = ["EngineOptions", "run"]
@@ -231,9 +231,10 @@ def _apply(
             )
         built[s] = replacements
     delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
-    if dropped - still_read:
-        _remove_unread_initializers(scopes, built, dropped - still_read, report)
-    return delta, _splice(model, scopes, built, pools)
+    with stage(progress, "assembling the graph"):
+        if dropped - still_read:
+            _remove_unread_initializers(scopes, built, dropped - still_read, report)
+        return delta, _splice(model, scopes, built, pools)
 
 
 def _remove_unread_initializers(
@@ -336,7 +337,8 @@ def _run(
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
-    scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+    with stage(progress, "matching rules"):
+        scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
     if not report.ops_before:
         report.ops_before = collections.Counter(counts)
     needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
@@ -345,7 +347,8 @@ def _run(
         model = opset_mod.raise_default_opset(
             model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
         )
-        scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+        with stage(progress, "matching rules"):
+            scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
     if unlowered and not options.allow_unlowered:
         first = unlowered[0]
         more = f" (and {len(unlowered) - 1} more node(s))" if len(unlowered) > 1 else ""
