@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 
 import click
 
@@ -97,10 +96,12 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
     """Rewrite quantized ONNX models into portable standard ONNX, and prove it.
 
     Exit codes: 0 ok, 1 verification disagreed, 2 usage error, 3 invalid input model,
-    4 a rule could not be applied, 5 internal error.
+    4 a rule could not be applied, 5 internal error, 6 verify compared nothing.
+    -v and -q are also accepted after the subcommand.
     """
-    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
-    logging.basicConfig(level=level, format="onnx-qrewrite: %(levelname)s: %(message)s", stream=sys.stderr)
+    from onnx_qrewrite.commands.options import configure_logging
+
+    configure_logging(verbose, quiet)
     ctx.obj = {"quiet": quiet, "verbose": verbose}
 
 

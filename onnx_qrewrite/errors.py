@@ -12,18 +12,30 @@ code  meaning
 3     invalid input model (missing, empty, corrupt, fails the checker)
 4     a rule matched a node but could not be applied
 5     internal error (a bug in onnx-qrewrite)
+6     ``verify`` ran but compared nothing (zero-size outputs, no outputs, or the
+      same file given as both models): nothing was proven
 ====  ==========================================================
+
+Exit 6 follows pytest's "no tests were collected" (its exit 5, which is taken here): a run that
+checked nothing must not look like a pass, and must not look like a disagreement or an error
+either. When several models are processed the command exits with the *worst* code, by the
+severity order of :data:`SEVERITY` (an empty verification is worse than success, better than
+everything else), not the largest number.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "EXIT_CANNOT_LOWER",
     "EXIT_DISAGREE",
+    "EXIT_INCONCLUSIVE",
     "EXIT_INTERNAL",
     "EXIT_INVALID_MODEL",
     "EXIT_OK",
     "EXIT_USAGE",
+    "SEVERITY",
     "InternalError",
     "InvalidModelError",
     "LoweringError",
@@ -31,6 +43,7 @@ __all__ = [
     "QRewriteError",
     "UsageError",
     "first_line",
+    "worst_exit_code",
 ]
 
 EXIT_OK = 0
@@ -39,6 +52,16 @@ EXIT_USAGE = 2
 EXIT_INVALID_MODEL = 3
 EXIT_CANNOT_LOWER = 4
 EXIT_INTERNAL = 5
+EXIT_INCONCLUSIVE = 6
+
+#: Exit codes from least to most severe: the order in which "the worst result" is chosen.
+SEVERITY = (EXIT_OK, EXIT_INCONCLUSIVE, EXIT_DISAGREE, EXIT_USAGE, EXIT_INVALID_MODEL, EXIT_CANNOT_LOWER, EXIT_INTERNAL)
+
+
+def worst_exit_code(codes: Iterable[int]) -> int:
+    """The most severe of ``codes`` (0 for none); unknown codes rank as internal errors."""
+    rank = {code: i for i, code in enumerate(SEVERITY)}
+    return max(codes, key=lambda c: rank.get(c, len(SEVERITY)), default=EXIT_OK)
 
 
 class QRewriteError(Exception):

@@ -120,7 +120,7 @@ def test_option_parsers():
         parse_int_range("1")
     with pytest.raises(UsageError, match=r"^--int-range: the low end 9 is above the high end 1"):
         GenerationOptions(int_range=(9, 1))
-    with pytest.raises(UsageError, match=r"^--int-range: 300,400 holds no uint8 value"):
+    with pytest.raises(UsageError, match=r"^--int-range: \[300, 400\] holds no uint8 value \(input 'u'\)"):
         generate_samples(input_specs(_model(("u", TensorProto.UINT8, [2]))), GenerationOptions(int_range=(300, 400)))
 
 

@@ -17,7 +17,12 @@ from typing import Any
 import click
 import onnx
 
-from onnx_qrewrite.commands.options import float16_semantics_option, load_selected_rules, rule_selection
+from onnx_qrewrite.commands.options import (
+    float16_semantics_option,
+    global_options,
+    load_selected_rules,
+    rule_selection,
+)
 from onnx_qrewrite.errors import LoweringError, UsageError
 
 __all__ = ["InspectReport", "QuantNode", "inspect_command", "inspect_model"]
@@ -242,6 +247,7 @@ def _sources(profile: Any) -> dict[str, str]:
 
 
 @click.command("inspect")
+@global_options
 @click.argument("model", type=click.Path(dir_okay=False))
 @rule_selection
 @float16_semantics_option

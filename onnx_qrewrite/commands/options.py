@@ -1,7 +1,9 @@
-"""Option groups shared by subcommands (the rule selection of ``rewrite`` and ``inspect``)."""
+"""Option groups shared by subcommands (the rule selection of ``rewrite`` and ``inspect``, the
+global ``-v``/``-q`` every subcommand also accepts after its name)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -16,6 +18,86 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+def configure_logging(verbose: int, quiet: bool) -> None:
+    """Log level from ``-v`` (repeatable) and ``-q``: errors only, warnings (default), info, debug."""
+    level = logging.ERROR if quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)]
+    logging.basicConfig(level=level, format="onnx-qrewrite: %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(level)
+
+
+def _global_flag(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Fold a subcommand's -v/-q into the settings the group's own -v/-q made (both count)."""
+    if not value:
+        return
+    state = ctx.ensure_object(dict)
+    if param.name == "verbose":
+        state["verbose"] = state.get("verbose", 0) + value
+    else:
+        state["quiet"] = True
+    configure_logging(state.get("verbose", 0), bool(state.get("quiet")))
+
+
+def global_options(func: Callable) -> Callable:
+    """``-v``/``-q`` after the subcommand as well as before it (``onnx-qrewrite verify a b -q``),
+    as Polygraphy accepts them: users put them wherever their other tools do."""
+    func = click.option(
+        "-q", "--quiet", is_flag=True, expose_value=False, callback=_global_flag, help="Same as the global -q."
+    )(func)
+    return click.option(
+        "-v", "--verbose", count=True, expose_value=False, callback=_global_flag, help="Same as the global -v."
+    )(func)
+
+
+class MultiValueOption(click.Option):
+    """A repeatable option that also takes several values after one flag, as Polygraphy's
+    (argparse ``nargs="+"``) options do: ``--atol 1e-5 out0:1e-4`` is ``--atol 1e-5 --atol
+    out0:1e-4``. Only the following words that ``looks_like`` accepts are taken, so the
+    positional arguments after the option stay positional (model paths never look like values)."""
+
+    def __init__(self, *args: Any, looks_like: Callable[[str], bool], **kwargs: Any) -> None:
+        kwargs["multiple"] = True
+        super().__init__(*args, **kwargs)
+        self.looks_like = looks_like
+
+    def add_to_parser(self, parser: Any, ctx: click.Context) -> None:
+        super().add_to_parser(parser, ctx)
+        looks_like = self.looks_like
+        for name in self.opts:
+            # click's parser keeps its options in these dicts (click 8.1 to 8.5); were they ever to
+            # go, the option still works repeated, one value per flag.
+            option = getattr(parser, "_long_opt", {}).get(name) or getattr(parser, "_short_opt", {}).get(name)
+            if option is None:
+                continue
+            process = option.process
+
+            def greedy(value: Any, state: Any, process: Callable[[Any, Any], None] = process) -> None:
+                process(value, state)
+                while state.rargs and looks_like(state.rargs[0]):
+                    process(state.rargs.pop(0), state)
+
+            option.process = greedy
+
+
+def looks_like_number_value(kind: type) -> Callable[[str], bool]:
+    """``[NAME:]NUMBER`` words (``1e-5``, ``out:0:1e-4``), for :class:`MultiValueOption`."""
+
+    def check(text: str) -> bool:
+        if text.startswith("-"):
+            return False
+        try:
+            kind(text.rpartition(":")[2])
+        except ValueError:
+            return False
+        return True
+
+    return check
+
+
+def looks_like_range(text: str) -> bool:
+    """``[LO,HI]`` or ``NAME:[LO,HI]`` words, for :class:`MultiValueOption`."""
+    return text.endswith("]") and "[" in text and not text.startswith("-")
 
 
 def _split_ids(values: tuple[str, ...]) -> list[str]:

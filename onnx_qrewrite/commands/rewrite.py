@@ -14,11 +14,12 @@ from onnx_qrewrite.batch import Outcome, run_tasks
 from onnx_qrewrite.commands.options import (
     check_report_paths,
     float16_semantics_option,
+    global_options,
     load_selected_rules,
     rule_selection,
 )
 from onnx_qrewrite.commands.verify import combined_junit, verify_kwargs, verify_options
-from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.errors import UsageError, worst_exit_code
 from onnx_qrewrite.report import write_report_file
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def _rewrite_one(task: _Task) -> Outcome:
                 for path in (Path(task.output), info.data_path):
                     if path is not None:
                         path.unlink(missing_ok=True)
-                outcome.lines.append(f"  removed {task.output}: verification failed (--keep-failed keeps it)")
+                why = "verification failed" if report.verdict_key == "failed" else "verification proved nothing"
+                outcome.lines.append(f"  removed {task.output}: {why} (--keep-failed keeps it)")
     return outcome
 
 
@@ -129,6 +131,7 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 
 
 @click.command("rewrite")
+@global_options
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "-o",
@@ -232,13 +235,22 @@ def rewrite_command(
     """Rewrite MODELS with the rules and write them to OUTPUT.
 
     Exit code: the worst over all models (0 ok, 1 verification disagreed, 3 invalid model,
-    4 a node could not be lowered, 5 internal error); 2 for usage errors, before any work.
+    4 a node could not be lowered, 5 internal error, 6 --verify compared nothing); 2 for usage
+    errors, before any work.
     """
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
     if (keep_failed or junit_path) and not do_verify:
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
-    check_report_paths(report=report_path, junit=junit_path, save_inputs=verify_opts.get("save_inputs"))
+    check_report_paths(
+        report=report_path,
+        junit=junit_path,
+        save_inputs=verify_opts.get("save_inputs"),
+        save_outputs=verify_opts.get("save_outputs"),
+    )
+    for option in ("save_inputs", "save_outputs"):
+        if verify_opts.get(option) and len(models) > 1:
+            raise UsageError(f"--{option.replace('_', '-')} takes one model; rewrite the others separately")
     outputs = _outputs_for(models, output)
     for model, out in zip(models, outputs, strict=True):
         if Path(out).resolve() == Path(model).resolve():
@@ -252,7 +264,7 @@ def rewrite_command(
         if do_verify:
             verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
-    quiet = bool(ctx.obj.get("quiet"))
+    quiet = bool((ctx.obj or {}).get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
 
     show_progress = TerminalProgress(quiet=quiet).enabled and len(models) == 1
@@ -299,7 +311,7 @@ def rewrite_command(
             [o.error for o in outcomes],
             junit_path,
         )
-    worst = max(o.exit_code for o in outcomes)
+    worst = worst_exit_code(o.exit_code for o in outcomes)
     if worst:
         ctx.exit(worst)
 
@@ -323,6 +335,6 @@ def _run_all(tasks: list[_Task], models: tuple[str, ...], jobs: int, quiet: bool
         failed = [o for o in outcomes if o.exit_code]
         click.echo(
             f"{len(models)} models: {len(models) - len(failed)} ok, {len(failed)} failed"
-            + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else "")
+            + (f" (worst exit code {worst_exit_code(o.exit_code for o in failed)})" if failed else "")
         )
     return outcomes

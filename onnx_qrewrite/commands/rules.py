@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
-from onnx_qrewrite.commands.options import load_selected_rules, rule_selection
+from onnx_qrewrite.commands.options import global_options, load_selected_rules, rule_selection
 
 
 @click.command("rules")
+@global_options
 @rule_selection
 @click.option("--long", "long_", is_flag=True, help="Also show conditions, options and the source file.")
 def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) -> None:

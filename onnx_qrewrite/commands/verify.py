@@ -17,8 +17,14 @@ from typing import Any
 import click
 
 from onnx_qrewrite.batch import Outcome, run_tasks
-from onnx_qrewrite.commands.options import check_report_paths
-from onnx_qrewrite.errors import EXIT_DISAGREE, UsageError
+from onnx_qrewrite.commands.options import (
+    MultiValueOption,
+    check_report_paths,
+    global_options,
+    looks_like_number_value,
+    looks_like_range,
+)
+from onnx_qrewrite.errors import UsageError, worst_exit_code
 from onnx_qrewrite.report import write_report_file
 
 __all__ = ["combined_junit", "emit_report", "verify_command", "verify_kwargs", "verify_options"]
@@ -44,15 +50,26 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             type=int,
             default=2,
             show_default=True,
-            help="Random samples to generate (the quantization battery comes on top).",
+            help="Random samples to generate, at most 100000 (the quantization battery comes on top).",
         ),
-        click.option("--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs."),
+        click.option(
+            "--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs (0 to 2**64-1)."
+        ),
         click.option(
             "--int-range",
-            default="0,9",
-            show_default=True,
+            default=None,
             metavar="LO,HI",
-            help="Range of generated integer inputs (ids), inclusive.",
+            help="Range of every generated integer input, inclusive. Default: Gather indices within the "
+            "table, other integers {0, 1}.",
+        ),
+        click.option(
+            "--val-range",
+            "val_ranges",
+            cls=MultiValueOption,
+            looks_like=looks_like_range,
+            metavar="[NAME:][LO,HI]",
+            help="Range of generated values, as Polygraphy spells it: NAME:[LO,HI] for one input, "
+            "[LO,HI] for every input; several after one flag, or repeated.",
         ),
         click.option(
             "--input-shape",
@@ -69,21 +86,33 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
         ),
         click.option(
             "--atol",
-            multiple=True,
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
             metavar="[NAME:]VALUE",
-            help="Absolute tolerance for float outputs; NAME:VALUE for one output. Default by dtype.",
+            help="Absolute tolerance for float outputs; NAME:VALUE for one output; several after one "
+            "flag (--atol 1e-5 out0:1e-4) or repeated. Default by dtype.",
         ),
         click.option(
             "--rtol",
-            multiple=True,
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
             metavar="[NAME:]VALUE",
-            help="Relative tolerance for float outputs; NAME:VALUE for one output. Default by dtype.",
+            help="Relative tolerance for float outputs, in the same forms as --atol. Default by dtype.",
         ),
         click.option(
             "--lsb",
-            multiple=True,
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(int),
             metavar="[NAME:]N",
             help="Allowed difference in units for integer/quantized outputs (default 0: exact).",
+        ),
+        click.option(
+            "--tolerance-rule",
+            type=click.Choice(["numpy", "polygraphy"]),
+            default="numpy",
+            show_default=True,
+            help="Float elements pass when |diff| <= atol + rtol*|original| (numpy), or when |diff| <= atol "
+            "OR |diff|/|rewritten| <= rtol (polygraphy: its default elemwise check).",
         ),
         click.option(
             "--ort-opt-level",
@@ -97,7 +126,7 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             type=int,
             default=1,
             show_default=True,
-            help="onnxruntime intra-op threads for both models (0: onnxruntime's default).",
+            help="onnxruntime intra-op threads for both models (0: onnxruntime's default; capped at the CPUs).",
         ),
         click.option(
             "--custom-op-library",
@@ -110,6 +139,12 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             type=click.Path(dir_okay=False),
             default=None,
             help="Write the inputs used to this .npz file.",
+        ),
+        click.option(
+            "--save-outputs",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Write the inputs and the original's outputs to this .npz file (for --load-outputs).",
         ),
         click.option(
             "--runtime",
@@ -166,37 +201,53 @@ def verify_kwargs(
     inputs_file: str | None,
     samples: int,
     seed: int,
-    int_range: str,
+    int_range: str | None,
+    val_ranges: tuple[str, ...],
     input_shapes: tuple[str, ...],
     battery: bool,
     atol: tuple[str, ...],
     rtol: tuple[str, ...],
     lsb: tuple[str, ...],
+    tolerance_rule: str,
     ort_opt_level: str,
     threads: int,
     custom_op_library: str | None,
     save_inputs: str | None,
+    save_outputs: str | None,
     localize: bool,
     runtime: str = "onnxruntime",
     providers: str | None = None,
 ) -> dict[str, Any]:
-    """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option."""
-    from onnx_qrewrite.verify import Tolerances
-    from onnx_qrewrite.verify.inputs import parse_input_shape, parse_int_range
+    """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option.
+    Everything that can be checked without the models is checked here, before any work."""
+    from onnx_qrewrite.verify import GenerationOptions, SessionSettings, Tolerances
+    from onnx_qrewrite.verify.inputs import parse_input_shape, parse_int_range, parse_val_range
 
     shapes = dict(parse_input_shape(text) for text in input_shapes)
+    ranges = dict(parse_val_range(text) for text in val_ranges)
+    generation = GenerationOptions(
+        samples=samples,
+        seed=seed,
+        int_range=None if int_range is None else parse_int_range(int_range),
+        shapes=shapes,
+        battery=battery,
+        value_ranges=ranges,
+    )
+    session = SessionSettings(opt_level=ort_opt_level, threads=threads)
     return {
         "inputs": inputs_file,
-        "samples": samples,
-        "seed": seed,
-        "int_range": parse_int_range(int_range),
+        "samples": generation.samples,
+        "seed": generation.seed,
+        "int_range": generation.int_range,
+        "value_ranges": ranges,
         "input_shapes": shapes,
         "battery": battery,
-        "tolerances": Tolerances.from_options(atol, rtol, lsb),
+        "tolerances": Tolerances.from_options(atol, rtol, lsb, tolerance_rule),
         "opt_level": ort_opt_level,
-        "threads": threads,
+        "threads": session.threads,
         "custom_op_library": custom_op_library,
         "save_inputs": save_inputs,
+        "save_outputs": save_outputs,
         "localize_failures": localize,
         "runtime": runtime,
         "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
@@ -232,14 +283,14 @@ def combined_junit(
     write_report_file(path, ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n", "--junit")
 
 
-def _verify_one(args: tuple[str, str, dict[str, Any]]) -> Outcome:
+def _verify_one(args: tuple[str | None, str, dict[str, Any]]) -> Outcome:
     from onnx_qrewrite.verify import verify
 
     original, rewritten, kwargs = args
     report = verify(original, rewritten, **kwargs)
     return Outcome(
         0,
-        original,
+        original or rewritten,
         report.exit_code,
         [report.to_table()],
         payload={"report": report.to_dict(), "junit": report.junit_xml()},
@@ -247,12 +298,19 @@ def _verify_one(args: tuple[str, str, dict[str, Any]]) -> Outcome:
 
 
 @click.command("verify")
+@global_options
 @click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--rewritten-dir",
     type=click.Path(file_okay=False),
     default=None,
     help="Verify each ORIGINAL against the model of the same name in this folder.",
+)
+@click.option(
+    "--load-outputs",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Compare one MODEL with the inputs and outputs stored by --save-outputs, instead of an original.",
 )
 @click.option(
     "-j",
@@ -268,6 +326,7 @@ def verify_command(
     ctx: click.Context,
     models: tuple[str, ...],
     rewritten_dir: str | None,
+    load_outputs: str | None,
     jobs: int,
     report_path: str | None,
     junit_path: str | None,
@@ -278,22 +337,38 @@ def verify_command(
     \b
     onnx-qrewrite verify ORIGINAL REWRITTEN
     onnx-qrewrite verify ORIGINAL... --rewritten-dir DIR [--jobs N]
+    onnx-qrewrite verify MODEL --load-outputs FILE   (FILE from --save-outputs)
 
     Vendor ops in ORIGINAL run on numpy reference kernels of their measured semantics (or on
-    --custom-op-library); REWRITTEN runs in stock onnxruntime. Exit 0 when they agree, 1 when they
-    differ (the first differing node is named with its rule), 2+ on errors; with several models,
-    the worst.
+    --custom-op-library); REWRITTEN runs in stock onnxruntime.
+
+    \b
+    Exit codes: 0 they agree; 1 they differ (the first differing node is named with its rule);
+    6 nothing was compared (zero-size or no outputs, the same file twice, every sample
+    excluded); 2 usage, 3 invalid model, 5 internal error. With several models, the worst.
     """
-    if rewritten_dir is None:
+    if load_outputs is not None:
+        if len(models) != 1 or rewritten_dir is not None:
+            raise UsageError("--load-outputs takes one MODEL (compared with the stored outputs)")
+        pairs: list[tuple[str | None, str]] = [(None, models[0])]
+    elif rewritten_dir is None:
         if len(models) != 2:
             raise UsageError("verify takes ORIGINAL REWRITTEN, or ORIGINAL... with --rewritten-dir")
         pairs = [(models[0], models[1])]
     else:
         pairs = [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
-    if options.get("save_inputs") and len(pairs) > 1:
-        raise UsageError("--save-inputs takes one model pair; verify the others separately")
-    check_report_paths(report=report_path, junit=junit_path, save_inputs=options.get("save_inputs"))
+    for option in ("save_inputs", "save_outputs"):
+        if options.get(option) and len(pairs) > 1:
+            raise UsageError(f"--{option.replace('_', '-')} takes one model pair; verify the others separately")
+    check_report_paths(
+        report=report_path,
+        junit=junit_path,
+        save_inputs=options.get("save_inputs"),
+        save_outputs=options.get("save_outputs"),
+    )
     kwargs = verify_kwargs(**options)
+    if load_outputs is not None:
+        kwargs["load_outputs"] = load_outputs
     quiet = bool((ctx.obj or {}).get("quiet"))
     if len(pairs) == 1:
         from onnx_qrewrite.progress import TerminalProgress
@@ -305,11 +380,12 @@ def verify_command(
         finally:
             progress.close()
         emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
-        if not report.passed:
-            ctx.exit(EXIT_DISAGREE)
+        if report.exit_code:
+            ctx.exit(report.exit_code)
         return
     outcomes = []
-    for outcome in run_tasks(_verify_one, [(o, r, kwargs) for o, r in pairs], [o for o, _ in pairs], jobs):
+    labels = [o or r for o, r in pairs]
+    for outcome in run_tasks(_verify_one, [(o, r, kwargs) for o, r in pairs], labels, jobs):
         outcomes.append(outcome)
         if not quiet:
             click.echo("\n".join(outcome.lines))
@@ -327,12 +403,12 @@ def verify_command(
             junit_path,
         )
     failed = [o for o in outcomes if o.exit_code]
+    worst = worst_exit_code(o.exit_code for o in outcomes)
     if not quiet:
         click.echo(
             f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
-            + (f" (worst exit code {max(o.exit_code for o in failed)})" if failed else "")
+            + (f" (worst exit code {worst})" if failed else "")
         )
-    worst = max((o.exit_code for o in outcomes), default=0)
     if worst:
         ctx.exit(worst)
 

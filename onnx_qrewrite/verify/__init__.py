@@ -34,26 +34,33 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError
-from onnx_qrewrite.progress import ProgressSink
+from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.verify._ort import ort
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
+from onnx_qrewrite.verify.hazards import Hazard, find_nan_hazard
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
+    ValueRange,
+    gather_index_limits,
     generate_samples,
     input_specs,
     load_samples,
+    resolve_value_ranges,
     save_samples,
 )
 from onnx_qrewrite.verify.localize import Localization, localize
 from onnx_qrewrite.verify.reference_ops import find_vendor_nodes, iter_all_nodes
 from onnx_qrewrite.verify.report import SCHEMA_PATH, TOOL_NAME, VerifyReport, VerifySettings
 from onnx_qrewrite.verify.session import OPT_LEVELS, ModelRunner, SessionSettings
+from onnx_qrewrite.verify.stored import load_outputs as load_stored_outputs
+from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
 
 __all__ = [
     "OPT_LEVELS",
     "SCHEMA_PATH",
     "GenerationOptions",
+    "Hazard",
     "Localization",
     "Sample",
     "SessionSettings",
@@ -120,45 +127,73 @@ def _check_interfaces(original: ModelRunner, rewritten: Any) -> None:
 
 def _resolve_samples(
     inputs: InputsLike, model: onnx.ModelProto, generation: GenerationOptions
-) -> tuple[list[Sample], GenerationOptions | None, str | None]:
+) -> tuple[list[Sample], GenerationOptions | None, str | None, dict[str, ValueRange]]:
     specs = input_specs(model)
     if inputs is None:
-        return generate_samples(specs, generation), generation, None
+        ranges = resolve_value_ranges(specs, generation, gather_index_limits(model))
+        return generate_samples(specs, generation, ranges), generation, None, ranges
     if isinstance(inputs, (str, os.PathLike)):
-        return load_samples(inputs, specs), None, str(inputs)
+        return load_samples(inputs, specs), None, str(inputs), {}
     if isinstance(inputs, Mapping):
-        return [Sample("inputs", dict(inputs))], None, None
-    return list(inputs), None, None
+        return [Sample("inputs", dict(inputs))], None, None, {}
+    return list(inputs), None, None, {}
 
 
-def _compare_outputs(
-    original: ModelRunner,
+Expected = Callable[[Sample], Mapping[str, np.ndarray]]
+
+
+def _run_samples(
+    expected: Expected,
     rewritten: ModelRunner,
+    names: Sequence[str],
     samples: Sequence[Sample],
     tolerances: Tolerances,
     progress: ProgressSink | None = None,
-) -> list[ValueComparison]:
-    names = list(original.output_types)
+    keep: dict[str, dict[str, np.ndarray]] | None = None,
+) -> dict[str, list[tuple[str, ValueComparison]]]:
+    """Each shared output of each sample compared (output name -> one comparison per sample);
+    ``keep``, when given, receives the expected outputs of each sample (for ``--save-outputs``)."""
     shared = [n for n in names if n in rewritten.output_types]
-    per_output: dict[str, list[ValueComparison]] = {n: [] for n in shared}
+    per_output: dict[str, list[tuple[str, ValueComparison]]] = {n: [] for n in shared}
     for done, sample in enumerate(samples, 1):
-        expected = original.run(sample.feeds)
+        reference = expected(sample)
+        if keep is not None:
+            keep[sample.name] = dict(reference)
         actual = rewritten.run(sample.feeds, shared)
         for name in shared:
-            tol = tolerances.for_value(name, expected[name].dtype)
-            per_output[name].append(compare_values(name, sample.name, expected[name], actual[name], tol))
+            tol = tolerances.for_value(name, reference[name].dtype)
+            comparison = compare_values(name, sample.name, reference[name], actual[name], tol)
+            per_output[name].append((sample.name, comparison))
         if progress is not None:
             progress("verifying samples", done, len(samples))
+    return per_output
+
+
+def _failing_samples(per_output: Mapping[str, Sequence[tuple[str, ValueComparison]]]) -> list[str]:
+    return list(dict.fromkeys(sample for parts in per_output.values() for sample, c in parts if not c.passed))
+
+
+def _merge(
+    per_output: Mapping[str, Sequence[tuple[str, ValueComparison]]],
+    expected_types: Mapping[str, str],
+    rewritten_types: Mapping[str, str],
+    excluded: set[str],
+) -> list[ValueComparison]:
+    """One comparison per output over the samples not excluded, then the interface problems."""
     comparisons = []
-    for name in names:
-        if name in per_output:
-            comparisons.append(merge_comparisons(per_output[name]))
-        else:
-            comparisons.append(
-                _interface_problem(name, original.output_types[name], "missing from the rewritten model")
-            )
-    for name, type_name in rewritten.output_types.items():
-        if name not in original.output_types:
+    for name, type_name in expected_types.items():
+        if name not in per_output:
+            comparisons.append(_interface_problem(name, type_name, "missing from the rewritten model"))
+            continue
+        parts = per_output[name]
+        kept = [c for sample, c in parts if sample not in excluded]
+        if kept:
+            comparisons.append(merge_comparisons(kept))
+        else:  # every sample excluded: nothing of this output was compared
+            first = parts[0][1]
+            comparisons.append(ValueComparison(first.name, first.dtype, first.shape, first.tolerance, first.integer))
+    for name, type_name in rewritten_types.items():
+        if name not in expected_types:
             comparisons.append(_interface_problem(name, type_name, "an output of the rewritten model only"))
     return comparisons
 
@@ -187,14 +222,27 @@ def _open_rewritten(model: onnx.ModelProto, make_runner: Callable[[onnx.ModelPro
         ) from None
 
 
+def _same_file(original: ModelLike, rewritten: ModelLike) -> bool:
+    """Both arguments name one file (or are one object): a comparison that proves nothing."""
+    if original is rewritten:
+        return True
+    if isinstance(original, (str, os.PathLike)) and isinstance(rewritten, (str, os.PathLike)):
+        try:
+            return os.path.samefile(original, rewritten)
+        except OSError:
+            return False
+    return False
+
+
 def verify(
-    original: ModelLike,
+    original: ModelLike | None,
     rewritten: ModelLike,
     *,
     inputs: InputsLike = None,
     samples: int = 2,
     seed: int = 0,
-    int_range: tuple[int, int] = (0, 9),
+    int_range: tuple[int, int] | None = None,
+    value_ranges: Mapping[str, tuple[float, float]] | None = None,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
     battery: bool = True,
     tolerances: Tolerances | None = None,
@@ -203,6 +251,8 @@ def verify(
     custom_op_library: str | os.PathLike[str] | None = None,
     localize_failures: bool = True,
     save_inputs: str | os.PathLike[str] | None = None,
+    save_outputs: str | os.PathLike[str] | None = None,
+    load_outputs: str | os.PathLike[str] | None = None,
     progress: ProgressSink | None = None,
     runtime: str = "onnxruntime",
     providers: Sequence[str] | None = None,
@@ -210,14 +260,19 @@ def verify(
     """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
 
     ``inputs``: an ``.npz`` path, a mapping of input name to array (one sample) or a list of
-    :class:`Sample`; when omitted, ``samples`` random samples (``seed``, integers in ``int_range``,
-    symbolic dimensions from ``input_shapes`` or 1) plus the quantization battery (``battery``).
-    ``tolerances``: see :class:`Tolerances` (default: exact for integers, tight per float dtype).
+    :class:`Sample`; when omitted, ``samples`` random samples (``seed``; value ranges from
+    ``value_ranges`` (input name, or ``""`` for every input, -> (low, high)), integers in
+    ``int_range`` or by the defaults of :mod:`.inputs`; symbolic dimensions from ``input_shapes`` or
+    1) plus the quantization battery (``battery``). ``tolerances``: see :class:`Tolerances`
+    (default: exact for integers, tight per float dtype, the ``numpy`` rule).
     ``custom_op_library``: run the original's vendor ops with the vendor's library instead of the
-    reference kernels. ``progress``: a ``(phase, done, total)`` callable, called after each sample.
+    reference kernels. ``save_outputs``: write the inputs and the original's outputs (see
+    :mod:`.stored`); ``load_outputs``: compare ``rewritten`` with such a file instead of running an
+    original (``original`` must then be None). ``progress``: a ``(phase, done, total)`` callable.
     Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
     that cannot be loaded or run and for bad options; a disagreement is a report with
-    ``passed == False``, never an exception.
+    ``passed == False``, never an exception, and so is a run that compared nothing
+    (``verdict == "inconclusive"``).
 
     ``runtime``: run ``rewritten`` on onnxruntime (default; ``providers`` picks its execution
     providers), ``openvino``, ``tract`` or ``qnn`` (see :mod:`.runtimes`: their settings are in the
@@ -247,12 +302,27 @@ def verify(
     generation = GenerationOptions(
         samples=samples,
         seed=seed,
-        int_range=tuple(int_range),
+        int_range=None if int_range is None else (int(int_range[0]), int(int_range[1])),
         shapes={k: tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()},
         battery=battery,
+        value_ranges={k: (float(lo), float(hi)) for k, (lo, hi) in (value_ranges or {}).items()},
     )
-    original_model, original_label = _load(original, "original")
-    rewritten_model, rewritten_label = _load(rewritten, "rewritten")
+    if load_outputs is not None:
+        if runtime != "onnxruntime" or providers:
+            raise UsageError("--load-outputs runs the model in onnxruntime on the CPU; drop --runtime/--providers")
+        if original is not None:
+            raise UsageError("--load-outputs compares one model with stored outputs; give only that model")
+        if inputs is not None:
+            raise UsageError("--load-outputs: the file holds the inputs its outputs came from; drop --inputs")
+        if save_outputs is not None:
+            raise UsageError("--save-outputs and --load-outputs cannot be combined")
+        return _verify_stored(rewritten, load_outputs, session, tolerances, save_inputs, progress, started)
+    if original is None:
+        raise UsageError("verify needs the original model (or --load-outputs FILE)")
+    same_file = _same_file(original, rewritten)
+    with stage(progress, "loading models"):
+        original_model, original_label = _load(original, "original")
+        rewritten_model, rewritten_label = _load(rewritten, "rewritten")
     try:
         vendor_nodes = len(find_vendor_nodes(original_model))
     except InvalidModelError as exc:
@@ -276,26 +346,65 @@ def verify(
             model, label=rewritten_label, settings=session, providers=providers or ("CPUExecutionProvider",)
         )
 
-    original_runner = make_runner(original_model, "original")
-    rewritten_runner = _open_rewritten(rewritten_model, make_runner)
+    with stage(progress, "starting onnxruntime"):
+        original_runner = make_runner(original_model, "original")
+        rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_model, make_runner)
     _check_interfaces(original_runner, rewritten_runner)
     unknown = tolerances.output_names() - set(original_runner.output_types)
     if unknown:
         raise UsageError(f"--atol/--rtol/--lsb: the model has no output named {sorted(unknown)[0]!r}")
 
-    used, generation_used, inputs_file = _resolve_samples(inputs, original_model, generation)
+    used, generation_used, inputs_file, ranges = _resolve_samples(inputs, original_model, generation)
     if save_inputs is not None:
         save_samples(save_inputs, used)
     logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(used))
-    outputs = _compare_outputs(original_runner, rewritten_runner, used, tolerances, progress)
+    names = list(original_runner.output_types)
+    hazards: list[Hazard] = []
+    not_compared = None
+    kept: dict[str, dict[str, np.ndarray]] | None = {} if save_outputs is not None else None
+    if same_file:
+        not_compared = "ORIGINAL and REWRITTEN are the same file: a model compared with itself proves nothing"
+        outputs = [_not_compared(name, type_name) for name, type_name in original_runner.output_types.items()]
+        if kept is not None:
+            kept.update({sample.name: original_runner.run(sample.feeds) for sample in used})
+    else:
+        per_output = _run_samples(
+            lambda sample: original_runner.run(sample.feeds),
+            rewritten_runner,
+            names,
+            used,
+            tolerances,
+            progress,
+            kept,
+        )
+        failing = _failing_samples(per_output)
+        if failing:
+            feeds = {sample.name: sample.feeds for sample in used}
+            for name in failing:
+                hazard = find_nan_hazard(
+                    original_model,
+                    name,
+                    feeds[name],
+                    lambda model, values, name=name: make_runner(model, "original").run(feeds[name], values),
+                )
+                if hazard is not None:
+                    logger.info("sample %s is inconclusive: %s", name, hazard.describe())
+                    hazards.append(hazard)
+        outputs = _merge(
+            per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
+        )
+    if save_outputs is not None and kept is not None:
+        save_stored_outputs(save_outputs, used, kept, original_label)
 
     localization = None
     # Localising runs intermediate values of both models in onnxruntime: that says which rewrite
     # differs, not where another runtime goes wrong, so it is done for onnxruntime only.
     if localize_failures and runtime == "onnxruntime" and not all(o.passed for o in outputs):
-        failing = {s for o in outputs for s in o.failed_samples}
-        sample = next((s for s in used if s.name in failing), used[0])
-        localization = localize(original_model, rewritten_model, sample, tolerances, make_runner)
+        excluded = {h.sample for h in hazards}
+        failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
+        sample = next((s for s in used if s.name in failing_now), used[0])
+        with stage(progress, "localizing"):
+            localization = localize(original_model, rewritten_model, sample, tolerances, make_runner)
 
     return VerifyReport(
         original=original_label,
@@ -303,9 +412,77 @@ def verify(
         outputs=tuple(outputs),
         samples=tuple(used),
         settings=VerifySettings(
-            session, tolerances, generation_used, inputs_file, reference_kernels, vendor_nodes, runtime=rt
+            session,
+            tolerances,
+            generation_used,
+            inputs_file,
+            reference_kernels,
+            vendor_nodes,
+            value_ranges=ranges,
+            runtime=rt,
         ),
         versions=_versions(reference_kernels),
+        localization=localization,
+        duration_seconds=time.perf_counter() - started,
+        excluded=tuple(hazards),
+        not_compared=not_compared,
+    )
+
+
+def _not_compared(name: str, type_name: str) -> ValueComparison:
+    from onnx_qrewrite.verify.compare import Tolerance
+
+    dtype = type_name.removeprefix("tensor(").removesuffix(")")
+    return ValueComparison(name=name, dtype=dtype, shape=(), tolerance=Tolerance(0.0, 0.0, 0), integer=False)
+
+
+def _verify_stored(
+    rewritten: ModelLike,
+    path: str | os.PathLike[str],
+    session: SessionSettings,
+    tolerances: Tolerances,
+    save_inputs: str | os.PathLike[str] | None,
+    progress: ProgressSink | None,
+    started: float,
+) -> VerifyReport:
+    """``--load-outputs``: the rewritten model against outputs stored by ``--save-outputs``."""
+    stored = load_stored_outputs(path)
+    with stage(progress, "loading models"):
+        rewritten_model, rewritten_label = _load(rewritten, "rewritten")
+    with stage(progress, "starting onnxruntime"):
+        runner = _open_rewritten(
+            rewritten_model, lambda m, _side: ModelRunner(m, label=rewritten_label, settings=session)
+        )
+    expected_inputs = set(runner.input_names)
+    for sample in stored.samples:
+        given = set(sample.feeds)
+        if given != expected_inputs:
+            name = sorted(given ^ expected_inputs)[0]
+            where = "is not an input of the model" if name in given else "has no stored value"
+            raise UsageError(f"--load-outputs: {path}: sample {sample.name!r}: input {name!r} {where}")
+    names = stored.output_names
+    unknown = tolerances.output_names() - set(names)
+    if unknown:
+        raise UsageError(f"--atol/--rtol/--lsb: the stored outputs have no output named {sorted(unknown)[0]!r}")
+    if save_inputs is not None:
+        save_samples(save_inputs, stored.samples)
+    per_output = _run_samples(stored.run, runner, names, stored.samples, tolerances, progress)
+    first = stored.outputs[stored.samples[0].name]
+    expected_types = {n: f"tensor({first[n].dtype.name})" for n in names}
+    outputs = _merge(per_output, expected_types, runner.output_types, set())
+    localization = None
+    if not all(o.passed for o in outputs):
+        sample = next(iter(_failing_samples(per_output)), stored.samples[0].name)
+        localization = Localization(
+            sample, 0, note="no original model to localize against: the reference is stored outputs"
+        )
+    return VerifyReport(
+        original=f"{path} (outputs of {stored.model})",
+        rewritten=rewritten_label,
+        outputs=tuple(outputs),
+        samples=tuple(stored.samples),
+        settings=VerifySettings(session, tolerances, None, str(path), False, 0),
+        versions=_versions(False),
         localization=localization,
         duration_seconds=time.perf_counter() - started,
     )
@@ -316,7 +493,7 @@ class _CallableModule(types.ModuleType):
     Importing a subpackage rebinds the parent package's attribute to the module, so after the first
     import ``onnx_qrewrite.verify`` *is* this module: calling it must still verify."""
 
-    def __call__(self, original: ModelLike, rewritten: ModelLike, **options: object) -> VerifyReport:
+    def __call__(self, original: ModelLike | None, rewritten: ModelLike, **options: object) -> VerifyReport:
         return verify(original, rewritten, **options)  # type: ignore[arg-type]
 
 

@@ -1,8 +1,22 @@
 """Element-wise comparison of one value of the original and the rewritten model.
 
-Integer and quantized values must match exactly (or within ``lsb`` units); floating values within
-``atol + rtol * |original|``. Both sides NaN at the same place, or the same infinity, count as an
-exact match; NaN on one side only is always a mismatch. The statistics say not only *whether* the
+Integer and quantized values must match exactly (or within ``lsb`` units). Floating values follow
+one of two element rules (``--tolerance-rule``):
+
+``numpy`` (default)
+    ``|rewritten - original| <= atol + rtol * |original|``: ``numpy.isclose`` with the original
+    as the reference. One bound, the sum of both tolerances.
+``polygraphy``
+    ``|rewritten - original| <= atol`` OR ``|rewritten - original| / |rewritten| <= rtol``, zeros
+    in the divisor replaced by 2.22e-16: Polygraphy's default ``--check-error-stat elemwise``
+    (polygraphy 0.53.6, ``polygraphy/comparator/compare.py``, where an element mismatches when
+    ``(absdiff > atol | isnan(absdiff)) & (reldiff > rtol | isnan(reldiff))`` and ``reldiff``
+    divides by the second runner's output, here the rewritten model's). Either tolerance alone
+    suffices, so it is looser than ``numpy`` for the same numbers.
+
+In both rules, both sides NaN at the same place, or the same infinity, count as an exact match
+(Polygraphy counts them as mismatches unless ``--infinities-compare-equal``); NaN on one side only
+is always a mismatch. The statistics say not only *whether* the
 models agree but *how*: the worst element (index, both values), the exact-match rate, and NaN/inf
 counts on each side, because a quantization bug often shows up as one saturated element.
 """
@@ -20,6 +34,8 @@ from onnx_qrewrite.errors import UsageError
 
 __all__ = [
     "DEFAULT_FLOAT_TOLERANCES",
+    "MAX_LSB",
+    "TOLERANCE_RULES",
     "Tolerance",
     "Tolerances",
     "ValueComparison",
@@ -44,6 +60,12 @@ DEFAULT_FLOAT_TOLERANCES: dict[str, tuple[float, float]] = {
     "float8_e5m2fnuz": (0.25, 0.25),
 }
 _INTEGER_EXTRA = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
+#: The element rules for floating values (see the module docstring).
+TOLERANCE_RULES = ("numpy", "polygraphy")
+#: Largest ``--lsb``: the largest difference two 64-bit integers can have (everything passes).
+MAX_LSB = 2**64 - 1
+#: Polygraphy's stand-in for a zero divisor in the relative error.
+_POLYGRAPHY_EPSILON = 2.220446049250313e-16
 
 
 def is_integer_dtype(dtype: np.dtype) -> bool:
@@ -58,11 +80,13 @@ class Tolerance:
     atol: float
     rtol: float
     lsb: int
+    rule: str = "numpy"
 
     def describe(self, integer: bool) -> str:
         if integer:
             return "exact" if self.lsb == 0 else f"lsb {self.lsb}"
-        return f"atol {self.atol:g}, rtol {self.rtol:g}"
+        joiner = " or " if self.rule == "polygraphy" else ", "
+        return f"atol {self.atol:g}{joiner}rtol {self.rtol:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +99,21 @@ class Tolerances:
     output_atol: Mapping[str, float] = dataclasses.field(default_factory=dict)
     output_rtol: Mapping[str, float] = dataclasses.field(default_factory=dict)
     output_lsb: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    rule: str = "numpy"
+
+    def __post_init__(self) -> None:
+        if self.rule not in TOLERANCE_RULES:
+            raise UsageError(f"--tolerance-rule: expected one of {', '.join(TOLERANCE_RULES)}, got {self.rule!r}")
 
     @classmethod
-    def from_options(cls, atol: Sequence[str] = (), rtol: Sequence[str] = (), lsb: Sequence[str] = ()) -> Tolerances:
+    def from_options(
+        cls, atol: Sequence[str] = (), rtol: Sequence[str] = (), lsb: Sequence[str] = (), rule: str = "numpy"
+    ) -> Tolerances:
         """From Polygraphy-style option values: ``1e-5`` (default) or ``name:1e-4`` (one output)."""
         atol_default, atol_per = parse_tolerance_option(atol, "--atol", float)
         rtol_default, rtol_per = parse_tolerance_option(rtol, "--rtol", float)
         lsb_default, lsb_per = parse_tolerance_option(lsb, "--lsb", int)
-        return cls(atol_default, rtol_default, int(lsb_default or 0), atol_per, rtol_per, lsb_per)
+        return cls(atol_default, rtol_default, int(lsb_default or 0), atol_per, rtol_per, lsb_per, rule)
 
     def output_names(self) -> set[str]:
         """Names of the outputs given their own tolerance (``NAME:VALUE``)."""
@@ -94,7 +125,7 @@ class Tolerances:
         default_atol, default_rtol = DEFAULT_FLOAT_TOLERANCES.get(dtype.name, (0.0, 0.0))
         atol = self.output_atol.get(name, default_atol if self.atol is None else self.atol)
         rtol = self.output_rtol.get(name, default_rtol if self.rtol is None else self.rtol)
-        return Tolerance(atol, rtol, self.output_lsb.get(name, self.lsb))
+        return Tolerance(atol, rtol, self.output_lsb.get(name, self.lsb), self.rule)
 
 
 def parse_tolerance_option(values: Sequence[str], option: str, kind: type) -> tuple[float | int | None, dict]:
@@ -111,6 +142,8 @@ def parse_tolerance_option(values: Sequence[str], option: str, kind: type) -> tu
             raise UsageError(f"{option}: expected {expected} or NAME:VALUE, got {text!r}") from None
         if not (value >= 0 and math.isfinite(value)):
             raise UsageError(f"{option}: must be a finite value >= 0, got {text!r}")
+        if kind is int and value > MAX_LSB:
+            raise UsageError(f"{option}: at most {MAX_LSB} (any 64-bit difference), got {text!r}")
         if sep and not name:
             raise UsageError(f"{option}: empty output name in {text!r}")
         if sep:
@@ -156,8 +189,15 @@ class ValueComparison:
 
     @property
     def passed(self) -> bool:
-        """True when the value could be compared and every element is within tolerance."""
+        """No element differs and nothing prevented the comparison (also true of 0 elements)."""
         return self.problem is None and self.mismatches == 0
+
+    @property
+    def verdict(self) -> str:
+        """``failed``, ``empty`` (nothing to compare: zero-size in every sample) or ``passed``."""
+        if not self.passed:
+            return "failed"
+        return "passed" if self.elements else "empty"
 
     @property
     def exact_match_rate(self) -> float:
@@ -195,10 +235,17 @@ def _errors(
     with np.errstate(invalid="ignore", over="ignore"):
         abs_error = np.where(exact, 0.0, np.abs(a - b))
     abs_error = np.where(np.isnan(abs_error), np.inf, abs_error)  # NaN on one side, inf - inf
-    with np.errstate(invalid="ignore"):  # rtol 0 times an infinite original
-        bound = tol.atol + tol.rtol * np.abs(a)
+    if tol.rule == "polygraphy":
+        divisor = np.abs(b)
+        divisor = np.where(divisor == 0, _POLYGRAPHY_EPSILON, divisor)
+        with np.errstate(invalid="ignore", over="ignore"):
+            close = (abs_error <= tol.atol) | (abs_error / divisor <= tol.rtol)
+    else:
+        with np.errstate(invalid="ignore"):  # rtol 0 times an infinite original
+            bound = tol.atol + tol.rtol * np.abs(a)
+        close = abs_error <= bound
     # An infinite error is never within tolerance, however large the original (inf vs -inf).
-    within = exact | (np.isfinite(abs_error) & (abs_error <= bound))
+    within = exact | (np.isfinite(abs_error) & close)
     return exact, within, abs_error, np.abs(a)
 
 

@@ -16,6 +16,26 @@ sample         why
 Symbolic or unknown dimensions take their value from ``--input-shape`` or default to 1 (the usual
 meaning of a batch or sequence dimension for a single test case).
 
+Value ranges keep ordinary exported models valid, so that a verdict is about the rewrite and not
+about inputs the model was never meant to see (an attention mask of 9s drives a softmax to NaN):
+
+======================================  ===============================================
+input                                   values
+======================================  ===============================================
+named by ``--val-range NAME:[LO,HI]``   that range (integers: inclusive; floats: uniform)
+any, with a bare ``--val-range [LO,HI]``  that range
+integer, with ``--int-range LO,HI``     that range (inclusive)
+integer, feeding ``Gather`` as indices  ``[0, N-1]``, N the table's size on the gathered
+                                        axis (through Cast/Reshape/Unsqueeze/... too)
+other integers                          ``{0, 1}`` (masks, token types, flags)
+float                                   standard normal, plus the quantization battery
+bool                                    random
+======================================  ===============================================
+
+Sizes are checked before anything is allocated: the inputs of all samples together may take at
+most :data:`MAX_INPUT_BYTES` (1 GiB), and at most :data:`MAX_SAMPLES` random samples are run; a
+request beyond either is refused with the size it would need.
+
 Sample files (``--inputs`` / ``--save-inputs``) are ``.npz`` keyed by input name, or by
 ``<sample>::<input>`` when they hold several samples. bfloat16 and float8 arrays are stored as
 their unsigned-integer bit patterns (numpy's format has no such dtypes), as in the shared vectors.
@@ -25,7 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
+import re
 import zipfile
 from collections.abc import Mapping, Sequence
 
@@ -39,14 +61,21 @@ from onnx_qrewrite.errors import UsageError
 __all__ = [
     "BATTERY",
     "DEFAULT_DIM",
+    "MAX_INPUT_BYTES",
+    "MAX_SAMPLES",
     "GenerationOptions",
     "InputSpec",
     "Sample",
+    "ValueRange",
+    "gather_index_limits",
     "generate_samples",
     "input_specs",
     "load_samples",
     "parse_input_shape",
     "parse_int_range",
+    "parse_val_range",
+    "read_npz",
+    "resolve_value_ranges",
     "save_samples",
 ]
 
@@ -54,6 +83,13 @@ logger = logging.getLogger(__name__)
 
 #: Value of a symbolic or unknown dimension when ``--input-shape`` does not give one.
 DEFAULT_DIM = 1
+#: Most bytes the inputs of all samples may take together (generated or loaded): a sane bound for a
+#: verification run on a shared machine; bigger requests are refused before any allocation.
+MAX_INPUT_BYTES = 1 << 30
+#: Most random samples one verification generates (each costs one run of each model).
+MAX_SAMPLES = 100_000
+#: Seeds are what numpy's generator takes: integers in [0, 2**64).
+MAX_SEED = 2**64 - 1
 #: Names of the quantization battery samples, in the order they are run.
 BATTERY = ("zeros", "constant", "wide-range", "negative")
 _SAMPLE_SEPARATOR = "::"
@@ -108,21 +144,45 @@ class Sample:
 
 
 @dataclasses.dataclass(frozen=True)
+class ValueRange:
+    """The values one input is generated in, and why (shown in the report)."""
+
+    low: float | None  # None with high None: standard normal (floats) or random (bool)
+    high: float | None
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerationOptions:
-    """How inputs are generated when none are given."""
+    """How inputs are generated when none are given.
+
+    ``int_range``: every integer input in this range (inclusive); None: the defaults of the module
+    docstring. ``value_ranges``: per input name; the key ``""`` (a bare ``--val-range``) applies to
+    every input without its own.
+    """
 
     samples: int = 2
     seed: int = 0
-    int_range: tuple[int, int] = (0, 9)  # inclusive
+    int_range: tuple[int, int] | None = None  # inclusive
     shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     battery: bool = True
+    value_ranges: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.samples < 0:
-            raise UsageError(f"--samples: expected a count >= 0, got {self.samples}")
-        lo, hi = self.int_range
-        if lo > hi:
-            raise UsageError(f"--int-range: the low end {lo} is above the high end {hi}")
+        if not 0 <= self.samples <= MAX_SAMPLES:
+            raise UsageError(f"--samples: expected a count from 0 to {MAX_SAMPLES}, got {self.samples}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise UsageError(f"--seed: expected an integer from 0 to 2**64-1, got {self.seed}")
+        if self.int_range is not None:
+            lo, hi = self.int_range
+            if lo > hi:
+                raise UsageError(f"--int-range: the low end {lo} is above the high end {hi}")
+        for name, (lo, hi) in self.value_ranges.items():
+            where = f"--val-range {name + ':' if name else ''}[{lo},{hi}]"
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise UsageError(f"{where}: both ends must be finite numbers")
+            if lo > hi:
+                raise UsageError(f"{where}: the low end is above the high end")
 
 
 def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
@@ -158,6 +218,25 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return name, shape
 
 
+_VAL_RANGE = re.compile(r"^(?:(?P<name>.*):)?\[(?P<lo>[^,\[\]]+),(?P<hi>[^,\[\]]+)\]$")
+
+
+def parse_val_range(text: str) -> tuple[str, tuple[float, float]]:
+    """Polygraphy's ``NAME:[LO,HI]`` (the name may contain ``:``) or ``[LO,HI]`` for every input
+    -> (name or ``""``, (lo, hi)); the order and finiteness are checked by :class:`GenerationOptions`."""
+    match = _VAL_RANGE.match(text.strip())
+    if match is None:
+        raise UsageError(f"--val-range: expected NAME:[LO,HI] or [LO,HI], got {text!r}")
+    try:
+        lo, hi = float(match["lo"]), float(match["hi"])
+    except ValueError:
+        raise UsageError(f"--val-range: LO and HI must be numbers, got {text!r}") from None
+    name = match["name"]
+    if name is not None and not name:
+        raise UsageError(f"--val-range: empty input name in {text!r}")
+    return name or "", (lo, hi)
+
+
 def parse_int_range(text: str) -> tuple[int, int]:
     """``lo,hi`` (inclusive) -> (lo, hi); the order is checked by :class:`GenerationOptions`."""
     try:
@@ -165,6 +244,124 @@ def parse_int_range(text: str) -> tuple[int, int]:
     except ValueError:
         raise UsageError(f"--int-range: expected LO,HI (two integers), got {text!r}") from None
     return lo, hi
+
+
+#: Ops that pass an integer tensor's values through unchanged (reshaped or retyped): an input that
+#: reaches a Gather's indices through them is still an index.
+_VALUE_PRESERVING = frozenset(
+    {"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Transpose", "Tile"}
+)
+
+
+def _static_dims(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
+    """Known dimensions of main-graph values: initializers, Constant nodes, declared value_info,
+    and the outputs of shape-preserving (de)quantize and cast nodes of those (a quantized
+    embedding table is ``DequantizeLinear(table_q, ...)``). No shape inference: cheap on any size."""
+    dims: dict[str, tuple[int | None, ...]] = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for info in [*model.graph.value_info, *model.graph.input, *model.graph.output]:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            dims.setdefault(
+                info.name,
+                tuple(d.dim_value if d.HasField("dim_value") else None for d in info.type.tensor_type.shape.dim),
+            )
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and node.output:
+                    dims.setdefault(node.output[0], tuple(attr.t.dims))
+        elif (
+            (node.op_type in ("Cast", "Identity") or node.op_type.endswith(("QuantizeLinear", "DequantizeLinear")))
+            and node.input
+            and node.output
+            and node.input[0] in dims
+        ):
+            dims.setdefault(node.output[0], dims[node.input[0]])
+    return dims
+
+
+def gather_index_limits(model: onnx.ModelProto) -> dict[str, tuple[int, str]]:
+    """Integer graph inputs that reach a main-graph ``Gather``'s indices (directly or through
+    value-preserving ops) -> (the smallest table size on the gathered axis, a description). A
+    table whose size is unknown there is left out (such an input gets the {0, 1} default)."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    dims = _static_dims(model)
+    limits: dict[str, tuple[int, str]] = {}
+    for spec in input_specs(model):
+        if spec.elem_type not in _INT_TYPES:
+            continue
+        seen, frontier = {spec.name}, [spec.name]
+        while frontier:
+            value = frontier.pop()
+            for node in consumers.get(value, ()):
+                if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and list(node.input[1:2]) == [value]:
+                    table = dims.get(node.input[0])
+                    axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                    if table is None or not -len(table) <= axis < len(table):
+                        continue
+                    size = table[axis]
+                    if size is None or size <= 0:
+                        continue
+                    if spec.name not in limits or size < limits[spec.name][0]:
+                        what = f"indices of Gather {node.name or node.output[0]!r} (table size {size})"
+                        limits[spec.name] = (size, what)
+                elif node.op_type in _VALUE_PRESERVING and node.domain in ("", "ai.onnx") and node.input[0] == value:
+                    for out in node.output[:1]:
+                        if out and out not in seen:
+                            seen.add(out)
+                            frontier.append(out)
+    return limits
+
+
+def resolve_value_ranges(
+    specs: Sequence[InputSpec], options: GenerationOptions, index_limits: Mapping[str, tuple[int, str]] | None = None
+) -> dict[str, ValueRange]:
+    """The range each input is generated in, by the precedence of the module docstring."""
+    unknown = set(options.value_ranges) - {s.name for s in specs} - {""}
+    if unknown:
+        raise UsageError(f"--val-range: the model has no input named {sorted(unknown)[0]!r}")
+    ranges: dict[str, ValueRange] = {}
+    for spec in specs:
+        integer = spec.elem_type in _INT_TYPES
+        if spec.name in options.value_ranges:
+            lo, hi = options.value_ranges[spec.name]
+            ranges[spec.name] = ValueRange(lo, hi, f"--val-range {spec.name}")
+        elif "" in options.value_ranges:
+            lo, hi = options.value_ranges[""]
+            ranges[spec.name] = ValueRange(lo, hi, "--val-range (every input)")
+        elif integer and options.int_range is not None:
+            ranges[spec.name] = ValueRange(options.int_range[0], options.int_range[1], "--int-range")
+        elif integer and index_limits and spec.name in index_limits:
+            size, what = index_limits[spec.name]
+            ranges[spec.name] = ValueRange(0, size - 1, what)
+        elif integer:
+            ranges[spec.name] = ValueRange(0, 1, "integer default {0, 1}")
+        elif spec.elem_type == TensorProto.BOOL:
+            ranges[spec.name] = ValueRange(None, None, "random booleans")
+        else:
+            ranges[spec.name] = ValueRange(None, None, "standard normal")
+    return ranges
+
+
+def _nbytes(shape: Sequence[int], dtype: np.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _check_input_bytes(total: int, what: str) -> None:
+    if total > MAX_INPUT_BYTES:
+        raise UsageError(
+            f"{what} would need {_human(total)} ({total} bytes) of inputs, more than the "
+            f"{_human(MAX_INPUT_BYTES)} bound; use smaller shapes or fewer samples"
+        )
 
 
 def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -184,20 +381,36 @@ def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]]) -> tu
     return tuple(d if isinstance(d, int) and d > 0 else DEFAULT_DIM for d in spec.dims)
 
 
-def _random(
-    spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, int_range: tuple[int, int]
-) -> np.ndarray:
+def _integer_bounds(spec: InputSpec, value_range: ValueRange) -> tuple[int, int]:
+    """The inclusive integer bounds of ``value_range`` within the input's type, or a UsageError."""
+    assert value_range.low is not None and value_range.high is not None
+    info = np.iinfo(spec.dtype)
+    lo = max(math.ceil(value_range.low), int(info.min))
+    hi = min(math.floor(value_range.high), int(info.max))
+    if lo > hi:
+        option = value_range.why if value_range.why.startswith("--") else "--int-range"
+        raise UsageError(
+            f"{option}: [{value_range.low:g}, {value_range.high:g}] holds no {spec.type_name} value "
+            f"(input {spec.name!r})"
+        )
+    return lo, hi
+
+
+def _random(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, value_range: ValueRange) -> np.ndarray:
+    bounded = value_range.low is not None and value_range.high is not None
     if spec.elem_type in _FLOAT_TYPES:
+        if bounded:
+            return rng.uniform(value_range.low, value_range.high, size=shape).astype(np.float32).astype(spec.dtype)
         return rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
     if spec.elem_type in _INT_TYPES:
-        info = np.iinfo(spec.dtype)
-        lo, hi = max(int_range[0], int(info.min)), min(int_range[1], int(info.max))
-        if lo > hi:
-            raise UsageError(
-                f"--int-range: {int_range[0]},{int_range[1]} holds no {spec.type_name} value (input {spec.name!r})"
-            )
+        lo, hi = _integer_bounds(spec, value_range)
         return rng.integers(lo, hi, size=shape, endpoint=True).astype(spec.dtype)
     if spec.elem_type == TensorProto.BOOL:
+        if value_range.low is not None and value_range.high is not None:
+            if value_range.high < 1:
+                return np.zeros(shape, np.bool_)
+            if value_range.low > 0:
+                return np.ones(shape, np.bool_)
         return rng.random(shape) < 0.5
     raise UsageError(f"input {spec.name!r} has type {spec.type_name}, which cannot be generated; pass --inputs")
 
@@ -215,28 +428,46 @@ def _battery(kind: str, spec: InputSpec, shape: tuple[int, ...], rng: np.random.
     return values.astype(spec.dtype)
 
 
-def generate_samples(specs: Sequence[InputSpec], options: GenerationOptions) -> list[Sample]:
-    """``options.samples`` random samples, then the battery when any input is floating point."""
+def generate_samples(
+    specs: Sequence[InputSpec],
+    options: GenerationOptions,
+    ranges: Mapping[str, ValueRange] | None = None,
+) -> list[Sample]:
+    """``options.samples`` random samples, then the battery when any input is floating point.
+
+    ``ranges``: from :func:`resolve_value_ranges` (default: resolved here, without Gather limits).
+    The total size is checked against :data:`MAX_INPUT_BYTES` before anything is allocated."""
     unknown = set(options.shapes) - {s.name for s in specs}
     if unknown:
         raise UsageError(f"--input-shape: the model has no input named {sorted(unknown)[0]!r}")
+    if ranges is None:
+        ranges = resolve_value_ranges(specs, options)
     shapes = {spec.name: _resolve_shape(spec, options.shapes) for spec in specs}
+    battery = options.battery and any(s.elem_type in _FLOAT_TYPES for s in specs)
+    count = options.samples + (len(BATTERY) if battery else 0)
+    if count == 0:
+        raise UsageError("--samples: 0 random samples and no battery leaves nothing to run")
+    for spec in specs:
+        option = "--input-shape" if spec.name in options.shapes else "the declared shape"
+        _check_input_bytes(
+            _nbytes(shapes[spec.name], spec.dtype), f"input {spec.name!r} of shape {list(shapes[spec.name])} ({option})"
+        )
+    per_sample = sum(_nbytes(shapes[s.name], s.dtype) for s in specs)
+    _check_input_bytes(per_sample * count, f"{count} samples of {_human(per_sample)} each (--samples)")
     rng = np.random.default_rng(options.seed)
     samples = [
-        Sample(f"random-{i}", {s.name: _random(s, shapes[s.name], rng, options.int_range) for s in specs})
+        Sample(f"random-{i}", {s.name: _random(s, shapes[s.name], rng, ranges[s.name]) for s in specs})
         for i in range(options.samples)
     ]
-    if options.battery and any(s.elem_type in _FLOAT_TYPES for s in specs):
+    if battery:
         for kind in BATTERY:
             feeds = {
                 s.name: _battery(kind, s, shapes[s.name], rng)
                 if s.elem_type in _FLOAT_TYPES
-                else _random(s, shapes[s.name], rng, options.int_range)
+                else _random(s, shapes[s.name], rng, ranges[s.name])
                 for s in specs
             }
             samples.append(Sample(kind, feeds))
-    if not samples:
-        raise UsageError("--samples: 0 random samples and no battery leaves nothing to run")
     return samples
 
 
@@ -256,11 +487,7 @@ def _decode(array: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
 
 def load_samples(path: str | os.PathLike[str], specs: Sequence[InputSpec]) -> list[Sample]:
     """Samples from an ``.npz`` keyed ``<input>`` (one sample) or ``<sample>::<input>``."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {key: data[key] for key in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise UsageError(f"--inputs: {path}: cannot read as .npz: {exc}") from None
+    arrays = read_npz(path, "--inputs")
     by_name = {s.name: s for s in specs}
     grouped: dict[str, dict[str, np.ndarray]] = {}
     for key, array in arrays.items():
@@ -283,6 +510,42 @@ def load_samples(path: str | os.PathLike[str], specs: Sequence[InputSpec]) -> li
     if not samples:
         raise UsageError(f"--inputs: {path}: the file holds no arrays")
     return samples
+
+
+def _npz_sizes(path: str | os.PathLike[str], option: str) -> dict[str, int]:
+    """Bytes each array of an .npz will take once loaded, from the .npy headers alone (a small
+    compressed file can declare a huge array): checked before any array is read."""
+    sizes: dict[str, int] = {}
+    with zipfile.ZipFile(path) as archive:
+        for info in archive.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                if version == (1, 0):
+                    shape, _, dtype = np.lib.format.read_array_header_1_0(member)
+                else:
+                    shape, _, dtype = np.lib.format.read_array_header_2_0(member)
+            if dtype.hasobject:
+                raise UsageError(f"{option}: {path}: {info.filename[:-4]!r} holds Python objects, not numbers")
+            sizes[info.filename[:-4]] = _nbytes(shape, dtype)
+    return sizes
+
+
+def read_npz(path: str | os.PathLike[str], option: str, limit: int = MAX_INPUT_BYTES) -> dict[str, np.ndarray]:
+    """Every array of an .npz file, refused with one UsageError naming ``option`` and the file when
+    it cannot be read, holds objects (never unpickled), or would take more than ``limit`` bytes."""
+    try:
+        total = sum(_npz_sizes(path, option).values())
+        if total > limit:
+            raise UsageError(
+                f"{option}: {path}: its arrays would take {_human(total)} ({total} bytes), more than the "
+                f"{_human(limit)} bound"
+            )
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zipfile.LargeZipFile) as exc:
+        raise UsageError(f"{option}: {path}: cannot read as .npz: {exc}") from None
 
 
 def _encode(array: np.ndarray) -> np.ndarray:

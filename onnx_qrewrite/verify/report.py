@@ -13,7 +13,7 @@ import json
 import math
 import os
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,8 @@ import numpy as np
 
 from onnx_qrewrite.report import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
-from onnx_qrewrite.verify.inputs import GenerationOptions, Sample
+from onnx_qrewrite.verify.hazards import Hazard
+from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, ValueRange
 from onnx_qrewrite.verify.localize import Localization
 from onnx_qrewrite.verify.session import SessionSettings
 
@@ -42,6 +43,7 @@ class VerifySettings:
     inputs_file: str | None = None
     reference_kernels: bool = False  # vendor nodes of the original ran on the numpy kernels
     vendor_nodes: int = 0
+    value_ranges: Mapping[str, ValueRange] = dataclasses.field(default_factory=dict)  # generated inputs
     runtime: Any = None  # verify.runtimes.RuntimeInfo: what ran the rewritten model (None: onnxruntime CPU)
 
 
@@ -57,34 +59,69 @@ class VerifyReport:
     versions: dict[str, str | None]
     localization: Localization | None = None
     duration_seconds: float = 0.0
+    #: Samples left out of the verdict: a NaN reached a node whose kernel is not deterministic on it.
+    excluded: tuple[Hazard, ...] = ()
+    #: Why nothing was compared although the models ran (e.g. the same file given twice).
+    not_compared: str | None = None
+
+    @property
+    def inconclusive_reason(self) -> str | None:
+        """Why no element was compared, when none was (and nothing failed); else None."""
+        if any(not o.passed for o in self.outputs):
+            return None
+        if self.not_compared:
+            return self.not_compared
+        if not self.outputs:
+            return "the models have no outputs"
+        if sum(o.elements for o in self.outputs) == 0:
+            if self.excluded and all(any(h.sample == s.name for h in self.excluded) for s in self.samples):
+                return f"every sample was excluded: {self.excluded[0].describe()}"
+            return "every output has zero elements on every sample"
+        return None
 
     @property
     def passed(self) -> bool:
-        """True when there were outputs to compare and every one agreed."""
-        return bool(self.outputs) and all(o.passed for o in self.outputs)
+        """True when something was compared and every value agreed (never on nothing)."""
+        return self.verdict_key == "passed"
+
+    @property
+    def verdict_key(self) -> str:
+        """``passed``, ``failed`` or ``inconclusive`` (nothing was compared: never a pass)."""
+        if any(not o.passed for o in self.outputs):
+            return "failed"
+        return "inconclusive" if self.inconclusive_reason else "passed"
 
     @property
     def verdict(self) -> str:
-        """``PASSED`` or ``FAILED``, as the final line of the table says."""
-        return "PASSED" if self.passed else "FAILED"
+        """``PASSED``, ``FAILED`` or ``INCONCLUSIVE``, as the final line of the table says."""
+        return self.verdict_key.upper()
 
     @property
     def exit_code(self) -> int:
-        """The command line's exit code for this result: 0 agreed, 1 disagreed."""
-        from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_OK
+        """The command line's exit code for this result: 0 agreed, 1 disagreed, 6 nothing compared."""
+        from onnx_qrewrite.errors import EXIT_DISAGREE, EXIT_INCONCLUSIVE, EXIT_OK
 
-        return EXIT_OK if self.passed else EXIT_DISAGREE
+        return {"passed": EXIT_OK, "failed": EXIT_DISAGREE, "inconclusive": EXIT_INCONCLUSIVE}[self.verdict_key]
 
     @property
     def summary(self) -> str:
-        """The final ``PASSED | ...`` / ``FAILED | ...`` line."""
-        n_samples = len(self.samples)
+        """The final ``PASSED | ...`` / ``FAILED | ...`` / ``INCONCLUSIVE | ...`` line."""
+        n_samples = len(self.samples) - len({h.sample for h in self.excluded})
         where = f"on {n_samples} sample{'s' * (n_samples != 1)} (opt-level {self.settings.session.opt_level})"
+        excluded = ""
+        if self.excluded:
+            n_ex = len({h.sample for h in self.excluded})
+            excluded = f"; {n_ex} sample{'s' * (n_ex != 1)} excluded (NaN into a non-deterministic kernel)"
+        reason = self.inconclusive_reason
+        if reason is not None:
+            return f"INCONCLUSIVE | nothing was compared: {reason}"
         if self.passed:
             n = len(self.outputs)
-            return f"PASSED | {n} output{'s' * (n != 1)} agree{'s' * (n == 1)} {where}"
+            empty = sum(o.verdict == "empty" for o in self.outputs)
+            note = f" ({empty} of them empty: no element compared)" if empty else ""
+            return f"PASSED | {n} output{'s' * (n != 1)} agree{'s' * (n == 1)}{note} {where}{excluded}"
         failed = [o.name for o in self.outputs if not o.passed]
-        text = f"FAILED | {len(failed)} of {len(self.outputs)} outputs differ {where}: {', '.join(failed)}"
+        text = f"FAILED | {len(failed)} of {len(self.outputs)} outputs differ {where}: {', '.join(failed)}{excluded}"
         loc = self.localization
         if loc is not None and loc.found:
             text += f"; first differing node {loc.node!r}"
@@ -113,6 +150,7 @@ class VerifyReport:
                     "atol": s.tolerances.atol,
                     "rtol": s.tolerances.rtol,
                     "lsb": s.tolerances.lsb,
+                    "rule": s.tolerances.rule,
                     "per_output": _per_output(s.tolerances),
                     "float_defaults": {k: {"atol": a, "rtol": r} for k, (a, r) in DEFAULT_FLOAT_TOLERANCES.items()},
                 },
@@ -121,14 +159,21 @@ class VerifyReport:
                     "file": s.inputs_file,
                     "samples": None if generation is None else generation.samples,
                     "seed": None if generation is None else generation.seed,
-                    "int_range": None if generation is None else list(generation.int_range),
+                    "int_range": None
+                    if generation is None or generation.int_range is None
+                    else list(generation.int_range),
                     "battery": None if generation is None else generation.battery,
                     "input_shapes": {} if generation is None else {k: list(v) for k, v in generation.shapes.items()},
+                    "value_ranges": {
+                        name: {"low": r.low, "high": r.high, "why": r.why} for name, r in s.value_ranges.items()
+                    },
                 },
             },
             "inputs": {"samples": [_sample_dict(sample) for sample in self.samples]},
             "outputs": [_comparison_dict(o) for o in self.outputs],
-            "verdict": self.verdict.lower(),
+            "verdict": self.verdict_key,
+            "inconclusive_reason": self.inconclusive_reason,
+            "excluded_samples": [_hazard_dict(h) for h in self.excluded],
             "summary": self.summary,
             "localization": None if self.localization is None else _localization_dict(self.localization),
             "duration_seconds": round(self.duration_seconds, 6),
@@ -226,7 +271,7 @@ class VerifyReport:
                     o.name,
                     o.dtype,
                     _fmt_shape(o.shape),
-                    "PASSED" if o.passed else "FAILED",
+                    o.verdict.upper(),
                     o.tolerance_text,
                     _fmt(o.max_abs_error),
                     _fmt(o.max_rel_error),
@@ -256,6 +301,8 @@ class VerifyReport:
         loc_lines = _localization_lines(self.localization)
         if loc_lines:
             lines += ["", *loc_lines]
+        if self.excluded:
+            lines += [""] + [f"excluded sample {h.sample!r}: {h.describe()}" for h in self.excluded]
         lines += ["", self.summary]
         return "\n".join(lines)
 
@@ -314,6 +361,17 @@ def _sample_dict(sample: Sample) -> dict[str, Any]:
     return {"name": sample.name, "inputs": inputs}
 
 
+def _hazard_dict(h: Hazard) -> dict[str, Any]:
+    return {
+        "sample": h.sample,
+        "node": h.node,
+        "op_type": h.op_type,
+        "value": h.value,
+        "nan_count": h.nan_count,
+        "reason": h.describe(),
+    }
+
+
 def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
     worst = None
     if o.worst is not None:
@@ -330,7 +388,7 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "name": o.name,
         "dtype": o.dtype,
         "shape": list(o.shape),
-        "verdict": "passed" if o.passed else "failed",
+        "verdict": o.verdict,
         "comparison": "integer" if o.integer else "float",
         "tolerance": {
             "atol": o.tolerance.atol,

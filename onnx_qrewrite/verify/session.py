@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
 from onnx_qrewrite.verify import reference_ops
 from onnx_qrewrite.verify._ort import ort
 
-__all__ = ["OPT_LEVELS", "ModelRunner", "SessionSettings"]
+__all__ = ["OPT_LEVELS", "ModelRunner", "SessionSettings", "available_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,19 @@ _RAW_TYPES: dict[str, tuple[int, np.dtype]] = {
 _PACKED_4BIT = ("tensor(int4)", "tensor(uint4)")
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class SessionSettings:
-    """What both sessions share (``custom_op_library`` is registered for the original only)."""
+    """What both sessions share (``custom_op_library`` is registered for the original only).
+
+    ``threads`` above the CPUs this process may use is capped to them, with a warning."""
 
     opt_level: str = "disable"
     threads: int = 1
@@ -65,6 +76,12 @@ class SessionSettings:
             raise UsageError(f"--ort-opt-level: expected one of {', '.join(OPT_LEVELS)}, got {self.opt_level!r}")
         if self.threads < 0:
             raise UsageError(f"--threads: expected a count >= 0 (0: onnxruntime's default), got {self.threads}")
+        cpus = available_cpus()
+        if self.threads > cpus:
+            # More threads than CPUs only slows onnxruntime down, and a huge count makes it hang or
+            # crash creating them: cap at what the machine has, and say so.
+            logger.warning("--threads %d: this machine has %d CPU(s); using %d", self.threads, cpus, cpus)
+            object.__setattr__(self, "threads", cpus)
         if self.custom_op_library is not None and not Path(self.custom_op_library).is_file():
             raise UsageError(f"--custom-op-library: {self.custom_op_library}: no such file")
 

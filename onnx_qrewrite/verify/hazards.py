@@ -1,0 +1,95 @@
+"""Nodes whose onnxruntime kernel is not deterministic on some inputs, and a check that says when a
+disagreement came from such inputs rather than from the rewrite.
+
+The facts are measured (``NUMERICS.md`` of the project's shared notes, onnxruntime 1.31.1):
+DynamicQuantizeLinear on a tensor that contains NaN gives a scale and zero point that depend on
+the NaN's position and on the thread count, so two runs of the *same* model can differ, and no
+rewrite can match it. ``-inf`` and ``+inf`` are deterministic there (zero point 255, or a range
+that overflows to inf) and are reproduced exactly, so only NaN is a hazard.
+
+When a sample fails, :func:`find_nan_hazard` runs the original once more with the inputs of such
+nodes exposed as outputs; a NaN reaching one of them makes the sample *inconclusive* (it is
+excluded from the verdict and named in the report) instead of a plain disagreement. Only
+main-graph nodes are checked (what a session can expose as outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+
+__all__ = ["NAN_NONDETERMINISTIC", "Hazard", "find_nan_hazard"]
+
+#: (domain, op_type) -> why a NaN in its first input makes its result unrepeatable.
+NAN_NONDETERMINISTIC: Mapping[tuple[str, str], str] = {
+    ("", "DynamicQuantizeLinear"): (
+        "onnxruntime's kernel is not deterministic on NaN (its scale and zero point depend on where "
+        "the NaN is and on the thread count)"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+    """A NaN that reached a node whose kernel is not deterministic on it, on one sample."""
+
+    sample: str
+    node: str
+    op_type: str
+    value: str  # the node's input that held NaN
+    nan_count: int
+    why: str
+
+    def describe(self) -> str:
+        return (
+            f"NaN reached {self.op_type} {self.node!r} (input {self.value!r}, {self.nan_count} NaN); {self.why}. "
+            "Choose inputs that keep the model finite (--val-range / --int-range)"
+        )
+
+
+def _sensitive_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
+    nodes = []
+    for node in model.graph.node:
+        why = NAN_NONDETERMINISTIC.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        if why is not None and node.input and node.input[0]:
+            nodes.append((node, why))
+    return nodes
+
+
+def find_nan_hazard(
+    model: onnx.ModelProto,
+    sample_name: str,
+    feeds: Mapping[str, np.ndarray],
+    run_exposed: Callable[[onnx.ModelProto, list[str]], Mapping[str, np.ndarray]],
+) -> Hazard | None:
+    """The first main-graph node of ``model`` (topological order) whose input holds NaN on this
+    sample and whose kernel is not deterministic on NaN; None when there is none.
+
+    ``run_exposed(model_with_outputs, names)`` runs a copy of the model with ``names`` exposed and
+    returns their values (the verifier's session settings); it is called only when ``model`` has
+    such nodes whose inputs are not graph inputs."""
+    nodes = _sensitive_nodes(model)
+    if not nodes:
+        return None
+    names = list(dict.fromkeys(node.input[0] for node, _ in nodes))
+    values: dict[str, np.ndarray] = {n: feeds[n] for n in names if n in feeds}
+    inner = [n for n in names if n not in values]
+    if inner:
+        exposed = onnx.ModelProto()
+        exposed.CopyFrom(model)
+        present = {o.name for o in exposed.graph.output}
+        for name in inner:
+            if name not in present:
+                exposed.graph.output.append(onnx.ValueInfoProto(name=name))
+        values.update(run_exposed(exposed, inner))
+    for node, why in nodes:
+        value = values.get(node.input[0])
+        if value is None or value.dtype.kind in "iub":
+            continue
+        count = int(np.isnan(value.astype(np.float64)).sum())
+        if count:
+            return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, why)
+    return None
