@@ -85,7 +85,9 @@ def test_vendor_ops_without_onnxruntime_extensions_exit_2_naming_the_extra(tmp_p
     reference kernels of vendor ops need the extensions, and then verify says so."""
     out = tmp_path / "out.onnx"
     onnx_qrewrite.rewrite(QUARK).save(out)
-    plain = without(("onnxruntime_extensions",), "verify", SAMPLE, SAMPLE, "--samples", "1", "--no-battery")
+    copy = tmp_path / "copy.onnx"  # another file: the same file twice compares nothing (exit 6)
+    copy.write_bytes(SAMPLE.read_bytes())
+    plain = without(("onnxruntime_extensions",), "verify", SAMPLE, copy, "--samples", "1", "--no-battery")
     assert plain.returncode == 0, plain.stderr
     proc = without(("onnxruntime_extensions",), "verify", QUARK, out, "--samples", "1", "--no-battery")
     assert proc.returncode == EXIT_USAGE, proc.stderr
