@@ -147,9 +147,9 @@ def test_providers_apply_to_onnxruntime_only(tmp_path):
         "verify", SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_mlp.onnx", "--runtime", "tract", "--providers", "X"
     )
     assert proc.returncode == 2 and "--providers" in proc.stderr
-    proc = cli(
-        "verify", SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_mlp.onnx", "--providers", "CPUExecutionProvider"
-    )
+    copy = tmp_path / "copy.onnx"  # another file: the same file twice compares nothing (exit 6)
+    copy.write_bytes((SAMPLES / "dynamic_mlp.onnx").read_bytes())
+    proc = cli("verify", SAMPLES / "dynamic_mlp.onnx", copy, "--providers", "CPUExecutionProvider")
     assert proc.returncode == 0, proc.stderr
 
 
