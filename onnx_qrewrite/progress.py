@@ -131,6 +131,7 @@ class TerminalProgress:
                         bar.refresh()
 
     def close(self) -> None:
+        """Stop redrawing and remove every open bar (the terminal is left as it was)."""
         self._stop.set()
         if self._ticker is not None:
             self._ticker.join()

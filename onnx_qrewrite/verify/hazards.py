@@ -44,6 +44,8 @@ class Hazard:
     why: str
 
     def describe(self) -> str:
+        """One line for the table and the JSON report: what reached which node, why it matters, and
+        what to do about it."""
         return (
             f"NaN reached {self.op_type} {self.node!r} (input {self.value!r}, {self.nan_count} NaN); {self.why}. "
             "Choose inputs that keep the model finite (--val-range / --int-range)"

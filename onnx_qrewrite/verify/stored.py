@@ -63,10 +63,12 @@ class StoredOutputs:
 
     @property
     def output_names(self) -> list[str]:
+        """The stored outputs' names (every sample holds the same ones)."""
         first = self.samples[0].name
         return list(self.outputs.get(first, {}))
 
     def run(self, sample: Sample) -> dict[str, np.ndarray]:
+        """The stored outputs of ``sample`` (what the original computed on its inputs)."""
         return self.outputs[sample.name]
 
 
