@@ -22,7 +22,7 @@ import onnx
 
 from onnx_qrewrite import opset as opset_mod
 from onnx_qrewrite import provenance as provenance_mod
-from onnx_qrewrite._protowire import encode_node_list, replace_nodes
+from onnx_qrewrite._protowire import encode_node_chunks, replace_nodes
 from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site
 from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
@@ -158,7 +158,7 @@ def _apply(
     stamp_templates: bool = True,
     progress: ProgressSink | None = None,
     provenance: str = provenance_mod.DEFAULT_MODE,
-) -> tuple[collections.Counter[str], bytes | None]:
+) -> tuple[collections.Counter[str], list[bytes] | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
 
     Returns the change in op counts and, when the main graph changed, its encoded node list (the
@@ -192,12 +192,15 @@ def _apply(
                 key = None if key is None else (m.rule.id, id(pool), key)
             template = templates.get(key) if key is not None else None
             if template is not None:
-                nodes, created = template.stamp(m.site, names, Emitter.prefix_for(m.site.node), metadata)
+                nodes, created_nodes = template.stamp(m.site, names, Emitter.prefix_for(m.site.node), metadata)
+                created_ops = template.ops
                 reads = template.site_inputs_read(m.site)
             else:
                 emit = Emitter(m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata)
                 builder.build(m.site, emit, m.rule.options, m.plan)
-                nodes, created = emit.nodes, emit.created
+                nodes = emit.nodes
+                created_nodes = tuple(n for n, _ in emit.created)
+                created_ops = tuple(op for _, op in emit.created)
                 reads = emit.names_read()
                 if key is not None:
                     templates[key] = Template.record(emit)
@@ -213,7 +216,7 @@ def _apply(
             if progress is not None and (done % 1024 == 0 or done == total):
                 progress("rewriting nodes", done, total)
             delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
-            for _, op in created:
+            for op in created_ops:
                 delta[op] += 1
             report.rewrites.append(
                 AppliedRewrite(
@@ -222,8 +225,8 @@ def _apply(
                     op_type=m.site.node.op_type,
                     domain=m.site.node.domain,
                     scope=scope.path,
-                    created_nodes=tuple(n for n, _ in created),
-                    created_ops=tuple(op for _, op in created),
+                    created_nodes=created_nodes,
+                    created_ops=created_ops,
                     notes=m.plan.notes,
                     exactness=m.rule.exactness,
                     bound=m.plan.bound,
@@ -234,6 +237,8 @@ def _apply(
     with stage(progress, "assembling the graph"):
         if dropped - still_read:
             _remove_unread_initializers(scopes, built, dropped - still_read, report)
+        names.release()  # every name is drawn; the set of them is a large part of the peak memory
+        _return_freed_memory()
         return delta, _splice(model, scopes, built, pools)
 
 
@@ -273,25 +278,43 @@ def _splice(
     scopes: list[Scope],
     built: dict[int, dict[int, list[bytes]]],
     pools: dict[int, ConstantPool],
-) -> bytes | None:
+) -> list[bytes] | None:
     """Put the replacements in place, innermost scope first (a parent node is serialized with its
     bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back,
     unless a Constant there holds external data (model_io must then see it as an object)."""
     keep_main_encoded = not _main_graph_has_external_constants(model)
-    main_nodes: bytes | None = None
+    main_nodes: list[bytes] | None = None
     for s, scope in enumerate(scopes):
         replacements = built.get(s, {})
         root = scope.root
         pool = pools.get(id(root))
         prepend = pool.constant_nodes if pool is not None and scope is root else []
         if scope.container is model.graph and replacements and keep_main_encoded:
-            main_nodes = encode_node_list(scope.container, replacements, prepend)
+            main_nodes = encode_node_chunks(scope.container, replacements, prepend)
             scope.container.ClearField("node")
             scope.invalidate()
         elif replacements or prepend:
             replace_nodes(scope.container, replacements, prepend)
             scope.invalidate()
     return main_nodes
+
+
+def _return_freed_memory() -> None:
+    """Hand memory that has been freed back to the operating system (glibc keeps it otherwise).
+
+    Loading and checking a model, and matching it, free large temporary allocations (onnx's
+    checker alone: ~80 MB on a 100k-node model); glibc keeps them mapped, so everything allocated
+    afterwards comes on top of them in the process's peak RSS. A no-op where glibc is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _record_provenance_mode(model: onnx.ModelProto, mode: str) -> None:
@@ -334,6 +357,7 @@ def _run(
     progress: ProgressSink | None,
 ) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
     report = RewriteReport()
+    _return_freed_memory()  # what loading and checking the input freed
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")

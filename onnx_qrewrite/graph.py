@@ -263,6 +263,10 @@ class NameAllocator:
         used.discard("")
         self._used = used
 
+    def release(self) -> None:
+        """Forget the names (when no more will be drawn): frees the set of every name in the model."""
+        self._used = set()
+
     def fresh(self, base: str) -> str:
         name = base
         n = 0

@@ -23,7 +23,7 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from onnx_qrewrite import outputs
-from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes
+from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.external_data import ExternalData, all_tensors, external_tensors
 from onnx_qrewrite.progress import ProgressSink
@@ -391,7 +391,7 @@ def save_model(
                 os.fchmod(dst.fileno(), outputs.FILE_MODE)
         fd, model_tmp = outputs.new_temp(folder, out.name, "model")
         with os.fdopen(fd, "wb") as f:
-            f.write(to_bytes(model))
+            f.writelines(to_chunks(model))  # pieces, not one joined copy of the whole output
             f.flush()
             os.fsync(f.fileno())
             os.fchmod(f.fileno(), outputs.FILE_MODE)

@@ -5,12 +5,60 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import onnx
 
 __all__ = ["AppliedRewrite", "OpsetChange", "RewriteReport", "Unlowered", "count_ops", "op_key", "write_report_file"]
+
+
+class CreatedNames(Sequence[str]):
+    """The names of the nodes one stamped replacement created, kept as its prefix, the template's
+    shared hints and the few names a clash made different: ``<prefix><hint>`` each, unless listed.
+
+    A 20k-quantizer model creates 260k names; the report holding each as a string (plus the
+    allocator's set of them) was a large part of a rewrite's peak memory. Reads like a tuple.
+    """
+
+    __slots__ = ("_exceptions", "_hints", "_prefix")
+
+    def __init__(self, prefix: str, hints: tuple[str, ...], exceptions: Mapping[int, str] | None = None):
+        self._prefix = prefix
+        self._hints = hints
+        self._exceptions = exceptions
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        i = range(len(self._hints))[index]  # IndexError and negative indices as a tuple has them
+        if self._exceptions and i in self._exceptions:
+            return self._exceptions[i]
+        return self._prefix + self._hints[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self._hints)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (CreatedNames, tuple, list)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +70,7 @@ class AppliedRewrite:
     op_type: str
     domain: str
     scope: str
-    created_nodes: tuple[str, ...]
+    created_nodes: Sequence[str]  # a tuple, or a CreatedNames for stamped replacements
     created_ops: tuple[str, ...]
     notes: tuple[str, ...] = ()
     #: The rule's exactness (onnx_qrewrite.contract) and, when bounded, this node's bound.

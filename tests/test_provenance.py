@@ -116,3 +116,24 @@ def test_the_localiser_traces_a_node_in_every_mode(mode):
     else:
         assert (loc.rule, loc.origin) == ("dql-expand", "dql")
         assert loc.note is None
+
+
+@pytest.mark.parametrize("stamp", [True, False])
+def test_report_names_every_created_node_even_after_a_clash(stamp):
+    """Stamped replacements keep their names compactly (prefix + the template's hints); a name a
+    clash made different must still be reported as written."""
+    from onnx_qrewrite import engine
+
+    model = two_dql_model()
+    model.graph.node[1].name = "dql2"
+    # An existing node already holds the name the second replacement's first node would get.
+    model.graph.node.append(helper.make_node("Identity", ["x"], ["dql2/min"], name="dql2/min"))
+    model.graph.output.append(helper.make_tensor_value_info("dql2/min", onnx.TensorProto.FLOAT, ["d0"]))
+    rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions(stamp_templates=stamp))
+    nodes = [n.name for n in to_proto(rewritten).graph.node]
+    n = len(KERNEL_OPS)
+    first, second = report.rewrites
+    assert list(first.created_nodes) == nodes[:n] and list(second.created_nodes) == nodes[n : 2 * n]
+    assert second.created_nodes[0] == "dql2/min_1" and second.created_nodes[-1] == nodes[2 * n - 1]
+    assert len(second.created_nodes) == n and second.created_nodes == tuple(nodes[n : 2 * n])
+    assert report.to_dict()["rewrites"][1]["created_nodes"] == nodes[n : 2 * n]

@@ -140,9 +140,9 @@ def test_names_that_look_generated_do_not_collide():
     """
     model = onnx.parser.parse_model(text.replace(" <name_hint = 0>", ""))
     model.graph.node[0].name = "dql"
-    extra = onnx.helper.make_node("Identity", ["x"], ["dql/ReduceMin_output_0"], name="dql/ReduceMin")
+    extra = onnx.helper.make_node("Identity", ["x"], ["dql/min_output_0"], name="dql/min")
     model.graph.node.append(extra)
-    model.graph.node.append(onnx.helper.make_node("ReduceMax", ["dql/ReduceMin_output_0"], ["clash"], keepdims=1))
+    model.graph.node.append(onnx.helper.make_node("ReduceMax", ["dql/min_output_0"], ["clash"], keepdims=1))
     onnx.checker.check_model(model, full_check=True)
     result = onnx_qrewrite.rewrite(model)
     names = _all_names(result.model)

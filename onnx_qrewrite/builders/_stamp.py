@@ -13,9 +13,11 @@ fraction of the cost (no attribute encoding, no per-field function calls).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from onnx_qrewrite._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT, _SMALL_VARINTS, _varint
+from onnx_qrewrite.report import CreatedNames
 
 if TYPE_CHECKING:
     from onnx_qrewrite.builders import Emitter, Site
@@ -65,6 +67,8 @@ class Template:
                 return fresh + n_inputs + value
             return piece(_length_prefixed(value))
 
+        #: Per created node: the hint its name was drawn from (node names are always fresh).
+        self._node_hints: tuple[str, ...] | None = None
         self._indices: list[list[int]] = []
         self._name_slots: list[tuple[str, Any]] = []
         inputs_read = set()
@@ -80,6 +84,9 @@ class Template:
             self._name_slots.append(spec.head[-1][1])
         self._static = static
         self._inputs_read = sorted(inputs_read)
+        self._ops = tuple(self._ops)
+        if all(kind == "fresh" for kind, _ in self._name_slots):
+            self._node_hints = tuple(hints[slot] for _, slot in self._name_slots)
 
     @classmethod
     def record(cls, emit: Emitter) -> Template | None:
@@ -116,10 +123,15 @@ class Template:
         """The replaced node's inputs that the stamped nodes take as input."""
         return {site.node.input[i] for i in self._inputs_read}
 
+    @property
+    def ops(self) -> tuple[str, ...]:
+        """The op of each node a stamp creates (as reports write ops), shared by every stamp."""
+        return self._ops
+
     def stamp(
         self, site: Site, names: NameAllocator, prefix: str, metadata: tuple[bytes, bytes]
-    ) -> tuple[list[bytes], list[tuple[str, str]]]:
-        """Encoded nodes and (name, op) pairs for ``site``, as a build would have produced them."""
+    ) -> tuple[list[bytes], Sequence[str]]:
+        """Encoded nodes and created node names for ``site``, as a build would have produced them."""
         if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
             raise ValueError("template_key promised a structure this node does not have")
         fresh = [names.fresh(prefix + hint) for hint in self._hints]
@@ -128,11 +140,16 @@ class Template:
         table.extend(metadata)
         join = b"".join
         nodes = [join([table[i] for i in indices]) for indices in self._indices]
-        created = [
-            (fresh[v] if k == "fresh" else v.decode(), op)
-            for (k, v), op in zip(self._name_slots, self._ops, strict=True)
-        ]
-        return nodes, created
+        if self._node_hints is None:
+            return nodes, tuple(fresh[v] if k == "fresh" else v.decode() for k, v in self._name_slots)
+        # A name differs from <prefix><hint> only when a clash appended "_N": then it is longer.
+        base = len(prefix)
+        clashes = {
+            i: fresh[slot]
+            for i, (_, slot) in enumerate(self._name_slots)
+            if len(fresh[slot]) != base + len(self._hints[slot])
+        }
+        return nodes, CreatedNames(prefix, self._node_hints, clashes or None)
 
 
 def _length_prefixed(b: bytes) -> bytes:
