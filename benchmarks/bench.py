@@ -6,13 +6,22 @@
 
 Cases (each a whole process, timed from outside; peak RSS from the kernel's accounting, wait4):
 
-chain-N   rewrite of an N-block DynamicQuantizeLinear -> MatMulInteger chain, against the floor:
-          ``onnx.load`` + ``onnx.save`` of the *rewritten* model in a bare Python process.
+chain-N   rewrite of an N-block DynamicQuantizeLinear -> MatMulInteger chain (5N nodes), against the
+          floor of ``onnx.load`` + ``onnx.save`` of the *input* in a bare Python process; the note
+          gives the output's size over the input's, peak RSS over the output file's size, and the
+          rewrite over a load + save of its own *output*.
 llm       rewrite of a 32-layer LLM-shaped model with 4 GB of external weights, to another folder
           (weights streamed into a new data file) against the floor of copying the data file alone
           (``cp``); and with ``--reference-external-data`` (zero copy) in the same folder.
-verify    ``onnx-qrewrite verify`` of a model against its rewrite, against a bare script that
-          creates the same two onnxruntime sessions and runs them on the same inputs.
+verify    ``onnx-qrewrite verify`` of a model against its rewrite (the chain, and the BERT-like
+          encoder), against a bare script that creates the same two onnxruntime sessions and runs
+          them on the same inputs.
+infer     onnxruntime latency of the rewritten model over the original's (a BERT-like encoder and a
+          CNN, made by onnxruntime.quantization.quantize_dynamic; default session options, i.e.
+          graph optimisation on, one intra-op thread), interleaved runs in one child process; the
+          note lists what onnxruntime's optimiser fused in each.
+startup   ``onnx-qrewrite --help``, ``rules`` and ``inspect`` of a small model, against
+          ``polygraphy --help`` (when polygraphy is installed: ``pip install polygraphy``).
 
 Medians of ``--repeat`` runs are reported. Models are generated once into ``--work-dir``.
 """
@@ -20,8 +29,10 @@ Medians of ``--repeat`` runs are reported. Models are generated once into ``--wo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.models import make_dql_chain, make_llm  # noqa: E402
+from benchmarks.models import make_bert, make_cnn, make_dql_chain, make_llm  # noqa: E402
 
 PY = sys.executable
 CLI = [PY, "-m", "onnx_qrewrite"]
@@ -87,10 +98,15 @@ def bench_chain(blocks: int, work: Path, repeat: int) -> Row:
         make_dql_chain(blocks, src)
     out = work / f"chain_{blocks}.portable.onnx"
     ours = measure([*CLI, "-q", "rewrite", str(src), "-o", str(out)], repeat)
-    floor = measure(_floor_load_save(out, work), repeat)
-    return Row(
-        f"chain-{blocks // 1000}k", floor, ours, f"{blocks * 5} nodes in, {ours.wall / blocks * 1e6:.0f} us/block"
+    floor_in = measure(_floor_load_save(src, work), repeat)
+    floor_out = measure(_floor_load_save(out, work), repeat)
+    size_in, size_out = src.stat().st_size, out.stat().st_size
+    note = (
+        f"{blocks * 5} nodes in; output {size_out / size_in:.2f}x the input's bytes; "
+        f"peak RSS {ours.rss_mb * 2**20 / size_out:.2f}x the output file; "
+        f"{ours.wall / floor_out.wall:.2f}x a load+save of the output; {ours.wall / blocks * 1e6:.0f} us/block"
     )
+    return Row(f"chain-{blocks // 1000}k", floor_in, ours, note)
 
 
 def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
@@ -114,26 +130,120 @@ def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
     ]
 
 
-def bench_verify(blocks: int, work: Path, repeat: int) -> Row:
-    src = work / f"chain_{blocks}.onnx"
-    if not src.exists():
-        make_dql_chain(blocks, src)
-    out = work / f"chain_{blocks}.portable.onnx"
-    subprocess.run([*CLI, "-q", "rewrite", str(src), "-o", str(out)], check=True)
-    inputs = work / f"chain_{blocks}.inputs.npz"
-    subprocess.run([*CLI, "-q", "verify", str(src), str(out), "--save-inputs", str(inputs)], check=True)
-    ours = measure([*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)], repeat)
-    bare = (
+def _bare_sessions(src: Path, out: Path, inputs: Path) -> list[str]:
+    """Two onnxruntime sessions with verify's default settings, run on the same saved inputs."""
+    code = (
         "import numpy as np, onnxruntime as ort\n"
         "so = ort.SessionOptions(); so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
+        "so.intra_op_num_threads = 1\n"
         f"feeds = dict(np.load({str(inputs)!r}))\n"
-        "names = sorted({k.split('/')[-1] for k in feeds})\n"
         f"for path in ({str(src)!r}, {str(out)!r}):\n"
         "    s = ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])\n"
         "    for k, v in feeds.items(): s.run(None, {s.get_inputs()[0].name: v})\n"
     )
-    floor = measure([PY, "-c", bare], repeat)
-    return Row(f"verify chain-{blocks // 1000}k", floor, ours, "two ORT sessions + runs on the same inputs")
+    return [PY, "-c", code]
+
+
+def bench_verify(src: Path, label: str, work: Path, repeat: int) -> Row:
+    out = work / f"{src.stem}.portable.onnx"
+    subprocess.run([*CLI, "-q", "rewrite", str(src), "-o", str(out)], check=True)
+    inputs = work / f"{src.stem}.inputs.npz"
+    subprocess.run([*CLI, "-q", "verify", str(src), str(out), "--save-inputs", str(inputs)], check=True)
+    ours = measure([*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)], repeat)
+    floor = measure(_bare_sessions(src, out, inputs), repeat)
+    return Row(f"verify {label}", floor, ours, "two ORT sessions + runs on the same inputs")
+
+
+def _small_models(work: Path) -> tuple[Path, Path]:
+    bert, cnn = work / "bert_tiny.onnx", work / "cnn_small.onnx"
+    if not bert.exists():
+        make_bert(bert)
+    if not cnn.exists():
+        make_cnn(cnn)
+    return bert, cnn
+
+
+#: Run by the infer case in a child process: interleaved timing of several models in one process.
+_INFER_CHILD = r"""
+import json, statistics, sys, time
+import numpy as np, onnx, onnxruntime as ort
+spec = json.loads(sys.argv[1])
+sessions, fused = [], []
+for i, path in enumerate(spec["paths"]):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.optimized_model_filepath = spec["optimized"][i]
+    so.log_severity_level = 3
+    sessions.append(ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]))
+    ops = {}
+    for n in onnx.load(spec["optimized"][i]).graph.node:
+        ops[n.op_type] = ops.get(n.op_type, 0) + 1
+    fused.append(ops)
+inp = sessions[0].get_inputs()[0]
+rng = np.random.default_rng(0)
+shape = spec["shape"]
+if inp.type == "tensor(int64)":
+    x = rng.integers(0, 1000, shape).astype(np.int64)
+else:
+    x = rng.standard_normal(shape).astype(np.float32)
+feeds = {inp.name: x}
+outs = [s.run(None, feeds)[0] for s in sessions]
+same = all(np.array_equal(o.view(np.uint8), outs[0].view(np.uint8)) for o in outs[1:])
+times = [[] for _ in sessions]
+budget = spec["seconds"] / spec["rounds"] / len(sessions)
+t0 = time.perf_counter(); sessions[0].run(None, feeds); one = time.perf_counter() - t0
+n = max(3, int(budget / max(one, 1e-6)))
+for _ in range(spec["rounds"]):
+    for k, s in enumerate(sessions):
+        t = time.perf_counter()
+        for _ in range(n):
+            s.run(None, feeds)
+        times[k].append((time.perf_counter() - t) / n)
+print(json.dumps({"median": [statistics.median(t) for t in times], "fused": fused, "same": same}))
+"""
+
+#: Ops whose count tells what onnxruntime fused around (dynamic) quantization.
+_FUSION_OPS = ("DynamicQuantizeMatMul", "MatMulIntegerToFloat", "DynamicQuantizeLinear", "QuantizeLinear")
+
+
+def bench_infer(model: Path, label: str, shape: list[int], work: Path, seconds: float) -> Row:
+    rewritten = work / f"{model.stem}.portable.onnx"
+    subprocess.run([*CLI, "-q", "rewrite", str(model), "-o", str(rewritten)], check=True)
+    spec = {
+        "paths": [str(model), str(rewritten)],
+        "optimized": [str(work / f"{model.stem}.ort.onnx"), str(work / f"{model.stem}.portable.ort.onnx")],
+        "shape": shape,
+        "rounds": 7,
+        "seconds": seconds,
+    }
+    proc = subprocess.run([PY, "-c", _INFER_CHILD, json.dumps(spec)], check=True, capture_output=True, text=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    original, ours = result["median"]
+
+    def fused(ops: dict[str, int]) -> str:
+        return ", ".join(f"{ops[k]} {k}" for k in _FUSION_OPS if ops.get(k)) or "-"
+
+    note = f"ms per run; ORT fused original: {fused(result['fused'][0])}; rewrite: {fused(result['fused'][1])}" + (
+        "" if result["same"] else "; OUTPUTS DIFFER"
+    )
+    shape_text = "x".join(map(str, shape))
+    return Row(f"infer {label} {shape_text}", Sample(original * 1e3, 0.0), Sample(ours * 1e3, 0.0), note)
+
+
+def bench_startup(work: Path, repeat: int) -> list[Row]:
+    tool = Path(PY).parent / "onnx-qrewrite"
+    base = [str(tool)] if tool.exists() else CLI
+    poly = shutil.which("polygraphy", path=str(Path(PY).parent)) or shutil.which("polygraphy")
+    floor = measure([poly, "--help"], repeat) if poly else Sample(0.0, 0.0)
+    small = HERE.parent / "sample_models" / "dynamic_mlp.onnx"
+    rows = []
+    for label, args in (("--help", ["--help"]), ("rules", ["rules"]), ("inspect", ["inspect", str(small)])):
+        ours = measure([*base, *args], repeat)
+        rows.append(
+            Row(f"start-up {label}", floor, ours, "floor: polygraphy --help" if poly else "polygraphy not installed")
+        )
+    return rows
 
 
 def machine() -> str:
@@ -159,17 +269,21 @@ def table(rows: list[Row]) -> list[str]:
     for r in rows:
         floor = f"{r.floor.wall:.2f}" if r.floor.wall else "-"
         ratio = f"{r.ratio:.2f}x" if r.floor.wall else "-"
-        lines.append(f"| {r.case} | {floor} | {r.ours.wall:.2f} | {ratio} | {r.ours.rss_mb:.0f} | {r.note} |")
+        rss = f"{r.ours.rss_mb:.0f}" if r.ours.rss_mb else "-"
+        lines.append(f"| {r.case} | {floor} | {r.ours.wall:.2f} | {ratio} | {rss} | {r.note} |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", default="chain,llm,verify", help="comma-separated: chain, llm, verify")
-    parser.add_argument("--blocks", default="5000,20000,50000,100000", help="chain sizes")
+    parser.add_argument(
+        "--cases", default="chain,llm,verify,infer,startup", help="comma-separated: chain, llm, verify, infer, startup"
+    )
+    parser.add_argument("--blocks", default="20000,100000", help="chain sizes")
     parser.add_argument("--verify-blocks", type=int, default=5000)
     parser.add_argument("--weights-gb", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--infer-seconds", type=float, default=6.0, help="timing budget per infer case")
     parser.add_argument("--work-dir", type=Path, default=None, help="where models are generated (kept)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -177,14 +291,29 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     cases = {c.strip() for c in args.cases.split(",")}
     rows: list[Row] = []
+
+    def add(new: list[Row]) -> None:
+        rows.extend(new)
+        print("\n".join(table(new)[2:]), flush=True)
+
     if "chain" in cases:
         for blocks in (int(b) for b in args.blocks.split(",")):
-            rows.append(bench_chain(blocks, work, args.repeat))
-            print("\n".join(table(rows[-1:])[2:]), flush=True)
+            add([bench_chain(blocks, work, args.repeat)])
     if "llm" in cases:
-        rows.extend(bench_llm(work, args.repeat, args.weights_gb))
+        add(bench_llm(work, args.repeat, args.weights_gb))
     if "verify" in cases:
-        rows.append(bench_verify(args.verify_blocks, work, args.repeat))
+        chain = work / f"chain_{args.verify_blocks}.onnx"
+        if not chain.exists():
+            make_dql_chain(args.verify_blocks, chain)
+        add([bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat)])
+        add([bench_verify(_small_models(work)[0], "bert-tiny", work, args.repeat)])
+    if "infer" in cases:
+        bert, cnn = _small_models(work)
+        for shape in ([1, 8], [1, 64], [8, 64]):
+            add([bench_infer(bert, "bert-tiny", shape, work, args.infer_seconds)])
+        add([bench_infer(cnn, "cnn", [1, 3, 16, 16], work, args.infer_seconds)])
+    if "startup" in cases:
+        add(bench_startup(work, max(args.repeat, 5)))
     header = f"Machine: {machine()}; medians of {args.repeat} runs after a warm-up."
     out = [header, "", *table(rows)]
     print("\n".join(out))

@@ -347,6 +347,161 @@ def make_llm(
 
 
 # ---------------------------------------------------------------------------------------------------
+# Small real-shaped models for inference cost: a BERT-like encoder and a CNN, quantized the way users
+# quantize them (onnxruntime.quantization.quantize_dynamic), so the DynamicQuantizeLinear nodes, their
+# sharing and their MatMulInteger/ConvInteger consumers are exactly what that tool writes.
+
+
+class _FloatGraph:
+    """Nodes and float initializers of a float model, with readable unique names."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+
+    def op(self, op_type: str, inputs: list[str], name: str, **attrs: object) -> str:
+        self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        return name
+
+    def weight(self, name: str, shape: tuple[int, ...], std: float) -> str:
+        return self.const(name, (self.rng.standard_normal(shape) * std).astype(np.float32))
+
+    def linear(self, x: str, name: str, k: int, n: int) -> str:
+        w = self.weight(f"{name}.weight", (k, n), k**-0.5)
+        b = self.const(f"{name}.bias", (self.rng.standard_normal(n) * 0.02).astype(np.float32))
+        return self.op("Add", [self.op("MatMul", [x, w], f"{name}.matmul"), b], f"{name}.out")
+
+    def layer_norm(self, x: str, name: str, hidden: int) -> str:
+        gamma = self.const(f"{name}.weight", np.ones(hidden, np.float32))
+        beta = self.const(f"{name}.bias", np.zeros(hidden, np.float32))
+        return self.op("LayerNormalization", [x, gamma, beta], f"{name}.out", axis=-1, epsilon=1e-12)
+
+    def gelu(self, x: str, name: str) -> str:
+        """GELU written with Erf, as exporters write it: x * 0.5 * (1 + erf(x / sqrt(2)))."""
+        scaled = self.op("Div", [x, self.const(f"{name}.sqrt2", np.float32(math.sqrt(2.0)))], f"{name}.div")
+        erf = self.op("Erf", [scaled], f"{name}.erf")
+        one_plus = self.op("Add", [erf, self.const(f"{name}.one", np.float32(1.0))], f"{name}.add")
+        half = self.op("Mul", [x, self.const(f"{name}.half", np.float32(0.5))], f"{name}.half_x")
+        return self.op("Mul", [half, one_plus], f"{name}.out")
+
+
+def _quantize_dynamic(float_model: onnx.ModelProto, path: Path) -> Path:
+    """Quantize with onnxruntime's own tool (imported here: only these generators need it)."""
+    import tempfile
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "float.onnx"
+        onnx.save(float_model, src)
+        quantize_dynamic(src, path, weight_type=QuantType.QUInt8)
+    model = onnx.load(path)
+    model.ir_version = IR_VERSION
+    model.producer_name = PRODUCER
+    onnx.save(model, path)
+    return path
+
+
+def make_bert(
+    path: str | os.PathLike,
+    n_layers: int = 2,
+    hidden: int = 128,
+    heads: int = 2,
+    intermediate: int = 512,
+    vocab: int = 1024,
+    max_seq: int = 128,
+    seed: int = 0,
+) -> Path:
+    """A BERT-like encoder (bert-tiny sized by default), dynamically quantized by onnxruntime.
+
+    Word + position embeddings (Gather), LayerNormalization, per layer multi-head self-attention
+    (MatMul/Add projections, scaled MatMul, Softmax) and a GELU (Erf) feed-forward block, each with a
+    residual Add and LayerNormalization. Input ``input_ids`` int64 [batch, seq] (seq <= max_seq),
+    output ``last_hidden_state`` float [batch, seq, hidden]. Every weight MatMul becomes
+    DynamicQuantizeLinear -> MatMulInteger as quantize_dynamic writes it.
+    """
+    g = _FloatGraph(seed)
+    head_dim = hidden // heads
+    words = g.weight("embeddings.word", (vocab, hidden), 0.02)
+    positions = g.weight("embeddings.position", (max_seq, hidden), 0.02)
+    shape = g.op("Shape", ["input_ids"], "embeddings.shape")
+    seq = g.op("Gather", [shape, g.const("embeddings.one_index", np.array([1], np.int64))], "embeddings.seq_len")
+    zero = g.const("embeddings.zero_index", np.array([0], np.int64))
+    pos = g.op("Slice", [positions, zero, seq, zero], "embeddings.position_slice")
+    emb = g.op("Add", [g.op("Gather", [words, "input_ids"], "embeddings.word_lookup"), pos], "embeddings.sum")
+    x = g.layer_norm(emb, "embeddings.norm", hidden)
+    split = g.const("attention.split_shape", np.array([0, 0, heads, head_dim], np.int64))
+    merge = g.const("attention.merge_shape", np.array([0, 0, hidden], np.int64))
+    for i in range(n_layers):
+        p = f"layer.{i}"
+
+        def to_heads(t: str, perm: list[int], p: str = p) -> str:
+            return g.op("Transpose", [g.op("Reshape", [t, split], f"{t}.heads")], f"{t}.heads_t", perm=perm)
+
+        q = to_heads(g.linear(x, f"{p}.attention.query", hidden, hidden), [0, 2, 1, 3])
+        k = to_heads(g.linear(x, f"{p}.attention.key", hidden, hidden), [0, 2, 3, 1])
+        v = to_heads(g.linear(x, f"{p}.attention.value", hidden, hidden), [0, 2, 1, 3])
+        scores = g.op("MatMul", [q, k], f"{p}.attention.scores")
+        scaled = g.op(
+            "Div", [scores, g.const(f"{p}.attention.sqrt_d", np.float32(math.sqrt(head_dim)))], f"{p}.attention.scaled"
+        )
+        probs = g.op("Softmax", [scaled], f"{p}.attention.probs", axis=-1)
+        ctx = g.op("MatMul", [probs, v], f"{p}.attention.context")
+        ctx = g.op(
+            "Reshape",
+            [g.op("Transpose", [ctx], f"{p}.attention.context_t", perm=[0, 2, 1, 3]), merge],
+            f"{p}.attention.merged",
+        )
+        attn = g.linear(ctx, f"{p}.attention.output", hidden, hidden)
+        x = g.layer_norm(g.op("Add", [x, attn], f"{p}.attention.residual"), f"{p}.attention.norm", hidden)
+        up = g.gelu(g.linear(x, f"{p}.intermediate", hidden, intermediate), f"{p}.intermediate.gelu")
+        down = g.linear(up, f"{p}.output", intermediate, hidden)
+        x = g.layer_norm(g.op("Add", [x, down], f"{p}.output.residual"), f"{p}.output.norm", hidden)
+    g.nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"], name="last_hidden_state"))
+    graph = helper.make_graph(
+        g.nodes,
+        f"bert_{n_layers}x{hidden}",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", hidden])],
+        g.inits,
+    )
+    return _quantize_dynamic(_model(graph), Path(path))
+
+
+def make_cnn(
+    path: str | os.PathLike, channels: tuple[int, ...] = (16, 32, 64), classes: int = 10, seed: int = 0
+) -> Path:
+    """A small CNN (3x3 Conv + Relu stages, the later ones strided, global pooling, a linear head),
+    dynamically quantized by onnxruntime: every Conv becomes DynamicQuantizeLinear -> ConvInteger.
+    Input ``pixels`` float [batch, 3, height, width], output ``logits`` float [batch, classes]."""
+    g = _FloatGraph(seed)
+    x, c_in = "pixels", 3
+    for i, c_out in enumerate(channels):
+        w = g.weight(f"conv{i}.weight", (c_out, c_in, 3, 3), (9 * c_in) ** -0.5)
+        b = g.const(f"conv{i}.bias", np.zeros(c_out, np.float32))
+        stride = 1 if i == 0 else 2
+        conv = g.op("Conv", [x, w, b], f"conv{i}.out", pads=[1, 1, 1, 1], strides=[stride, stride])
+        x, c_in = g.op("Relu", [conv], f"conv{i}.relu"), c_out
+    pooled = g.op("GlobalAveragePool", [x], "pool.out")
+    flat = g.op("Flatten", [pooled], "flatten.out", axis=1)
+    logits = g.linear(flat, "head", c_in, classes)
+    g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits"))
+    graph = helper.make_graph(
+        g.nodes,
+        "cnn_" + "_".join(map(str, channels)),
+        [helper.make_tensor_value_info("pixels", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
+        g.inits,
+    )
+    return _quantize_dynamic(_model(graph), Path(path))
+
+
+# ---------------------------------------------------------------------------------------------------
 # Command line
 
 
