@@ -9,7 +9,17 @@ policy, not a fact about the emitted ops). Changing a number here changes what t
 
 from __future__ import annotations
 
-__all__ = ["BLOCKED", "DEQUANTIZE_LINEAR", "NBITS_UNPACKED", "PER_AXIS", "QUANTIZE_LINEAR", "describe", "qdq_opset"]
+__all__ = [
+    "BLOCKED",
+    "DECOMPOSE_DEQUANTIZE_INTEGER",
+    "DEQUANTIZE_LINEAR",
+    "FLOAT16_SCALE",
+    "NBITS_UNPACKED",
+    "PER_AXIS",
+    "QUANTIZE_LINEAR",
+    "describe",
+    "qdq_opset",
+]
 
 #: QuantizeLinear: uint32, float16 and bfloat16 as the quantized type have no kernel.
 QUANTIZE_LINEAR: dict[str, int] = {
@@ -30,6 +40,11 @@ DEQUANTIZE_LINEAR: dict[str, int] = {**QUANTIZE_LINEAR, "int32": 10}
 PER_AXIS = 13
 #: Blocked quantization (``block_size``) exists from opset 21.
 BLOCKED = 21
+#: DequantizeLinear with a float16 scale (and output) exists from opset 19.
+FLOAT16_SCALE = 19
+#: The Cast/Sub/Mul dequantization of integer types (Cast to float64 included): Sub/Mul 7, Cast 6.
+#: 10 so that a model kept at opset 10 (the first with DequantizeLinear) can use it.
+DECOMPOSE_DEQUANTIZE_INTEGER = 10
 #: MatMulNBits unpacked into Cast/Sub/Mul/Reshape/Slice/MatMul: Slice with inputs needs 10.
 NBITS_UNPACKED = 10
 

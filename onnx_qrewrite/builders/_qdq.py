@@ -24,6 +24,7 @@ from onnx_qrewrite.graph import Scope, dtype_name
 __all__ = [
     "AXIS_DEFAULT",
     "DIRECTION",
+    "FLOAT16",
     "INTEGER_RANGES",
     "REQUIRE_ZERO_POINT",
     "STANDARD_SAME_SHAPE_OPS",
@@ -63,6 +64,13 @@ AXIS_DEFAULT = Option(
 )
 REQUIRE_ZERO_POINT = Option(
     "require_zero_point", bool, False, doc="the vendor kernel takes exactly three inputs (x, scale, zero point)"
+)
+FLOAT16 = Option(
+    "float16",
+    bool,
+    False,
+    doc="also x (quantize), scale and y (dequantize) in float16: onnxruntime's contrib kernels compute those "
+    "in float32 (measured), the emitted ops then do too",
 )
 
 
@@ -130,6 +138,8 @@ class QDQNode:
     scale_shape: tuple[int | None, ...] | None
     zp_shape: tuple[int | None, ...] | None
     site: Site = dataclasses.field(repr=False, compare=False)
+    #: The float side (x of a quantize, scale and y of a dequantize): "float32" or "float16".
+    float_type: str = "float32"
 
     # Values are read only when a decision needs them (most rewrites never do): converting every
     # scale and zero point to numpy was most of the matching time on a 20k-node model.
@@ -198,12 +208,14 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
     Site, which the engine creates once per node and shares between its candidate rules.
     """
     axis_default, require_zp = options["axis_default"], options["require_zero_point"]
+    float16 = bool(options.get("float16", False))
     return site.memo(
-        ("qdq-read", quantize, axis_default, require_zp), lambda: _read_qdq(site, axis_default, require_zp, quantize)
+        ("qdq-read", quantize, axis_default, require_zp, float16),
+        lambda: _read_qdq(site, axis_default, require_zp, quantize, float16),
     )
 
 
-def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -> QDQNode:
+def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool, float16: bool = False) -> QDQNode:
     node = site.node
     n_inputs = len(node.input)
     if require_zp and (n_inputs != 3 or not all(node.input)):
@@ -223,12 +235,20 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
     dtype = quantized_dtype(site, quantize=quantize)
 
     float_input = x if quantize else None
+    float_types = {_FLOAT, onnx.TensorProto.FLOAT16} if float16 else {_FLOAT}
+    found: set[int] = set()
     for name, what in ((float_input, "x"), (scale, "scale")):
         if not name:
             continue
         elem = site.elem_type(name)
-        if elem is not None and elem != _FLOAT:
-            raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; only float32 is supported")
+        if elem is not None and elem not in float_types:
+            supported = "float32 and float16 are" if float16 else "only float32 is"
+            raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; {supported} supported")
+        if elem is not None:
+            found.add(elem)
+    if len(found) > 1:
+        raise NoMatch(f"malformed node: x and scale {scale!r} have different float types")
+    float_type = "float16" if onnx.TensorProto.FLOAT16 in found else "float32"
     if not quantize:
         for name, what in ((x, "x"), (zp, "zero point")):
             elem = site.elem_type(name)
@@ -283,6 +303,7 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool) -
         scale_shape=scale_shape,
         zp_shape=zp_shape,
         site=site,
+        float_type=float_type,
     )
 
 

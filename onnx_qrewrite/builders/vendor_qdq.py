@@ -65,6 +65,7 @@ Cast<f32>(zp)), s)``). The default, "strict", stops with an explanation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,6 +77,7 @@ from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
     AXIS_DEFAULT,
     DIRECTION,
+    FLOAT16,
     INTEGER_RANGES,
     PER_AXIS,
     PER_TENSOR,
@@ -120,6 +122,7 @@ class StandardQDQBuilder:
             DIRECTION,
             AXIS_DEFAULT,
             REQUIRE_ZERO_POINT,
+            FLOAT16,
             Option(
                 "int32_in_int64",
                 bool,
@@ -146,6 +149,13 @@ class StandardQDQBuilder:
         needed = kernel_opsets.qdq_opset(quantize, q.dtype, per_axis=q.granularity != PER_TENSOR)
         if needed is None:
             raise NoMatch(f"standard {op} has no {q.dtype} kernel in onnxruntime")
+        if q.float_type == "float16":
+            if quantize:
+                raise NoMatch(
+                    "float16 x: the standard QuantizeLinear's float16 kernel differs from the contrib one "
+                    "(+inf gives 0 for unsigned types, NaN gives qmax for signed ones; measured)"
+                )
+            needed = max(needed, kernel_opsets.FLOAT16_SCALE)
         int32_in_int64 = not quantize and q.dtype == "int32" and options["int32_in_int64"]
         if int32_in_int64 and q.zero_point and (q.zp_value is None or np.any(q.zp_value != 0)):
             raise NoMatch(
@@ -209,6 +219,7 @@ class QDQDecomposeBuilder:
             DIRECTION,
             AXIS_DEFAULT,
             REQUIRE_ZERO_POINT,
+            FLOAT16,
             Option(
                 "overflow",
                 str,
@@ -229,7 +240,12 @@ class QDQDecomposeBuilder:
             {"Div", "Round", "Cast", "Add", "Clip", "Abs", "Less", "Where", "IsNaN", "Not", "Sub", "Mul", "Reshape"}
         ),
         preserves_shape=True,
-        opset=lambda options, dtypes: str(QDQDecomposeBuilder.MIN_OPSET),
+        opset=lambda options, dtypes: (
+            f"{kernel_opsets.DECOMPOSE_DEQUANTIZE_INTEGER} (integer types; "
+            f"bfloat16/float16: {QDQDecomposeBuilder.MIN_OPSET})"
+            if options["direction"] == "dequantize"
+            else str(QDQDecomposeBuilder.MIN_OPSET)
+        ),
     )
 
     def quantized_dtype(self, site: Site) -> str | None:
@@ -247,13 +263,18 @@ class QDQDecomposeBuilder:
                 f"{q.describe('kernel')} needs the rank of x {q.x!r} to broadcast the scale, and the model "
                 "does not record it (no value_info); run onnx shape inference on the model first"
             )
+        if q.float_type == "float16" and q.dtype not in INTEGER_RANGES:
+            raise NoMatch(f"float16 x or scale with {q.dtype}: not lowered")
         if q.dtype == "float16":
             f16 = self._float16_semantics(site, q, f16)
             notes.append(f"float16 semantics: {f16}")
         elif q.dtype in INTEGER_RANGES and quantize:
             notes.append(f"overflow: {overflow}")
+        if q.float_type == "float16":
+            notes.append("float16 x/scale computed in float32, as the contrib kernel")
+        integer_dequantize = not quantize and q.dtype in INTEGER_RANGES
         return Plan(
-            min_opset=self.MIN_OPSET,
+            min_opset=kernel_opsets.DECOMPOSE_DEQUANTIZE_INTEGER if integer_dequantize else self.MIN_OPSET,
             notes=tuple(notes),
             data={"qdq": q, "overflow": overflow, "float16_semantics": f16},
         )
@@ -295,9 +316,15 @@ class QDQDecomposeBuilder:
                 emit.op1("Cast", [q.x], y, to=_T.FLOAT)
             return
         scale, zp = scale_and_zero_point(emit, q, for_elementwise=True)
+        if q.float_type == "float16":  # onnxruntime's contrib kernels compute in float32 (measured)
+            scale = emit.op1("Cast", [scale], to=_T.FLOAT, hint="ScaleToFloat")
+            if q.quantize:
+                q = dataclasses.replace(q, x=emit.op1("Cast", [q.x], to=_T.FLOAT, hint="ToFloat"))
         if q.dtype in INTEGER_RANGES:
             if q.quantize:
                 self._quantize_integer(emit, q, scale, zp, y, plan.data["overflow"])
+            elif q.float_type == "float16":
+                emit.op1("Cast", [self._dequantize_integer(emit, q, scale, zp, None)], y, to=_T.FLOAT16)
             else:
                 self._dequantize_integer(emit, q, scale, zp, y)
         elif q.quantize:  # bfloat16, or float16 with the documented semantics
@@ -355,7 +382,7 @@ class QDQDecomposeBuilder:
         chosen = emit.op1("Where", [in_range, clipped, fallback])
         emit.op1("Cast", [chosen], y, to=_ONNX_TYPES[q.dtype])
 
-    def _dequantize_integer(self, emit: Emitter, q: QDQNode, scale: str, zp: str, y: str) -> None:
+    def _dequantize_integer(self, emit: Emitter, q: QDQNode, scale: str, zp: str, y: str | None) -> str:
         onnx_c, _ = self._compute_type(q.dtype)
         if not zp or (q.zp_value is not None and not np.any(q.zp_value)):
             # x - 0: a single rounding of x to float32, whichever route.
@@ -365,7 +392,7 @@ class QDQDecomposeBuilder:
             # rounded once to float32, like the kernel's (float)((int64)x - zp).
             diff = emit.op1("Sub", [emit.op1("Cast", [q.x], to=onnx_c), emit.op1("Cast", [zp], to=onnx_c)])
             value = diff if onnx_c == _T.FLOAT else emit.op1("Cast", [diff], to=_T.FLOAT)
-        emit.op1("Mul", [value, scale], y)
+        return emit.op1("Mul", [value, scale], y)
 
 
 def _broadcast_constant(q: QDQNode, values: np.ndarray) -> np.ndarray:
