@@ -42,7 +42,6 @@ OTHER_QUANT_OPS = frozenset(
         "MatMulBnb4",
         "MatMulIntegerToFloat",
         "DynamicQuantizeMatMul",
-        "GatherBlockQuantized",
     }
 )
 

@@ -1,0 +1,114 @@
+"""com.microsoft GatherBlockQuantized -> Gather + blocked DequantizeLinear, bit for bit against
+onnxruntime's CPU kernel: every storage (uint8 with bits 4 and 8, int4, uint4), with and without
+zero points, block sizes 16-128 with a partial last block, negative and repeated indices."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.builders.matmul_nbits import pack
+
+RNG = np.random.default_rng(17)
+
+
+def gbq_model(storage: str, with_zp: bool, block: int, vocab: int = 50, hidden: int = 80, **attrs):
+    bits = 8 if storage == "uint8-8" else 4
+    nb = -(-hidden // block)
+    q = RNG.integers(0, 2**bits, (vocab, hidden)).astype(np.uint8)
+    zp = RNG.integers(0, 2**bits, (vocab, nb)).astype(np.uint8)
+    scale = RNG.uniform(1e-3, 1.0, (vocab, nb)).astype(np.float32)
+    scale.flat[:3] = [0.0, 1e-40, 3e30]
+    attrs = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, **attrs}
+    if storage.startswith("uint8"):
+        attrs["bits"] = bits
+        data, zps = (pack(q, 4), pack(zp, 4)) if bits == 4 else (q, zp)
+    elif storage == "int4":
+        data = (q.astype(np.int16) - 8).astype(ml_dtypes.int4)
+        zps = (zp.astype(np.int16) - 8).astype(ml_dtypes.int4)
+    else:
+        data, zps = q.astype(ml_dtypes.uint4), zp.astype(ml_dtypes.uint4)
+    inits = [numpy_helper.from_array(data, "table"), numpy_helper.from_array(scale, "scales")]
+    inputs = ["table", "ids", "scales"]
+    if with_zp:
+        inits.append(numpy_helper.from_array(zps, "zps"))
+        inputs.append("zps")
+    node = helper.make_node("GatherBlockQuantized", inputs, ["emb"], name="gbq", domain="com.microsoft", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["b", "s", hidden])],
+        inits,
+    )
+    return helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+CASES = [(s, z, b) for s in ("uint8-4", "uint8-8", "int4", "uint4") for z in (False, True) for b in (16, 32, 128)]
+
+
+@rule_marker("gather-block-quantized", "positive")
+@pytest.mark.parametrize("storage, with_zp, block", CASES, ids=[f"{s}-zp{z}-bs{b}" for s, z, b in CASES])
+def test_gathered_rows_dequantize_bit_for_bit(storage, with_zp, block):
+    original = gbq_model(storage, with_zp, block)
+    result = onnx_qrewrite.rewrite(original)
+    assert result.report.by_rule() == {"gather-block-quantized": 1}
+    assert op_types(result.model) == ["Gather", "Gather"] + ["Gather"] * with_zp + ["DequantizeLinear"]
+    assert {o.domain for o in result.model.opset_import} == {""}
+    ids = np.concatenate([np.arange(-50, 50), [0, 0, 49, -1]]).reshape(8, 13).astype(np.int64)
+    feeds = {"ids": ids}
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"{storage}, zp {with_zp}")
+
+
+@rule_marker("gather-block-quantized", "negative")
+def test_other_axes_and_runtime_tables_are_not_lowered():
+    original = gbq_model("uint4", False, 16, gather_axis=1, quantize_axis=0)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="gather_axis=1, quantize_axis=0 on rank 2"):
+        onnx_qrewrite.rewrite(original)
+    original = gbq_model("uint8-4", True, 16)
+    table = original.graph.initializer[0]
+    original.graph.input.append(helper.make_tensor_value_info("table", TensorProto.UINT8, list(table.dims)))
+    original.graph.initializer.remove(table)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="data 'table' is computed at run time"):
+        onnx_qrewrite.rewrite(original)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_an_embedding_and_matmul_quantized_by_onnxruntimes_quantizer(symmetric):
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    from onnx_qrewrite.verify import verify
+
+    rng = np.random.default_rng(0)
+    table = numpy_helper.from_array(rng.standard_normal((100, 64)).astype(np.float32), "E")
+    weight = numpy_helper.from_array(rng.standard_normal((64, 32)).astype(np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["e"], axis=0), helper.make_node("MatMul", ["e", "W"], ["y"])],
+        "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 5, 32])],
+        [table, weight],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    config = DefaultWeightOnlyQuantConfig(
+        block_size=32,
+        is_symmetric=symmetric,
+        op_types_to_quantize=("MatMul", "Gather"),
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
+    )
+    quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+    quantizer.process()
+    original = quantizer.model.model
+    assert [n.op_type for n in original.graph.node] == ["GatherBlockQuantized", "MatMulNBits"]
+    result = onnx_qrewrite.rewrite(original)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert result.report.by_rule() == {"gather-block-quantized": 1, "matmul-nbits-blocked-dq": 1}
+    ids = rng.integers(0, 100, (3, 5)).astype(np.int64)
+    report = verify(original, result.model, inputs={"ids": ids})
+    assert report.passed, report.to_table()
