@@ -367,3 +367,20 @@ def test_an_npz_declaring_a_huge_array_is_refused_before_reading_it(toy, tmp_pat
     result = invoke("verify", toy["original"], toy["good"], "--inputs", path)
     assert result.exit_code == 2, result.output
     assert "its arrays would take 4.0 TiB (4398046511104 bytes), more than the 1.0 GiB bound" in result.output
+
+
+def test_rewrite_verify_that_proves_nothing_or_cannot_run_leaves_no_output(tmp_path):
+    from conftest import SAMPLES
+
+    out = tmp_path / "mlp.onnx"
+    empty = invoke("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify", "--input-shape", "input:0,64")
+    assert empty.exit_code == EXIT_INCONCLUSIVE, empty.output
+    assert "verification proved nothing (--keep-failed keeps it)" in empty.output and not out.exists()
+    kept = invoke(
+        "rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify", "--input-shape", "input:0,64", "--keep-failed"
+    )
+    assert kept.exit_code == EXIT_INCONCLUSIVE and out.exists()
+    out.unlink()
+    bad = invoke("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify", "--input-shape", "nope:1,64")
+    assert bad.exit_code == 2 and "--input-shape: the model has no input named 'nope'" in bad.output
+    assert list(tmp_path.iterdir()) == []

@@ -60,7 +60,13 @@ def _rewrite_one(task: _Task) -> Outcome:
         if task.verify is not None:
             from onnx_qrewrite.verify import verify
 
-            report = verify(task.model, task.output, progress=progress, **task.verify)
+            try:
+                report = verify(task.model, task.output, progress=progress, **task.verify)
+            except BaseException:
+                # A verification that could not run (a bad --input-shape name, a model onnxruntime
+                # refuses, Ctrl-C) proved nothing: the output goes, as on a disagreement.
+                _remove_output(task.output, info.data_path)
+                raise
     finally:
         progress.close()
     outcome = Outcome(0, task.model)
@@ -83,9 +89,7 @@ def _rewrite_one(task: _Task) -> Outcome:
         if not report.passed:
             outcome.exit_code = report.exit_code
             if not task.keep_failed:
-                for path in (Path(task.output), info.data_path):
-                    if path is not None:
-                        path.unlink(missing_ok=True)
+                _remove_output(task.output, info.data_path)
                 why = "verification failed" if report.verdict_key == "failed" else "verification proved nothing"
                 outcome.lines.append(f"  removed {task.output}: {why} (--keep-failed keeps it)")
     return outcome
@@ -114,6 +118,13 @@ def _target_runtime(profile: Any, asked: str | None) -> str:
         )
         return "onnxruntime"
     return runtime
+
+
+def _remove_output(output: str, data_path: Path | None) -> None:
+    """Remove an output model and the external data file written with it (never a referenced input's)."""
+    for path in (Path(output), data_path):
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
