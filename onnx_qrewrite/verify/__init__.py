@@ -37,7 +37,7 @@ from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.verify._ort import ort
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
-from onnx_qrewrite.verify.hazards import Hazard, find_nan_hazard
+from onnx_qrewrite.verify.hazards import Hazard, NanHazardCheck
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
@@ -380,13 +380,9 @@ def verify(
         failing = _failing_samples(per_output)
         if failing:
             feeds = {sample.name: sample.feeds for sample in used}
+            nan_check = NanHazardCheck(original_model, lambda model: make_runner(model, "original"))
             for name in failing:
-                hazard = find_nan_hazard(
-                    original_model,
-                    name,
-                    feeds[name],
-                    lambda model, values, name=name: make_runner(model, "original").run(feeds[name], values),
-                )
+                hazard = nan_check.check(name, feeds[name])
                 if hazard is not None:
                     logger.info("sample %s is inconclusive: %s", name, hazard.describe())
                     hazards.append(hazard)

@@ -7,7 +7,7 @@ the NaN's position and on the thread count, so two runs of the *same* model can 
 rewrite can match it. ``-inf`` and ``+inf`` are deterministic there (zero point 255, or a range
 that overflows to inf) and are reproduced exactly, so only NaN is a hazard.
 
-When a sample fails, :func:`find_nan_hazard` runs the original once more with the inputs of such
+When a sample fails, :class:`NanHazardCheck` runs the original once more with the inputs of such
 nodes exposed as outputs; a NaN reaching one of them makes the sample *inconclusive* (it is
 excluded from the verdict and named in the report) instead of a plain disagreement. Only
 main-graph nodes are checked (what a session can expose as outputs).
@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 
-__all__ = ["NAN_NONDETERMINISTIC", "Hazard", "find_nan_hazard"]
+__all__ = ["NAN_NONDETERMINISTIC", "Hazard", "NanHazardCheck"]
 
 #: (domain, op_type) -> why a NaN in its first input makes its result unrepeatable.
 NAN_NONDETERMINISTIC: Mapping[tuple[str, str], str] = {
@@ -61,37 +62,46 @@ def _sensitive_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]
     return nodes
 
 
-def find_nan_hazard(
-    model: onnx.ModelProto,
-    sample_name: str,
-    feeds: Mapping[str, np.ndarray],
-    run_exposed: Callable[[onnx.ModelProto, list[str]], Mapping[str, np.ndarray]],
-) -> Hazard | None:
-    """The first main-graph node of ``model`` (topological order) whose input holds NaN on this
-    sample and whose kernel is not deterministic on NaN; None when there is none.
+class NanHazardCheck:
+    """Finds, per sample, the first main-graph node of ``model`` (topological order) whose input
+    holds NaN and whose kernel is not deterministic on NaN.
 
-    ``run_exposed(model_with_outputs, names)`` runs a copy of the model with ``names`` exposed and
-    returns their values (the verifier's session settings); it is called only when ``model`` has
-    such nodes whose inputs are not graph inputs."""
-    nodes = _sensitive_nodes(model)
-    if not nodes:
+    ``open_runner(model_with_outputs)`` opens a session on a copy of the model with those inputs
+    exposed (the verifier's session settings); it is called at most once, and only when the model
+    has such nodes whose inputs are not graph inputs, so checking many failing samples costs one
+    extra session, not one per sample."""
+
+    def __init__(self, model: onnx.ModelProto, open_runner: Callable[[onnx.ModelProto], Any]) -> None:
+        self.model = model
+        self.nodes = _sensitive_nodes(model)
+        self._open_runner = open_runner
+        self._runner: Any = None
+
+    def _exposed_runner(self, names: list[str]) -> Any:
+        if self._runner is None:
+            exposed = onnx.ModelProto()
+            exposed.CopyFrom(self.model)
+            present = {o.name for o in exposed.graph.output}
+            for name in names:
+                if name not in present:
+                    exposed.graph.output.append(onnx.ValueInfoProto(name=name))
+            self._runner = self._open_runner(exposed)
+        return self._runner
+
+    def check(self, sample_name: str, feeds: Mapping[str, np.ndarray]) -> Hazard | None:
+        """The hazard on this sample, or None."""
+        if not self.nodes:
+            return None
+        names = list(dict.fromkeys(node.input[0] for node, _ in self.nodes))
+        values: dict[str, np.ndarray] = {n: feeds[n] for n in names if n in feeds}
+        inner = [n for n in names if n not in values]
+        if inner:
+            values.update(self._exposed_runner(inner).run(feeds, inner))
+        for node, why in self.nodes:
+            value = values.get(node.input[0])
+            if value is None or value.dtype.kind in "iub":
+                continue
+            count = int(np.isnan(value.astype(np.float64)).sum())
+            if count:
+                return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, why)
         return None
-    names = list(dict.fromkeys(node.input[0] for node, _ in nodes))
-    values: dict[str, np.ndarray] = {n: feeds[n] for n in names if n in feeds}
-    inner = [n for n in names if n not in values]
-    if inner:
-        exposed = onnx.ModelProto()
-        exposed.CopyFrom(model)
-        present = {o.name for o in exposed.graph.output}
-        for name in inner:
-            if name not in present:
-                exposed.graph.output.append(onnx.ValueInfoProto(name=name))
-        values.update(run_exposed(exposed, inner))
-    for node, why in nodes:
-        value = values.get(node.input[0])
-        if value is None or value.dtype.kind in "iub":
-            continue
-        count = int(np.isnan(value.astype(np.float64)).sum())
-        if count:
-            return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, why)
-    return None
