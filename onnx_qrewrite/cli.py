@@ -62,9 +62,15 @@ class _LazyGroup(click.Group):
             return None
         module, attr = target.split(":")
         try:
-            return getattr(importlib.import_module(module), attr)
+            command = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError):
             return None
+        if not any("--quiet" in p.opts for p in command.params):
+            # Every subcommand takes -v/-q after its name too, including ones added later.
+            from onnx_qrewrite.commands.options import global_options
+
+            global_options(command)
+        return command
 
     def invoke(self, ctx: click.Context):
         try:

@@ -198,3 +198,13 @@ def test_unwritable_report_is_a_usage_error_before_any_work(tmp_path, option):
     assert not out.exists()
     proc = cli("verify", SAMPLE, SAMPLE, option, "/no/such/folder/r.out")
     assert proc.returncode == 2 and "does not exist" in _one_error_line(proc)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("onnx_qrewrite.cli").cli.SUBCOMMANDS))
+def test_every_subcommand_takes_the_global_options_after_its_name(name):
+    from click.testing import CliRunner
+
+    from onnx_qrewrite.cli import main
+
+    result = CliRunner().invoke(main, [name, "-h"])
+    assert result.exit_code == 0 and "-q, --quiet" in result.output and "-v, --verbose" in result.output
