@@ -338,3 +338,35 @@ def test_int4_constants_do_not_share_a_name_with_equal_uint4_bytes():
     a = pool.get(np.array([1, 2], ml_dtypes.int4))
     b = pool.get(np.array([1, 2], ml_dtypes.uint4))
     assert a != b
+
+
+def _as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same node with A, scales, float zero points, bias and Y in float16."""
+    out = copy.deepcopy(model)
+    for value in (*out.graph.input, *out.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for i, t in enumerate(out.graph.initializer):
+        if t.data_type == TensorProto.FLOAT:
+            out.graph.initializer[i].CopyFrom(
+                numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name)
+            )
+    return out
+
+
+@rule_marker("matmul-nbits-blocked-dq", "positive")
+@pytest.mark.parametrize("bits, zp", [(4, "none"), (4, "uint8"), (4, "float"), (8, "uint8")])
+def test_float16_a_is_computed_in_float32_like_the_kernel(bits, zp):
+    k = 2 * 32 + 5
+    original = _as_float16(nbits_model(k, 12, bits, 32, zp, bias=True, a_shape=(k,))[0])
+    result = onnx_qrewrite.rewrite(original)
+    ops = op_types(result.model)
+    assert ops.count("Cast") >= 3 and ops[-3:] == ["Add", "Cast", "Relu"] and "MatMul" in ops
+    eye = np.eye(k, dtype=np.float16)
+    got, want = run(result.model, {"A": eye})["Y"], run(original, {"A": eye})["Y"]
+    assert_bitwise_equal(got, want, f"float16, {bits}-bit, zero points {zp}: weights + bias")
+    a = (RNG.standard_normal((k, k)) * 2).astype(np.float16)
+    got, want = run(result.model, {"A": a})["Y"], run(original, {"A": a})["Y"]
+    # float32 sums within the summation bound, then one float16 rounding each: at most one float16 ulp apart.
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    ulp = np.spacing(np.maximum(np.abs(got), np.abs(want)).astype(np.float16)).astype(np.float64)
+    assert np.all(diff <= ulp), f"{np.max(diff / ulp):g} float16 ulp"

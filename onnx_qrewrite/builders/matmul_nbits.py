@@ -93,6 +93,8 @@ class _Read:
     zp: np.ndarray | None  # uint8 or float32 [N, n_blocks]; None: the default 2^(bits-1)
     bias: str
     accuracy_level: int
+    #: A, scales (and bias, float zero points, Y) are float16; computed in float32 as the kernel does.
+    float16: bool = False
 
     @property
     def float_zero_point(self) -> bool:
@@ -126,8 +128,8 @@ def _read(site: Site) -> _Read:
     if site.input(4):
         raise NoMatch(f"g_idx {site.input(4)!r} (act-order): its kernel ignores uint8 zero points; not lowered")
     a_type = site.elem_type(site.input(0))
-    if a_type is not None and a_type != _T.FLOAT:
-        raise NoMatch(f"A {site.input(0)!r} is {dtype_name(a_type)}; only float32 is lowered")
+    if a_type is not None and a_type not in (_T.FLOAT, _T.FLOAT16):
+        raise NoMatch(f"A {site.input(0)!r} is {dtype_name(a_type)}; float32 and float16 are lowered")
     n_blocks = -(-k // block_size)
     b = site.constant(site.input(1))
     if b is None:
@@ -141,11 +143,14 @@ def _read(site: Site) -> _Read:
     scale = site.constant(site.input(2))
     if scale is None:
         raise NoMatch(f"scales {site.input(2)!r} are computed at run time; only constants are lowered")
-    if scale.dtype != np.float32 or scale.size != n * n_blocks:
+    if scale.dtype not in (np.float32, np.float16) or scale.size != n * n_blocks:
         raise NoMatch(
             f"malformed node: scales {site.input(2)!r} are {scale.dtype} with {scale.size} elements, "
-            f"expected float32 with N * n_blocks = {n * n_blocks}"
+            f"expected float32 or float16 with N * n_blocks = {n * n_blocks}"
         )
+    float16 = scale.dtype == np.float16
+    if (a_type == _T.FLOAT16) != float16 and a_type is not None:
+        raise NoMatch(f"malformed node: A is {dtype_name(a_type)}, scales are {scale.dtype}")
     zp: np.ndarray | None = None
     if site.input(3):
         raw = site.constant(site.input(3))
@@ -158,21 +163,24 @@ def _read(site: Site) -> _Read:
                     f"malformed node: zero points {site.input(3)!r} have {raw.size} bytes, expected {n * per_row}"
                 )
             zp = unpack(raw, bits, n, n_blocks)
-        elif raw.dtype == np.float32 and bits == 4:
+        elif raw.dtype == scale.dtype and bits == 4:
             if raw.size != n * n_blocks:
                 raise NoMatch(
                     f"malformed node: zero points {site.input(3)!r} have {raw.size} elements, not {n * n_blocks}"
                 )
-            zp = raw.reshape(n, n_blocks)
+            zp = raw.reshape(n, n_blocks).astype(np.float32)  # float16 ones: the kernel widens them
         else:
             raise NoMatch(f"zero points {site.input(3)!r} of type {raw.dtype} with bits={bits} are not lowered")
     bias = site.input(5)
     if bias:
         b_type = site.elem_type(bias)
-        if b_type is not None and b_type != _T.FLOAT:
-            raise NoMatch(f"bias {bias!r} is {dtype_name(b_type)}, not float32")
+        if b_type is not None and b_type != (_T.FLOAT16 if float16 else _T.FLOAT):
+            raise NoMatch(f"malformed node: bias {bias!r} is {dtype_name(b_type)}, scales are {scale.dtype}")
     q = unpack(b, bits, n, n_blocks * block_size)
-    return _Read(k, n, bits, block_size, n_blocks, q, scale.reshape(n, n_blocks), zp, bias, accuracy_level)
+    # float16 scales: the CPU kernel (x86) widens A, scales, zero points and bias to float32, computes
+    # in float32 and rounds the result to float16 (measured).
+    scale32 = scale.reshape(n, n_blocks).astype(np.float32)
+    return _Read(k, n, bits, block_size, n_blocks, q, scale32, zp, bias, accuracy_level, float16)
 
 
 class MatMulNBitsBuilder:
@@ -238,11 +246,16 @@ class MatMulNBitsBuilder:
         read: _Read = plan.data["read"]
         weights = self._blocked(emit, read) if options["form"] == _BLOCKED else self._unpacked(emit, read)
         y = site.node.output[0]
-        if not read.bias:
-            emit.op1("MatMul", [site.input(0), weights], y)
-            return
-        product = emit.op1("MatMul", [site.input(0), weights])
-        emit.op1("Add", [product, read.bias], y)
+        a, bias = site.input(0), read.bias
+        if read.float16:
+            a = emit.op1("Cast", [a], to=_T.FLOAT, hint="AToFloat")
+            bias = emit.op1("Cast", [bias], to=_T.FLOAT, hint="BiasToFloat") if bias else ""
+        out = None if read.float16 else y
+        value = emit.op1("MatMul", [a, weights], None if bias else out)
+        if bias:
+            value = emit.op1("Add", [value, bias], out)
+        if read.float16:
+            emit.op1("Cast", [value], y, to=_T.FLOAT16, hint="ToFloat16")
 
     @staticmethod
     def _blocked(emit: Emitter, read: _Read) -> str:
