@@ -492,3 +492,27 @@ def test_the_input_check_accepts_onnxruntimes_onnx_domain_op_and_nothing_else(tm
     model.graph.node[0].op_type = "SimplifiedLayerNormalizationX"
     with pytest.raises(onnx_qrewrite.InvalidModelError, match="No Op registered for SimplifiedLayerNormalizationX"):
         onnx_qrewrite.rewrite(model)
+
+
+def test_a_model_fused_by_onnxruntime_transformers_optimizer(tmp_path):
+    # onnxruntime.transformers.optimizer (model_type "bert", attention fusion off: Attention is not
+    # lowered) writes SkipLayerNormalization with its bias, BiasGelu and QuickGelu.
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    original = _tiny_transformer()
+    path = tmp_path / "tiny_transformer.onnx"
+    onnx.save(original, path)
+    options = FusionOptions("bert")
+    options.enable_attention = False
+    optimized = optimize_model(
+        str(path), model_type="bert", num_heads=0, hidden_size=0, optimization_options=options, opt_level=0
+    )
+    optimized.save_model_to_file(str(tmp_path / "fused.onnx"))  # as users get it: with its opset imports
+    fused = onnx.load(tmp_path / "fused.onnx")
+    contrib = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}
+    assert contrib == {"SkipLayerNormalization", "BiasGelu", "QuickGelu"}
+    result = onnx_qrewrite.rewrite(fused)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    report = verify(fused, result.model)
+    assert report.passed, report.to_table()
