@@ -10,7 +10,8 @@ Targets without a runtime here (tensorrt, nnapi, coreml, webgpu, tflite) get the
 only. Latency: the fastest of ``--repeat`` runs after one warm-up (the least disturbed by other
 work on a shared machine), one thread where the runtime takes a thread count, inputs from the
 model's recorded ``.inputs.npz``. QNN runs on the HTP simulator: its latency says nothing about a
-device.
+device. TFLite runs in its own interpreter process per call (verify/runtimes.py), so its latency is
+mostly that process starting, not the model.
 """
 
 from __future__ import annotations
@@ -78,11 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", default="openvino,tract,qnn,tensorrt,nnapi,coreml,webgpu,tflite,onnx")
     args = parser.parse_args(argv)
 
-    import importlib
-
     from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.errors import MissingDependencyError
     from onnx_qrewrite.targets import load_target, plan_for_target
-    from onnx_qrewrite.verify.runtimes import RUNTIMES
+    from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
 
     catalogue = load_rules()
     from onnx_qrewrite import rewrite
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         runtime = profile.runtime if profile.runtime in RUNTIMES and profile.runtime != "onnxruntime" else None
         if runtime is not None:
             try:
-                importlib.import_module(RUNTIMES[runtime].module)
-            except ImportError:
-                print(f"{target}: {RUNTIMES[runtime].distribution} not installed; counts only", file=sys.stderr)
+                runtime_info(runtime)
+            except MissingDependencyError as exc:
+                print(f"{target}: {exc}; counts only", file=sys.stderr)
                 runtime = None
         for path in MODELS:
             plan = plan_for_target(path, catalogue, profile)

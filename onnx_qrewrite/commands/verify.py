@@ -148,11 +148,12 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
         ),
         click.option(
             "--runtime",
-            type=click.Choice(["onnxruntime", "openvino", "tract", "qnn"]),
+            type=click.Choice(["onnxruntime", "openvino", "tract", "qnn", "tflite"]),
             default="onnxruntime",
             show_default=True,
             help="Run the rewritten model on this runtime (the original stays in onnxruntime); each is an "
-            "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn).",
+            "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn); tflite runs in a Python 3.12+ environment "
+            "of its own, named by $ONNX_QREWRITE_TFLITE_PYTHON.",
         ),
         click.option(
             "--providers",

@@ -55,7 +55,41 @@ RUNTIMES: dict[str, RuntimeSpec] = {
     "openvino": RuntimeSpec("openvino", "openvino", "openvino", 1e-5, 1e-4),
     "tract": RuntimeSpec("tract", "tract", "tract", 1e-5, 1e-4),
     "qnn": RuntimeSpec("onnxruntime_qnn", "onnxruntime-qnn", "qnn", 5e-2, 5e-2),
+    # Runs in its own interpreter (see tflite_python): the module is looked for there.
+    "tflite": RuntimeSpec("onnx2tf", "onnx2tf", "tflite", 1e-5, 1e-4),
 }
+
+#: The Python (3.12+) that has onnx2tf and ai-edge-litert, when it is not this one.
+TFLITE_PYTHON_ENV = "ONNX_QREWRITE_TFLITE_PYTHON"
+TFLITE_SETUP = (
+    "python3.12 -m venv tflite-venv && tflite-venv/bin/pip install onnx2tf ai-edge-litert, "
+    f"then set {TFLITE_PYTHON_ENV}=tflite-venv/bin/python"
+)
+
+
+def tflite_python() -> str:
+    """The interpreter that converts with onnx2tf and runs ai-edge-litert: ``$ONNX_QREWRITE_TFLITE_PYTHON``,
+    else this one if it has both. onnx2tf 2.x needs Python 3.12+ and pins its own onnx and
+    onnxruntime, so it normally lives in an environment of its own."""
+    import importlib.util
+    import os
+    import sys
+
+    given = os.environ.get(TFLITE_PYTHON_ENV)
+    if given:
+        if not Path(given).is_file():
+            raise UsageError(f"{TFLITE_PYTHON_ENV}={given}: no such file")
+        return given
+    try:
+        here = all(importlib.util.find_spec(m) is not None for m in ("onnx2tf", "ai_edge_litert"))
+    except ImportError:
+        here = False
+    if here:
+        return sys.executable
+    raise MissingDependencyError(
+        "--runtime tflite needs onnx2tf 2.x and ai-edge-litert on Python 3.12+, in their own environment "
+        f"(onnx2tf pins its own onnx and onnxruntime): {TFLITE_SETUP}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +106,8 @@ class RuntimeInfo:
 def _require(name: str) -> Any:
     if name not in RUNTIMES:
         raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {name!r}")
+    if name == "tflite":
+        return tflite_python()
     spec = RUNTIMES[name]
     try:
         return importlib.import_module(spec.module)
@@ -101,6 +137,14 @@ def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> 
         settings = {"device": "CPU", "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": str(threads or 0)}
     elif name == "tract":
         settings = {"value_info": "dropped", "input facts": "from the inputs given", "optimisation": "into_model"}
+    elif name == "tflite":
+        python = tflite_python()
+        settings = {
+            "converter": "onnx2tf (default flatbuffer_direct path, NCHW inputs kept)",
+            "interpreter": "ai-edge-litert, float32 model",
+            "python": python,
+        }
+        return RuntimeInfo(name, _child_versions(python), settings, spec.atol, spec.rtol)
     else:
         settings = {
             "backend_type": "htp",
@@ -110,6 +154,17 @@ def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> 
             "input shapes": "symbolic dims fixed from --input-shape (default 1)",
         }
     return RuntimeInfo(name, _version(spec.distribution), settings, spec.atol, spec.rtol)
+
+
+def _child_versions(python: str) -> str | None:
+    import subprocess
+
+    code = (
+        "import importlib.metadata as m; "
+        "print(f\"onnx2tf {m.version('onnx2tf')}, ai-edge-litert {m.version('ai-edge-litert')}\")"
+    )
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    return done.stdout.strip() or None
 
 
 def _input_types(model: onnx.ModelProto) -> dict[str, str]:
@@ -302,6 +357,52 @@ class QnnRunner(_Runner):
         return dict(zip(names, values, strict=True))
 
 
+class TFLiteRunner(_Runner):
+    """onnx2tf converts a private copy (it rewrites its input in place), ai-edge-litert runs the
+    float32 .tflite; both in :func:`tflite_python`'s interpreter, through _tflite_child.py."""
+
+    _CHILD = str(Path(__file__).with_name("_tflite_child.py"))
+
+    def __init__(self, model: onnx.ModelProto, *, label: str) -> None:
+        super().__init__(model, label, "tflite")
+        self._python = tflite_python()
+        copy = self._write(model)
+        out = self._call("convert", str(copy), str(Path(self._tmp.name) / "tflite"), what="(onnx2tf) cannot convert")
+        self._tflite = out.strip().splitlines()[-1]
+        self._runs = 0
+
+    def _call(self, *args: str, what: str) -> str:
+        import subprocess
+
+        done = subprocess.run(
+            [self._python, self._CHILD, *args], capture_output=True, text=True, timeout=1800, check=False
+        )
+        if done.returncode < 0:
+            raise InvalidModelError(f"{self.label}: tflite {what} the model: it crashed (signal {-done.returncode})")
+        if done.returncode != 0:
+            lines = [
+                line
+                for line in done.stderr.splitlines()
+                if line.strip() and "it/s" not in line and not line.startswith("INFO:")
+            ]
+            raise InvalidModelError(f"{self.label}: tflite {what} the model: {lines[-1] if lines else done.returncode}")
+        return done.stdout
+
+    def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        self._runs += 1
+        inputs = Path(self._tmp.name) / f"in{self._runs}.npz"
+        result = Path(self._tmp.name) / f"out{self._runs}.npz"
+        try:
+            np.savez(inputs, **{n: np.ascontiguousarray(feeds[n]) for n in self.input_names})
+        except KeyError as exc:
+            raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
+        self._call("run", self._tflite, str(inputs), str(result), what="(ai-edge-litert) cannot run")
+        with np.load(result) as values:
+            got = {k: values[k] for k in values.files}
+        wanted = list(outputs) if outputs is not None else list(self.output_types)
+        return {n: got[n] for n in wanted if n in got}
+
+
 def make_runner(
     runtime: str,
     model: onnx.ModelProto,
@@ -317,4 +418,6 @@ def make_runner(
         return TractRunner(model, label=label)
     if runtime == "qnn":
         return QnnRunner(model, label=label, shapes=shapes or {})
+    if runtime == "tflite":
+        return TFLiteRunner(model, label=label)
     raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
