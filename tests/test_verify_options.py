@@ -384,3 +384,28 @@ def test_rewrite_verify_that_proves_nothing_or_cannot_run_leaves_no_output(tmp_p
     bad = invoke("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify", "--input-shape", "nope:1,64")
     assert bad.exit_code == 2 and "--input-shape: the model has no input named 'nope'" in bad.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option", ["--save-outputs", "--save-inputs", "--report", "--junit"])
+def test_verify_never_writes_a_file_it_reads(toy, tmp_path, option):
+    original = tmp_path / "o.onnx"
+    original.write_bytes(toy["original"].read_bytes())
+    before = original.read_bytes()
+    proc = cli("verify", original, toy["good"], option, original)
+    assert proc.returncode == 2
+    assert one_error_line(proc.stderr) == (
+        f"onnx-qrewrite: error: {option} {original}: is the same file as {original}, which this invocation "
+        "reads; choose another path"
+    )
+    assert original.read_bytes() == before
+
+
+def test_two_outputs_of_verify_cannot_be_one_file(toy, tmp_path):
+    same = tmp_path / "same.npz"
+    result = invoke("verify", toy["original"], toy["good"], "--save-inputs", same, "--save-outputs", same)
+    assert (
+        result.exit_code == 2
+        and "--save-outputs" in result.output
+        and "is also given to --save-inputs" in result.output
+    )
+    assert not same.exists()

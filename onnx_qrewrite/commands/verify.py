@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,14 @@ def verify_command(
         save_inputs=options.get("save_inputs"),
         save_outputs=options.get("save_outputs"),
     )
+    _refuse_writing_what_is_read(
+        [m for pair in pairs for m in pair if m is not None]
+        + [p for p in (options.get("inputs_file"), load_outputs, options.get("custom_op_library")) if p],
+        report=report_path,
+        junit=junit_path,
+        save_inputs=options.get("save_inputs"),
+        save_outputs=options.get("save_outputs"),
+    )
     kwargs = verify_kwargs(**options)
     if load_outputs is not None:
         kwargs["load_outputs"] = load_outputs
@@ -412,6 +421,30 @@ def verify_command(
         )
     if worst:
         ctx.exit(worst)
+
+
+def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None:
+    """No file verify writes (reports, saved inputs or outputs) may be a file it reads (the models,
+    --inputs, --load-outputs), compared by inode, nor two of them one file: a usage error naming
+    both, before any work."""
+    from onnx_qrewrite import model_io, outputs
+
+    reads: dict[tuple[int, int], Path] = {}
+    for path in read:
+        try:
+            reads.setdefault(outputs.file_id(os.stat(path)), Path(path))
+        except OSError:
+            continue  # a missing input is reported when it is opened
+    seen: dict[str, str] = {}
+    for key, path in written.items():
+        if not path:
+            continue
+        option = "--" + key.replace("_", "-")
+        model_io.refuse_clash(Path(path), reads, option)
+        resolved = os.path.realpath(path)
+        if resolved in seen:
+            raise UsageError(f"{option} {path}: is also given to {seen[resolved]}; give each its own file")
+        seen[resolved] = option
 
 
 def emit_report(report: Any, *, report_path: str | None, junit_path: str | None, quiet: bool) -> None:
