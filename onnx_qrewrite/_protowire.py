@@ -138,24 +138,20 @@ def encode_node_chunks(
     # Tag, length and body as separate pieces of ONE join: wrapping each body in a field first
     # would copy every node once more (a whole output's worth of memory at the peak).
     chunks: list[bytes] = []
-    append = chunks.append
+    extend = chunks.extend
     small = _SMALL_VARINTS
-
-    def add(body: bytes) -> None:
-        n = len(body)
-        append(tag)
-        append(small[n] if n < 16384 else _varint(n))
-        append(body)
-
+    get = replacements.get
     for body in prepend:
-        add(body)
+        extend((tag, _varint(len(body)), body))
     for index, node in enumerate(container.node):
-        new = replacements.get(index)
+        new = get(index)
         if new is None:
-            add(node.SerializeToString())
-        else:
-            for body in new:
-                add(body)
+            body = node.SerializeToString()
+            extend((tag, _varint(len(body)), body))
+            continue
+        for body in new:  # inlined: this loop runs once per created node (260k on a 20k-block chain)
+            n = len(body)
+            extend((tag, small[n] if n < 16384 else _varint(n), body))
     return chunks
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -266,6 +266,23 @@ class NameAllocator:
     def release(self) -> None:
         """Forget the names (when no more will be drawn): frees the set of every name in the model."""
         self._used = set()
+
+    def fresh_all(self, prefix: str, hints: Sequence[str]) -> tuple[list[str], bool]:
+        """``fresh(prefix + hint)`` for each hint, and whether any name had to differ from that
+        (the common case, no clash, without a call per name: this runs once per created node)."""
+        used = self._used
+        add = used.add
+        out = []
+        clashed = False
+        for hint in hints:
+            name = prefix + hint
+            if name in used:
+                name = self.fresh(name)
+                clashed = True
+            else:
+                add(name)
+            out.append(name)
+        return out, clashed
 
     def fresh(self, base: str) -> str:
         name = base

@@ -134,22 +134,24 @@ class Template:
         """Encoded nodes and created node names for ``site``, as a build would have produced them."""
         if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
             raise ValueError("template_key promised a structure this node does not have")
-        fresh = [names.fresh(prefix + hint) for hint in self._hints]
-        table = [_length_prefixed(n.encode()) for n in (*fresh, *site.node.input, *site.node.output)]
+        fresh, clashed = names.fresh_all(prefix, self._hints)
+        small = _SMALL_VARINTS
+        encoded = [n.encode() for n in (*fresh, *site.node.input, *site.node.output)]
+        table = [small[len(e)] + e if len(e) < 16384 else _varint(len(e)) + e for e in encoded]
         table += self._static
         table.extend(metadata)
         join = b"".join
         nodes = [join([table[i] for i in indices]) for indices in self._indices]
         if self._node_hints is None:
             return nodes, tuple(fresh[v] if k == "fresh" else v.decode() for k, v in self._name_slots)
-        # A name differs from <prefix><hint> only when a clash appended "_N": then it is longer.
-        base = len(prefix)
-        clashes = {
-            i: fresh[slot]
-            for i, (_, slot) in enumerate(self._name_slots)
-            if len(fresh[slot]) != base + len(self._hints[slot])
-        }
-        return nodes, CreatedNames(prefix, self._node_hints, clashes or None)
+        clashes = None
+        if clashed:  # rare: keep the names that differ from <prefix><hint>
+            clashes = {
+                i: fresh[slot]
+                for i, (_, slot) in enumerate(self._name_slots)
+                if fresh[slot] != prefix + self._hints[slot]
+            }
+        return nodes, CreatedNames(prefix, self._node_hints, clashes)
 
 
 def _length_prefixed(b: bytes) -> bytes:
