@@ -56,22 +56,34 @@ class Sample:
     rss_mb: float
 
 
+#: GNU time reports the measured command's own peak RSS. The kernel's per-child ru_maxrss (wait4)
+#: does not: a child starts from this process's high-water mark (~90 MB once onnx is imported),
+#: so every small command would read as at least that.
+_TIME = "/usr/bin/time" if Path("/usr/bin/time").exists() else None
+
+
 def measure(cmd: list[str], repeat: int) -> Sample:
     """Median wall time and peak RSS of ``cmd`` over ``repeat`` runs (after one warm-up)."""
     walls, rss = [], []
     for i in range(repeat + 1):
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        _, status, usage = os.wait4(proc.pid, 0)
-        elapsed = time.perf_counter() - start
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise SystemExit(
-                f"benchmark command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.read().decode()}"
+        if _TIME:
+            proc = subprocess.run(
+                [_TIME, "-f", "%M", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False
             )
+            elapsed = time.perf_counter() - start
+            peak_kb = float(proc.stderr.decode().strip().splitlines()[-1]) if proc.returncode == 0 else 0.0
+            code, err = proc.returncode, proc.stderr
+        else:
+            child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _, status, usage = os.wait4(child.pid, 0)
+            elapsed = time.perf_counter() - start
+            code, err, peak_kb = os.waitstatus_to_exitcode(status), b"", usage.ru_maxrss
+        if code != 0:
+            raise SystemExit(f"benchmark command failed ({code}): {' '.join(cmd)}\n{err.decode()}")
         if i:  # the first run warms the page cache
             walls.append(elapsed)
-            rss.append(usage.ru_maxrss / 1024)
+            rss.append(peak_kb / 1024)
     return Sample(statistics.median(walls), statistics.median(rss))
 
 
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cases", default="chain,llm,verify,infer,startup", help="comma-separated: chain, llm, verify, infer, startup"
     )
     parser.add_argument("--blocks", default="20000,100000", help="chain sizes")
-    parser.add_argument("--verify-blocks", type=int, default=5000)
+    parser.add_argument("--verify-blocks", type=int, default=5000, help="chain size for verify (0: skip)")
     parser.add_argument("--weights-gb", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--infer-seconds", type=float, default=6.0, help="timing budget per infer case")
@@ -302,10 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     if "llm" in cases:
         add(bench_llm(work, args.repeat, args.weights_gb))
     if "verify" in cases:
-        chain = work / f"chain_{args.verify_blocks}.onnx"
-        if not chain.exists():
-            make_dql_chain(args.verify_blocks, chain)
-        add([bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat)])
+        if args.verify_blocks > 0:
+            chain = work / f"chain_{args.verify_blocks}.onnx"
+            if not chain.exists():
+                make_dql_chain(args.verify_blocks, chain)
+            add([bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat)])
         add([bench_verify(_small_models(work)[0], "bert-tiny", work, args.repeat)])
     if "infer" in cases:
         bert, cnn = _small_models(work)
