@@ -8,6 +8,7 @@ import contextlib
 import io
 import re
 import shutil
+import subprocess
 
 import onnx
 from conftest import REPO, SAMPLES
@@ -39,3 +40,13 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
         assert (tmp_path / name).is_file(), name
     assert isinstance(namespace["model"], onnx.ModelProto)
     assert not any(n.op_type == "DynamicQuantizeLinear" for n in namespace["model"].graph.node)
+
+
+def test_readme_command_outputs_are_ignored_by_git():
+    """README command 1 writes its output into the checkout: git must not offer to commit it."""
+    commands = re.findall(r"(?m)^python3 -m venv .*$", (REPO / "README.md").read_text())
+    outputs = [o for c in commands for o in re.findall(r"\s-o\s+(\S+)", c)]
+    assert outputs, "README command 1 no longer names an output (-o)"
+    for output in outputs:
+        proc = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", output], capture_output=True, timeout=30)
+        assert proc.returncode == 0, f"{output} is not ignored by git"
