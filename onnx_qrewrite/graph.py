@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import onnx
@@ -30,7 +30,7 @@ __all__ = [
     "subgraphs",
 ]
 
-_DTYPE_NAMES = {
+_DTYPE_NAMES: dict[int, str] = {
     onnx.TensorProto.FLOAT: "float32",
     onnx.TensorProto.DOUBLE: "float64",
     onnx.TensorProto.FLOAT16: "float16",
@@ -66,6 +66,14 @@ def default_opset(opset_imports) -> int | None:
     return None
 
 
+class _Records(NamedTuple):
+    """What a scope's own records say about its values (indexed together: one pass over them)."""
+
+    types: dict[str, int]
+    shapes: dict[str, tuple[int | None, ...] | None]
+    initializers: dict[str, onnx.TensorProto]
+
+
 @dataclasses.dataclass(eq=False)
 class Scope:
     """One node list and the values visible from it.
@@ -80,10 +88,8 @@ class Scope:
     parent: Scope | None
     #: The model's external data (opened and checked), for constants stored there.
     external: ExternalData | None = None
-    _types: dict[str, int] | None = dataclasses.field(default=None, repr=False)
+    _records: _Records | None = dataclasses.field(default=None, repr=False)
     _producers: dict[str, onnx.NodeProto] | None = dataclasses.field(default=None, repr=False)
-    _initializers: dict[str, onnx.TensorProto] | None = dataclasses.field(default=None, repr=False)
-    _shapes: dict[str, tuple[int | None, ...] | None] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_function(self) -> bool:
@@ -102,7 +108,13 @@ class Scope:
 
     # -- values --------------------------------------------------------------------------------
 
-    def _index_types(self) -> None:
+    def _own(self) -> _Records:
+        """This scope's own records, indexed on first use (and again after :meth:`invalidate`)."""
+        if self._records is None:
+            self._records = self._index_records()
+        return self._records
+
+    def _index_records(self) -> _Records:
         types: dict[str, int] = {}
         shapes: dict[str, tuple[int | None, ...] | None] = {}
         inits: dict[str, onnx.TensorProto] = {}
@@ -128,52 +140,55 @@ class Scope:
                 for attr in node.attribute:
                     if attr.name == "value":
                         types[node.output[0]] = attr.t.data_type
-        self._types, self._shapes, self._initializers = types, shapes, inits
+        return _Records(types, shapes, inits)
 
-    def _index_producers(self) -> None:
-        # Separate from the types: only constant look-ups need it, and it is the costly one.
-        self._producers = {out: node for node in self.container.node for out in node.output if out}
+    def _producer_index(self) -> dict[str, onnx.NodeProto]:
+        # Separate from the records: only constant look-ups need it, and it is the costly one.
+        if self._producers is None:
+            self._producers = {out: node for node in self.container.node for out in node.output if out}
+        return self._producers
 
     def invalidate(self) -> None:
         """Forget cached indexes after the node list or value_info changed."""
-        self._types = self._shapes = self._producers = self._initializers = None
+        self._records = None
+        self._producers = None
 
     def _outward(self) -> Iterator[Scope]:
-        """This scope, then each enclosing one, indexed: the order ONNX resolves names in."""
+        """This scope, then each enclosing one: the order ONNX resolves names in."""
         scope: Scope | None = self
         while scope is not None:
-            if scope._types is None:
-                scope._index_types()
             yield scope
             scope = scope.parent
 
     def elem_type(self, name: str) -> int | None:
         """Element type of a value visible here, or None when the model does not say."""
-        return next((s._types[name] for s in self._outward() if name in s._types), None)  # type: ignore[operator,index]
+        for scope in self._outward():
+            types = scope._own().types
+            if name in types:
+                return types[name]
+        return None
 
     @property
     def declared_types(self) -> dict[str, int]:
         """Element types this scope's own records give (value_info, initializers, Constants)."""
-        if self._types is None:
-            self._index_types()
-        return self._types  # type: ignore[return-value]
+        return self._own().types
 
     @property
     def recorded_shapes(self) -> dict[str, tuple[int | None, ...] | None]:
         """Static shapes this scope's own records give (inputs, outputs, value_info, initializers;
         None dims unknown). A name mapped to None is declared here with no shape."""
-        if self._shapes is None:
-            self._index_types()
-        return self._shapes  # type: ignore[return-value]
+        return self._own().shapes
 
     def producer(self, name: str) -> onnx.NodeProto | None:
-        if self._producers is None:
-            self._index_producers()
-        return self._producers.get(name)  # type: ignore[union-attr]
+        return self._producer_index().get(name)
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""
-        return next((s._initializers[name] for s in self._outward() if name in s._initializers), None)  # type: ignore[operator,index]
+        for scope in self._outward():
+            initializers = scope._own().initializers
+            if name in initializers:
+                return initializers[name]
+        return None
 
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initializer or Constant output visible here; None when computed at run time.
@@ -182,7 +197,7 @@ class Scope:
         here does not defeat lazy loading of the weights.
         """
         for scope in self._outward():
-            tensor = scope._initializers.get(name)  # type: ignore[union-attr]
+            tensor = scope._own().initializers.get(name)
             if tensor is not None:
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     external = self.root.external
@@ -252,7 +267,8 @@ class NameAllocator:
         for scope in iter_scopes(model):
             c = scope.container
             if isinstance(c, onnx.GraphProto):
-                used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info, c.initializer))
+                used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info))
+                used.update(t.name for t in c.initializer)
             else:
                 used.update(c.input)
                 used.update(c.output)
