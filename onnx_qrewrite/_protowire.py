@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import onnx
+from google.protobuf.message import Message
 
 __all__ = [
     "encode_attribute",
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 
-def _tag(message: type, field_name: str) -> bytes:
+def _tag(message: type[Message], field_name: str) -> bytes:
     number = message.DESCRIPTOR.fields_by_name[field_name].number
     return _varint((number << 3) | 2)  # wire type 2: length-delimited
 
@@ -73,7 +74,8 @@ def encode_metadata(entries: Sequence[tuple[str, str]]) -> bytes:
     )
 
 
-_OP_FIELDS: dict[tuple[str, str], bytes] = {}
+#: (op_type, domain) -> the encoded op_type field and the encoded domain field (empty if default).
+_OP_FIELDS: dict[tuple[str, str], tuple[bytes, bytes]] = {}
 
 
 def encode_node(
@@ -111,8 +113,8 @@ def node_tail(op_type: str, domain: str, attributes: bytes) -> bytes:
     if op_fields is None:
         op_field = _field(_NODE_OP, op_type.encode())
         domain_field = _field(_NODE_DOMAIN, domain.encode()) if domain else b""
-        _OP_FIELDS[op_type, domain] = op_fields = (op_field, domain_field)  # type: ignore[assignment]
-    return op_fields[0] + attributes + op_fields[1]  # type: ignore[index]
+        _OP_FIELDS[op_type, domain] = op_fields = (op_field, domain_field)
+    return op_fields[0] + attributes + op_fields[1]
 
 
 def encode_node_list(
