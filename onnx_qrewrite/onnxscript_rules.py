@@ -91,7 +91,9 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         domain = "" if self._ref.domain == ANY_DOMAIN else self._ref.domain
         return getattr(op, self._ref.op)(x, _domain=domain, _allow_other_inputs=True, _outputs=self._outputs)
 
-    def check(self, context, x, **_: Any):
+    def check(self, op: Any, *_: Any, **__: Any) -> Any:
+        # onnxscript passes the match context first; its base class names that parameter ``op``.
+        context = op
         result = pattern.MatchResult()
         node = context.root
         if not self._ref.matches(node.domain, node.op_type):

@@ -43,18 +43,27 @@ MODES = ("compact", "full", "none")
 DEFAULT_MODE = "compact"
 
 
+# Read-only members: protobuf messages and onnx_ir objects both satisfy them (a plain attribute
+# would be invariant, and a protobuf repeated field is not assignable as an Iterable).
 class _Entry(Protocol):
-    key: str
-    value: str
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
 
 
 class _Node(Protocol):
-    name: str
-    metadata_props: Iterable[_Entry]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def metadata_props(self) -> Iterable[_Entry]: ...
 
 
 class _Model(Protocol):
-    metadata_props: Iterable[_Entry]
+    @property
+    def metadata_props(self) -> Iterable[_Entry]: ...
 
 
 def check_mode(mode: str) -> str:

@@ -123,7 +123,7 @@ def _node_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, gr
     reasons: list[str] = []
     typed = [e for e in in_range if e.types is not None]
     if typed and len(typed) == len(in_range):
-        allowed = frozenset().union(*(e.types for e in typed))  # type: ignore[arg-type]
+        allowed = frozenset[str]().union(*(e.types for e in typed if e.types is not None))
         quant = node.op_type in _QDQ
         for name in node.input:
             if not name:
@@ -213,7 +213,9 @@ def _quantization_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetPro
     if not q.per_channel and scale is not None:
         shape = scope.recorded_shapes.get(scale)
         value = scope.constant(scale) if shape is None else None
-        size = int(np.prod(shape)) if shape and None not in shape else (value.size if value is not None else 1)
+        dims = [d for d in shape or () if d is not None]
+        known = shape is not None and len(dims) == len(shape)
+        size = int(np.prod(dims)) if shape and known else (value.size if value is not None else 1)
         if size > 1:
             out.append(f"{node.op_type} with per-channel scales: the target takes per-tensor scales only {src}")
     return out

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import onnx
@@ -188,7 +189,7 @@ def register_reference_kernels() -> str:
             f"onnxruntime-extensions (not installed): {VERIFY_EXTRA}, or give --custom-op-library"
         ) from None
 
-    pytype = {
+    pytype: dict[int, Any] = {
         TensorProto.FLOAT: PyCustomOpDef.dt_float,
         TensorProto.UINT8: PyCustomOpDef.dt_uint8,
         TensorProto.INT8: PyCustomOpDef.dt_int8,
@@ -287,7 +288,7 @@ class _Retargeter:
                 return self.types[name]
         return None
 
-    def _quark_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, object]]:
+    def _quark_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, Any]]:
         if len(node.input) != 3 or not all(node.input):
             raise InvalidModelError(f"{label}: needs exactly three inputs (x, scale, zero point)")
         x, scale, zp = node.input
@@ -300,9 +301,7 @@ class _Retargeter:
         axis = next((a.i for a in node.attribute if a.name == "axis"), kernels.QUARK_DEFAULT_AXIS)
         return variant, [x, scale, zp], {"axis": int(axis)}
 
-    def _dynamic_dequantize_call(
-        self, node: onnx.NodeProto, label: str
-    ) -> tuple[_Variant, list[str], dict[str, object]]:
+    def _dynamic_dequantize_call(self, node: onnx.NodeProto, label: str) -> tuple[_Variant, list[str], dict[str, Any]]:
         src, scales = node.input[0], node.input[1]
         zps = node.input[2] if len(node.input) > 2 and node.input[2] else None
         src_t, scale_t = self._type_of(src), self._type_of(scales)
