@@ -11,7 +11,7 @@ Field numbers come from the installed ``onnx`` descriptors, never hard-coded.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import onnx
 from google.protobuf.message import Message
@@ -119,7 +119,7 @@ def node_tail(op_type: str, domain: str, attributes: bytes) -> bytes:
 
 def encode_node_list(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: dict[int, Iterable[bytes]],
+    replacements: Mapping[int, Iterable[bytes]],
     prepend: Iterable[bytes] = (),
 ) -> bytes:
     """The container's ``node`` fields with ``node[i]`` replaced by ``replacements[i]``, in order.
@@ -159,7 +159,7 @@ def encode_node_chunks(
 
 def replace_nodes(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: dict[int, Iterable[bytes]],
+    replacements: Mapping[int, Iterable[bytes]],
     prepend: Iterable[bytes] = (),
 ) -> None:
     """Replace nodes in place: the new node list is parsed back in one C++ call."""
