@@ -27,6 +27,7 @@ __all__ = [
     "default_opset",
     "dtype_name",
     "iter_scopes",
+    "known_shape",
     "subgraphs",
 ]
 
@@ -56,6 +57,13 @@ _DTYPE_NAMES: dict[int, str] = {
 def dtype_name(elem_type: int) -> str:
     """Readable name of an ONNX element type, as used in rule files and reports."""
     return _DTYPE_NAMES.get(elem_type, onnx.TensorProto.DataType.Name(elem_type).lower())
+
+
+def known_shape(shape: Sequence[int | None] | None) -> tuple[int, ...] | None:
+    """``shape`` when the model records it with every dimension known; None otherwise."""
+    if shape is None or any(d is None for d in shape):
+        return None
+    return tuple(d for d in shape if d is not None)
 
 
 def default_opset(opset_imports) -> int | None:

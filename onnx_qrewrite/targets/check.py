@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 
-from onnx_qrewrite.graph import Scope, dtype_name, iter_scopes
+from onnx_qrewrite.graph import Scope, dtype_name, iter_scopes, known_shape
 from onnx_qrewrite.targets.profile import TargetProfile
 
 __all__ = ["Refused", "check_model", "model_level_reasons"]
@@ -213,9 +213,8 @@ def _quantization_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetPro
     if not q.per_channel and scale is not None:
         shape = scope.recorded_shapes.get(scale)
         value = scope.constant(scale) if shape is None else None
-        dims = [d for d in shape or () if d is not None]
-        known = shape is not None and len(dims) == len(shape)
-        size = int(np.prod(dims)) if shape and known else (value.size if value is not None else 1)
+        dims = known_shape(shape)
+        size = int(np.prod(dims)) if dims else (value.size if value is not None else 1)
         if size > 1:
             out.append(f"{node.op_type} with per-channel scales: the target takes per-tensor scales only {src}")
     return out
