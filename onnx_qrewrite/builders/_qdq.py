@@ -19,7 +19,7 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Site
 from onnx_qrewrite.contract import Option
-from onnx_qrewrite.graph import Scope, dtype_name
+from onnx_qrewrite.graph import Scope, dtype_name, known_shape
 
 __all__ = [
     "AXIS_DEFAULT",
@@ -261,35 +261,36 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool, f
     axis = int(site.attribute("axis", axis_default))
 
     granularity = DYNAMIC
-    if scale_shape is not None and all(d is not None for d in scale_shape):
-        size = math.prod(scale_shape)
+    scale_dims = known_shape(scale_shape)
+    if scale_dims is not None:
+        size = math.prod(scale_dims)
         if size == 1:
             granularity = PER_TENSOR
-        elif len(scale_shape) == 1:
+        elif len(scale_dims) == 1:
             granularity = PER_AXIS
         else:
             raise NoMatch(
-                f"malformed node: scale {scale!r} has shape {list(scale_shape)}; "
+                f"malformed node: scale {scale!r} has shape {list(scale_dims)}; "
                 "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)"
             )
-    if zp and zp_shape is not None and scale_shape is not None and None not in zp_shape and None not in scale_shape:
-        if math.prod(zp_shape) != math.prod(scale_shape):
+    zp_dims = known_shape(zp_shape)
+    if zp and zp_dims is not None and scale_dims is not None:
+        if math.prod(zp_dims) != math.prod(scale_dims):
             raise NoMatch(
-                f"malformed node: zero point {zp!r} has shape {list(zp_shape)}, scale {scale!r} "
-                f"has shape {list(scale_shape)}; they must have the same number of elements"
+                f"malformed node: zero point {zp!r} has shape {list(zp_dims)}, scale {scale!r} "
+                f"has shape {list(scale_dims)}; they must have the same number of elements"
             )
-        if granularity == PER_AXIS and len(zp_shape) != 1:
-            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_shape)}; per-axis needs 1-D")
+        if granularity == PER_AXIS and len(zp_dims) != 1:
+            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_dims)}; per-axis needs 1-D")
     x_shape = value_shape(site.scope, x, site.same_shape_ops) if granularity != PER_TENSOR else None
     if x_shape is not None:
         if len(x_shape) == 0:
             raise NoMatch(f"malformed node: x {x!r} is a scalar but the scale may have several elements")
         a = normalized_axis(axis, len(x_shape), site)
         dim = x_shape[a]
-        if granularity == PER_AXIS and dim is not None and scale_shape[0] != dim:  # type: ignore[index]
+        if granularity == PER_AXIS and dim is not None and scale_dims is not None and scale_dims[0] != dim:
             raise NoMatch(
-                f"malformed node: scale {scale!r} has {scale_shape[0]} elements but x {x!r} "  # type: ignore[index]
-                f"has {dim} along axis {axis}"
+                f"malformed node: scale {scale!r} has {scale_dims[0]} elements but x {x!r} has {dim} along axis {axis}"
             )
     return QDQNode(
         quantize=quantize,
@@ -363,8 +364,8 @@ def scale_and_zero_point(emit: Emitter, q: QDQNode, *, for_elementwise: bool) ->
             out.append(broadcast_operand(emit, name, value, q.rank, q.axis % q.rank))
         elif shape is not None and len(shape) == 1:
             out.append(name)
-        elif value() is not None:
-            out.append(emit.const(value().reshape(-1)))
+        elif (known := value()) is not None:
+            out.append(emit.const(known.reshape(-1)))
         else:
             out.append(emit.op1("Reshape", [name, emit.const(np.asarray([-1], np.int64))], hint="To1D"))
     return out[0], out[1]

@@ -46,7 +46,7 @@ class Template:
 
     def __init__(self, hints: list[str], nodes: list[_NodeSpec], n_inputs: int, n_outputs: int):
         self._hints = hints  # fresh-name suffixes, in the order the recording drew them
-        self._ops = [(spec.op_type if not spec.domain else f"{spec.domain}::{spec.op_type}") for spec in nodes]
+        self._ops = tuple((spec.op_type if not spec.domain else f"{spec.domain}::{spec.op_type}") for spec in nodes)
         self._n_in, self._n_out = n_inputs, n_outputs
         fresh, n_dynamic = len(hints), len(hints) + n_inputs + n_outputs
         static: list[bytes] = []
@@ -84,7 +84,6 @@ class Template:
             self._name_slots.append(spec.head[-1][1])
         self._static = static
         self._inputs_read = sorted(inputs_read)
-        self._ops = tuple(self._ops)
         if all(kind == "fresh" for kind, _ in self._name_slots):
             self._node_hints = tuple(hints[slot] for _, slot in self._name_slots)
 

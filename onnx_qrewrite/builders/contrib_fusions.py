@@ -204,7 +204,7 @@ class FusedGemmConvBuilder:
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op, attrs, clip = plan.data["activation"]
         y = site.node.output[0]
-        node_attrs = {a.name: a for a in site.node.attribute if not a.name.startswith("activation")}
+        node_attrs: dict[str, Any] = {a.name: a for a in site.node.attribute if not a.name.startswith("activation")}
         inputs = list(site.node.input)
         if options["op"] == "gemm":
             value = emit.op1("Gemm", inputs[:3], **node_attrs)

@@ -21,7 +21,7 @@ the scale is not float32) or "arithmetic". ``axis_default``: the axis when the a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from onnx_qrewrite.builders._qdq import (
     value_shape,
 )
 from onnx_qrewrite.contract import Contract, Option
-from onnx_qrewrite.graph import dtype_name
+from onnx_qrewrite.graph import dtype_name, known_shape
 
 __all__ = ["DynamicDequantizeBuilder"]
 
@@ -45,6 +45,11 @@ _SRC_TYPES = ("uint8", "int8")
 _ZP_TYPES = ("uint8", "int8", "int32")
 _SCALE_TYPES = {"float32": _T.FLOAT, "bfloat16": _T.BFLOAT16, "float16": _T.FLOAT16}
 _QTYPES = ("per_tensor", "per_channel")
+
+
+def _known(value: np.ndarray | None) -> Callable[[], np.ndarray | None]:
+    """A value already read, in the lazy form the operand helpers of _qdq take."""
+    return lambda: value
 
 
 class DynamicDequantizeBuilder:
@@ -130,13 +135,14 @@ class DynamicDequantizeBuilder:
         axis = int(site.attribute("axis", axis_default))
         if qtype == "per_tensor":
             for name, shape in ((scales, scale_shape), (zps, tuple(zp_value.shape) if zp_value is not None else None)):
-                if shape is not None and None not in shape and math.prod(shape) != 1:
+                dims = known_shape(shape)
+                if dims is not None and math.prod(dims) != 1:
                     raise NoMatch(
-                        f"malformed node: qtype per_tensor but {name!r} has shape {list(shape)} (one element expected)"
+                        f"malformed node: qtype per_tensor but {name!r} has shape {list(dims)} (one element expected)"
                     )
-        elif rank is not None:
-            axis = normalized_axis(axis, rank, site)
-            dim = src_shape[axis]  # type: ignore[index]
+        elif src_shape is not None:
+            axis = normalized_axis(axis, len(src_shape), site)
+            dim = src_shape[axis]
             if (
                 scale_shape is not None
                 and len(scale_shape) == 1
@@ -222,9 +228,9 @@ class DynamicDequantizeBuilder:
             if not name:
                 out.append("")
             elif not d["per_channel"]:
-                out.append(per_tensor_operand(emit, name, lambda v=value: v, None, scalar=True))
+                out.append(per_tensor_operand(emit, name, _known(value), None, scalar=True))
             else:
-                out.append(broadcast_operand(emit, name, lambda v=value: v, d["rank"], d["axis"]))
+                out.append(broadcast_operand(emit, name, _known(value), d["rank"], d["axis"]))
         return out[0], out[1]
 
 

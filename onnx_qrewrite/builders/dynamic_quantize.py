@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import onnx
@@ -52,9 +52,15 @@ SEMANTICS = ("onnxruntime", "spec")
 
 
 @functools.cache
+class _SchemaWithFunctions(Protocol):
+    """The C++ method of onnx's OpSchema that its type stubs do not list (onnx 1.17-1.23 have it)."""
+
+    def get_function_with_opset_version(self, opset: int) -> bytes: ...
+
+
 def spec_body(opset: int) -> onnx.FunctionProto:
     """The function body onnx defines for DynamicQuantizeLinear, as visible at ``opset``."""
-    schema = defs.get_schema("DynamicQuantizeLinear", opset, "")
+    schema = cast(_SchemaWithFunctions, defs.get_schema("DynamicQuantizeLinear", opset, ""))
     function = onnx.FunctionProto()
     function.ParseFromString(schema.get_function_with_opset_version(opset))
     return function
@@ -154,9 +160,9 @@ class DynamicQuantizeLinearBuilder:
     def _build_spec(site: Site, emit: Emitter, outputs: list[str]) -> None:
         body = spec_body(max(11, site.scope.default_opset))
         rename = {body.input[0]: site.node.input[0]}
-        for formal, actual in zip(body.output, outputs, strict=True):
-            if actual:
-                rename[formal] = actual
+        for formal, given in zip(body.output, outputs, strict=True):
+            if given:
+                rename[formal] = given
 
         def actual(formal: str) -> str:
             if formal and formal not in rename:

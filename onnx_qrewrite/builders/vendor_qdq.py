@@ -249,7 +249,7 @@ class QDQDecomposeBuilder:
     )
 
     def quantized_dtype(self, site: Site) -> str | None:
-        return StandardQDQBuilder.quantized_dtype(self, site)  # type: ignore[arg-type]
+        return quantized_dtype(site, quantize="dequantize" not in site.node.op_type.lower())
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         quantize = _direction(options)
@@ -367,7 +367,7 @@ class QDQDecomposeBuilder:
             limit = emit.const(_INT64_LIMIT, np.float32)
             in_range = emit.op1("Less", [emit.op1("Abs", [rounded]), limit], hint="FitsInt64")
             if not zp or q.zp_value is not None:
-                zp_values = _broadcast_constant(q, q.zp_value) if zp else np.zeros(())
+                zp_values = _broadcast_constant(q, q.zp_value) if zp and q.zp_value is not None else np.zeros(())
                 if not np.any(zp_values < 0):
                     fallback = lo_c
                 elif np.all(zp_values < 0):
