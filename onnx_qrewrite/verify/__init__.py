@@ -468,9 +468,9 @@ def _verify_stored(
     outputs = _merge(per_output, expected_types, runner.output_types, set())
     localization = None
     if not all(o.passed for o in outputs):
-        sample = next(iter(_failing_samples(per_output)), stored.samples[0].name)
+        first_failing = next(iter(_failing_samples(per_output)), stored.samples[0].name)
         localization = Localization(
-            sample, 0, note="no original model to localize against: the reference is stored outputs"
+            first_failing, 0, note="no original model to localize against: the reference is stored outputs"
         )
     return VerifyReport(
         original=f"{path} (outputs of {stored.model})",

@@ -277,11 +277,13 @@ def compare_values(
     exact, within, abs_error, magnitude = _errors(original, rewritten, tol)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_error = np.where(abs_error == 0, 0.0, np.where(np.isinf(abs_error), np.inf, abs_error / magnitude))
-    counts = {}
-    for side, values in (("original", original), ("rewritten", rewritten)):
-        as_float = values.astype(np.float64) if floating else None
-        counts[f"nan_{side}"] = int(np.isnan(as_float).sum()) if floating else 0
-        counts[f"inf_{side}"] = int(np.isinf(as_float).sum()) if floating else 0
+    nan = {"original": 0, "rewritten": 0}
+    inf = {"original": 0, "rewritten": 0}
+    if floating:
+        for side, values in (("original", original), ("rewritten", rewritten)):
+            as_float = values.astype(np.float64)
+            nan[side] = int(np.isnan(as_float).sum())
+            inf[side] = int(np.isinf(as_float).sum())
     mismatches = int(original.size - np.count_nonzero(within))
     worst = None
     if original.size and abs_error.max() > 0:
@@ -304,7 +306,10 @@ def compare_values(
         max_rel_error=float(rel_error.max()) if original.size else 0.0,
         worst=worst,
         failed_samples=(sample,) if mismatches else (),
-        **counts,
+        nan_original=nan["original"],
+        nan_rewritten=nan["rewritten"],
+        inf_original=inf["original"],
+        inf_rewritten=inf["rewritten"],
     )
 
 

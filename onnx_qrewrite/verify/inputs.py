@@ -50,6 +50,7 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -173,10 +174,9 @@ class GenerationOptions:
             raise UsageError(f"--samples: expected a count from 0 to {MAX_SAMPLES}, got {self.samples}")
         if not 0 <= self.seed <= MAX_SEED:
             raise UsageError(f"--seed: expected an integer from 0 to 2**64-1, got {self.seed}")
-        if self.int_range is not None:
-            lo, hi = self.int_range
-            if lo > hi:
-                raise UsageError(f"--int-range: the low end {lo} is above the high end {hi}")
+        if self.int_range is not None and self.int_range[0] > self.int_range[1]:
+            low, high = self.int_range
+            raise UsageError(f"--int-range: the low end {low} is above the high end {high}")
         for name, (lo, hi) in self.value_ranges.items():
             where = f"--val-range {name + ':' if name else ''}[{lo},{hi}]"
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -397,9 +397,8 @@ def _integer_bounds(spec: InputSpec, value_range: ValueRange) -> tuple[int, int]
 
 
 def _random(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, value_range: ValueRange) -> np.ndarray:
-    bounded = value_range.low is not None and value_range.high is not None
     if spec.elem_type in _FLOAT_TYPES:
-        if bounded:
+        if value_range.low is not None and value_range.high is not None:
             return rng.uniform(value_range.low, value_range.high, size=shape).astype(np.float32).astype(spec.dtype)
         return rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
     if spec.elem_type in _INT_TYPES:
@@ -556,6 +555,7 @@ def _encode(array: np.ndarray) -> np.ndarray:
 
 def save_samples(path: str | os.PathLike[str], samples: Sequence[Sample]) -> None:
     """Write ``samples`` so that ``load_samples`` gives them back (one sample: plain input names)."""
+    arrays: dict[str, Any]  # numpy's savez takes them as **kwds beside its own keywords
     if len(samples) == 1:
         arrays = {name: _encode(a) for name, a in samples[0].feeds.items()}
     else:

@@ -225,9 +225,9 @@ class VerifyReport:
 
     def junit_xml(self) -> str:
         """The JUnit document as text (what crosses process boundaries in batch runs)."""
-        tree = ET.ElementTree(self.to_junit())
-        ET.indent(tree)
-        return ET.tostring(tree.getroot(), encoding="unicode", xml_declaration=True) + "\n"
+        root = self.to_junit()
+        ET.indent(root)
+        return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
     def write_junit(self, path: str | os.PathLike[str]) -> None:
         """Write the JUnit XML report (one test case per output) to ``path``."""

@@ -101,7 +101,7 @@ def save_outputs(
     model: str,
 ) -> None:
     """Write ``samples`` and ``outputs`` (sample name -> output name -> array) in the format above."""
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}  # numpy's savez takes them as **kwds beside its own keywords
     dtypes: dict[str, str] = {}
     for sample in samples:
         for kind, values in (("input", sample.feeds), ("output", outputs[sample.name])):
@@ -161,5 +161,6 @@ def load_outputs(path: str | os.PathLike[str]) -> StoredOutputs:
     for sample in order[1:]:
         if set(outputs[sample]) != names:
             raise UsageError(f"--load-outputs: {path}: sample {sample!r} holds other outputs than {order[0]!r}")
-    model = meta.get("model") if isinstance(meta.get("model"), str) else "?"
+    recorded = meta.get("model")
+    model = recorded if isinstance(recorded, str) else "?"
     return StoredOutputs(str(path), [Sample(s, feeds[s]) for s in order], outputs, model)
