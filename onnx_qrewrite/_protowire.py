@@ -131,7 +131,7 @@ def encode_node_list(
 
 def encode_node_chunks(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: dict[int, Iterable[bytes]],
+    replacements: Mapping[int, Iterable[bytes]],
     prepend: Iterable[bytes] = (),
 ) -> list[bytes]:
     """What :func:`encode_node_list` joins: tag, length and body of each node field, the bodies

@@ -188,11 +188,9 @@ def _to_proto(
                 external.close()
             raise
         return copy, "proto", external, None, external.reads() if external else {}
-    try:
-        import onnx_ir as ir
-    except ImportError:  # pragma: no cover
-        ir = None
-    if ir is not None and isinstance(model, ir.Model):
+    import onnx_ir as ir  # a core dependency, imported only when a model is not a path or proto
+
+    if isinstance(model, ir.Model):
         folder = _ir_base_dir(model) if base_dir is None else Path(base_dir)
         proto = ir.serde.serialize_model(model)
         external = ExternalData.for_model(proto, folder, "input model")
@@ -236,6 +234,7 @@ def _for_target(
         keep_opset=plan.options.keep_opset,
         target_opset=plan.options.target_opset,
     )
+    assert plan.catalogue is not None  # plan_for_model always records the catalogue it planned with
     return plan.catalogue, used, plan
 
 
@@ -281,20 +280,20 @@ def rewrite(
         if options:
             catalogue = catalogue.with_options(options)
     else:
-        catalogue = load_rules(rules or (), only=only, skip=skip, options=options)
+        catalogue = load_rules(() if rules is None else rules, only=only, skip=skip, options=options)
     from onnx_qrewrite.provenance import check_mode
 
     check_mode(provenance)
     with stage(progress, "loading model"):
         proto, kind, external, source_path, reads = _to_proto(model, base_dir)
-    levels = {"allow": frozenset(allow)} if allow is not None else {}
+    levels = frozenset(allow) if allow is not None else engine.DEFAULT_ALLOW
     try:
         opts = engine.EngineOptions(
             target_opset=target_opset,
             keep_opset=keep_opset,
             allow_unlowered=allow_unlowered,
             provenance=provenance,
-            **levels,
+            allow=levels,
         )
         plan = None
         if target is not None:

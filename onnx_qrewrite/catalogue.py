@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -355,7 +356,7 @@ class Catalogue:
         return Catalogue(out)
 
 
-def load_catalogue(paths: Iterable[str | Path] = (), *, include_shipped: bool = True) -> Catalogue:
+def load_catalogue(paths: Iterable[str | os.PathLike[str]] = (), *, include_shipped: bool = True) -> Catalogue:
     """Shipped rules (sorted by file name) followed by the user's files, in the order given."""
     files: list[Path] = []
     if include_shipped:
@@ -373,7 +374,7 @@ def load_catalogue(paths: Iterable[str | Path] = (), *, include_shipped: bool = 
 
 
 def load_rules(
-    paths: Iterable[str | Path] = (),
+    paths: Iterable[str | os.PathLike[str]] = (),
     *,
     only: Sequence[str] | None = None,
     skip: Sequence[str] | None = None,

@@ -40,19 +40,25 @@ SHORT_HELP = {
 }
 
 
+def _shortened(text: str, limit: int) -> str:
+    """``text`` cut at a word to fit ``limit`` characters, with "..." (as click shortens help; its
+    own helper for that is deprecated)."""
+    if len(text) <= limit:
+        return text
+    return text[: max(limit - 3, 0)].rsplit(" ", 1)[0] + "..."
+
+
 class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(SUBCOMMANDS)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """click's layout, from :data:`SHORT_HELP` instead of the imported commands."""
-        from click.utils import make_default_short_help
-
         names = self.list_commands(ctx)
         if not names:
             return
         limit = formatter.width - 6 - max(len(n) for n in names)
-        rows = [(n, make_default_short_help(SHORT_HELP.get(n, ""), limit)) for n in names]
+        rows = [(n, _shortened(SHORT_HELP.get(n, ""), limit)) for n in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

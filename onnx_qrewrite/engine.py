@@ -34,9 +34,13 @@ from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
 
-__all__ = ["EngineOptions", "run"]
+__all__ = ["DEFAULT_ALLOW", "EngineOptions", "run"]
 
 logger = logging.getLogger(__name__)
+
+
+#: Exactness levels a rewrite may use unless asked otherwise.
+DEFAULT_ALLOW: frozenset[str] = frozenset({EXACT, BOUNDED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,7 @@ class EngineOptions:
     #: Exactness levels rules may have (onnx_qrewrite.contract). Exact rules are always tried
     #: first and bounded ones only where no exact rule applies; approximate rules run only when
     #: listed here (``--allow-approximate``; a target profile may ask too), and then first.
-    allow: frozenset[str] = frozenset({EXACT, BOUNDED})
+    allow: frozenset[str] = DEFAULT_ALLOW
 
     def __post_init__(self) -> None:
         unknown = set(self.allow) - set(EXACTNESS)
@@ -188,7 +192,7 @@ def _apply(
             metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance)
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
-                key = builder.template_key(m.site, m.rule.options, m.plan)  # type: ignore[union-attr]
+                key = builder.template_key(m.site, m.rule.options, m.plan)
                 key = None if key is None else (m.rule.id, id(pool), key)
             template = templates.get(key) if key is not None else None
             if template is not None:

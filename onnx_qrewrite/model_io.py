@@ -228,7 +228,7 @@ def _without_ort_onnx_domain_ops(serialized: bytes) -> bytes | None:
     model = onnx.ModelProto()
     model.ParseFromString(serialized)
     moved = False
-    graphs = [model.graph, *model.functions]
+    graphs: list[onnx.GraphProto | onnx.FunctionProto] = [model.graph, *model.functions]
     while graphs:
         graph = graphs.pop()
         for node in graph.node:
@@ -423,8 +423,8 @@ def save_model(
         if not committed and linked is not None:
             with contextlib.suppress(OSError):
                 os.unlink(linked)
-        for tmp in (data_tmp, model_tmp, *old_tmp):
-            outputs.discard(tmp)
+        for leftover in (data_tmp, model_tmp, *old_tmp):
+            outputs.discard(leftover)
     return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
 
 

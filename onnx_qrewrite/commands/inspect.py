@@ -170,24 +170,24 @@ def inspect_model(
     # The engine edits the model it is given; it is not needed afterwards. A failed opset raise
     # happens before anything is edited, so the same model serves the retry.
     opset_error = None
-    levels = {"allow": frozenset(allow)} if allow is not None else {}
-    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True, **levels)
+    levels = frozenset(allow) if allow is not None else engine.DEFAULT_ALLOW
+    options = engine.EngineOptions(target_opset=target_opset, keep_opset=keep_opset, allow_unlowered=True, allow=levels)
     try:
         _, report = engine.run(model, catalogue, options, base_dir)
     except LoweringError as exc:
         if keep_opset:
             raise
         opset_error = str(exc)
-        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True, **levels)
+        options = engine.EngineOptions(keep_opset=True, allow_unlowered=True, allow=levels)
         _, report = engine.run(model, catalogue, options, base_dir)
     for r in report.rewrites:
-        entry = by_label.get((r.scope, r.node))
-        if entry is not None:
-            entry.rule, entry.becomes, entry.notes = r.rule, tuple(dict.fromkeys(r.created_ops)), r.notes
+        rewritten = by_label.get((r.scope, r.node))
+        if rewritten is not None:
+            rewritten.rule, rewritten.becomes, rewritten.notes = r.rule, tuple(dict.fromkeys(r.created_ops)), r.notes
     for u in report.unlowered:
-        entry = by_label.get((u.scope, u.node))
-        if entry is not None:
-            entry.reasons = u.reasons
+        unlowered = by_label.get((u.scope, u.node))
+        if unlowered is not None:
+            unlowered.reasons = u.reasons
     changes = [dataclasses.asdict(c) for c in report.opset_changes]
     return InspectReport(str(path), ir_version, opsets, nodes, changes, opset_error)
 

@@ -118,14 +118,14 @@ def engine_options(
     from onnx_qrewrite.opset import MAX_RUNTIME_OPSET
 
     highest = min(MAX_RUNTIME_OPSET, profile.opset_max or MAX_RUNTIME_OPSET)
-    levels = {"allow": frozenset(allow)} if allow is not None else {}
+    levels = frozenset(allow) if allow is not None else engine.DEFAULT_ALLOW
     return engine.EngineOptions(
         target_opset=target_opset,
         keep_opset=keep_opset,
         allow_unlowered=True,
         max_opset=highest,
         provenance="full",
-        **levels,
+        allow=levels,
     )
 
 

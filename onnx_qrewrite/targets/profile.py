@@ -240,13 +240,15 @@ def _check_keys(path: str, where: str, table: Any, allowed: set[str]) -> dict[st
     return table
 
 
-def _string(path: str, where: str, table: dict[str, Any], key: str, *, required: bool = True) -> str | None:
+def _string(path: str, where: str, table: dict[str, Any], key: str) -> str:
     value = table.get(key)
-    if value is None and not required:
-        return None
     if not isinstance(value, str) or not value:
         raise _fail(path, where, f"'{key}' must be a non-empty string")
     return value
+
+
+def _optional_string(path: str, where: str, table: dict[str, Any], key: str) -> str | None:
+    return None if table.get(key) is None else _string(path, where, table, key)
 
 
 def _int(path: str, where: str, table: dict[str, Any], key: str) -> int | None:
@@ -314,7 +316,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         sid = _string(path, where, raw, "id")
         if sid in sources:
             raise _fail(path, where, f"source id {sid!r} is defined twice")
-        sources[sid] = Source(sid, _string(path, where, raw, "document"), _string(path, where, raw, "version"))  # type: ignore[arg-type]
+        sources[sid] = Source(sid, _string(path, where, raw, "document"), _string(path, where, raw, "version"))
 
     opset_min = opset_max = opset_source = None
     if "opset" in data:
@@ -362,9 +364,9 @@ def parse_target(text: str, path: str) -> TargetProfile:
         refusals.append(
             Refusal(
                 _norm_domain(str(raw.get("domain", ""))),
-                _string(path, where, raw, "op"),  # type: ignore[arg-type]
-                when,  # type: ignore[arg-type]
-                _string(path, where, raw, "reason"),  # type: ignore[arg-type]
+                _string(path, where, raw, "op"),
+                when,
+                _string(path, where, raw, "reason"),
                 source,
                 types,
             )
@@ -406,10 +408,10 @@ def parse_target(text: str, path: str) -> TargetProfile:
         prefer = tuple(raw.get("prefer", []))
 
     return TargetProfile(
-        id=target_id,  # type: ignore[arg-type]
-        title=title,  # type: ignore[arg-type]
-        version=version,  # type: ignore[arg-type]
-        proof=proof,  # type: ignore[arg-type]
+        id=target_id,
+        title=title,
+        version=version,
+        proof=proof,
         path=path,
         sources=sources,
         ops={k: tuple(v) for k, v in ops.items()},
@@ -424,8 +426,8 @@ def parse_target(text: str, path: str) -> TargetProfile:
         keep=keep,
         prefer=prefer,
         rewrites_source=rewrites_source,
-        runtime=_string(path, "[target]", target, "runtime", required=False),
-        extra=_string(path, "[target]", target, "extra", required=False),
+        runtime=_optional_string(path, "[target]", target, "runtime"),
+        extra=_optional_string(path, "[target]", target, "extra"),
     )
 
 
