@@ -436,14 +436,14 @@ def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None
         except OSError:
             continue  # a missing input is reported when it is opened
     seen: dict[str, str] = {}
-    for key, path in written.items():
-        if not path:
+    for key, target in written.items():
+        if not target:
             continue
         option = "--" + key.replace("_", "-")
-        model_io.refuse_clash(Path(path), reads, option)
-        resolved = os.path.realpath(path)
+        model_io.refuse_clash(Path(target), reads, option)
+        resolved = os.path.realpath(target)
         if resolved in seen:
-            raise UsageError(f"{option} {path}: is also given to {seen[resolved]}; give each its own file")
+            raise UsageError(f"{option} {target}: is also given to {seen[resolved]}; give each its own file")
         seen[resolved] = option
 
 

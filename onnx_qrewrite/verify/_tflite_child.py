@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from typing import Any
 
 
 def convert(model: str, out_dir: str) -> None:
@@ -44,7 +45,8 @@ def run(tflite: str, inputs: str, outputs: str) -> None:
     runner = interpreter.get_signature_runner()
     feeds = dict(np.load(inputs))
     result = runner(**{name: feeds[name] for name in runner.get_input_details()})
-    np.savez(outputs, **{name: np.asarray(value) for name, value in result.items()})
+    arrays: dict[str, Any] = {name: np.asarray(value) for name, value in result.items()}
+    np.savez(outputs, **arrays)
 
 
 if __name__ == "__main__":

@@ -393,7 +393,8 @@ class TFLiteRunner(_Runner):
         inputs = Path(self._tmp.name) / f"in{self._runs}.npz"
         result = Path(self._tmp.name) / f"out{self._runs}.npz"
         try:
-            np.savez(inputs, **{n: np.ascontiguousarray(feeds[n]) for n in self.input_names})
+            arrays: dict[str, Any] = {n: np.ascontiguousarray(feeds[n]) for n in self.input_names}
+            np.savez(inputs, **arrays)
         except KeyError as exc:
             raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
         self._call("run", self._tflite, str(inputs), str(result), what="(ai-edge-litert) cannot run")
