@@ -10,7 +10,9 @@ semantics (:mod:`.kernels`, registered by :mod:`.reference_ops`), or on the vend
 Both sessions share the same optimisation level and thread count (:mod:`.session`), both see the
 same inputs (:mod:`.inputs`), every output is compared element-wise (:mod:`.compare`) and, when
 they disagree, the first differing node of the rewritten model is named with its rule of origin
-(:mod:`.localize`). :mod:`.report` renders the result as a table, JSON or JUnit XML.
+(:mod:`.localize`). Every replacement made by a bounded rule is also run alone on the original's
+values of its inputs and checked against its recorded bound (:mod:`.bounds`). :mod:`.report`
+renders the result as a table, JSON or JUnit XML.
 
 This is the only part of onnx-qrewrite that imports onnxruntime, an optional dependency (the
 ``verify`` extra; any onnxruntime flavour serves): without it, importing this package raises
@@ -36,6 +38,7 @@ import onnx
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.verify._ort import ort
+from onnx_qrewrite.verify.bounds import check_bounds
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.hazards import Hazard, NanHazardCheck
 from onnx_qrewrite.verify.inputs import (
@@ -389,6 +392,10 @@ def verify(
         outputs = _merge(
             per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
         )
+        if runtime == "onnxruntime":
+            # Bounded rewrites: each replacement within its recorded bound, on the original's own
+            # inputs (the bounds are stated against onnxruntime's kernels).
+            outputs += check_bounds(original_model, rewritten_model, used, make_runner)
     if save_outputs is not None and kept is not None:
         save_stored_outputs(save_outputs, used, kept, original_label)
 

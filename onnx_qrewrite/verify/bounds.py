@@ -1,0 +1,151 @@
+"""Check every bounded rewrite at its own output, on the original model's own inputs to it.
+
+A bounded rule (``onnx_qrewrite.contract``) promises that the nodes replacing one original node
+compute that node's outputs within ``Plan.bound``; the engine writes the rule, the origin and the
+bound into the created nodes' metadata (``Emitter.BOUND_KEY``). Comparing intermediate values of
+the two whole models cannot check that promise: a one-step difference upstream changes what every
+downstream node sees, so downstream differences grow without any rule being wrong. So each
+bounded replacement is cut out of the rewritten model and run alone, fed with the values the
+*original* model computes for its inputs, and its outputs are compared with the original's
+within the recorded bound (integer outputs: ``lsb = bound``; float outputs: ``atol = bound``).
+
+Replacements are found as runs of consecutive nodes with the same bounded metadata (the engine
+splices each replacement contiguously); a run ends at the node that writes a value the original
+model also produces (the replaced node's output: replacements keep the names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from onnx_qrewrite.builders import Emitter
+from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
+from onnx_qrewrite.verify.inputs import Sample
+from onnx_qrewrite.verify.session import ModelRunner
+
+__all__ = ["BoundedRewrite", "bounded_rewrites", "check_bounds"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedRewrite:
+    """The nodes that replaced one original node under a bounded rule."""
+
+    rule: str
+    origin: str
+    bound: float
+    nodes: tuple[onnx.NodeProto, ...]
+    #: Values the replacement reads that it does not compute (graph values and initializers).
+    inputs: tuple[str, ...]
+    #: The replaced node's outputs (same names in both models).
+    outputs: tuple[str, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{', '.join(self.outputs)} (node {self.origin or '<unnamed>'}, rule {self.rule}, bound {self.bound:g})"
+
+
+def _meta(node: onnx.NodeProto) -> dict[str, str]:
+    return {p.key: p.value for p in node.metadata_props}
+
+
+def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[BoundedRewrite]:
+    """Every bounded replacement in the rewritten model's main graph."""
+    produced_by_original = {out for node in original.graph.node for out in node.output if out}
+    found: list[BoundedRewrite] = []
+    run: list[onnx.NodeProto] = []
+    key: tuple[str, str, str] | None = None
+
+    def close() -> None:
+        nonlocal run, key
+        if run and key is not None:
+            made = {o for n in run for o in n.output}
+            read = list(dict.fromkeys(i for n in run for i in n.input if i and i not in made))
+            outputs = tuple(o for o in run[-1].output if o in produced_by_original)
+            if outputs:
+                found.append(BoundedRewrite(key[0], key[1], float(key[2]), tuple(run), tuple(read), outputs))
+        run, key = [], None
+
+    for node in rewritten.graph.node:
+        meta = _meta(node)
+        bound = meta.get(Emitter.BOUND_KEY)
+        this = (meta.get(Emitter.RULE_KEY, ""), meta.get(Emitter.ORIGIN_KEY, ""), bound) if bound else None
+        if this != key:
+            close()
+        if this is None:
+            continue
+        key = this  # type: ignore[assignment]
+        run.append(node)
+        if any(o in produced_by_original for o in node.output):
+            close()
+    close()
+    return found
+
+
+def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    present = {o.name for o in copy.graph.output}
+    for name in names:
+        if name not in present:
+            copy.graph.output.append(onnx.ValueInfoProto(name=name))
+    return copy
+
+
+def _alone(rewrite: BoundedRewrite, rewritten: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """The replacement as a model of its own: initializers it reads, everything else an input."""
+    initializers = {t.name: t for t in rewritten.graph.initializer}
+    inits = [initializers[n] for n in rewrite.inputs if n in initializers]
+    graph_inputs = [
+        helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(feeds[n].dtype), feeds[n].shape)
+        for n in rewrite.inputs
+        if n not in initializers
+    ]
+    graph = helper.make_graph(
+        list(rewrite.nodes),
+        "bounded_rewrite",
+        graph_inputs,
+        [onnx.ValueInfoProto(name=o) for o in rewrite.outputs],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=list(rewritten.opset_import), ir_version=rewritten.ir_version)
+
+
+def check_bounds(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    samples: Sequence[Sample],
+    make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+) -> list[ValueComparison]:
+    """One comparison per bounded replacement's output, merged over ``samples``; empty when the
+    rewritten model has no bounded replacement."""
+    rewrites = bounded_rewrites(original, rewritten)
+    if not rewrites:
+        return []
+    initializers = {t.name for t in rewritten.graph.initializer}
+    needed = list(dict.fromkeys(n for r in rewrites for n in (*r.inputs, *r.outputs) if n not in initializers))
+    runner = make_runner(_with_outputs(original, needed), "original")
+    graph_inputs = {i.name for i in original.graph.input}
+    fetch = [n for n in needed if n not in graph_inputs]
+    per_value: dict[str, list[ValueComparison]] = {}
+    alone_runners: dict[int, ModelRunner] = {}
+    for sample in samples:
+        values = dict(sample.feeds)
+        values.update(runner.run(sample.feeds, fetch))
+        for index, rewrite in enumerate(rewrites):
+            feeds = {n: values[n] for n in rewrite.inputs if n not in initializers}
+            if index not in alone_runners:
+                alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
+            actual = alone_runners[index].run(feeds, list(rewrite.outputs))
+            for name in rewrite.outputs:
+                expected = values[name]
+                integer = expected.dtype.kind in "iub"
+                tol = Tolerance(0.0 if integer else rewrite.bound, 0.0, math.floor(rewrite.bound) if integer else 0)
+                label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
+                per_value.setdefault(label, []).append(compare_values(label, sample.name, expected, actual[name], tol))
+    return [merge_comparisons(parts) for parts in per_value.values()]

@@ -1,0 +1,180 @@
+"""Real QOperator models, made here by the producer itself: onnxruntime.quantization.quantize_static
+(QuantFormat.QOperator, seeded calibration) on a small CNN (Conv/Relu/MaxPool/Add/Concat/
+GlobalAveragePool/Gemm) and a tiny attention block (MatMul/Softmax/Add), each rewritten to standard
+ops only and checked with onnx_qrewrite.verify, which runs every bounded replacement alone on the
+original's own inputs against its recorded bound. A broken rewrite is caught there, at its node.
+
+Weights are quantized with ``reduce_range=True``: on x86 CPUs without VNNI onnxruntime saturates
+uint8 x full-range int8 products (see builders/qoperator.py), which onnxruntime's documentation
+answers with the same setting.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from conftest import rule_marker
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.builders import Emitter
+from onnx_qrewrite.verify import verify
+
+quantization = pytest.importorskip("onnxruntime.quantization")
+
+
+def _weight(rng, name, shape, scale=0.2):
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def small_cnn() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    node = helper.make_node
+    nodes = [
+        node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        node("Relu", ["c1"], ["r1"], name="relu1"),
+        node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2], name="pool1"),
+        node("Conv", ["p1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+        node("Relu", ["c2"], ["r2"], name="relu2"),
+        node("Conv", ["p1", "w3", "b3"], ["c3"], name="conv3"),
+        node("Add", ["r2", "c3"], ["a1"], name="add1"),
+        node("Concat", ["a1", "p1"], ["cat"], axis=1, name="concat1"),
+        node("GlobalAveragePool", ["cat"], ["gap"], name="gap"),
+        node("Flatten", ["gap"], ["flat"], name="flatten"),
+        node("Gemm", ["flat", "wf", "bf"], ["y"], transB=1, name="fc"),
+    ]
+    inits = [
+        _weight(rng, "w1", (8, 3, 3, 3)),
+        _weight(rng, "b1", (8,), 0.1),
+        _weight(rng, "w2", (8, 8, 3, 3), 0.1),
+        _weight(rng, "b2", (8,), 0.1),
+        _weight(rng, "w3", (8, 8, 1, 1)),
+        _weight(rng, "b3", (8,), 0.1),
+        _weight(rng, "wf", (10, 16)),
+        _weight(rng, "bf", (10,), 0.1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cnn",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 10])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def attention_block(d: int = 16) -> onnx.ModelProto:
+    rng = np.random.default_rng(1)
+    node = helper.make_node
+    nodes = [
+        node("MatMul", ["x", "wq"], ["q"], name="q"),
+        node("MatMul", ["x", "wk"], ["k"], name="k"),
+        node("MatMul", ["x", "wv"], ["v"], name="v"),
+        node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+        node("MatMul", ["q", "kt"], ["s"], name="scores"),
+        node("Softmax", ["s"], ["p"], axis=-1, name="softmax"),
+        node("MatMul", ["p", "v"], ["att"], name="att"),
+        node("Add", ["att", "x"], ["res"], name="residual"),
+        node("MatMul", ["res", "wo"], ["o"], name="out_proj"),
+        node("Add", ["o", "bo"], ["y"], name="bias"),
+    ]
+    inits = [_weight(rng, n, (d, d), 0.3) for n in ("wq", "wk", "wv", "wo")] + [_weight(rng, "bo", (d,), 0.1)]
+    graph = helper.make_graph(
+        nodes,
+        "block",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, d])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+class _Reader(quantization.CalibrationDataReader):
+    def __init__(self, shape, n: int = 8, seed: int = 1):
+        rng = np.random.default_rng(seed)
+        self._data = iter([{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(n)])
+
+    def get_next(self):
+        return next(self._data, None)
+
+
+MODELS = {"cnn": (small_cnn, (1, 3, 16, 16)), "attention": (attention_block, (1, 8, 16))}
+WEIGHTS = {"s8-per-channel": ("QInt8", True), "u8-per-tensor": ("QUInt8", False)}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    made = {}
+    folder = tmp_path_factory.mktemp("qoperator")
+    for name, (make, shape) in MODELS.items():
+        for weights, (weight_type, per_channel) in WEIGHTS.items():
+            src, dst = folder / f"{name}.onnx", folder / f"{name}_{weights}.onnx"
+            onnx.save(make(), src)
+            quantization.quantize_static(
+                str(src),
+                str(dst),
+                _Reader(shape),
+                quant_format=quantization.QuantFormat.QOperator,
+                activation_type=quantization.QuantType.QUInt8,
+                weight_type=getattr(quantization.QuantType, weight_type),
+                per_channel=per_channel,
+                reduce_range=True,
+            )
+            # The attention scores multiply two activations: the rewrite bounds that from the
+            # reduction length, which shape inference records (onnxruntime's own pre-processing).
+            made[name, weights] = onnx.shape_inference.infer_shapes(onnx.load(dst))
+    return made
+
+
+EXPECTED_RULES = {
+    "cnn": {"qop-conv": 3, "qop-add": 1, "qop-concat": 1, "qop-global-average-pool": 1, "qop-gemm": 1},
+    "attention": {"qop-matmul": 6, "qop-softmax": 1, "qop-add": 2},
+}
+
+
+@rule_marker("qop-conv", "positive")
+@rule_marker("qop-matmul", "positive")
+@rule_marker("qop-gemm", "positive")
+@rule_marker("qop-softmax", "positive")
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_quantize_static_qoperator_models_become_standard_onnx_and_verify(quantized, name, weights):
+    model = quantized[name, weights]
+    assert any(n.op_type.startswith("QLinear") for n in model.graph.node)
+    result = onnx_qrewrite.rewrite(model)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert not any(n.op_type.startswith(("QLinear", "QGemm")) for n in result.model.graph.node)
+    assert result.report.by_rule() == EXPECTED_RULES[name]
+    assert {o.domain for o in result.model.opset_import} == {""}  # com.microsoft import removed
+    report = verify(model, result.model, samples=3)
+    assert report.passed, report.to_table()
+    bounded = [o for o in report.outputs if "bound" in o.name]
+    # Every bounded replacement was checked at its own output (the Concat rewrite is exact).
+    assert len(bounded) == sum(n for rule, n in EXPECTED_RULES[name].items() if rule != "qop-concat")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_broken_rewrite_is_caught_at_the_node_that_breaks_its_bound(quantized, name):
+    """A zero point dropped from one replacement's QuantizeLinear: verify names that node."""
+    model = quantized[name, "s8-per-channel"]
+    result = onnx_qrewrite.rewrite(model)
+    broken = onnx.ModelProto()
+    broken.CopyFrom(result.model)
+    victim = next(
+        n
+        for n in broken.graph.node
+        if n.op_type == "QuantizeLinear" and any(p.key == Emitter.BOUND_KEY for p in n.metadata_props)
+    )
+    zp = next(t for t in broken.graph.initializer if t.name == victim.input[2])
+    if not numpy_helper.to_array(zp).any():  # a zero point of 0: move it instead
+        zp.CopyFrom(numpy_helper.from_array(np.asarray(17, numpy_helper.to_array(zp).dtype), zp.name))
+    else:
+        zp.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(zp)), zp.name))
+    origin = next(p.value for p in victim.metadata_props if p.key == Emitter.ORIGIN_KEY)
+    report = verify(model, broken, samples=2)
+    assert not report.passed
+    failing = [o.name for o in report.outputs if not o.passed and "bound" in o.name]
+    # Shared zero-point constants may serve several replacements: each one using it is named.
+    assert failing and all("node " in f for f in failing)
+    assert any(f"node {origin}," in f for f in failing), failing
