@@ -57,6 +57,7 @@ __all__ = [
     "checked",
     "load_catalogue",
     "load_rules",
+    "named_form",
     "parse_rules",
     "shipped_rules_dir",
 ]
@@ -354,6 +355,18 @@ class Catalogue:
                 why = str(exc).split(f"rule {rule.id!r}: ", 1)[-1]
                 raise UsageError(f"options for rule {rule.id!r} (overridden): {why}") from None
         return Catalogue(out)
+
+
+def named_form(name: str) -> Path:
+    """The rule file of a named form (``rules/forms/<name>.toml``): rewrites the default catalogue
+    does not make, e.g. "float-emulation" for targets without Q/DQ kernels. Add it to the catalogue
+    like any user rule file (``load_catalogue([named_form(...)])``, ``--rules``)."""
+    forms = shipped_rules_dir() / "forms"
+    path = forms / f"{name}.toml"
+    if not path.is_file():
+        known = sorted(p.stem for p in forms.glob("*.toml"))
+        raise UsageError(f"no form named {name!r}{closest(name, known)}; known: {', '.join(known) or 'none'}")
+    return path
 
 
 def load_catalogue(paths: Iterable[str | os.PathLike[str]] = (), *, include_shipped: bool = True) -> Catalogue:

@@ -23,7 +23,7 @@ import onnx
 from onnx_qrewrite import opset as opset_mod
 from onnx_qrewrite import provenance as provenance_mod
 from onnx_qrewrite._protowire import encode_node_chunks, replace_nodes
-from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, Plan, Site
+from onnx_qrewrite.builders import ConstantPool, Emitter, NoMatch, NotApplicable, Plan, Site
 from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
 from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
@@ -90,7 +90,7 @@ def _in_order(rules: list[Rule]) -> list[Rule]:
 def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
     if rule.exactness not in options.allow:
         flag = " (--allow-approximate)" if rule.exactness == APPROXIMATE else ""
-        raise NoMatch(f"{rule.exactness} rule: runs only when asked{flag}")
+        raise NotApplicable(f"{rule.exactness} rule: runs only when asked{flag}")
     builder = rule.implementation
     current = site.scope.default_opset
     if rule.min_opset is not None and current < rule.min_opset:
@@ -133,17 +133,21 @@ def _match(
                 continue
             site = Site(node, scope, same_shape_ops)
             reasons = []
+            # A standard-domain node every candidate declines as "not applicable" is fine as it is.
+            quiet = node.domain in ("", "ai.onnx")
             for rule in candidates:
                 try:
                     plan = _try_rule(rule, site, options)
                 except NoMatch as why:
+                    quiet = quiet and isinstance(why, NotApplicable)
                     reasons.append(f"{rule.id}: {why}")
                     logger.debug("rule %s does not apply to %s: %s", rule.id, site.label, why)
                     continue
                 matches.setdefault(s, []).append(_Match(site, index, rule, plan))
                 break
             else:
-                unlowered.append(Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons)))
+                if not quiet:
+                    unlowered.append(Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons)))
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
 
 

@@ -81,8 +81,9 @@ def _rule_row(rule: Rule, evidence: dict[str, list[str]]) -> str:
 def _file_section(path: Path, evidence: dict[str, dict[str, list[str]]]) -> str:
     text = path.read_text(encoding="utf-8")
     data = tomllib.loads(text)
-    rules = parse_rules(text, f"rules/{path.name}")
-    out = [f"## {data.get('title', path.stem)}", "", f"Rules: [`rules/{path.name}`](../rules/{path.name}).", ""]
+    relative = path.relative_to(path.parents[1] if path.parent.name == "forms" else path.parent).as_posix()
+    rules = parse_rules(text, f"rules/{relative}")
+    out = [f"## {data.get('title', path.stem)}", "", f"Rules: [`rules/{relative}`](../rules/{relative}).", ""]
     if data.get("about"):
         out += [data["about"].strip(), ""]
     out += [
@@ -124,7 +125,9 @@ def _builders_section() -> str:
 
 def generate(rules_dir: Path = REPO / "rules", tests: Path = REPO / "tests") -> str:
     evidence = rule_evidence(tests)
-    sections = [_file_section(p, evidence) for p in sorted(rules_dir.glob("*.toml"))]
+    # The default catalogue, then the named forms (rules/forms/: applied only when asked for).
+    files = sorted(rules_dir.glob("*.toml")) + sorted(rules_dir.glob("forms/*.toml"))
+    sections = [_file_section(p, evidence) for p in files]
     body = TEMPLATE.read_text(encoding="utf-8")
     body = body.replace("{{rules}}", "\n".join(sections).rstrip()).replace("{{builders}}", _builders_section().rstrip())
     return HEADER + body

@@ -40,6 +40,7 @@ __all__ = [
     "ConstantPool",
     "Emitter",
     "NoMatch",
+    "NotApplicable",
     "Plan",
     "Site",
     "builder_names",
@@ -50,6 +51,12 @@ __all__ = [
 
 class NoMatch(Exception):
     """The builder cannot rewrite this node; the message says why (shown as a near miss)."""
+
+
+class NotApplicable(NoMatch):
+    """The rule does not apply here and the node is fine as it is: a standard-domain node that
+    every candidate rule declines this way (a named form's rules, e.g. float emulation of
+    QuantizeLinear) stays in place without an error or a warning."""
 
 
 T = TypeVar("T")
@@ -97,7 +104,7 @@ class Site:
                 found = why
             self._memo[key] = found
         if isinstance(found, NoMatch):
-            raise NoMatch(str(found))
+            raise type(found)(str(found))
         return found
 
     @property

@@ -209,13 +209,16 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
     """
     axis_default, require_zp = options["axis_default"], options["require_zero_point"]
     float16 = bool(options.get("float16", False))
+    bfloat16 = bool(options.get("bfloat16", False))  # builders that compute bfloat16 too
     return site.memo(
-        ("qdq-read", quantize, axis_default, require_zp, float16),
-        lambda: _read_qdq(site, axis_default, require_zp, quantize, float16),
+        ("qdq-read", quantize, axis_default, require_zp, float16, bfloat16),
+        lambda: _read_qdq(site, axis_default, require_zp, quantize, float16, bfloat16),
     )
 
 
-def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool, float16: bool = False) -> QDQNode:
+def _read_qdq(
+    site: Site, axis_default: int, require_zp: bool, quantize: bool, float16: bool = False, bfloat16: bool = False
+) -> QDQNode:
     node = site.node
     n_inputs = len(node.input)
     if require_zp and (n_inputs != 3 or not all(node.input)):
@@ -236,19 +239,25 @@ def _read_qdq(site: Site, axis_default: int, require_zp: bool, quantize: bool, f
 
     float_input = x if quantize else None
     float_types = {_FLOAT, onnx.TensorProto.FLOAT16} if float16 else {_FLOAT}
+    if bfloat16:
+        float_types.add(onnx.TensorProto.BFLOAT16)
     found: set[int] = set()
     for name, what in ((float_input, "x"), (scale, "scale")):
         if not name:
             continue
         elem = site.elem_type(name)
         if elem is not None and elem not in float_types:
-            supported = "float32 and float16 are" if float16 else "only float32 is"
+            supported = (
+                f"{', '.join(sorted(dtype_name(t) for t in float_types))} are"
+                if len(float_types) > 1
+                else "only float32 is"
+            )
             raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; {supported} supported")
         if elem is not None:
             found.add(elem)
     if len(found) > 1:
         raise NoMatch(f"malformed node: x and scale {scale!r} have different float types")
-    float_type = "float16" if onnx.TensorProto.FLOAT16 in found else "float32"
+    float_type = dtype_name(found.pop()) if found else "float32"
     if not quantize:
         for name, what in ((x, "x"), (zp, "zero point")):
             elem = site.elem_type(name)

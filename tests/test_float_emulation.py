@@ -1,0 +1,129 @@
+"""The "float-emulation" form: standard QuantizeLinear / DequantizeLinear computed in float
+arithmetic, bit for bit against onnxruntime's own kernels, and applied only when asked for."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import pytest
+from conftest import assert_bitwise_equal, rule_marker, run
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.catalogue import load_catalogue, named_form
+from onnx_qrewrite.errors import UsageError
+
+NP = {"uint8": np.uint8, "int8": np.int8, "uint16": np.uint16, "int16": np.int16}
+TP = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8, "uint16": TensorProto.UINT16, "int16": TensorProto.INT16}
+FLOATS = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
+FORM = load_catalogue([named_form("float-emulation")])
+
+#: Scales from the smallest denormal to the largest float32, and ordinary ones.
+SCALES = [1e-45, 1e-38, 3e-5, 0.0078125, 0.1, 0.37, 1.0, 3.0, 1e10, 1e38, 3.4e38]
+
+
+def _edge_inputs(float_type) -> np.ndarray:
+    if float_type is np.float16:  # every float16 bit pattern
+        return np.arange(2**16, dtype=np.uint16).view(np.float16)
+    rng = np.random.default_rng(3)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e38, -1e38, 3.4e38, 1e-45, -1e-45, 1e-38, 0.5, 1.5, 2.5, -0.5]
+    ties = (np.arange(-600, 600) + 0.5).astype(np.float32)
+    spread = (rng.standard_normal(20000) * 10.0 ** rng.integers(-6, 8, 20000)).astype(np.float32)
+    return np.concatenate([np.asarray(special, np.float32), ties, spread])
+
+
+def _model(op: str, qtype: str, ftype: str, scale, zp, x_shape, axis: int | None) -> onnx.ModelProto:
+    fnp, ftp = FLOATS[ftype]
+    x_type = ftp if op == "QuantizeLinear" else TP[qtype]
+    y_type = TP[qtype] if op == "QuantizeLinear" else ftp
+    inits = [numpy_helper.from_array(np.asarray(scale, fnp), "s")]
+    inputs = ["x", "s"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(np.asarray(zp, NP[qtype]), "z"))
+        inputs.append("z")
+    attrs = {"axis": axis} if axis is not None else {}
+    opset = 21 if qtype in ("uint16", "int16") else 19
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], **attrs)],
+        "g",
+        [helper.make_tensor_value_info("x", x_type, x_shape)],
+        [helper.make_tensor_value_info("y", y_type, x_shape)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+def _zero_points(qtype: str, quantize: bool) -> list:
+    """Absent (QuantizeLinear without one gives uint8), 0, the extremes and one in between."""
+    lo, hi = np.iinfo(NP[qtype]).min, np.iinfo(NP[qtype]).max
+    absent = [None] if qtype == "uint8" or not quantize else []
+    return [*absent, 0, lo, hi, (int(lo) + int(hi)) // 3]
+
+
+@rule_marker("float-emulation-q", "positive")
+@pytest.mark.parametrize("ftype", list(FLOATS))
+@pytest.mark.parametrize("qtype", list(NP))
+def test_quantize_emulation_is_bit_exact_per_tensor(qtype, ftype):
+    fnp = FLOATS[ftype][0]
+    x = _edge_inputs(fnp)
+    scales = SCALES if ftype == "float32" else [6e-8, 1e-3, 0.37, 1.0, 3.0, 65504.0]
+    for scale, zp in itertools.product(scales, _zero_points(qtype, True)):
+        model = _model("QuantizeLinear", qtype, ftype, scale, zp, list(x.shape), None)
+        result = onnx_qrewrite.rewrite(model, rules=FORM)
+        assert result.report.by_rule() == {"float-emulation-q": 1}
+        assert "QuantizeLinear" not in [n.op_type for n in result.model.graph.node]
+        what = f"{qtype} {ftype} scale {scale} zp {zp}"
+        assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], what)
+
+
+@rule_marker("float-emulation-dq", "positive")
+@pytest.mark.parametrize("ftype", list(FLOATS))
+@pytest.mark.parametrize("qtype", list(NP))
+def test_dequantize_emulation_is_bit_exact_per_tensor(qtype, ftype):
+    info = np.iinfo(NP[qtype])
+    x = np.arange(info.min, info.max + 1).astype(NP[qtype])  # every value of the type
+    scales = SCALES if ftype == "float32" else [6e-8, 1e-3, 0.37, 1.0, 3.0, 65504.0]
+    for scale, zp in itertools.product(scales, _zero_points(qtype, False)):
+        model = _model("DequantizeLinear", qtype, ftype, scale, zp, list(x.shape), None)
+        result = onnx_qrewrite.rewrite(model, rules=FORM)
+        assert result.report.by_rule() == {"float-emulation-dq": 1}
+        what = f"{qtype} {ftype} scale {scale} zp {zp}"
+        assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], what)
+
+
+@pytest.mark.parametrize("op", ["QuantizeLinear", "DequantizeLinear"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_per_axis_emulation_is_bit_exact(op, axis):
+    rng = np.random.default_rng(9)
+    shape = [3, 4, 5]
+    n = shape[axis]
+    scale = rng.uniform(0.001, 2.0, n).astype(np.float32)
+    zp = rng.integers(-100, 100, n).astype(np.int8)
+    model = _model(op, "int8", "float32", scale, zp, shape, axis)
+    if op == "QuantizeLinear":
+        x = (rng.standard_normal(shape) * 100).astype(np.float32)
+    else:
+        x = rng.integers(-128, 128, shape).astype(np.int8)
+    result = onnx_qrewrite.rewrite(model, rules=FORM)
+    assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], f"{op} axis {axis}")
+
+
+@rule_marker("float-emulation-q", "negative")
+@rule_marker("float-emulation-dq", "negative")
+def test_the_form_is_not_applied_by_default_and_gives_way_where_it_cannot_emulate():
+    model = _model("QuantizeLinear", "uint8", "float32", 0.1, 3, [4], None)
+    assert onnx_qrewrite.rewrite(model).report.by_rule() == {}  # standard Q/DQ is the default target form
+    # Blocked quantization is not emulated: the standard node stays as it is, without an error.
+    blocked = _model("DequantizeLinear", "int8", "float32", np.ones((2, 2), np.float32), None, [2, 4], 1)
+    blocked.graph.node[0].attribute.append(helper.make_attribute("block_size", 2))
+    blocked.opset_import[0].version = 21
+    result = onnx_qrewrite.rewrite(blocked, rules=FORM)
+    assert result.report.by_rule() == {} and not result.report.unlowered
+    assert [n.op_type for n in result.model.graph.node] == ["DequantizeLinear"]
+
+
+def test_an_unknown_form_is_a_usage_error_naming_the_known_ones():
+    with pytest.raises(UsageError, match="did you mean 'float-emulation'"):
+        named_form("float-emulaton")
