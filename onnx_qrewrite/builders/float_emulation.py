@@ -109,7 +109,7 @@ class FloatEmulationBuilder:
             x = q.x if float_type == _T.FLOAT else emit.op1("Cast", [q.x], to=_T.FLOAT)
             rounded = emit.op1("Round", [emit.op1("Div", [x, scale])])
             lo, hi = INTEGER_RANGES[q.dtype]
-            if float_type == _T.FLOAT:
+            if float_type != _T.FLOAT16:  # float32; bfloat16 (no kernel) follows the definition
                 value = emit.op1("Add", [rounded, zp]) if zp else rounded
                 low = emit.const(np.float32(lo))
                 clipped = emit.op1("Clip", [value, low, emit.const(np.float32(hi))], hint="Saturate")
