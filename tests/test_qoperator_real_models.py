@@ -18,8 +18,8 @@ from conftest import rule_marker
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders import Emitter
 from onnx_qrewrite.verify import verify
+from onnx_qrewrite.verify.bounds import bounded_rewrites
 
 quantization = pytest.importorskip("onnxruntime.quantization")
 
@@ -152,6 +152,13 @@ def test_quantize_static_qoperator_models_become_standard_onnx_and_verify(quanti
     bounded = [o for o in report.outputs if "bound" in o.name]
     # Every bounded replacement was checked at its own output (the Concat rewrite is exact).
     assert len(bounded) == sum(n for rule, n in EXPECTED_RULES[name].items() if rule != "qop-concat")
+    # The same replacements are found whatever the provenance mode that records the bounds.
+    full = onnx_qrewrite.rewrite(model, provenance="full").model
+    in_full, in_compact = bounded_rewrites(model, full), bounded_rewrites(model, result.model)
+    assert [(r.origin, r.bound, [n.op_type for n in r.nodes]) for r in in_full] == [
+        (r.origin, r.bound, [n.op_type for n in r.nodes]) for r in in_compact
+    ]
+    assert len(in_compact) == len(bounded)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -161,17 +168,15 @@ def test_a_broken_rewrite_is_caught_at_the_node_that_breaks_its_bound(quantized,
     result = onnx_qrewrite.rewrite(model)
     broken = onnx.ModelProto()
     broken.CopyFrom(result.model)
-    victim = next(
-        n
-        for n in broken.graph.node
-        if n.op_type == "QuantizeLinear" and any(p.key == Emitter.BOUND_KEY for p in n.metadata_props)
-    )
+    replaced = bounded_rewrites(model, broken)[0]
+    victim = replaced.nodes[-1]
+    assert victim.op_type == "QuantizeLinear"
     zp = next(t for t in broken.graph.initializer if t.name == victim.input[2])
     if not numpy_helper.to_array(zp).any():  # a zero point of 0: move it instead
         zp.CopyFrom(numpy_helper.from_array(np.asarray(17, numpy_helper.to_array(zp).dtype), zp.name))
     else:
         zp.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(zp)), zp.name))
-    origin = next(p.value for p in victim.metadata_props if p.key == Emitter.ORIGIN_KEY)
+    origin = replaced.origin
     report = verify(model, broken, samples=2)
     assert not report.passed
     failing = [o.name for o in report.outputs if not o.passed and "bound" in o.name]

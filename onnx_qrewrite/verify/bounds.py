@@ -9,9 +9,10 @@ bounded replacement is cut out of the rewritten model and run alone, fed with th
 *original* model computes for its inputs, and its outputs are compared with the original's
 within the recorded bound (integer outputs: ``lsb = bound``; float outputs: ``atol = bound``).
 
-Replacements are found as runs of consecutive nodes with the same bounded metadata (the engine
-splices each replacement contiguously); a run ends at the node that writes a value the original
-model also produces (the replaced node's output: replacements keep the names).
+Replacements are found through their provenance (:mod:`onnx_qrewrite.provenance`: contiguous
+nodes, the first carrying the rule, the origin and the bound); their outputs are the values the
+original model also produces (replacements keep the replaced node's output names). A model
+rewritten with ``--provenance none`` records no bound, so nothing is checked here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnx_qrewrite import provenance
 from onnx_qrewrite.builders import Emitter
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
@@ -55,35 +57,31 @@ def _meta(node: onnx.NodeProto) -> dict[str, str]:
 
 
 def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[BoundedRewrite]:
-    """Every bounded replacement in the rewritten model's main graph."""
+    """Every bounded replacement in the rewritten model's main graph. The bound is on a
+    replacement's first node (every provenance mode but ``none``, which records no bound);
+    :func:`onnx_qrewrite.provenance.attribute_nodes` finds the replacement's other nodes."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
     found: list[BoundedRewrite] = []
-    run: list[onnx.NodeProto] = []
-    key: tuple[str, str, str] | None = None
-
-    def close() -> None:
-        nonlocal run, key
-        if run and key is not None:
+    nodes = list(rewritten.graph.node)
+    owners = provenance.attribute_nodes(nodes)
+    # One replacement: contiguous nodes of the same owner whose names share the "<prefix>/" the
+    # engine gives every node it creates (in "full" mode every node carries the entries).
+    keys = [(owner, node.name.rpartition("/")[0]) if owner else None for owner, node in zip(owners, nodes, strict=True)]
+    index = 0
+    while index < len(nodes):
+        end = index + 1
+        while end < len(nodes) and keys[end] is not None and keys[end] == keys[index]:
+            end += 1
+        bound = _meta(nodes[index]).get(Emitter.BOUND_KEY)
+        owner = owners[index]
+        if bound is not None and owner is not None:
+            run = nodes[index:end]
             made = {o for n in run for o in n.output}
-            read = list(dict.fromkeys(i for n in run for i in n.input if i and i not in made))
-            outputs = tuple(o for o in run[-1].output if o in produced_by_original)
+            read = tuple(dict.fromkeys(i for n in run for i in n.input if i and i not in made))
+            outputs = tuple(o for n in run for o in n.output if o in produced_by_original)
             if outputs:
-                found.append(BoundedRewrite(key[0], key[1], float(key[2]), tuple(run), tuple(read), outputs))
-        run, key = [], None
-
-    for node in rewritten.graph.node:
-        meta = _meta(node)
-        bound = meta.get(Emitter.BOUND_KEY)
-        this = (meta.get(Emitter.RULE_KEY, ""), meta.get(Emitter.ORIGIN_KEY, ""), bound) if bound else None
-        if this != key:
-            close()
-        if this is None:
-            continue
-        key = this  # type: ignore[assignment]
-        run.append(node)
-        if any(o in produced_by_original for o in node.output):
-            close()
-    close()
+                found.append(BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs))
+        index = end
     return found
 
 
