@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime.quantization as quantization
 import pytest
 from conftest import rule_marker
 from onnx import TensorProto, helper, numpy_helper
@@ -20,8 +21,6 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_qrewrite
 from onnx_qrewrite.verify import verify
 from onnx_qrewrite.verify.bounds import bounded_rewrites
-
-quantization = pytest.importorskip("onnxruntime.quantization")
 
 
 def _weight(rng, name, shape, scale=0.2):
