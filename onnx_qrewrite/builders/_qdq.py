@@ -247,11 +247,9 @@ def _read_qdq(
             continue
         elem = site.elem_type(name)
         if elem is not None and elem not in float_types:
-            supported = (
-                f"{', '.join(sorted(dtype_name(t) for t in float_types))} are"
-                if len(float_types) > 1
-                else "only float32 is"
-            )
+            kinds = (_FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+            names = [dtype_name(t) for t in kinds if t in float_types]
+            supported = f"{', '.join(names[:-1])} and {names[-1]} are" if len(names) > 1 else "only float32 is"
             raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; {supported} supported")
         if elem is not None:
             found.add(elem)
