@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 
 import click
 
@@ -80,15 +82,26 @@ class _LazyGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            return result
         except QRewriteError as exc:
             click.echo(f"onnx-qrewrite: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
-        except KeyboardInterrupt:
-            click.echo("onnx-qrewrite: interrupted", err=True)
-            ctx.exit(130)
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (signals.Terminated)
+            from onnx_qrewrite.outputs import remove_registered_temps
+            from onnx_qrewrite.signals import Terminated, interrupt_exit_code
+
+            remove_registered_temps()
+            click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}", err=True)
+            ctx.exit(interrupt_exit_code(exc))
+        except BrokenPipeError:
+            # stdout was closed early (``onnx-qrewrite rules | head -1``): stop quietly, as other
+            # command-line tools do, with the status of a process ended by SIGPIPE.
+            _silence_stdout()
+            ctx.exit(128 + 13)
         except Exception as exc:
             logging.getLogger("onnx_qrewrite").debug("internal error", exc_info=True)
             click.echo(
@@ -97,6 +110,16 @@ class _LazyGroup(click.Group):
                 err=True,
             )
             ctx.exit(EXIT_INTERNAL)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -115,6 +138,9 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
 
     configure_logging(verbose, quiet)
     ctx.obj = {"quiet": quiet, "verbose": verbose}
+    from onnx_qrewrite import signals
+
+    signals.install()
 
 
 if __name__ == "__main__":  # pragma: no cover

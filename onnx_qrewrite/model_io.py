@@ -308,7 +308,10 @@ def refuse_clash(out: Path, reads: dict[tuple[int, int], Path], option: str = "-
         return
     hit = reads.get(outputs.file_id(st))
     if hit is not None:
-        raise UsageError(f"{option} {out}: is the same file as {hit}, which this invocation reads; choose another path")
+        raise UsageError(
+            f"{option} {out}: refusing to overwrite the input file {hit} (the same file), which this invocation "
+            "reads; choose another path"
+        )
 
 
 def save_model(
@@ -352,8 +355,8 @@ def save_model(
 
     data_tmp: Path | None = None
     model_tmp: Path | None = None
-    old_tmp: list[Path] = []
-    linked: Path | None = None
+    journal: Path | None = None
+    renamed: Path | None = None
     committed = False
     try:
         written = 0
@@ -398,16 +401,14 @@ def save_model(
         data_path = folder / data_name if data_name is not None else None
         keep = {data_name, *referenced}
         old_data = [p for p in old_data if p.name not in keep]
+        # The journal names the data file about to appear and the ones about to go, so that the
+        # leftovers of a kill between the renames below are found (outputs.clean_leftovers).
+        journal = outputs.write_journal(folder, out.name, data_name, [p.name for p in old_data])
         with outputs.signals_blocked():
             if data_tmp is not None and data_name is not None:
-                outputs.link_new_name(data_tmp, folder, data_name)
-                linked = folder / data_name
-            for old in old_data:
-                fd, tmp = outputs.new_temp(folder, out.name, "old")
-                os.close(fd)
-                os.unlink(tmp)
-                os.link(old, tmp)
-                old_tmp.append(tmp)
+                outputs.rename_new(data_tmp, folder / data_name)
+                renamed = folder / data_name
+                data_tmp = None
             os.replace(model_tmp, out)  # the commit point
             committed = True
             outputs.forget(model_tmp)
@@ -415,15 +416,17 @@ def save_model(
             for old in old_data:
                 with contextlib.suppress(OSError):
                     os.unlink(old)
+            outputs.discard(journal)
+            journal = None
         outputs.fsync_folder(folder)
     except OSError as exc:
         raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
     finally:
         _restore(saved, moved)
-        if not committed and linked is not None:
+        if not committed and renamed is not None:
             with contextlib.suppress(OSError):
-                os.unlink(linked)
-        for leftover in (data_tmp, model_tmp, *old_tmp):
+                os.unlink(renamed)
+        for leftover in (data_tmp, model_tmp, journal):
             outputs.discard(leftover)
     return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
 

@@ -9,24 +9,23 @@ A model with external data is a *pair*, and the pair must change in one step:
 
 1. the weights are written to a temporary ``T``; the model to a temporary that references a data
    file name no file has yet (``<out>.data``, else ``<out>.1.data``, ...);
-2. ``T`` is hard-linked to that name (the data file now exists; the old model does not see it);
-3. the data file the previous model at ``<out>`` referenced (if ours) is hard-linked to a
-   temporary ``.old`` name, so that it stays findable;
+2. a temporary ``.journal`` lists that name and the data file the previous model at ``<out>``
+   referenced (if it is ours: ``<out>.data`` or ``<out>.N.data``, and no input reads it);
+3. ``T`` is renamed to the new name (the old model does not see it);
 4. the model is renamed over ``<out>``: the single commit point;
-5. the old data file, its ``.old`` temporary and ``T`` are removed.
+5. the old data file, then the journal, are removed.
 
 A kill at any moment leaves ``<out>`` with either the old pair or the new pair. What it can leave
 besides are temporaries whose pid is dead; the next write into that folder removes them, and a
-data file sharing an inode with such a temporary is removed too when the model at ``<out>`` does
-not reference it (the new data of a commit that did not happen, or the old data of one that did).
+dead journal's data files are removed too when the model now at ``<out>`` does not reference
+them (the new data of a commit that did not happen, or the old data of one that did).
 SIGTERM and SIGINT are turned into exceptions (:mod:`onnx_qrewrite.signals`), so ``finally``
-blocks remove the temporaries; steps 2-5 run with those signals blocked.
+blocks remove the temporaries; steps 3-5 run with those signals blocked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import re
 import secrets
@@ -47,7 +46,9 @@ __all__ = [
     "new_temp",
     "references",
     "remove_registered_temps",
+    "rename_new",
     "write_atomic",
+    "write_journal",
 ]
 
 TEMP_MARK = ".qrw-tmp-"
@@ -258,50 +259,52 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def write_journal(folder: Path, model_name: str, new: str | None, old: list[str]) -> Path:
+    """A temporary ``.journal`` listing the data file a commit adds and the ones it removes."""
+    fd, path = new_temp(folder, model_name, "journal")
+    lines = ([f"new {new}"] if new else []) + [f"old {name}" for name in old]
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def rename_new(tmp: Path, final: Path) -> None:
+    """Give a finished temporary its final name, which no file may have."""
+    if os.path.lexists(final):
+        raise UsageError(f"{final}: appeared while the output was being written; try again")
+    os.rename(tmp, final)
+    forget(tmp)
+
+
 def clean_leftovers(folder: Path) -> list[str]:
     """Remove temporaries of dead onnx-qrewrite processes in ``folder`` (killed with SIGKILL, or
-    the machine went down) and the data files only they still account for; returns the names removed."""
+    the machine went down); a dead commit's journal also removes the data files it names that the
+    model now at its output path does not reference. Returns the names removed."""
     removed: list[str] = []
     try:
         names = os.listdir(folder)
     except OSError:
         return removed
-    dead = []
     for name in names:
         m = _TEMP_RE.match(name) if TEMP_MARK in name else None
-        if m and not _pid_alive(int(m["pid"])):
-            dead.append((name, m["base"], m["kind"]))
-    for name, base, kind in dead:
+        if not m or _pid_alive(int(m["pid"])):
+            continue
         path = folder / name
-        if kind in ("data", "old"):
+        if m["kind"] == "journal":
+            base = m["base"]
             try:
-                st = os.lstat(path)
+                listed = path.read_text(encoding="utf-8", errors="surrogateescape").split("\n")
             except OSError:
-                continue
-            if st.st_nlink > 1:
-                current = _read_model_bytes(folder / base)
-                for other in names:
-                    if other == name or not _is_candidate(base, other):
-                        continue
-                    with contextlib.suppress(OSError):
-                        ost = os.lstat(folder / other)
-                        if file_id(ost) == file_id(st) and not (current and references(current, other)):
-                            os.unlink(folder / other)
-                            removed.append(other)
+                listed = []
+            current = _read_model_bytes(folder / base)
+            for line in listed:
+                data = line.partition(" ")[2]
+                if not data or not _is_candidate(base, data) or (current and references(current, data)):
+                    continue
+                with contextlib.suppress(OSError):
+                    os.unlink(folder / data)
+                    removed.append(data)
         with contextlib.suppress(OSError):
             os.unlink(path)
             removed.append(name)
     return removed
-
-
-def link_new_name(tmp: Path, folder: Path, name: str) -> None:
-    """Give the finished data temporary its final name; never replaces an existing file."""
-    try:
-        os.link(tmp, folder / name)
-    except FileExistsError:
-        raise UsageError(f"{folder / name}: appeared while the output was being written; try again") from None
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):  # no hard links here: rename
-            os.rename(tmp, folder / name) if not (folder / name).exists() else None
-            return
-        raise

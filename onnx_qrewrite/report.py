@@ -6,7 +6,6 @@ import collections
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, overload
 
 import onnx
@@ -98,13 +97,11 @@ class OpsetChange:
 
 
 def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> None:
-    """Write a report (JSON, JUnit); a failure is a usage error naming the option and the path."""
-    from onnx_qrewrite.errors import UsageError
+    """Write a report (JSON, JUnit) all or nothing (temporary + rename, never through the existing
+    file); a failure is a usage error naming the option and the path."""
+    from onnx_qrewrite.outputs import write_atomic
 
-    try:
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"{option}: {path}: cannot write: {exc.strerror or exc}") from None
+    write_atomic(path, text.encode("utf-8"), option)
 
 
 def op_key(domain: str, op_type: str) -> str:

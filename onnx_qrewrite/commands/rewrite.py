@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from onnx_qrewrite.batch import Outcome, run_tasks
+from onnx_qrewrite.clash import check_writes, model_reads
 from onnx_qrewrite.commands.options import (
     check_report_paths,
     float16_semantics_option,
@@ -43,6 +44,10 @@ class _Task:
     keep_failed: bool
     progress: bool
     want_report: bool
+    #: Every file the whole invocation reads, as (st_dev, st_ino, path): never written or removed.
+    reads: tuple[tuple[int, int, str], ...] = ()
+    #: The other files the invocation writes (--report, --junit, --save-inputs), as (option, path).
+    other_writes: tuple[tuple[str, str], ...] = ()
 
 
 def _rewrite_one(task: _Task) -> Outcome:
@@ -55,6 +60,11 @@ def _rewrite_one(task: _Task) -> Outcome:
     )
     try:
         result = rewrite(task.model, rules=catalogue, progress=progress, **task.engine)
+        # Checked again against the files this worker really opened (the parent scanned bytes).
+        reads = {(d, i): Path(p) for d, i, p in task.reads}
+        reads.update(result.reads)
+        check_writes([("-o", task.output), *task.other_writes], reads, [task.output])
+        result.reads = reads
         info = result.save(task.output, reference_external_data=task.reference_external_data, progress=progress)
         report = None
         if task.verify is not None:
@@ -137,7 +147,6 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UsageError(f"-o {output}: two input models are both named {dupes[0]!r}; rewrite them separately")
-    out.mkdir(parents=True, exist_ok=True)
     return [str(out / n) for n in names]
 
 
@@ -263,9 +272,25 @@ def rewrite_command(
         if verify_opts.get(option) and len(models) > 1:
             raise UsageError(f"--{option.replace('_', '-')} takes one model; rewrite the others separately")
     outputs = _outputs_for(models, output)
-    for model, out in zip(models, outputs, strict=True):
-        if Path(out).resolve() == Path(model).resolve():
-            raise UsageError(f"{out}: refusing to overwrite the input model; choose another output path")
+    # Before any work: no output may be a file this invocation reads, or another output.
+    reads: dict[tuple[int, int], Path] = {}
+    for model in models:
+        reads.update(model_reads(model))
+    other_writes = [
+        (option, str(path))
+        for option, path in (
+            ("--report", report_path),
+            ("--junit", junit_path),
+            ("--save-inputs", verify_opts.get("save_inputs")),
+        )
+        if path
+    ]
+    check_writes([*(("-o", o) for o in outputs), *other_writes], reads, outputs)
+    if len(models) > 1:
+        try:
+            Path(output).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"-o {output}: cannot create the folder: {exc.strerror or exc}") from None
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
     load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
     if target is not None:
@@ -304,18 +329,21 @@ def rewrite_command(
             keep_failed,
             show_progress,
             want_report=report_path is not None,
+            reads=tuple((d, i, str(p)) for (d, i), p in reads.items()),
+            other_writes=tuple(other_writes),
         )
         for m, o in zip(models, outputs, strict=True)
     ]
     outcomes = _run_all(tasks, models, jobs, quiet)
-    if report_path:
+    refused = len(models) == 1 and outcomes[0].error is not None
+    if report_path and not refused:  # a refused model gets its error line, and nothing written
         payloads = [
             {k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
             for o in outcomes
         ]
         body = payloads[0] if len(models) == 1 and not outcomes[0].error else {"models": payloads}
         write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
-    if junit_path:
+    if junit_path and not refused:
         combined_junit(
             [o.payload.get("_junit") for o in outcomes],
             [o.label for o in outcomes],

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from onnx_qrewrite.batch import Outcome, run_tasks
+from onnx_qrewrite.clash import check_writes, model_reads
 from onnx_qrewrite.commands.options import (
     MultiValueOption,
     check_report_paths,
@@ -376,6 +377,19 @@ def verify_command(
         save_inputs=options.get("save_inputs"),
         save_outputs=options.get("save_outputs"),
     )
+    # ... nor the external data those models reference, nor a FIFO or device (clash.check_writes).
+    reads: dict[tuple[int, int], Path] = {}
+    for pair in pairs:
+        for model in pair:
+            if model is not None:
+                reads.update(model_reads(model))
+    for option in ("inputs_file", "load_outputs"):
+        given = options.get(option) if option != "load_outputs" else load_outputs
+        if given:
+            reads.update(model_reads(given))
+    writes = [("--report", report_path), ("--junit", junit_path)]
+    writes += [("--save-inputs", options.get("save_inputs")), ("--save-outputs", options.get("save_outputs"))]
+    check_writes(writes, reads)
     kwargs = verify_kwargs(**options)
     if load_outputs is not None:
         kwargs["load_outputs"] = load_outputs

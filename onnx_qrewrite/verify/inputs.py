@@ -560,9 +560,11 @@ def save_samples(path: str | os.PathLike[str], samples: Sequence[Sample]) -> Non
         arrays = {name: _encode(a) for name, a in samples[0].feeds.items()}
     else:
         arrays = {f"{s.name}{_SAMPLE_SEPARATOR}{name}": _encode(a) for s in samples for name, a in s.feeds.items()}
-    try:
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
-    except OSError as exc:
-        raise UsageError(f"--save-inputs: {path}: cannot write: {exc.strerror or exc}") from None
+    import io
+
+    from onnx_qrewrite.outputs import write_atomic
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue(), "--save-inputs")  # all or nothing, never through a link
     logger.info("saved %d sample(s) to %s", len(samples), path)

@@ -118,11 +118,13 @@ def save_outputs(
         "dtypes": dtypes,
     }
     arrays[_META] = np.array(json.dumps(meta))
-    try:
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
-    except OSError as exc:
-        raise UsageError(f"--save-outputs: {path}: cannot write: {exc.strerror or exc}") from None
+    import io
+
+    from onnx_qrewrite.outputs import write_atomic
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue(), "--save-outputs")  # all or nothing, never through a link
 
 
 def load_outputs(path: str | os.PathLike[str]) -> StoredOutputs:

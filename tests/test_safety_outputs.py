@@ -1,0 +1,275 @@
+"""An invocation never writes a file it reads, and a commit is all or nothing (issue 9, items 1-2).
+
+Each scenario is what a careless user (or a hostile folder) does; inputs are hashed before and
+after. The kill tests SIGKILL a process that keeps rewriting over one output pair at spread
+moments, and check after every kill that the output path holds a consistent pair: the old one
+or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from _safety_helpers import PY, cli, digest, dql_model, one_error_line
+from conftest import assert_bitwise_equal, run
+
+import onnx_qrewrite
+from onnx_qrewrite import UsageError, outputs
+
+X = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
+
+
+def _temps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if outputs.TEMP_MARK in p.name)
+
+
+def _weights(model_path: Path) -> bytes:
+    model = onnx.load(model_path)  # loads the external data too: fails on a missing/short file
+    return next(t for t in model.graph.initializer if t.name == "w").raw_data
+
+
+# -- item 1: never write a file the invocation reads ------------------------------------------
+
+
+def test_rename_then_rewrite_over_the_old_name_keeps_the_inputs_weights(tmp_path):
+    """mv m.onnx o.onnx; rewrite o.onnx -o m.onnx: o.onnx still references m.onnx.data."""
+    model = dql_model(tmp_path)
+    expected = run(model, {"x": X})["y"]
+    os.rename(model, tmp_path / "o.onnx")
+    before = digest(tmp_path)
+    proc = cli("rewrite", tmp_path / "o.onnx", "-o", tmp_path / "model.onnx")
+    assert proc.returncode == 0, proc.stderr
+    after = digest(tmp_path)
+    assert {k: after[k] for k in before} == before  # o.onnx and model.onnx.data untouched
+    assert "model.onnx.1.data" in after  # the output's weights went to a name no file had
+    assert_bitwise_equal(run(tmp_path / "o.onnx", {"x": X})["y"], expected, "input still runs")
+    assert_bitwise_equal(run(tmp_path / "model.onnx", {"x": X})["y"], expected, "output runs")
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["data", "data-hardlink", "data-symlink", "model-hardlink", "model-symlink"],
+)
+def test_output_model_onto_a_file_the_input_reads_is_refused(tmp_path, target):
+    model = dql_model(tmp_path / "m")
+    m = model.parent
+    out = {
+        "data": m / "model.onnx.data",
+        "data-hardlink": tmp_path / "h.onnx",
+        "data-symlink": tmp_path / "s.onnx",
+        "model-hardlink": tmp_path / "hm.onnx",
+        "model-symlink": tmp_path / "sm.onnx",
+    }[target]
+    if target == "data-hardlink":
+        os.link(m / "model.onnx.data", out)
+    elif target == "data-symlink":
+        os.symlink(m / "model.onnx.data", out)
+    elif target == "model-hardlink":
+        os.link(model, out)
+    elif target == "model-symlink":
+        os.symlink(model, out)
+    before = digest(tmp_path)
+    proc = cli("rewrite", model, "-o", out)
+    assert proc.returncode == 2, proc.stderr
+    line = one_error_line(proc)
+    assert str(out) in line and "refusing to overwrite the input" in line
+    assert digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("option", ["--report", "--junit", "--save-inputs"])
+@pytest.mark.parametrize("victim", ["input", "input-data", "input-data-hardlink", "output", "output-data"])
+def test_reports_onto_models_or_their_data_are_refused(tmp_path, option, victim):
+    model = dql_model(tmp_path / "m")
+    out = tmp_path / "o.onnx"
+    link = tmp_path / "link.json"
+    if victim == "input-data-hardlink":
+        os.link(model.parent / "model.onnx.data", link)
+    path = {
+        "input": model,
+        "input-data": model.parent / "model.onnx.data",
+        "input-data-hardlink": link,
+        "output": out,
+        "output-data": tmp_path / "o.onnx.data",
+    }[victim]
+    before = digest(tmp_path)
+    proc = cli("rewrite", model, "-o", out, "--verify", option, path, "--samples", "1", "--no-battery")
+    assert proc.returncode == 2, proc.stderr
+    assert option in one_error_line(proc)
+    assert digest(tmp_path) == before
+
+
+def test_verify_reports_onto_its_models_are_refused(tmp_path):
+    model = dql_model(tmp_path / "m")
+    before = digest(tmp_path)
+    for option in ("--report", "--junit", "--save-inputs"):
+        proc = cli("verify", model, model, option, model.parent / "model.onnx.data")
+        assert proc.returncode == 2 and "refusing to overwrite the input" in one_error_line(proc)
+    proc = cli("verify", model, model, "--report", tmp_path / "r", "--junit", tmp_path / "r")
+    assert proc.returncode == 2 and "is also given to" in one_error_line(proc)
+    assert digest(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_outputs_go_only_to_regular_files_or_new_paths(tmp_path, kind):
+    model = dql_model(tmp_path / "m")
+    target = tmp_path / "fifo"
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target = Path("/dev/null")
+    for args in (["-o", target], ["-o", tmp_path / "o.onnx", "--report", target]):
+        proc = cli("rewrite", model, *args, timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert "regular files or new paths" in one_error_line(proc)
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_report_is_not_written_when_the_model_is_refused(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07garbage")
+    proc = cli("rewrite", bad, "-o", tmp_path / "o.onnx", "--report", tmp_path / "r.json")
+    assert proc.returncode == 3, proc.stderr
+    one_error_line(proc)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx"]
+
+
+def test_api_save_onto_the_inputs_files_is_refused(tmp_path):
+    model = dql_model(tmp_path)
+    result = onnx_qrewrite.rewrite(model)
+    before = digest(tmp_path)
+    os.link(tmp_path / "model.onnx.data", tmp_path / "alias")
+    for target in (model, tmp_path / "model.onnx.data", tmp_path / "alias"):
+        with pytest.raises(UsageError, match="refusing to overwrite the input"):
+            result.save(target)
+    (tmp_path / "alias").unlink()
+    assert digest(tmp_path) == before
+
+
+# -- item 2: all or nothing -------------------------------------------------------------------
+
+
+def test_overwriting_an_output_pair_replaces_it_and_removes_the_old_data(tmp_path):
+    a, b = dql_model(tmp_path / "a", seed=1), dql_model(tmp_path / "b", seed=2)
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    names = []
+    for src in (a, b, a, b):
+        info = onnx_qrewrite.rewrite(src).save(out)
+        names.append(info.data_path.name)
+        assert _weights(out) == _weights(src)
+        assert sorted(p.name for p in out.parent.iterdir()) == sorted(["o.onnx", info.data_path.name])
+    assert names == ["o.onnx.data", "o.onnx.1.data", "o.onnx.data", "o.onnx.1.data"]
+
+
+def test_a_dead_processs_leftovers_are_removed_by_the_next_write(tmp_path):
+    model = dql_model(tmp_path / "m")
+    out = tmp_path / "o.onnx"
+    onnx_qrewrite.rewrite(model).save(out)
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    # What a SIGKILL between renaming the new data and renaming the model leaves: the commit's
+    # journal, and a final-named data file that no model references; plus half-written temporaries.
+    (tmp_path / f".o.onnx{outputs.TEMP_MARK}{pid}-0badf00d.journal").write_text("new o.onnx.1.data\nold o.onnx.data\n")
+    (tmp_path / "o.onnx.1.data").write_bytes(b"x" * 100)
+    (tmp_path / f".o.onnx{outputs.TEMP_MARK}{pid}-0badf00e.model").write_bytes(b"half a model")
+    (tmp_path / f".o.onnx{outputs.TEMP_MARK}{pid}-0badf00c.data").write_bytes(b"half the weights")
+    alive = tmp_path / f".r.json{outputs.TEMP_MARK}{os.getpid()}-0badf00f.part"
+    alive.write_bytes(b"a live process's temporary")
+    removed = outputs.clean_leftovers(tmp_path)
+    assert "o.onnx.1.data" in removed and "o.onnx.data" not in removed  # o.onnx references .data
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m", "o.onnx", "o.onnx.data", alive.name])
+    assert _weights(out) == _weights(model)
+    alive.unlink()
+    onnx_qrewrite.rewrite(model).save(out)  # the next write cleans up the same way, by itself
+    assert _temps(tmp_path) == []
+
+
+_CHILD = r"""
+import sys
+import onnx_qrewrite
+a, b, out = sys.argv[1:4]
+results = [onnx_qrewrite.rewrite(a), onnx_qrewrite.rewrite(b)]
+print("ready", flush=True)
+i = 0
+while True:
+    results[i % 2].save(out)
+    i += 1
+"""
+
+
+def test_sigkill_at_any_moment_leaves_the_old_pair_or_the_new_one(tmp_path):
+    """A child keeps saving two different models (4 MiB of weights each) over one output pair; it
+    is SIGKILLed at spread moments; after each kill the output loads with one model's weights
+    exactly, and the next write removes the dead child's leftovers."""
+    a = dql_model(tmp_path / "a", weight_bytes=4 * 2**20, seed=1)
+    b = dql_model(tmp_path / "b", weight_bytes=4 * 2**20, seed=2)
+    wa, wb = _weights(a), _weights(b)
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    onnx_qrewrite.rewrite(a).save(out)
+    rng = random.Random(9)
+    kills = int(os.environ.get("QRW_KILLS", "10"))
+    seen = {"a": 0, "b": 0}
+    leftovers = 0
+    for _ in range(kills):
+        child = subprocess.Popen([PY, "-c", _CHILD, str(a), str(b), str(out)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.4))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        w = _weights(out)
+        assert w in (wa, wb), "the output pair is a mix"
+        seen["a" if w == wa else "b"] += 1
+        leftovers += len(_temps(out.parent))
+        # Every file besides the temporaries is the model and the data file it references.
+        files = {p.name for p in out.parent.iterdir()} - set(_temps(out.parent))
+        assert len(files - {"o.onnx"}) <= 2
+    outputs.clean_leftovers(out.parent)
+    assert _temps(out.parent) == []
+    names = {p.name for p in out.parent.iterdir()}
+    assert names in ({"o.onnx", "o.onnx.data"}, {"o.onnx", "o.onnx.1.data"}), names
+    assert seen["a"] and seen["b"], seen  # the kills did land at different moments
+    print(f"kills={kills} seen={seen} leftover temporaries={leftovers}", file=sys.stderr)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_leave_no_temporaries(tmp_path, sig):
+    """Signals at growing delays into a CLI rewrite of 48 MiB of weights, until one lands after
+    the run finished: exit 143/130 (or death by the signal while still importing, before any
+    file exists; or 0 when it came too late), never a temporary left, the output absent or complete."""
+    model = dql_model(tmp_path / "m", weight_bytes=48 * 2**20)
+    out = tmp_path / "out" / "o.onnx"
+    out.parent.mkdir()
+    codes = []
+    delay = 0.5
+    while not codes or codes[-1] != 0:
+        proc = subprocess.Popen(
+            [PY, "-m", "onnx_qrewrite", "rewrite", str(model), "-o", str(out)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        time.sleep(delay)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        codes.append(proc.returncode)
+        assert proc.returncode in (0, 128 + sig, -sig), err
+        if proc.returncode != -sig:  # -sig: Python's own handling while still importing, no work begun
+            assert "Traceback" not in err
+        assert _temps(out.parent) == [], (delay, _temps(out.parent))
+        if out.exists():
+            assert _weights(out) == _weights(model)
+        for p in out.parent.iterdir():
+            p.unlink()
+        delay += 0.25
+        assert len(codes) < 40, codes
+    assert 128 + sig in codes, codes
