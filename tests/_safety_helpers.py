@@ -88,3 +88,19 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     return lines[0]
+
+
+def batch_task(arg: str):
+    """A run_tasks task (module level: workers import it) that dies as told, for batch tests."""
+    import ctypes
+    import signal as _signal
+
+    from onnx_qrewrite.batch import Outcome
+
+    if arg == "sigkill":
+        os.kill(os.getpid(), _signal.SIGKILL)
+    elif arg == "segfault":
+        ctypes.string_at(0)
+    elif arg == "exit":
+        os._exit(7)
+    return Outcome(0, arg, lines=[f"done {arg} in {os.getpid()}"])

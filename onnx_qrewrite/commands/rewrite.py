@@ -366,7 +366,9 @@ def _run_all(tasks: list[_Task], models: tuple[str, ...], jobs: int, quiet: bool
             for line in outcome.lines:
                 click.echo(line)
         if outcome.error:
-            click.echo(f"onnx-qrewrite: error: {outcome.error}", err=True)
+            # In a batch every message names its model (most already do: they start with its path).
+            named = len(models) == 1 or outcome.label in outcome.error
+            click.echo(f"onnx-qrewrite: error: {'' if named else outcome.label + ': '}{outcome.error}", err=True)
         if overall is not None:
             overall("models", len(outcomes), len(models))
     outcomes.sort(key=lambda o: o.index)
