@@ -298,7 +298,13 @@ def rewrite(
         plan = None
         if target is not None:
             catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
-        rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+        try:
+            rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+        except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
+            label = str(source_path) if source_path is not None else "input model"
+            if str(exc).startswith(label):
+                raise
+            raise InvalidModelError(f"{label}: {exc}") from None
         if plan is not None:
             report.target = plan.to_dict()
             report.warnings.extend(

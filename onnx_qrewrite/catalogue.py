@@ -262,6 +262,8 @@ def parse_rules(text: str, source: str) -> list[Rule]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise UsageError(f"{source}: not a rule file: arrays or tables nested too deeply") from None
     problem = _unknown_keys(data, _FILE_KEYS, "top-level key")
     if problem:
         raise UsageError(f"{source}: {problem}")

@@ -28,7 +28,7 @@ from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
 from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.encoded import EncodedModel
-from onnx_qrewrite.errors import LoweringError, UsageError
+from onnx_qrewrite.errors import InvalidModelError, LoweringError, UsageError
 from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
 from onnx_qrewrite.progress import ProgressSink, stage
@@ -334,6 +334,10 @@ def _record_provenance_mode(model: onnx.ModelProto, mode: str) -> None:
     model.metadata_props.add(key=provenance_mod.MODE_KEY, value=mode)
 
 
+#: The first IR version in which an initializer need not be a graph input.
+_IR_INITIALIZERS_NOT_INPUTS = 4
+
+
 def run(
     model: onnx.ModelProto,
     catalogue: Catalogue,
@@ -352,9 +356,42 @@ def run(
     gc.disable()
     try:
         return _run(model, catalogue, options, external, progress)
+    except (AttributeError, TypeError, UnicodeError):
+        # protobuf hands a name that is not valid UTF-8 to Python as bytes, not str; finding
+        # such a name costs a walk over the whole model, so it is only looked for on failure.
+        bad = first_non_utf8_name(model)
+        if bad is not None:
+            raise InvalidModelError(f"{bad} is not valid UTF-8; ONNX names are UTF-8 strings") from None
+        raise
     finally:
         if was_enabled:
             gc.enable()
+
+
+def first_non_utf8_name(model: onnx.ModelProto) -> str | None:
+    """The first name (node, value, initializer, op type, domain) that is not valid UTF-8, described."""
+    for scope in iter_scopes(model):
+        container = scope.container
+        values = []
+        if isinstance(container, onnx.GraphProto):
+            values = [*container.input, *container.output, *container.value_info, *container.initializer]
+        for v in values:
+            if isinstance(v.name, bytes):
+                return f"{scope.path}: value name {v.name!r}"
+        for node in container.node:
+            for field in ("name", "op_type", "domain"):
+                if isinstance(getattr(node, field), bytes):
+                    return f"{scope.path}: node {field} {getattr(node, field)!r}"
+            for name in (*node.input, *node.output):
+                if isinstance(name, bytes):
+                    return f"{scope.path}: node {node.name!r}: value name {name!r}"
+            for attr in node.attribute:
+                if isinstance(attr.name, bytes):
+                    return f"{scope.path}: node {node.name!r}: attribute name {attr.name!r}"
+    for entry in model.metadata_props:
+        if isinstance(entry.key, bytes) or isinstance(entry.value, bytes):
+            return f"metadata entry {entry.key!r}"
+    return None
 
 
 def _run(
@@ -405,4 +442,12 @@ def _run(
     if matches:
         used = {key.split("::")[0] if "::" in key else "" for key in report.ops_after}
         opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, used, report)
+    if report.changed and model.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
+        # Before IR 4 every initializer had to be a graph input: the constants a rewrite adds are
+        # not. IR 4 only lifts that rule, so the model means the same under it.
+        report.warnings.append(
+            f"IR version raised from {model.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
+            "initializer had to be a graph input, and the constants this rewrite adds are not"
+        )
+        model.ir_version = _IR_INITIALIZERS_NOT_INPUTS
     return result, report

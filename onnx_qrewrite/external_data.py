@@ -97,6 +97,9 @@ def tensor_location(tensor: onnx.TensorProto, label: str) -> TensorLocation:
     """The parsed ``external_data`` table of ``tensor``; malformed entries are InvalidModelError."""
     entries = {e.key: e.value for e in tensor.external_data}
     where = f"{label}: {_tensor_label(tensor)}"
+    for key, value in entries.items():
+        if isinstance(key, bytes) or isinstance(value, bytes):  # protobuf's form of invalid UTF-8
+            raise InvalidModelError(f"{where}: external data entry {key!r} = {value!r} is not valid UTF-8")
     location = entries.get("location")
     if not location:
         raise InvalidModelError(f"{where}: external data without a location")
@@ -111,16 +114,47 @@ def tensor_location(tensor: onnx.TensorProto, label: str) -> TensorLocation:
     return TensorLocation(location, numbers.get("offset", 0), numbers.get("length"))
 
 
+#: Bits per element of each fixed-width data type (names missing from older onnx are skipped).
+_BITS = {
+    value: bits
+    for name, bits in {
+        "FLOAT": 32,
+        "UINT8": 8,
+        "INT8": 8,
+        "UINT16": 16,
+        "INT16": 16,
+        "INT32": 32,
+        "INT64": 64,
+        "BOOL": 8,
+        "FLOAT16": 16,
+        "DOUBLE": 64,
+        "UINT32": 32,
+        "UINT64": 64,
+        "COMPLEX64": 64,
+        "COMPLEX128": 128,
+        "BFLOAT16": 16,
+        "FLOAT8E4M3FN": 8,
+        "FLOAT8E4M3FNUZ": 8,
+        "FLOAT8E5M2": 8,
+        "FLOAT8E5M2FNUZ": 8,
+        "UINT4": 4,
+        "INT4": 4,
+        "FLOAT4E2M1": 4,
+        "FLOAT8E8M0": 8,
+        "UINT2": 2,
+        "INT2": 2,
+    }.items()
+    if (value := getattr(onnx.TensorProto, name, None)) is not None
+}
+
+
 def _expected_bytes(tensor: onnx.TensorProto, where: str) -> int:
     """Bytes the tensor's type and shape need (external data must hold exactly that many)."""
-    import onnx_ir as ir
-
     if tensor.data_type == onnx.TensorProto.STRING:
         raise InvalidModelError(f"{where}: string tensors cannot be stored as external data")
-    try:
-        bits = ir.DataType(tensor.data_type).bitwidth
-    except (ValueError, TypeError):
-        raise InvalidModelError(f"{where}: data type {tensor.data_type} has no fixed width") from None
+    bits = _BITS.get(tensor.data_type)
+    if bits is None:
+        raise InvalidModelError(f"{where}: data type {tensor.data_type} has no fixed width")
     if any(d < 0 for d in tensor.dims):
         raise InvalidModelError(f"{where}: negative dimension in {list(tensor.dims)}")
     return (math.prod(tensor.dims) * bits + 7) // 8

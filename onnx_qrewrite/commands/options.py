@@ -115,7 +115,7 @@ def parse_rule_options(values: tuple[str, ...], dql_semantics: str | None = None
             raise UsageError(f"--rule-option {item!r}: expected RULE_ID.KEY=VALUE")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
+        except (tomllib.TOMLDecodeError, RecursionError):
             value = raw
         out.setdefault(rule_id, {})[key] = value
     if dql_semantics:

@@ -297,6 +297,8 @@ def parse_target(text: str, path: str) -> TargetProfile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise UsageError(f"{path}: not a target profile: arrays or tables nested too deeply") from None
     _check_keys(path, "top level", data, _TOP_KEYS)
     target = _check_keys(path, "[target]", data.get("target"), _TARGET_KEYS)
     target_id = _string(path, "[target]", target, "id")
