@@ -54,7 +54,10 @@ def test_names_that_are_not_utf8_are_invalid_models(tmp_path, old, new, what):
     proc = cli("rewrite", path, "-o", tmp_path / "o.onnx")
     assert proc.returncode == 3, proc.stderr
     line = one_error_line(proc)
-    assert str(path) in line and what in line and "not valid UTF-8" in line
+    assert str(path) in line
+    # Depending on protobuf's build, its parser refuses the bytes itself (naming the field), or
+    # hands them over as bytes and the engine names them.
+    assert (what in line and "not valid UTF-8" in line) or ("utf-8" in line and "onnx.NodeProto" in line), line
     assert not (tmp_path / "o.onnx").exists()
 
 

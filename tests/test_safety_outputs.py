@@ -273,3 +273,11 @@ def test_sigterm_and_sigint_leave_no_temporaries(tmp_path, sig):
         delay += 0.25
         assert len(codes) < 40, codes
     assert 128 + sig in codes, codes
+
+
+def test_a_trailing_slash_names_a_new_output_folder(tmp_path):
+    """The clash check runs before the output folder is created, and the folder still is."""
+    model = dql_model(tmp_path / "m")
+    proc = cli("rewrite", model, "-o", f"{tmp_path / 'new'}/")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["model.onnx", "model.onnx.data"]

@@ -286,7 +286,7 @@ def rewrite_command(
         if path
     ]
     check_writes([*(("-o", o) for o in outputs), *other_writes], reads, outputs)
-    if len(models) > 1:
+    if outputs != [output]:  # -o names a folder (several models, or a trailing slash)
         try:
             Path(output).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
