@@ -394,8 +394,8 @@ def test_verify_never_writes_a_file_it_reads(toy, tmp_path, option):
     proc = cli("verify", original, toy["good"], option, original)
     assert proc.returncode == 2
     assert one_error_line(proc.stderr) == (
-        f"onnx-qrewrite: error: {option} {original}: is the same file as {original}, which this invocation "
-        "reads; choose another path"
+        f"onnx-qrewrite: error: {option} {original}: refusing to overwrite the input file {original} (the same "
+        "file), which this invocation reads; choose another path"
     )
     assert original.read_bytes() == before
 
