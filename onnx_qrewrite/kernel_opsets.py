@@ -13,6 +13,7 @@ __all__ = [
     "BLOCKED",
     "DECOMPOSE_DEQUANTIZE_INTEGER",
     "DEQUANTIZE_LINEAR",
+    "FORMS",
     "FLOAT16_SCALE",
     "NBITS_UNPACKED",
     "PER_AXIS",
@@ -47,6 +48,19 @@ FLOAT16_SCALE = 19
 DECOMPOSE_DEQUANTIZE_INTEGER = 10
 #: MatMulNBits unpacked into Cast/Sub/Mul/Reshape/Slice/MatMul: Slice with inputs needs 10.
 NBITS_UNPACKED = 10
+
+#: The lowest opset of every op in each arithmetic form a builder emits (their CPU kernels in
+#: onnxruntime for the types used).
+FORMS: dict[str, int] = {
+    # Round 11, Cast to bfloat16 13, float64 Clip 12.
+    "qdq-decompose": 13,
+    # ReduceMin/ReduceMax without axes, Round, Clip with inputs: 11.
+    "dynamic-quantize-linear": 11,
+    # Cast, Sub, MatMul (float and int32), Conv, Mul, Add: 10 is where MatMulInteger itself starts.
+    "integer-matmul": 10,
+    # Cast to bfloat16, Reshape of runtime scales.
+    "dynamic-dequantize-arithmetic": 13,
+}
 
 
 def qdq_opset(quantize: bool, dtype: str, *, per_axis: bool = False, blocked: bool = False) -> int | None:

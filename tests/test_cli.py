@@ -38,9 +38,9 @@ def test_rewrite_sample_prints_summary_and_writes_valid_model(tmp_path):
     assert "DynamicQuantizeLinear" in proc.stdout  # op counts before/after
     model = onnx.load(out)
     onnx.checker.check_model(model, full_check=True)
-    assert not any(n.op_type == "DynamicQuantizeLinear" for n in model.graph.node)
+    assert not any(n.op_type in ("DynamicQuantizeLinear", "MatMulInteger") for n in model.graph.node)
     data = json.loads(report.read_text())
-    assert data["by_rule"] == {"dql-expand": 3} and len(data["rewrites"]) == 3
+    assert data["by_rule"] == {"dql-expand": 3, "int-matmul-float": 3} and len(data["rewrites"]) == 6
     feeds = dict(np.load(SAMPLES / "dynamic_mlp.inputs.npz"))
     want = dict(np.load(SAMPLES / "dynamic_mlp.outputs.npz"))
     got = run(model, feeds)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
     AXIS_DEFAULT,
@@ -167,14 +168,14 @@ class DynamicDequantizeBuilder:
                     f"scales {scales!r} is {scale_type}; onnxruntime has no DequantizeLinear "
                     "kernel for it (the arithmetic form follows)"
                 )
-            min_opset = 13 if per_channel else 10
+            min_opset = kernel_opsets.qdq_opset(False, src_type, per_axis=per_channel) or 0
         else:
             if per_channel and rank is None:
                 raise NoMatch(
                     f"per_channel needs the rank of src {src!r} to broadcast the scales, and the "
                     "model does not record it; run onnx shape inference on the model first"
                 )
-            min_opset = 13  # bfloat16 Cast; Reshape of runtime scales
+            min_opset = kernel_opsets.FORMS["dynamic-dequantize-arithmetic"]
         data = {
             "src": src,
             "scales": scales,

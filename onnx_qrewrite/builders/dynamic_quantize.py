@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import defs
 
+from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, Plan, Site, register
 from onnx_qrewrite.contract import Contract, Option
 from onnx_qrewrite.errors import InvalidModelError
@@ -117,7 +118,7 @@ class DynamicQuantizeLinearBuilder:
                 f"node {site.label}: DynamicQuantizeLinear input {site.node.input[0]!r} is "
                 f"{dtype_name(elem)}; the operator takes float32 only"
             )
-        return Plan(min_opset=11, notes=(f"semantics={semantics}",))
+        return Plan(min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"], notes=(f"semantics={semantics}",))
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
@@ -129,10 +130,10 @@ class DynamicQuantizeLinearBuilder:
         if options["semantics"] == "spec":
             self._build_spec(site, emit, outputs)
         else:
-            self._build_onnxruntime(site.node.input[0], emit, outputs)
+            self.expand_onnxruntime(site.node.input[0], emit, outputs)
 
     @staticmethod
-    def _build_onnxruntime(x: str, emit: Emitter, outputs: list[str]) -> None:
+    def expand_onnxruntime(x: str, emit: Emitter, outputs: list[str]) -> None:
         y, y_scale, y_zero_point = outputs
         zero = emit.const(0.0, np.float32)
         one = emit.const(1.0, np.float32)

@@ -212,8 +212,7 @@ class QDQDecomposeBuilder:
     """Replaces a vendor QuantizeLinear/DequantizeLinear with its exact elementwise decomposition."""
 
     name = "qdq_decompose"
-    #: Round needs 11, bfloat16 Cast 13, float64 Clip 12 in onnxruntime.
-    MIN_OPSET = 13
+    MIN_OPSET = kernel_opsets.FORMS["qdq-decompose"]
     contract = Contract(
         options=(
             DIRECTION,

@@ -33,12 +33,8 @@ OTHER_QUANT_OPS = frozenset(
     {
         "QuantizeLinear",
         "DequantizeLinear",
-        "MatMulInteger",
-        "ConvInteger",
         "QAttention",
         "MatMulBnb4",
-        "MatMulIntegerToFloat",
-        "DynamicQuantizeMatMul",
     }
 )
 
