@@ -389,6 +389,16 @@ def test_conv_integer_beyond_the_bound_uses_the_bounded_form_within_its_bound():
 
 
 @rule_marker("int-matmul-int32", "negative")
+def test_a_zero_point_of_another_type_than_its_operand_is_named_by_every_rule():
+    model, _ = _matmul_model("uint8", "uint8", (2, 4), np.ones((4, 3), np.uint8), np.array(1, np.int8), None)
+    with pytest.raises(LoweringError) as info:
+        onnx_qrewrite.rewrite(model)
+    for rule in ("int-matmul-float", "int-matmul-int32", "int-matmul-float-bounded"):
+        assert f"{rule}: malformed node: zero point 'a_zp' is int8, A is uint8" in str(info.value)
+
+
+@rule_marker("ms-int-matmul-float", "negative")
+@rule_marker("ms-int-matmul-int32", "negative")
 def test_what_cannot_be_lowered_is_named_for_every_rule():
     """MatMulIntegerToFloat without b_scale is malformed: every rule that matches it says why."""
     model = _ms_model(
@@ -401,7 +411,7 @@ def test_what_cannot_be_lowered_is_named_for_every_rule():
     with pytest.raises(LoweringError) as info:
         onnx_qrewrite.rewrite(model)
     message = str(info.value)
-    for rule in ("int-matmul-float", "int-matmul-int32"):
+    for rule in ("ms-int-matmul-float", "ms-int-matmul-int32"):
         assert f"{rule}: malformed node: MatMulIntegerToFloat needs a_scale and b_scale" in message
 
 
@@ -444,8 +454,8 @@ def _ms_model(op, inputs_spec, inits, m, k):
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-@rule_marker("int-matmul-float", "positive")
-@rule_marker("int-matmul-int32", "positive")
+@rule_marker("ms-int-matmul-float", "positive")
+@rule_marker("ms-int-matmul-int32", "positive")
 @pytest.mark.parametrize(
     "op, ta, tb",
     [
@@ -489,7 +499,7 @@ def test_fused_contrib_ops_are_bit_exact_with_their_kernels(op, ta, tb, per_colu
         spec.append(("bias", 0))
     model = _ms_model(op, spec, inits, m, k)
     result = _rewrite(model)
-    expected_rule = "int-matmul-float" if k == 16 else "int-matmul-int32"
+    expected_rule = "ms-int-matmul-float" if k == 16 else "ms-int-matmul-int32"
     assert result.report.by_rule() == {expected_rule: 1}
     assert all(o.domain != "com.microsoft" for o in result.model.opset_import)
     for trial in range(3):

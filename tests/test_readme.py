@@ -33,7 +33,7 @@ def test_readme_python_examples_run(tmp_path, monkeypatch):
         for i, block in enumerate(python_blocks()):
             exec(compile(block, f"README.md python block {i}", "exec"), namespace)
     # What the examples say they do, they did.
-    assert namespace["result"].report.by_rule() == {"dql-expand": 3}
+    assert namespace["result"].report.by_rule() == {"dql-expand": 3, "int-matmul-float": 3}
     assert out.getvalue().count("dql-expand") == 3
     assert namespace["report"].passed
     for name in ("model.portable.onnx", "r.json", "r.xml"):

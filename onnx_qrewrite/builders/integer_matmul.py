@@ -87,6 +87,7 @@ class _Operand:
     dtype: str
     zp_value: np.ndarray | None
     zp_size: int | None
+    zp_scalar: bool = False  # a rank-0 zero point (used as it is)
 
     def largest_shift(self) -> int:
         """max |x - zp| over every x of the type (and every zero point when it is not constant)."""
@@ -246,10 +247,11 @@ class IntegerMatMulBuilder:
         zp_value = site.constant(zp) if zp else None
         zp_shape = tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zp, site.same_shape_ops)
         zp_size = math.prod(zp_shape) if zp_shape is not None and None not in zp_shape else None
-        producer = site.scope.producer(zp) if zp and zp_size is None else None
+        scalar = zp_shape == ()
+        producer = site.scope.producer(zp) if zp and zp_shape is None else None
         if producer is not None and producer.op_type == "DynamicQuantizeLinear" and producer.domain in ("", "ai.onnx"):
-            zp_size = 1  # its zero point output is a scalar
-        return _Operand(name, zp, dtype, zp_value, zp_size)
+            zp_size, scalar = 1, True  # its zero point output is a scalar
+        return _Operand(name, zp, dtype, zp_value, zp_size, scalar)
 
     def _read(self, site: Site) -> _Read:
         node = site.node
@@ -276,7 +278,7 @@ class IntegerMatMulBuilder:
             elem = site.elem_type(site.input(0))
             if elem is not None and elem != _T.FLOAT:
                 raise NoMatch(f"A {site.input(0)!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
-            a = _Operand(site.input(0), "<dynamic>", "uint8", None, 1)
+            a = _Operand(site.input(0), "<dynamic>", "uint8", None, 1, True)
             b = self._operand(site, site.input(1), site.input(3), "B")
             read = _Read(
                 False, a, b, None, None, b_scale=site.input(2), bias=site.input(4), dynamic=True, to_float=True
@@ -372,7 +374,7 @@ class IntegerMatMulBuilder:
         def operand_key(o: _Operand) -> tuple:
             zp = o.zp_value
             constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
-            return (o.dtype, bool(o.zero_point), constant, o.zp_size)
+            return (o.dtype, bool(o.zero_point), constant, o.zp_size, o.zp_scalar)
 
         inputs = list(site.node.input)
         wiring = tuple(inputs.index(name) if name else -1 for name in inputs)
@@ -440,6 +442,8 @@ class IntegerMatMulBuilder:
             # (A's zero point of unknown shape and A of unknown rank: onnxruntime needs one element.)
             if operand.zp_value is not None:
                 zp_name = emit.const(operand.zp_value.reshape(()))
+            elif operand.zp_scalar:
+                zp_name = zp
             else:
                 zp_name = emit.op1("Reshape", [zp, emit.const(np.zeros(0, np.int64))], hint="ToScalar")
         elif per_row:  # A's zero point per row: [M] -> [M, 1] (a 1-element one of unknown shape too)
