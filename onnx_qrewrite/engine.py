@@ -372,7 +372,7 @@ def first_non_utf8_name(model: onnx.ModelProto) -> str | None:
     """The first name (node, value, initializer, op type, domain) that is not valid UTF-8, described."""
     for scope in iter_scopes(model):
         container = scope.container
-        values = []
+        values: list[onnx.ValueInfoProto | onnx.TensorProto] = []
         if isinstance(container, onnx.GraphProto):
             values = [*container.input, *container.output, *container.value_info, *container.initializer]
         for v in values:

@@ -246,7 +246,8 @@ class IntegerMatMulBuilder:
                 raise NoMatch(f"malformed node: zero point {zp!r} is {dtype_name(zp_elem)}, {what} is {dtype}")
         zp_value = site.constant(zp) if zp else None
         zp_shape = tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zp, site.same_shape_ops)
-        zp_size = math.prod(zp_shape) if zp_shape is not None and None not in zp_shape else None
+        known = [d for d in zp_shape or () if d is not None]  # every dimension known: the size is too
+        zp_size = math.prod(known) if zp_shape is not None and len(known) == len(zp_shape) else None
         scalar = zp_shape == ()
         producer = site.scope.producer(zp) if zp and zp_shape is None else None
         if producer is not None and producer.op_type == "DynamicQuantizeLinear" and producer.domain in ("", "ai.onnx"):

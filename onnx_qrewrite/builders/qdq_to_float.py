@@ -109,7 +109,9 @@ class QDQToFloatBuilder:
         if consumers is None:
             raise NotApplicable("the graph has subgraphs that may read the quantized value")
         y = node.output[0]
-        if site.scope.is_function or any(o.name == y for o in site.scope.container.output):
+        container = site.scope.container
+        is_output = isinstance(container, onnx.GraphProto) and any(o.name == y for o in container.output)
+        if site.scope.is_function or is_output:
             raise NotApplicable("the quantized value is an output of the graph")
         readers = consumers.get(y, [])
         if not readers or any(r.op_type != "DequantizeLinear" or r.domain not in ("", "ai.onnx") for r in readers):
