@@ -35,16 +35,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 from onnx_qrewrite.builders import Builder, builder_names, get_builder
 from onnx_qrewrite.contract import EXACTNESS, closest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,11 +14,6 @@ from typing import Any
 import click
 
 from onnx_qrewrite.errors import UsageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def configure_logging(verbose: int, quiet: bool) -> None:

@@ -67,15 +67,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import sys
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 from onnx_qrewrite.errors import UsageError
 
