@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -255,7 +256,7 @@ def compare_values(
     """Compare one value of one sample."""
     original, rewritten = np.asarray(original), np.asarray(rewritten)
     floating = not is_integer_dtype(original.dtype)
-    base = {
+    base: dict[str, Any] = {  # the fields every outcome shares
         "name": name,
         "dtype": original.dtype.name,
         "shape": tuple(original.shape),
