@@ -29,6 +29,7 @@ from onnx_qrewrite import provenance
 from onnx_qrewrite.builders import Emitter
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
+from onnx_qrewrite.verify.localize import with_outputs
 from onnx_qrewrite.verify.session import ModelRunner
 
 __all__ = ["BoundedRewrite", "bounded_rewrites", "check_bounds"]
@@ -85,16 +86,6 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
     return found
 
 
-def _with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    present = {o.name for o in copy.graph.output}
-    for name in names:
-        if name not in present:
-            copy.graph.output.append(onnx.ValueInfoProto(name=name))
-    return copy
-
-
 def _alone(rewrite: BoundedRewrite, rewritten: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
     """The replacement as a model of its own: initializers it reads, everything else an input."""
     initializers = {t.name: t for t in rewritten.graph.initializer}
@@ -127,7 +118,7 @@ def check_bounds(
         return []
     initializers = {t.name for t in rewritten.graph.initializer}
     needed = list(dict.fromkeys(n for r in rewrites for n in (*r.inputs, *r.outputs) if n not in initializers))
-    runner = make_runner(_with_outputs(original, needed), "original")
+    runner = make_runner(with_outputs(original, needed), "original")
     graph_inputs = {i.name for i in original.graph.input}
     fetch = [n for n in needed if n not in graph_inputs]
     per_value: dict[str, list[ValueComparison]] = {}

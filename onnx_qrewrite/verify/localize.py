@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import onnx
 
@@ -32,7 +32,7 @@ from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_va
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
 
-__all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize"]
+__all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize", "with_outputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,8 @@ class Localization:
         return self.comparison is not None
 
 
-def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+def with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """A copy of ``model`` that also outputs ``names``, so their values can be compared."""
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     present = {o.name for o in copy.graph.output}
@@ -92,8 +93,8 @@ def localize(
     names = list(dict.fromkeys(out for _, out, _ in candidates))
     if not names:
         return Localization(sample.name, 0, note="the two models share no intermediate value names")
-    original_runner = make_runner(_with_outputs(original, names), "original")
-    rewritten_runner = make_runner(_with_outputs(rewritten, names), "rewritten")
+    original_runner = make_runner(with_outputs(original, names), "original")
+    rewritten_runner = make_runner(with_outputs(rewritten, names), "rewritten")
     tensors = [
         n
         for n in names
