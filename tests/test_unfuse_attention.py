@@ -1,0 +1,355 @@
+"""onnxruntime's com.microsoft attention fusions -> standard ops, against onnxruntime's own CPU kernels.
+
+The fused op and its rewrite run in the same onnxruntime (1.31.1) on a battery of shapes, head
+counts and masks (none, key lengths, key lengths with starts, raw 2-D and 3-D masks, causal, fully
+masked rows, lengths beyond the sequence). The rules are bounded; where the measurements show the
+rewrite bit-exact (input hidden size <= 128, batch·sequence > 1) that is asserted bit for bit, so a
+change in either side shows, and elsewhere the stated bound is asserted and shown tight enough to
+catch a broken rewrite. The real model is a tiny BERT-like encoder built here as transformers
+exports it, fused by onnxruntime.transformers' optimizer itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import numpy as np
+import onnx
+import pytest
+from conftest import assert_bitwise_equal, rule_marker, run
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.verify import verify
+
+RNG = np.random.default_rng(7)
+
+
+def attention_model(batch, seq, hidden_in, sizes, heads, mask_shape=None, attrs=None, opset=17, outputs=("y",)):
+    inputs = ["x", "w", "b"] + (["m"] if mask_shape else [])
+    values = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, hidden_in]),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, [hidden_in, sum(sizes)]),
+        helper.make_tensor_value_info("b", TensorProto.FLOAT, [sum(sizes)]),
+    ]
+    if mask_shape:
+        values.append(helper.make_tensor_value_info("m", TensorProto.INT32, list(mask_shape)))
+    node = helper.make_node(
+        "Attention", inputs, list(outputs), name="attn", domain="com.microsoft", num_heads=heads, **(attrs or {})
+    )
+    graph = helper.make_graph(
+        [node], "g", values, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, sizes[2]])]
+    )
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def attention_feeds(batch, seq, hidden_in, sizes, mask=None, scale=1.0):
+    feeds = {
+        "x": (RNG.standard_normal((batch, seq, hidden_in)) * scale).astype(np.float32),
+        "w": (RNG.standard_normal((hidden_in, sum(sizes))) * hidden_in**-0.5).astype(np.float32),
+        "b": (RNG.standard_normal(sum(sizes)) * 0.1).astype(np.float32),
+    }
+    if mask == "lengths":
+        feeds["m"] = RNG.integers(0, seq + 1, batch).astype(np.int32)
+        feeds["m"][0] = 0  # a fully masked batch entry
+    elif mask == "lengths+starts":
+        ends = RNG.integers(1, seq + 1, batch)
+        feeds["m"] = np.concatenate([ends, RNG.integers(0, ends)]).astype(np.int32)
+    elif mask == "raw":
+        feeds["m"] = RNG.integers(-1, 3, (batch, seq)).astype(np.int32)  # > 0 attends: -1 and 0 mask
+        feeds["m"][0] = 0  # a fully masked batch entry
+    elif mask == "3d":
+        feeds["m"] = RNG.integers(0, 2, (batch, seq, seq)).astype(np.int32)
+    return feeds
+
+
+MASK_SHAPES = {
+    None: lambda b, s: None,
+    "lengths": lambda b, s: (b,),
+    "lengths+starts": lambda b, s: (2 * b,),
+    "raw": lambda b, s: (b, s),
+    "3d": lambda b, s: (b, s, s),
+}
+
+
+def rewrite_and_run(model, feeds, **kw):
+    result = onnx_qrewrite.rewrite(model, **kw)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    return result, run(model, feeds)["y"], run(result.model, feeds)["y"]
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("mask", list(MASK_SHAPES), ids=lambda m: m or "no-mask")
+@pytest.mark.parametrize("unidirectional", [0, 1])
+@pytest.mark.parametrize("shape", [(2, 8, 32, 2), (3, 7, 128, 8), (1, 16, 64, 1)], ids=str)
+def test_attention_is_bit_exact_where_measured_so(mask, unidirectional, shape):
+    batch, seq, hidden, heads = shape
+    sizes = [hidden] * 3
+    model = attention_model(
+        batch, seq, hidden, sizes, heads, MASK_SHAPES[mask](batch, seq), {"unidirectional": unidirectional}
+    )
+    result, want, got = rewrite_and_run(model, attention_feeds(batch, seq, hidden, sizes, mask))
+    assert result.report.by_rule() == {"unfuse-attention": 1}
+    assert [r.exactness for r in result.report.rewrites] == ["bounded"]
+    assert_bitwise_equal(got, want, f"Attention {shape}, mask {mask}, unidirectional {unidirectional}")
+
+
+ATTRIBUTE_CASES = {
+    "qkv_hidden_sizes": ([32, 32, 16], {"qkv_hidden_sizes": [32, 32, 16]}, "raw"),
+    "scale_and_filter": ([32, 32, 32], {"scale": 0.3, "mask_filter_value": -1e9}, "raw"),
+    "filter_-1": ([32, 32, 32], {"mask_filter_value": -1.0, "unidirectional": 1}, "lengths+starts"),
+}
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("case", list(ATTRIBUTE_CASES))
+def test_attention_attributes(case):
+    sizes, attrs, mask = ATTRIBUTE_CASES[case]
+    model = attention_model(2, 8, 32, sizes, 4, MASK_SHAPES[mask](2, 8), attrs)
+    _, want, got = rewrite_and_run(model, attention_feeds(2, 8, 32, sizes, mask))
+    assert_bitwise_equal(got, want, case)
+
+
+@pytest.mark.parametrize("lengths", [[0, 0], [8, 8], [9, 100]], ids=str)
+def test_attention_edge_key_lengths(lengths):
+    # Every key masked (softmax over equal -10000 + score values), none, and lengths past the sequence.
+    model = attention_model(2, 8, 32, [32] * 3, 4, (2,))
+    feeds = attention_feeds(2, 8, 32, [32] * 3) | {"m": np.array(lengths, np.int32)}
+    _, want, got = rewrite_and_run(model, feeds)
+    assert_bitwise_equal(got, want, f"key lengths {lengths}")
+
+
+def test_attention_at_opset_11_without_a_mask():
+    model = attention_model(2, 8, 32, [32] * 3, 4, opset=11)
+    result, want, got = rewrite_and_run(model, attention_feeds(2, 8, 32, [32] * 3), keep_opset=True)
+    assert result.model.opset_import[0].version == 11
+    assert_bitwise_equal(got, want, "opset 11")
+
+
+def _attention_bound(feeds, sizes, heads):
+    """The rule's stated bound: 2^-20 · (1 + max|score|) · max|V|, score = scale · Q·Kᵀ per head."""
+    x, w, b = (feeds[k].astype(np.float64) for k in ("x", "w", "b"))
+    qkv = x @ w + b
+    q, k, v = np.split(qkv, np.cumsum(sizes)[:2], axis=-1)
+    head = sizes[0] // heads
+    qh = q.reshape(*q.shape[:2], heads, head).transpose(0, 2, 1, 3)
+    kh = k.reshape(*k.shape[:2], heads, head).transpose(0, 2, 3, 1)
+    scores = (qh @ kh) / math.sqrt(head)
+    return 2.0**-20 * (1 + np.abs(scores).max()) * np.abs(v).max()
+
+
+BOUNDED_SHAPES = [(2, 33, 256, 4), (2, 5, 384, 6), (1, 64, 768, 12), (1, 1, 64, 2), (3, 1, 32, 4)]
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("shape", BOUNDED_SHAPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_attention_beyond_the_bit_exact_cases_is_within_the_stated_bound(shape, scale):
+    batch, seq, hidden, heads = shape
+    sizes = [hidden] * 3
+    model = attention_model(batch, seq, hidden, sizes, heads, (batch, seq))
+    feeds = attention_feeds(batch, seq, hidden, sizes, "raw", scale)
+    feeds["m"][0] = 1
+    _, want, got = rewrite_and_run(model, feeds)
+    diff = np.abs(got.astype(np.float64) - want)
+    bound = _attention_bound(feeds, sizes, heads)
+    assert diff.max() <= bound, f"{diff.max():g} > {bound:g}"
+    if seq > 1 and batch * seq > 1 and hidden > 128:
+        assert diff.max() > 0  # not bit-exact here: the bound is what is claimed
+
+
+def test_a_broken_attention_rewrite_exceeds_the_bound_and_is_caught_at_its_node():
+    sizes = [256] * 3
+    model = attention_model(2, 9, 256, sizes, 4, (2, 9))
+    feeds = attention_feeds(2, 9, 256, sizes, "raw")
+    feeds["m"][0] = 1
+    rewritten = onnx_qrewrite.rewrite(model).model
+    broken = copy.deepcopy(rewritten)
+    scale = next(n for n in broken.graph.node if n.op_type == "Mul" and "Scale" in n.name)
+    init = next(i for i in broken.graph.initializer if i.name == scale.input[1])
+    value = numpy_helper.to_array(init)
+    init.CopyFrom(
+        numpy_helper.from_array(np.nextafter(value, np.float32(1), dtype=np.float32) * np.float32(1.001), init.name)
+    )
+    got = run(broken, feeds)["y"]
+    want = run(model, feeds)["y"]
+    assert np.abs(got.astype(np.float64) - want).max() > _attention_bound(feeds, sizes, 4)
+    assert verify(model, rewritten, inputs=feeds).passed
+    report = verify(model, broken, inputs=feeds)
+    assert not report.passed
+
+
+def _with_input(index, name, shape):
+    model = attention_model(2, 8, 32, [32] * 3, 4)
+    node = model.graph.node[0]
+    while len(node.input) < index:
+        node.input.append("")
+    node.input.append(name)
+    model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+    return model
+
+
+def _without_bias():
+    model = attention_model(2, 8, 32, [32] * 3, 4)
+    del model.graph.node[0].input[2]
+    del model.graph.input[2]
+    return model
+
+
+NOT_LOWERED = {
+    "past": (lambda: _with_input(4, "past", [2, 2, 4, 0, 8]), "input 4 (past) is given"),
+    "attention_bias": (lambda: _with_input(5, "ab", [2, 4, 8, 8]), "input 5 (attention_bias) is given"),
+    "present": (lambda: attention_model(2, 8, 32, [32] * 3, 4, outputs=("y", "present")), "output 1 (present)"),
+    "4-D mask": (lambda: attention_model(2, 8, 32, [32] * 3, 4, (2, 1, 8, 8)), "a 4-D mask_index is not lowered"),
+    "rotary": (lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"do_rotary": 1}), "do_rotary=1"),
+    "no bias": (
+        _without_bias,
+        "no bias: onnxruntime 1.31's CPU kernel crashes",
+    ),
+    "uneven heads": (lambda: attention_model(2, 8, 30, [30] * 3, 4), "do not split into 4 heads"),
+}
+
+
+@rule_marker("unfuse-attention", "negative")
+@pytest.mark.parametrize("case", list(NOT_LOWERED))
+def test_attention_forms_not_lowered_say_why(case):
+    make, reason = NOT_LOWERED[case]
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
+        onnx_qrewrite.rewrite(make())
+
+
+# --- a real model: a tiny BERT-like encoder fused by onnxruntime.transformers' optimizer ----------
+
+
+def tiny_bert(hidden=32, heads=2, layers=2, ffn=64, vocab=50, max_pos=16, seed=0) -> onnx.ModelProto:
+    """A BERT-like encoder as transformers exports BertModel: word + token type + position
+    embeddings and LayerNormalization, the extended attention mask (1 - mask) · -10000, and per layer
+    Q/K/V projections, heads via Reshape/Transpose, scaled MatMul + mask, Softmax, output projection,
+    residual LayerNormalization and an erf GELU feed-forward block."""
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def c(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def w(name, *shape, std=0.2):
+        return c(name, (rng.standard_normal(shape) * std).astype(np.float32))
+
+    def n(op, inputs, out, **attrs):
+        nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def layer_norm(x, p):
+        gamma, beta = w(f"{p}.g", hidden, std=0.1), w(f"{p}.b", hidden, std=0.1)
+        return n("LayerNormalization", [x, gamma, beta], p, axis=-1, epsilon=1e-12)
+
+    def linear(x, p, k, m):
+        return n("Add", [n("MatMul", [x, w(f"{p}.w", k, m, std=k**-0.5)], f"{p}.mm"), w(f"{p}.bias", m, std=0.1)], p)
+
+    def i64(*values):
+        return np.array(values, np.int64)
+
+    words = n("Gather", [w("word", vocab, hidden), "input_ids"], "we")
+    seq = n("Gather", [n("Shape", ["input_ids"], "shape"), c("one", np.array(1, np.int64))], "seq")
+    end = n("Unsqueeze", [seq, c("ax0", i64(0))], "seq1")
+    ids = n(
+        "Slice",
+        [c("position_ids", np.arange(max_pos, dtype=np.int64)[None]), c("z", i64(0)), end, c("a1", i64(1))],
+        "pos_ids",
+    )
+    positions = n("Gather", [w("pos", max_pos, hidden), ids], "pe")
+    types = n("Gather", [w("type", 2, hidden), "token_type_ids"], "te")
+    x = layer_norm(n("Add", [n("Add", [words, types], "e1"), positions], "e2"), "emb.ln")
+    mask = n("Unsqueeze", [n("Unsqueeze", ["attention_mask", c("am1", i64(1))], "m3"), c("am2", i64(2))], "m4")
+    inverted = n("Sub", [c("onef", np.float32(1.0)), n("Cast", [mask], "mf", to=TensorProto.FLOAT)], "inv")
+    extended = n("Mul", [inverted, c("neg", np.float32(-10000.0))], "ext")
+    head = hidden // heads
+    split, merge = c("split", i64(0, 0, heads, head)), c("merge", i64(0, 0, hidden))
+    for i in range(layers):
+        p = f"l{i}"
+
+        def heads_of(t, perm):
+            return n("Transpose", [n("Reshape", [t, split], f"{t}.r")], f"{t}.t", perm=perm)
+
+        q = heads_of(linear(x, f"{p}.q", hidden, hidden), [0, 2, 1, 3])
+        k = heads_of(linear(x, f"{p}.k", hidden, hidden), [0, 2, 3, 1])
+        v = heads_of(linear(x, f"{p}.v", hidden, hidden), [0, 2, 1, 3])
+        scores = n("Div", [n("MatMul", [q, k], f"{p}.qk"), c(f"{p}.sqrt", np.float32(math.sqrt(head)))], f"{p}.s")
+        probs = n("Softmax", [n("Add", [scores, extended], f"{p}.sm")], f"{p}.p", axis=-1)
+        context = n("Transpose", [n("MatMul", [probs, v], f"{p}.ctx")], f"{p}.ctxt", perm=[0, 2, 1, 3])
+        x = layer_norm(
+            n("Add", [linear(n("Reshape", [context, merge], f"{p}.m"), f"{p}.o", hidden, hidden), x], f"{p}.r1"),
+            f"{p}.ln1",
+        )
+        h = linear(x, f"{p}.i", hidden, ffn)
+        erf = n("Erf", [n("Div", [h, c(f"{p}.s2", np.float32(math.sqrt(2)))], f"{p}.hd")], f"{p}.erf")
+        gelu = n(
+            "Mul",
+            [
+                n("Mul", [h, n("Add", [erf, c(f"{p}.one", np.float32(1))], f"{p}.e1")], f"{p}.gm"),
+                c(f"{p}.half", np.float32(0.5)),
+            ],
+            f"{p}.gelu",
+        )
+        x = layer_norm(n("Add", [linear(gelu, f"{p}.d", ffn, hidden), x], f"{p}.r2"), f"{p}.ln2")
+    nodes.append(helper.make_node("Identity", [x], ["last_hidden_state"]))
+    inputs = [
+        helper.make_tensor_value_info(name, TensorProto.INT64, ["batch", "seq"])
+        for name in ("input_ids", "token_type_ids", "attention_mask")
+    ]
+    output = helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", hidden])
+    graph = helper.make_graph(nodes, "tiny_bert", inputs, [output], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def bert_feeds(batch=3, seq=11, vocab=50, seed=5):
+    rng = np.random.default_rng(seed)
+    lengths = [seq, 6, 1][:batch]
+    mask = np.array([[1] * n + [0] * (seq - n) for n in lengths], np.int64)
+    return {
+        "input_ids": rng.integers(0, vocab, (batch, seq)).astype(np.int64),
+        "token_type_ids": (np.arange(seq)[None] >= seq // 2).repeat(batch, 0).astype(np.int64),
+        "attention_mask": mask,
+    }
+
+
+def ort_transformers_optimized(tmp_path, **fusions) -> onnx.ModelProto:
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    path = tmp_path / "tiny_bert.onnx"
+    onnx.save(tiny_bert(), path)
+    options = FusionOptions("bert")
+    for name, value in fusions.items():
+        setattr(options, name, value)
+    optimized = optimize_model(
+        str(path), model_type="bert", num_heads=2, hidden_size=32, optimization_options=options, opt_level=0
+    )
+    optimized.save_model_to_file(str(tmp_path / "fused.onnx"))  # as users get it
+    return onnx.load(tmp_path / "fused.onnx")
+
+
+def test_a_bert_fused_by_onnxruntime_transformers_with_attention_runs_on_standard_ops(tmp_path):
+    fused = ort_transformers_optimized(tmp_path, enable_embed_layer_norm=False)
+    contrib = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}
+    assert contrib == {"Attention", "SkipLayerNormalization", "BiasGelu"}
+    # The optimizer records no shape for the mask index it computes.
+    with pytest.raises(onnx_qrewrite.LoweringError, match="run onnx shape inference on the model first"):
+        onnx_qrewrite.rewrite(fused)
+    fused = onnx.shape_inference.infer_shapes(fused)
+    result = onnx_qrewrite.rewrite(fused)
+    assert result.report.by_rule()["unfuse-attention"] == 2
+    assert {n.domain for n in result.model.graph.node} == {""}
+    feeds = bert_feeds()
+    report = verify(fused, result.model, inputs=feeds)
+    assert report.passed, report.to_table()
+    # And against the unfused model it came from (the padded keys masked by -10000 there, by key
+    # lengths in the fused model).
+    got, want = run(result.model, feeds)["last_hidden_state"], run(tiny_bert(), feeds)["last_hidden_state"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
