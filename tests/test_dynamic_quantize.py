@@ -1,8 +1,9 @@
 """DynamicQuantizeLinear expansion: bit-exact with onnxruntime's kernel, at every opset we claim.
 
 NUMERICS.md records where onnxruntime's kernel and the ONNX function body differ (all-zero input,
-NaN zero point); each trap has a case here. NaN-containing inputs are not compared: the kernel
-itself is not deterministic there (it depends on NaN position and thread count).
+NaN zero point); each trap has a case here. NaN-containing inputs are compared where the kernel is
+deterministic (1-7 elements, its scalar min/max loop); from 8 elements on it depends on NaN position
+and thread count, and they are not.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import onnx
 import onnx.inliner
 import pytest
-from conftest import assert_bitwise_equal, op_types, require_runtime_opset, rule_marker, run
+from conftest import assert_bitwise_equal, op_types, require_runtime_opset, rule_marker, run, session
 from onnx import TensorProto, helper
 
 import onnx_qrewrite
@@ -226,3 +227,84 @@ def test_report_names_each_rewrite():
     )
     meta = {(p.key, p.value) for p in result.model.graph.node[0].metadata_props}
     assert meta == {("onnx_qrewrite.rule", "dql-expand"), ("onnx_qrewrite.origin", "dql")}
+
+
+def _static_dql_model(shape: list[int], opset: int = 13) -> onnx.ModelProto:
+    model = dql_model(opset, len(shape))
+    for value in (model.graph.input[0], model.graph.output[0]):
+        for dim, size in zip(value.type.tensor_type.shape.dim, shape, strict=True):
+            dim.dim_value = size
+    return model
+
+
+def _nan_battery(n: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Inputs of n elements holding NaN: every NaN position pattern over a small value set for n <= 3,
+    a random sample beyond; all-NaN, NaN with +-inf and random finite values always included."""
+    values = [np.nan, 1.0, -1.0, 0.0, -0.0, np.inf, -np.inf, 2.5, -3.0, 1e-45]
+    if n <= 3:
+        grid = np.array(np.meshgrid(*[values] * n, indexing="ij"), np.float32).reshape(n, -1).T
+    else:
+        grid = rng.choice(np.array(values, np.float32), size=(400, n))
+    cases = [x for x in grid if np.isnan(x).any()]
+    cases += [np.full(n, np.nan, np.float32), np.where(np.arange(n) % 2 == 0, np.nan, np.inf).astype(np.float32)]
+    for _ in range(20):
+        x = rng.standard_normal(n).astype(np.float32) * 10
+        x[rng.integers(n)] = np.nan
+        cases.append(x)
+    return cases
+
+
+@rule_marker("dql-expand", "positive")
+@pytest.mark.parametrize("opt", ["disable", "all"])
+def test_nan_in_at_most_seven_elements_matches_the_kernel(opt):
+    """Below 8 elements onnxruntime's min/max loop skips NaN deterministically: the rewrite does too
+    (all NaN: scale 1.0, zero point 0), for every NaN position, with +-inf, 1 and 2 threads."""
+    rng = np.random.default_rng(7)
+    for n, shape in [(1, [1]), (2, [2]), (3, [3]), (4, [2, 2]), (5, [5]), (6, [1, 2, 3]), (7, [7])]:
+        original = _static_dql_model(shape)
+        rewritten = onnx_qrewrite.rewrite(original).model
+        assert op_types(rewritten)[:2] == ["IsNaN", "Where"], n
+        for threads in (1, 2):
+            kernel = session(original, threads=threads, opt=opt)
+            expansion = session(rewritten, threads=threads, opt=opt)
+            for flat in _nan_battery(n, rng):
+                x = flat.reshape(shape)
+                want, got = kernel.run(None, {"x": x}), expansion.run(None, {"x": x})
+                for out, w, g in zip(("y", "y_scale", "y_zero_point"), want, got, strict=True):
+                    assert_bitwise_equal(g, w, f"{x.ravel().tolist()}, {out}, {threads} threads")
+    all_nan = run(onnx_qrewrite.rewrite(_static_dql_model([3])).model, {"x": np.full(3, np.nan, np.float32)})
+    assert all_nan["y_scale"] == np.float32(1.0) and all_nan["y_zero_point"] == 0
+
+
+def test_nan_guard_only_where_the_shape_is_known_to_be_small():
+    """8+ elements or an unknown shape: the 13-op expansion, no extra op (the kernel is vectorised
+    there and a NaN's effect depends on its position, so nothing could be matched)."""
+    for shape in ([8], [2, 4], [1000]):
+        assert op_types(onnx_qrewrite.rewrite(_static_dql_model(shape)).model) == KERNEL_OPS
+    assert op_types(onnx_qrewrite.rewrite(dql_model(13)).model) == KERNEL_OPS
+    # The documented reason: at 8 elements the kernel no longer skips NaN (measured, onnxruntime 1.31.1).
+    x = _f32(0.0, 2.5, 0.0, 0.0, -3.0, np.nan, np.nan, -1.0)
+    kernel = run(_static_dql_model([8]), {"x": x})
+    skipping = run(onnx_qrewrite.rewrite(_static_dql_model([7])).model, {"x": x[[0, 1, 2, 3, 4, 5, 7]]})
+    assert kernel["y_scale"] != skipping["y_scale"]
+
+
+def test_nan_guard_keeps_templates_apart():
+    """Small and large quantizers in one model get their own structure (template stamping)."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("DynamicQuantizeLinear", ["a"], ["ya", "sa", "za"], name="small"),
+            helper.make_node("DynamicQuantizeLinear", ["b"], ["yb", "sb", "zb"], name="large"),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("a", TensorProto.FLOAT, [3]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, [16]),
+        ],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, []) for n in ("sa", "sb")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    rewritten = onnx_qrewrite.rewrite(model).model
+    assert op_types(rewritten).count("IsNaN") == 3  # small: guard + zero point; large: zero point only
+    got = run(rewritten, {"a": _f32(np.nan, np.nan, np.nan), "b": np.arange(16, dtype=np.float32)})
+    assert got["sa"] == np.float32(1.0) and got["sb"] == np.float32(15 / 255)

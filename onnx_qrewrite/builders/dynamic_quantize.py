@@ -25,6 +25,17 @@
     integers). The 16-op form this replaces (Sub, Clip, Round, Cast for the zero point) cost 3 more
     scalar ops per quantizer at inference (benchmarks/bench.py, "infer" cases).
 
+NaN. From 8 elements on, onnxruntime's min/max search (MLAS, AVX kernel on x86-64) runs vector
+min/max instructions whose NaN handling depends on the NaN's lane, and on thread count: nothing to
+match. Below 8 elements it is a scalar ``std::min``/``std::max`` loop started at +-FLT_MAX, which
+skips every NaN, deterministically (measured on onnxruntime 1.31.1, every NaN position, with +-inf,
+1 and 2 threads: ``tests/test_dynamic_quantize.py``). When the input's shape is statically known to
+hold 1-7 elements, the range is therefore taken over ``Where(IsNaN(x), 0, x)`` (0 is neutral: the
+range is clamped to include 0 anyway), so an all-NaN input gives scale 1.0 and zero point 0 as in
+the kernel; ``y`` still quantizes the NaN itself (to 0, as the kernel does). Larger or unknown
+shapes get no extra op. (MLAS's generic kernel, used on ARM and on x86 without AVX, vectorizes
+from 4 elements: on those CPUs the kernel's own NaN result for 4-7 elements may differ.)
+
 ``semantics = "spec"`` emits the ONNX function body exactly as onnx defines it (taken from the
 installed onnx's schema), for users who want the specification, not one runtime's behaviour.
 
@@ -36,6 +47,7 @@ which we never pass).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
@@ -45,11 +57,15 @@ from onnx import defs
 
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, Plan, Site, register
+from onnx_qrewrite.builders._qdq import value_shape
 from onnx_qrewrite.contract import Contract, Option
 from onnx_qrewrite.errors import InvalidModelError
-from onnx_qrewrite.graph import dtype_name
+from onnx_qrewrite.graph import dtype_name, known_shape
 
 SEMANTICS = ("onnxruntime", "spec")
+#: Below this many elements onnxruntime's x86-64 (AVX) min/max search is a scalar loop that skips
+#: NaN; from it on, vector instructions make a NaN's effect position-dependent (module docstring).
+SCALAR_MINMAX_BELOW = 8
 
 
 @functools.cache
@@ -118,24 +134,41 @@ class DynamicQuantizeLinearBuilder:
                 f"node {site.label}: DynamicQuantizeLinear input {site.node.input[0]!r} is "
                 f"{dtype_name(elem)}; the operator takes float32 only"
             )
-        return Plan(min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"], notes=(f"semantics={semantics}",))
+        notes = [f"semantics={semantics}"]
+        skip_nan = semantics == "onnxruntime" and self._small(site)
+        if skip_nan:
+            notes.append(f"at most {SCALAR_MINMAX_BELOW - 1} elements: NaN skipped by min/max, as the kernel does")
+        return Plan(
+            min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"], notes=tuple(notes), data={"skip_nan": skip_nan}
+        )
+
+    @staticmethod
+    def _small(site: Site) -> bool:
+        """Whether the input's shape is statically known to hold 1-7 elements (the kernel's scalar path)."""
+        dims = known_shape(value_shape(site.scope, site.node.input[0], site.same_shape_ops))
+        return dims is not None and 0 < math.prod(dims) < SCALAR_MINMAX_BELOW
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
         present = tuple(bool(o) for o in site.node.output)
-        return (options["semantics"], site.scope.default_opset, present)
+        return (options["semantics"], site.scope.default_opset, present, plan.data.get("skip_nan", False))
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = list(site.node.output) + [""] * (3 - len(site.node.output))
         if options["semantics"] == "spec":
             self._build_spec(site, emit, outputs)
         else:
-            self.expand_onnxruntime(site.node.input[0], emit, outputs)
+            self.expand_onnxruntime(site.node.input[0], emit, outputs, skip_nan=plan.data.get("skip_nan", False))
 
     @staticmethod
-    def expand_onnxruntime(x: str, emit: Emitter, outputs: list[str]) -> None:
+    def expand_onnxruntime(x: str, emit: Emitter, outputs: list[str], *, skip_nan: bool = False) -> None:
+        """The 13-op expansion; ``skip_nan`` (inputs of 1-7 elements only) takes the range over
+        ``Where(IsNaN(x), 0, x)``, as the kernel's scalar min/max loop does."""
         y, y_scale, y_zero_point = outputs
         zero = emit.const(0.0, np.float32)
+        ranged = x
+        if skip_nan:
+            ranged = emit.op1("Where", [emit.op1("IsNaN", [x], hint="x_nan"), zero, x], hint="x_ok")
         one = emit.const(1.0, np.float32)
         qmax = emit.const(255.0, np.float32)
         minus_one = emit.const(-1.0, np.float32)
@@ -143,8 +176,8 @@ class DynamicQuantizeLinearBuilder:
         # Short hints: created names are "<replaced node>/<hint>", and a chain of 20k quantizers
         # repeats each hint ~3 times per quantizer (node, value, readers); names are most of the
         # output's bytes. They follow the formula in the module docstring.
-        x_min = emit.op1("ReduceMin", [x], keepdims=0, hint="min")
-        x_max = emit.op1("ReduceMax", [x], keepdims=0, hint="max")
+        x_min = emit.op1("ReduceMin", [ranged], keepdims=0, hint="min")
+        x_max = emit.op1("ReduceMax", [ranged], keepdims=0, hint="max")
         lo = emit.op1("Min", [x_min, zero], hint="lo")
         hi = emit.op1("Max", [x_max, zero], hint="hi")
         span = emit.op1("Sub", [hi, lo], hint="span")
