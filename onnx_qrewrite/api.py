@@ -17,6 +17,7 @@ from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
 from onnx_qrewrite.external_data import ExternalData
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.report import RewriteReport
+from onnx_qrewrite.toposort import sort_model
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -168,11 +169,12 @@ def _ir_base_dir(model: Any) -> Path | None:
 
 def _to_proto(
     model: ModelLike, base_dir: str | os.PathLike[str] | None
-) -> tuple[onnx.ModelProto, str, ExternalData | None, Path | None, dict[tuple[int, int], Path]]:
-    """A private copy to edit, the kind given, its external data (opened, checked), and the files read."""
+) -> tuple[onnx.ModelProto, str, ExternalData | None, Path | None, dict[tuple[int, int], Path], int]:
+    """A private copy to edit, the kind given, its external data (opened, checked), the files read,
+    and how many nodes were moved into topological order (:mod:`onnx_qrewrite.toposort`)."""
     if isinstance(model, (str, os.PathLike)):
         loaded = model_io.open_model(Path(model))
-        return loaded.proto, "path", loaded.external, loaded.path, loaded.reads()
+        return loaded.proto, "path", loaded.external, loaded.path, loaded.reads(), loaded.reordered
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -182,19 +184,22 @@ def _to_proto(
         external = ExternalData.for_model(copy, base_dir, label)
         try:
             if copy.ByteSize() < _CHECKABLE_IN_MEMORY:
-                model_io.check_model(copy, what=label)
+                reordered = model_io.check_input_model(copy, what=label)
+            else:  # not checked (too big to check in memory); the order is checked in one pass
+                reordered = sort_model(copy, label)
         except BaseException:
             if external is not None:
                 external.close()
             raise
-        return copy, "proto", external, None, external.reads() if external else {}
+        return copy, "proto", external, None, external.reads() if external else {}, reordered
     import onnx_ir as ir  # a core dependency, imported only when a model is not a path or proto
 
     if isinstance(model, ir.Model):
         folder = _ir_base_dir(model) if base_dir is None else Path(base_dir)
         proto = ir.serde.serialize_model(model)
+        reordered = sort_model(proto, "input model")
         external = ExternalData.for_model(proto, folder, "input model")
-        return proto, "ir", external, None, external.reads() if external else {}
+        return proto, "ir", external, None, external.reads() if external else {}, reordered
     raise UsageError(f"rewrite() takes a path, onnx.ModelProto or onnx_ir.Model, not {type(model).__name__}")
 
 
@@ -285,7 +290,7 @@ def rewrite(
 
     check_mode(provenance)
     with stage(progress, "loading model"):
-        proto, kind, external, source_path, reads = _to_proto(model, base_dir)
+        proto, kind, external, source_path, reads, reordered = _to_proto(model, base_dir)
     levels = frozenset(allow) if allow is not None else engine.DEFAULT_ALLOW
     try:
         opts = engine.EngineOptions(
@@ -305,6 +310,10 @@ def rewrite(
             if str(exc).startswith(label):
                 raise
             raise InvalidModelError(f"{label}: {exc}") from None
+        if reordered:
+            report.warnings.append(
+                f"the input's nodes were not in topological order: sorted, as onnxruntime does ({reordered} moved)"
+            )
         if plan is not None:
             report.target = plan.to_dict()
             report.warnings.extend(

@@ -27,10 +27,12 @@ from onnx_qrewrite.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.external_data import ExternalData, all_tensors, external_tensors
 from onnx_qrewrite.progress import ProgressSink
+from onnx_qrewrite.toposort import sort_model
 
 __all__ = [
     "LoadedModel",
     "SaveInfo",
+    "check_input_model",
     "check_model",
     "external_tensors",
     "load_model",
@@ -60,6 +62,8 @@ class LoadedModel:
     path: Path
     file_id: tuple[int, int]
     external: ExternalData | None
+    #: Nodes moved to put the graphs into topological order (0: they were in it), see toposort.py.
+    reordered: int = 0
 
     def reads(self) -> dict[tuple[int, int], Path]:
         """Every file this model was read from (model file and external data), by (st_dev, st_ino)."""
@@ -127,6 +131,9 @@ def parse_model(data: bytes, label: str) -> onnx.ModelProto:
 def open_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedModel:
     """Read ``path`` once, parse those bytes, open and check its external data (left on disk).
 
+    With ``check``, nodes out of topological order are sorted first (onnxruntime runs such models;
+    :mod:`onnx_qrewrite.toposort`), then onnx's checker runs.
+
     The checker sees the bytes that were parsed (never the path again), and every external data
     file is opened once, inside the model's folder (:mod:`onnx_qrewrite.external_data`).
     """
@@ -134,14 +141,15 @@ def open_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedMod
     data, fid = _read_once(p)
     model = parse_model(data, str(p))
     external = ExternalData.for_model(model, p.parent if str(p.parent) else Path("."), str(p))
+    reordered = 0
     try:
         if check:
-            check_model(model, what=str(p), serialized=None if external else data)
+            reordered = check_input_model(model, what=str(p), serialized=None if external else data)
     except BaseException:
         if external is not None:
             external.close()
         raise
-    return LoadedModel(model, p, fid, external)
+    return LoadedModel(model, p, fid, external, reordered)
 
 
 def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
@@ -209,6 +217,24 @@ def check_model(
             except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as again:
                 exc = again
         raise error(f"{what}: fails the ONNX checker: {first_line(exc)}") from None
+
+
+def check_input_model(model: onnx.ModelProto, *, what: str, serialized: bytes | None = None) -> int:
+    """:func:`check_model` for an input: nodes out of topological order, which onnxruntime sorts
+    and runs, are sorted (:mod:`onnx_qrewrite.toposort`) and the model checked again; the number of
+    nodes moved. Only when the checker says the order is broken: a sorted model pays nothing more.
+    A name nothing provides, or a cycle, is an InvalidModelError naming the node."""
+    try:
+        check_model(model, what=what, serialized=serialized)
+        return 0
+    except InvalidModelError as exc:
+        if "topologically sorted" not in str(exc):
+            raise
+        moved = sort_model(model, what)
+        if not moved:
+            raise
+    check_model(model, what=what)
+    return moved
 
 
 #: Ops onnxruntime defines in the ONNX domain itself: its optimizer writes SimplifiedLayerNormalization

@@ -82,6 +82,18 @@ def _dql_int_model() -> onnx.ModelProto:
 
 
 def _checker_failure_model() -> onnx.ModelProto:
+    """Two nodes writing one name: not single static assignment."""
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="r"), helper.make_node("Neg", ["x"], ["y"], name="n")]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+def _missing_input_model() -> onnx.ModelProto:
     node = helper.make_node("Relu", ["undefined_input"], ["y"], name="r")
     graph = helper.make_graph(
         [node],
@@ -98,6 +110,10 @@ BAD_INPUTS = {
     "corrupt": (bytes(range(256)) * 8, "not a valid ONNX model"),
     "truncated": (SAMPLE.read_bytes()[: len(SAMPLE.read_bytes()) // 2], "not a valid ONNX model"),
     "checker": (_checker_failure_model().SerializeToString(), "fails the ONNX checker"),
+    "missing_input": (
+        _missing_input_model().SerializeToString(),
+        "node 'r' (Relu, main graph) reads 'undefined_input', which no node, graph input or initializer provides",
+    ),
     "dql_int_input": (_dql_int_model().SerializeToString(), "node bad_dql: DynamicQuantizeLinear input 'x' is int32"),
 }
 
