@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import gc
 import logging
+from collections.abc import Iterator
 
 import onnx
 
@@ -28,9 +29,9 @@ from onnx_qrewrite.builders._stamp import Template
 from onnx_qrewrite.catalogue import Catalogue, Rule
 from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.encoded import EncodedModel
-from onnx_qrewrite.errors import InvalidModelError, LoweringError, UsageError
+from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
 from onnx_qrewrite.external_data import ExternalData
-from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes
+from onnx_qrewrite.graph import NameAllocator, Scope, iter_scopes, subgraphs
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
 
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: Exactness levels a rewrite may use unless asked otherwise.
 DEFAULT_ALLOW: frozenset[str] = frozenset({EXACT, BOUNDED})
+#: Standard ops that hold subgraphs (nodes of other domains may too).
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +115,42 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
     return dataclasses.replace(plan, min_opset=needed)
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A node whose first applicable rule removes it if it is dead (``Plan.remove_if_dead``): decided
+    once the whole scope is matched; if something still reads it, its remaining rules are tried."""
+
+    site: Site
+    index: int
+    rule: Rule
+    plan: Plan
+    rest: list[Rule]
+    reasons: list[str]
+    quiet: bool
+
+
+def _first_applicable(
+    site: Site, rules: list[Rule], options: EngineOptions, reasons: list[str], quiet: bool, *, removal: bool
+) -> tuple[Rule | None, Plan | None, int, bool]:
+    """The first of ``rules`` that applies to ``site``, its plan and its position (reasons of the
+    others appended to ``reasons``), and whether every decline was "not applicable". Removal rules
+    (``Plan.remove_if_dead``) count only when ``removal`` (a node is considered for removal once)."""
+    for position, rule in enumerate(rules):
+        try:
+            plan = _try_rule(rule, site, options)
+        except NoMatch as why:
+            # Approximate rules are extras asked for: their declining never makes a node an error.
+            quiet = quiet and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
+            reasons.append(f"{rule.id}: {why}")
+            logger.debug("rule %s does not apply to %s: %s", rule.id, site.label, why)
+            continue
+        if plan.remove_if_dead and not removal:
+            reasons.append(f"{rule.id}: its outputs are still read once the other rewrites are applied")
+            continue
+        return rule, plan, position, quiet
+    return None, None, len(rules), quiet
+
+
 def _match(
     model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, external: ExternalData | None
 ) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered], collections.Counter[str]]:
@@ -122,7 +161,16 @@ def _match(
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     candidates_of: dict[tuple[str, str], list[Rule]] = {}
     same_shape_ops = catalogue.same_shape_ops
+
+    def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
+        if rule is not None and plan is not None:
+            matches.setdefault(s, []).append(_Match(site, index, rule, plan))
+        elif not quiet:
+            node = site.node
+            unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
+
     for s, scope in enumerate(scopes):
+        pending: list[_Pending] = []
         for index, node in enumerate(scope.container.node):
             key = (node.domain, node.op_type)
             counts[key] += 1
@@ -132,23 +180,71 @@ def _match(
             if not candidates:
                 continue
             site = Site(node, scope, same_shape_ops)
-            reasons = []
+            reasons: list[str] = []
             # A standard-domain node every candidate declines as "not applicable" is fine as it is.
             quiet = node.domain in ("", "ai.onnx")
-            for rule in candidates:
-                try:
-                    plan = _try_rule(rule, site, options)
-                except NoMatch as why:
-                    quiet = quiet and isinstance(why, NotApplicable)
-                    reasons.append(f"{rule.id}: {why}")
-                    logger.debug("rule %s does not apply to %s: %s", rule.id, site.label, why)
+            rule, plan, position, quiet = _first_applicable(site, candidates, options, reasons, quiet, removal=True)
+            if plan is not None and plan.remove_if_dead:
+                assert rule is not None
+                pending.append(_Pending(site, index, rule, plan, candidates[position + 1 :], reasons, quiet))
+                continue
+            decide(s, site, index, rule, plan, reasons, quiet)
+        if pending:
+            dead = _dead(scope, matches.get(s, []), pending)
+            for p in pending:
+                if p.index in dead:
+                    matches.setdefault(s, []).append(_Match(p.site, p.index, p.rule, p.plan))
                     continue
-                matches.setdefault(s, []).append(_Match(site, index, rule, plan))
-                break
-            else:
-                if not quiet:
-                    unlowered.append(Unlowered(site.label, node.op_type, node.domain, scope.path, tuple(reasons)))
+                p.reasons.append(f"{p.rule.id}: its outputs are still read once the other rewrites are applied")
+                rule, plan, _, quiet = _first_applicable(p.site, p.rest, options, p.reasons, p.quiet, removal=False)
+                decide(s, p.site, p.index, rule, plan, p.reasons, quiet)
+            matches.get(s, []).sort(key=lambda m: m.index)
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
+
+
+def _names_read_inside(node: onnx.NodeProto) -> Iterator[str]:
+    """Every name the node's subgraphs (at any depth) take as input or give as output: a superset
+    of the outer-scope values they read."""
+    for _, graph in subgraphs(node):
+        for inner in graph.node:
+            yield from inner.input
+            yield from _names_read_inside(inner)
+        yield from (o.name for o in graph.output)
+
+
+def _dead(scope: Scope, matched: list[_Match], pending: list[_Pending]) -> set[int]:
+    """Indices of the pending removals that nothing reads once the scope's rewrites are applied
+    (rewritten nodes read what their plans say; removed nodes read nothing; subgraphs and the
+    scope's outputs read what they name). Worklist over reader counts: linear in the scope."""
+    container = scope.container
+    reads_of = {m.index: m.plan.reads for m in matched if m.plan.reads is not None}
+    count: collections.Counter[str] = collections.Counter()
+    for index, node in enumerate(container.node):
+        count.update(reads_of.get(index, node.input))
+        if node.domain not in ("", "ai.onnx") or node.op_type in _CONTROL_FLOW:
+            count.update(_names_read_inside(node))
+    if isinstance(container, onnx.GraphProto):
+        count.update(o.name for o in container.output)
+    else:
+        count.update(container.output)
+    by_index = {p.index: p for p in pending}
+    producer = {out: p.index for p in pending for out in p.site.node.output if out}
+    dead: set[int] = set()
+    work = list(by_index)
+    while work:
+        index = work.pop()
+        node = by_index[index].site.node
+        if index in dead or any(count[o] for o in node.output if o):
+            continue
+        dead.add(index)
+        for name in node.input:
+            if not name:
+                continue
+            count[name] -= 1
+            upstream = producer.get(name)
+            if upstream is not None and upstream not in dead and count[name] <= 0:
+                work.append(upstream)
+    return dead
 
 
 def _main_graph_has_external_constants(model: onnx.ModelProto) -> bool:
@@ -183,8 +279,14 @@ def _apply(
     built: dict[int, dict[int, list[bytes]]] = {}
     #: Initializers some replaced node read and its replacement does not: removal candidates.
     dropped: set[str] = set()
-    #: Inputs of replaced nodes that their replacements still read.
+    #: Inputs of replaced nodes that their replacements still read (and everything replacements
+    #: read whose plans say they read more than their node's inputs).
     still_read: set[str] = set()
+    #: Per root scope: outputs of nodes removed as dead, and what the other replacements read
+    #: (checked against each other before splicing; collected only when something is removed).
+    removed: dict[int, set[str]] = {}
+    read_by_rewrites: dict[int, set[str]] = {}
+    guard = any(m.plan.remove_if_dead for ms in matches.values() for m in ms)
     for s, scope in enumerate(scopes):
         root = scope.root
         pool = pools.get(id(root))
@@ -220,6 +322,12 @@ def _apply(
                     still_read.add(name)
                 elif scope.initializer(name) is not None:
                     dropped.add(name)
+            if m.plan.reads is not None:  # it reads more than its node's inputs: all of it stays
+                still_read.update(reads)
+            if m.plan.remove_if_dead:
+                removed.setdefault(id(root), set()).update(o for o in m.site.node.output if o)
+            elif guard:
+                read_by_rewrites.setdefault(id(root), set()).update(reads)
             done += 1
             if progress is not None and (done % 1024 == 0 or done == total):
                 progress("rewriting nodes", done, total)
@@ -243,11 +351,41 @@ def _apply(
         built[s] = replacements
     delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
     with stage(progress, "assembling the graph"):
+        if removed:
+            _check_removed_are_unread(scopes, built, removed, read_by_rewrites)
         if dropped - still_read:
             _remove_unread_initializers(scopes, built, dropped - still_read, report)
         names.release()  # every name is drawn; the set of them is a large part of the peak memory
         _return_freed_memory()
         return delta, _splice(model, scopes, built, pools)
+
+
+def _check_removed_are_unread(
+    scopes: list[Scope],
+    built: dict[int, dict[int, list[bytes]]],
+    removed: dict[int, set[str]],
+    read_by_rewrites: dict[int, set[str]],
+) -> None:
+    """Never remove a node something still reads: the nodes removed as dead (``Plan.remove_if_dead``)
+    were decided from the plans; this checks the built result, so a builder whose replacement reads
+    more than its plan said is a clear error instead of a broken model."""
+    for s, scope in enumerate(scopes):
+        gone = removed.get(id(scope.root))
+        if not gone:
+            continue
+        replaced = built.get(s, {})
+        c = scope.container
+        read = set(read_by_rewrites.get(id(scope.root), ()))
+        for index, node in enumerate(c.node):
+            if index not in replaced:
+                read.update(node.input)
+        if isinstance(c, onnx.GraphProto):
+            read.update(o.name for o in c.output)
+        else:
+            read.update(c.output)
+        still = sorted(gone & read)
+        if still:
+            raise InternalError(f"{scope.path}: a rewrite removed the node writing {still[0]!r}, which is still read")
 
 
 def _remove_unread_initializers(

@@ -77,6 +77,15 @@ class Plan:
     #: node's outputs, in the outputs' units (recorded in the created nodes' metadata; ``verify``
     #: checks it there). None for exact rewrites.
     bound: float | None = None
+    #: The values the replacement reads, when they are not (a subset of) the node's own inputs:
+    #: e.g. a pattern anchored at its last node that reads the pattern's float input instead.
+    #: None: the node's inputs. Used to decide which ``remove_if_dead`` nodes are dead.
+    reads: frozenset[str] | None = None
+    #: The rewrite removes the node (emits nothing), which is valid only if nothing reads its
+    #: outputs once every other node's rewrite is decided (the neighbours of a multi-node pattern
+    #: that its anchor's rewrite no longer reads). The engine decides that after matching the
+    #: whole scope; a node something still reads goes on to its next candidate rule.
+    remove_if_dead: bool = False
 
 
 @dataclasses.dataclass
