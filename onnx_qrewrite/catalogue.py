@@ -353,11 +353,25 @@ class Catalogue:
                 raise UsageError(f"options for rule {rule.id!r} (overridden): {why}") from None
         return Catalogue(out)
 
+    def with_option(self, key: str, value: Any) -> Catalogue:
+        """Set option ``key`` on every rule whose builder takes it, e.g. a named form's
+        ``with_option("weights", "float")`` (``--form-option``). A key no rule takes, or a bad
+        value, is a usage error naming the closest valid key."""
+        takers = {r.id: {key: value} for r in self.rules if key in r.implementation.contract.option_names()}
+        if not takers:
+            known = sorted({o for r in self.rules for o in r.implementation.contract.option_names()})
+            raise UsageError(
+                f"no rule takes option {key!r}{closest(key, known)}; options: {', '.join(known) or 'none'}"
+            )
+        return self.with_options(takers)
+
 
 def named_form(name: str) -> Path:
     """The rule file of a named form (``rules/forms/<name>.toml``): rewrites the default catalogue
-    does not make, e.g. "float-emulation" for targets without Q/DQ kernels. Add it to the catalogue
-    like any user rule file (``load_catalogue([named_form(...)])``, ``--rules``)."""
+    does not make, e.g. "float-emulation" for targets without Q/DQ kernels, "weight-only" (its
+    option ``weights``: ``load_catalogue([named_form("weight-only")]).with_option("weights",
+    "float")``). Add it to the catalogue like any user rule file (``load_catalogue([...])``,
+    ``--form NAME``, ``--rules``)."""
     forms = shipped_rules_dir() / "forms"
     path = forms / f"{name}.toml"
     if not path.is_file():
