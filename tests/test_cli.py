@@ -166,6 +166,13 @@ def test_refuses_to_overwrite_the_input(tmp_path):
         (["--rules", "/no/such/rules.toml"], "rule file not found"),
         (["--keep-opset", "--target-opset", "21"], "contradict"),
         (["--target-opset", "30"], "above 26"),
+        (["--form", "weight-onyl", "--allow-approximate"], "no form named 'weight-onyl' (did you mean 'weight-only'?)"),
+        (["--form", "weight-only"], "--form weight-only: its rules are approximate"),
+        (
+            ["--form", "weight-only", "--allow-approximate", "--form-option", "weight=float"],
+            "(did you mean 'weights'?)",
+        ),
+        (["--form-option", "weights=float"], "--form-option needs --form"),
     ],
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
@@ -224,3 +231,17 @@ def test_every_subcommand_takes_the_global_options_after_its_name(name):
 
     result = CliRunner().invoke(main, [name, "-h"])
     assert result.exit_code == 0 and "-q, --quiet" in result.output and "-v, --verbose" in result.output
+
+
+def test_form_selects_a_named_form_and_its_options(tmp_path):
+    out = tmp_path / "o.onnx"
+    args = ["--form", "weight-only", "--allow-approximate", "--form-option", "weights=float"]
+    proc = cli("rewrite", SAMPLE, "-o", out, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert "weight-only-matmul: 3 nodes rewritten [approximate]" in proc.stdout
+    ops = {n.op_type for n in onnx.load(out).graph.node}
+    assert not ops & {"DynamicQuantizeLinear", "MatMulInteger", "DequantizeLinear"}, ops
+    proc = cli("inspect", SAMPLE, "--form", "weight-only", "--allow-approximate")
+    assert proc.returncode == 0 and "weight-only-matmul" in proc.stdout, proc.stdout + proc.stderr
+    proc = cli("rules", "--form", "weight-only", "--long")
+    assert proc.returncode == 0 and "weight-only-remove-dead" in proc.stdout

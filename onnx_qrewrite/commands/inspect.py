@@ -18,6 +18,7 @@ import click
 import onnx
 
 from onnx_qrewrite.commands.options import (
+    expand_forms,
     float16_semantics_option,
     global_options,
     load_selected_rules,
@@ -264,6 +265,8 @@ def inspect_command(
     only,
     skip,
     rule_options,
+    forms,
+    form_options,
     dql_semantics,
     float16_semantics,
     target_opset,
@@ -277,6 +280,9 @@ def inspect_command(
     and the opset changes a rewrite needs. Writes nothing."""
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
+    rule_files, rule_options = expand_forms(
+        forms, form_options, rule_files, rule_options, allow_approximate=allow_approximate
+    )
     catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
     if target is not None:
         from onnx_qrewrite.commands.target_report import print_plan

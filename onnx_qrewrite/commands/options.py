@@ -120,7 +120,8 @@ def parse_rule_options(values: tuple[str, ...], dql_semantics: str | None = None
 
 
 def rule_selection(func: Callable) -> Callable:
-    """--rules/--only/--skip/--rule-option/--dql-semantics, as one reusable group."""
+    """--rules/--only/--skip/--rule-option/--form/--form-option/--dql-semantics, as one reusable group
+    (the commands pass --form/--form-option through :func:`expand_forms` first)."""
     options = [
         click.option(
             "--rules",
@@ -137,6 +138,21 @@ def rule_selection(func: Callable) -> Callable:
             multiple=True,
             metavar="ID.KEY=VALUE",
             help="Override a rule option, e.g. dql-expand.semantics=spec; repeatable.",
+        ),
+        click.option(
+            "--form",
+            "forms",
+            multiple=True,
+            metavar="NAME",
+            help="Add a named form (rules/forms/NAME.toml, e.g. weight-only, float-emulation, qdq-to-float): "
+            "rewrites the default catalogue does not make; repeatable.",
+        ),
+        click.option(
+            "--form-option",
+            "form_options",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="Set option KEY on every rule of the --form forms that takes it, e.g. weights=float; repeatable.",
         ),
         click.option(
             "--dql-semantics",
@@ -164,6 +180,58 @@ def float16_semantics_option(func: Callable) -> Callable:
         "the documentation applies them): reproduce the CPU kernel or the documented formula. "
         "Without it such nodes are an error.",
     )(func)
+
+
+def expand_forms(
+    forms: tuple[str, ...],
+    form_options: tuple[str, ...],
+    rule_files: tuple[str, ...],
+    rule_options: tuple[str, ...],
+    *,
+    allow_approximate: bool | None = None,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--form NAME`` and ``--form-option KEY=VALUE`` as what they stand for: the forms' rule files
+    added to ``rule_files``, and ``ID.KEY=VALUE`` for every rule of those forms whose builder takes
+    KEY added to ``rule_options``. A form whose rules are all approximate needs
+    ``allow_approximate`` (when given: commands that rewrite or plan), else it would do nothing."""
+    if form_options and not forms:
+        raise UsageError("--form-option needs --form (the forms whose rules it sets)")
+    if not forms:
+        return tuple(rule_files), tuple(rule_options)
+    from onnx_qrewrite.catalogue import load_catalogue, named_form
+
+    paths: list[str] = []
+    rules: list[Any] = []
+    for name in forms:
+        try:
+            path = named_form(name)
+        except UsageError as exc:
+            raise UsageError(f"--form {name}: {exc}") from None
+        form_rules = list(load_catalogue([path], include_shipped=False))
+        if allow_approximate is False and all(r.exactness == "approximate" for r in form_rules):
+            raise UsageError(
+                f"--form {name}: its rules are approximate (they change the model's numerics by design); "
+                "add --allow-approximate to apply them"
+            )
+        paths.append(str(path))
+        rules.extend(form_rules)
+    extra: list[str] = []
+    for item in form_options:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--form-option {item!r}: expected KEY=VALUE")
+        takers = [r for r in rules if key in r.implementation.contract.option_names()]
+        if not takers:
+            from onnx_qrewrite.contract import closest
+
+            known = sorted({o for r in rules for o in r.implementation.contract.option_names()})
+            raise UsageError(
+                f"--form-option {item!r}: no rule of {', '.join(forms)} takes option {key!r}"
+                f"{closest(key, known)}; options: {', '.join(known) or 'none'}"
+            )
+        extra.extend(f"{r.id}.{key}={raw}" for r in takers)
+    # The forms' options go first: an explicit --rule-option for one rule still wins.
+    return (*rule_files, *paths), (*extra, *rule_options)
 
 
 def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics=None):

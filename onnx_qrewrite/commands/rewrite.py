@@ -14,6 +14,7 @@ from onnx_qrewrite.batch import Outcome, run_tasks
 from onnx_qrewrite.clash import check_writes, model_reads
 from onnx_qrewrite.commands.options import (
     check_report_paths,
+    expand_forms,
     float16_semantics_option,
     global_options,
     load_selected_rules,
@@ -235,6 +236,8 @@ def rewrite_command(
     only,
     skip,
     rule_options,
+    forms,
+    form_options,
     dql_semantics,
     float16_semantics,
     target_opset,
@@ -260,6 +263,9 @@ def rewrite_command(
     """
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
+    rule_files, rule_options = expand_forms(
+        forms, form_options, rule_files, rule_options, allow_approximate=allow_approximate
+    )
     if (keep_failed or junit_path) and not do_verify:
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
     check_report_paths(

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import click
 
-from onnx_qrewrite.commands.options import global_options, load_selected_rules, rule_selection
+from onnx_qrewrite.commands.options import expand_forms, global_options, load_selected_rules, rule_selection
 
 
 @click.command("rules")
 @global_options
 @rule_selection
 @click.option("--long", "long_", is_flag=True, help="Also show conditions, options and the source file.")
-def rules_command(rule_files, only, skip, rule_options, dql_semantics, long_) -> None:
+def rules_command(rule_files, only, skip, rule_options, forms, form_options, dql_semantics, long_) -> None:
     """List the available rules: id, what it matches, what it emits."""
+    rule_files, rule_options = expand_forms(forms, form_options, rule_files, rule_options)
     catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics)
     width = max((len(r.id) for r in catalogue), default=0)
     for rule in catalogue:
