@@ -376,3 +376,23 @@ def test_the_weights_option_is_set_on_the_whole_form_at_once():
         FORM.with_option("weight", "float")
     with pytest.raises(onnx_qrewrite.errors.UsageError, match="'flaot' is not one of"):
         FORM.with_option("weights", "flaot")
+
+
+def test_a_replacement_reading_a_removed_value_is_an_internal_error_not_a_broken_model(monkeypatch):
+    """The engine checks the built result against the removals it decided from the plans: a builder
+    whose replacement reads more than its plan said (here: the Cast's output) is caught."""
+    import dataclasses
+
+    from onnx_qrewrite.builders import weight_only
+
+    real = weight_only._read_mul
+
+    def lying(scope, node):
+        anchor = real(scope, node)
+        return dataclasses.replace(anchor, x=anchor.chain[0])  # reads the Cast, says it reads x
+
+    monkeypatch.setattr(weight_only, "_read_mul", lying)
+    with pytest.raises(
+        onnx_qrewrite.errors.InternalError, match="removed the node writing 'accf0', which is still read"
+    ):
+        _rewrite(_dynamic_matmul(np.int8, False))

@@ -154,3 +154,37 @@ def test_the_drift_bound_catches_a_dropped_weight_zero_point(producer_models):
     del dq.input[2:]
     measured = drift(original, out)
     assert measured["max_abs"] > DRIFT["mlp"]["max_abs"], measured
+
+
+def _drift_table() -> None:
+    """The measurements behind DRIFT, printed: ``python tests/test_weight_only_models.py``. Also the
+    drift when onnxruntime runs the rewrite with its default graph optimizations (which fuse
+    DequantizeLinear -> MatMul into its own MatMulNBits kernel)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as folder:
+        found = _producer_models(Path(folder))
+        print(
+            f"{'model':28} {'weights':10} {'max abs':>9} {'rel L2':>8} {'cosine':>9}  {'max abs, ort default opt':>24}"
+        )
+        for name, path in found.items():
+            for weights in ("dequantize", "float"):
+                out = onnx_qrewrite.rewrite(path, rules=_form(weights), allow=APPROXIMATE).model
+                measured = drift(path, out)
+                optimized = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+                reference = session(path)
+                feeds = _inputs(path, 0)
+                default = max(
+                    float(np.abs(a.astype(np.float64) - b).max())
+                    for a, b in zip(reference.run(None, feeds), optimized.run(None, feeds), strict=True)
+                )
+                print(
+                    f"{name:28} {weights:10} {measured['max_abs']:9.4g} {measured['rel_l2']:8.3g} "
+                    f"{measured['cosine']:9.6f}  {default:24.4g}"
+                )
+
+
+if __name__ == "__main__":
+    _drift_table()
