@@ -117,6 +117,45 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             "OR |diff|/|rewritten| <= rtol (polygraphy: its default elemwise check).",
         ),
         click.option(
+            "--drift",
+            "drift_mode",
+            type=click.Choice(["auto", "always", "never"]),
+            default="auto",
+            show_default=True,
+            help="Judge the outputs by their drift (relative L2, cosine, argmax agreement) instead of element "
+            "by element: auto when the rewrite carries approximate rules (its provenance says so).",
+        ),
+        click.option(
+            "--drift-rel-l2",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: largest relative L2 error ||rewritten - original|| / ||original|| on any sample "
+            "(default 0.05), in the forms of --atol.",
+        ),
+        click.option(
+            "--drift-cosine",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: smallest cosine similarity on any sample (default 0.999).",
+        ),
+        click.option(
+            "--drift-argmax",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: smallest fraction of rows whose argmax agrees, for classifier-shaped outputs "
+            "(float, last dimension > 1; default 0.8).",
+        ),
+        click.option(
+            "--drift-atol",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: largest absolute error (default: reported, not judged: its scale is the output's).",
+        ),
+        click.option(
             "--ort-opt-level",
             type=click.Choice(_OPT_LEVELS),
             default="disable",
@@ -220,10 +259,15 @@ def verify_kwargs(
     localize: bool,
     runtime: str = "onnxruntime",
     providers: str | None = None,
+    drift_mode: str = "auto",
+    drift_rel_l2: tuple[str, ...] = (),
+    drift_cosine: tuple[str, ...] = (),
+    drift_argmax: tuple[str, ...] = (),
+    drift_atol: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option.
     Everything that can be checked without the models is checked here, before any work."""
-    from onnx_qrewrite.verify import GenerationOptions, SessionSettings, Tolerances
+    from onnx_qrewrite.verify import DriftThresholds, GenerationOptions, SessionSettings, Tolerances
     from onnx_qrewrite.verify.inputs import parse_input_shape, parse_int_range, parse_val_range
 
     shapes = dict(parse_input_shape(text) for text in input_shapes)
@@ -254,6 +298,7 @@ def verify_kwargs(
         "localize_failures": localize,
         "runtime": runtime,
         "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
+        "drift": DriftThresholds.from_options(drift_mode, drift_rel_l2, drift_cosine, drift_argmax, drift_atol),
     }
 
 
@@ -345,8 +390,12 @@ def verify_command(
     Vendor ops in ORIGINAL run on numpy reference kernels of their measured semantics (or on
     --custom-op-library); REWRITTEN runs in stock onnxruntime.
 
+    A rewrite that carries approximate rules (numerics changed by design) is judged by its drift
+    (--drift, --drift-*): relative L2 error, cosine similarity, argmax agreement.
+
     \b
-    Exit codes: 0 they agree; 1 they differ (the first differing node is named with its rule);
+    Exit codes: 0 they agree (approximate rewrites: drift within thresholds); 1 they differ, or
+    the drift is beyond a threshold (the first differing node is named with its rule);
     6 nothing was compared (zero-size or no outputs, the same file twice, every sample
     excluded); 2 usage, 3 invalid model, 5 internal error. With several models, the worst.
     """

@@ -40,6 +40,7 @@ from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.verify._ort import ort
 from onnx_qrewrite.verify.bounds import check_bounds
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
+from onnx_qrewrite.verify.drift import DriftThresholds, decide
 from onnx_qrewrite.verify.hazards import Hazard, NanHazardCheck
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
@@ -62,6 +63,7 @@ from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
 __all__ = [
     "OPT_LEVELS",
     "SCHEMA_PATH",
+    "DriftThresholds",
     "GenerationOptions",
     "Hazard",
     "Localization",
@@ -153,9 +155,11 @@ def _run_samples(
     tolerances: Tolerances,
     progress: ProgressSink | None = None,
     keep: dict[str, dict[str, np.ndarray]] | None = None,
+    drift: DriftThresholds | None = None,
 ) -> dict[str, list[tuple[str, ValueComparison]]]:
     """Each shared output of each sample compared (output name -> one comparison per sample);
-    ``keep``, when given, receives the expected outputs of each sample (for ``--save-outputs``)."""
+    ``keep``, when given, receives the expected outputs of each sample (for ``--save-outputs``);
+    ``drift``, when given, judges the outputs by their drift (approximate rewrites)."""
     shared = [n for n in names if n in rewritten.output_types]
     per_output: dict[str, list[tuple[str, ValueComparison]]] = {n: [] for n in shared}
     for done, sample in enumerate(samples, 1):
@@ -165,7 +169,8 @@ def _run_samples(
         actual = rewritten.run(sample.feeds, shared)
         for name in shared:
             tol = tolerances.for_value(name, reference[name].dtype)
-            comparison = compare_values(name, sample.name, reference[name], actual[name], tol)
+            judge = None if drift is None else drift.for_value(name)
+            comparison = compare_values(name, sample.name, reference[name], actual[name], tol, judge)
             per_output[name].append((sample.name, comparison))
         if progress is not None:
             progress("verifying samples", done, len(samples))
@@ -259,6 +264,7 @@ def verify(
     progress: ProgressSink | None = None,
     runtime: str = "onnxruntime",
     providers: Sequence[str] | None = None,
+    drift: DriftThresholds | None = None,
 ) -> VerifyReport:
     """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
 
@@ -282,6 +288,12 @@ def verify(
     report, and their default float tolerances account for their arithmetic); the original always
     runs in onnxruntime on the CPU. A runtime that is not installed is a
     :class:`~onnx_qrewrite.errors.MissingDependencyError` naming the extra to install.
+
+    ``drift``: when (``mode``: ``auto``, the default, when the rewritten model's provenance marks
+    approximate rewrites; ``always``; ``never``) and against which thresholds (relative L2 error,
+    cosine similarity, argmax agreement, optional max abs error) the outputs are judged by their
+    drift instead of element by element; see :mod:`.drift`. Exact and bounded rewrites keep the
+    element-wise checks (and the per-node bound check).
     """
     from onnx_qrewrite.verify.runtimes import make_runner as make_runtime_runner
     from onnx_qrewrite.verify.runtimes import runtime_info
@@ -293,6 +305,7 @@ def verify(
         )
     rt = runtime_info(runtime, providers or (), threads)
     tolerances = tolerances or Tolerances()
+    drift = drift or DriftThresholds()
     if rt.atol is not None and tolerances.atol is None:
         tolerances = dataclasses.replace(tolerances, atol=rt.atol)
     if rt.rtol is not None and tolerances.rtol is None:
@@ -319,7 +332,7 @@ def verify(
             raise UsageError("--load-outputs: the file holds the inputs its outputs came from; drop --inputs")
         if save_outputs is not None:
             raise UsageError("--save-outputs and --load-outputs cannot be combined")
-        return _verify_stored(rewritten, load_outputs, session, tolerances, save_inputs, progress, started)
+        return _verify_stored(rewritten, load_outputs, session, tolerances, save_inputs, progress, started, drift)
     if original is None:
         raise UsageError("verify needs the original model (or --load-outputs FILE)")
     same_file = _same_file(original, rewritten)
@@ -356,6 +369,11 @@ def verify(
     unknown = tolerances.output_names() - set(original_runner.output_types)
     if unknown:
         raise UsageError(f"--atol/--rtol/--lsb: the model has no output named {sorted(unknown)[0]!r}")
+    unknown = drift.output_names() - set(original_runner.output_types)
+    if unknown:
+        raise UsageError(f"--drift-*: the model has no output named {sorted(unknown)[0]!r}")
+    decision = decide(drift.mode, rewritten_model)
+    judge = drift if decision.judged else None
 
     used, generation_used, inputs_file, ranges = _resolve_samples(inputs, original_model, generation)
     if save_inputs is not None:
@@ -379,6 +397,7 @@ def verify(
             tolerances,
             progress,
             kept,
+            judge,
         )
         failing = _failing_samples(per_output)
         if failing:
@@ -407,7 +426,7 @@ def verify(
         failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
         sample = next((s for s in used if s.name in failing_now), used[0])
         with stage(progress, "localizing"):
-            localization = localize(original_model, rewritten_model, sample, tolerances, make_runner)
+            localization = localize(original_model, rewritten_model, sample, tolerances, make_runner, judge)
 
     return VerifyReport(
         original=original_label,
@@ -423,6 +442,8 @@ def verify(
             vendor_nodes,
             value_ranges=ranges,
             runtime=rt,
+            drift=drift,
+            drift_decision=decision,
         ),
         versions=_versions(reference_kernels),
         localization=localization,
@@ -447,6 +468,7 @@ def _verify_stored(
     save_inputs: str | os.PathLike[str] | None,
     progress: ProgressSink | None,
     started: float,
+    drift: DriftThresholds,
 ) -> VerifyReport:
     """``--load-outputs``: the rewritten model against outputs stored by ``--save-outputs``."""
     stored = load_stored_outputs(path)
@@ -467,9 +489,15 @@ def _verify_stored(
     unknown = tolerances.output_names() - set(names)
     if unknown:
         raise UsageError(f"--atol/--rtol/--lsb: the stored outputs have no output named {sorted(unknown)[0]!r}")
+    unknown = drift.output_names() - set(names)
+    if unknown:
+        raise UsageError(f"--drift-*: the stored outputs have no output named {sorted(unknown)[0]!r}")
+    decision = decide(drift.mode, rewritten_model)
     if save_inputs is not None:
         save_samples(save_inputs, stored.samples)
-    per_output = _run_samples(stored.run, runner, names, stored.samples, tolerances, progress)
+    per_output = _run_samples(
+        stored.run, runner, names, stored.samples, tolerances, progress, drift=drift if decision.judged else None
+    )
     first = stored.outputs[stored.samples[0].name]
     expected_types = {n: f"tensor({first[n].dtype.name})" for n in names}
     outputs = _merge(per_output, expected_types, runner.output_types, set())
@@ -484,7 +512,7 @@ def _verify_stored(
         rewritten=rewritten_label,
         outputs=tuple(outputs),
         samples=tuple(stored.samples),
-        settings=VerifySettings(session, tolerances, None, str(path), False, 0),
+        settings=VerifySettings(session, tolerances, None, str(path), False, 0, drift=drift, drift_decision=decision),
         versions=_versions(False),
         localization=localization,
         duration_seconds=time.perf_counter() - started,

@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.verify.drift import Drift, DriftThreshold, measure_drift, merge_drifts
 
 __all__ = [
     "DEFAULT_FLOAT_TOLERANCES",
@@ -187,11 +188,17 @@ class ValueComparison:
     inf_rewritten: int = 0
     problem: str | None = None  # why no element-wise comparison was possible
     failed_samples: tuple[str, ...] = ()
+    #: Set when the value is judged by its drift (approximate rewrites, :mod:`.drift`) instead of
+    #: element by element; ``mismatches`` then only informs.
+    drift: Drift | None = None
 
     @property
     def passed(self) -> bool:
-        """No element differs and nothing prevented the comparison (also true of 0 elements)."""
-        return self.problem is None and self.mismatches == 0
+        """Nothing prevented the comparison and no element differs (or, judged by drift, the drift
+        is within its thresholds); also true of 0 elements."""
+        if self.problem is not None:
+            return False
+        return self.drift.passed if self.drift is not None else self.mismatches == 0
 
     @property
     def verdict(self) -> str:
@@ -208,6 +215,8 @@ class ValueComparison:
     @property
     def tolerance_text(self) -> str:
         """The tolerance applied, as the report prints it."""
+        if self.drift is not None:
+            return self.drift.threshold.describe()
         return self.tolerance.describe(self.integer)
 
 
@@ -251,9 +260,14 @@ def _errors(
 
 
 def compare_values(
-    name: str, sample: str, original: np.ndarray, rewritten: np.ndarray, tol: Tolerance
+    name: str,
+    sample: str,
+    original: np.ndarray,
+    rewritten: np.ndarray,
+    tol: Tolerance,
+    drift: DriftThreshold | None = None,
 ) -> ValueComparison:
-    """Compare one value of one sample."""
+    """Compare one value of one sample; with ``drift``, judge it by its drift (:mod:`.drift`)."""
     original, rewritten = np.asarray(original), np.asarray(rewritten)
     floating = not is_integer_dtype(original.dtype)
     base: dict[str, Any] = {  # the fields every outcome shares
@@ -286,6 +300,11 @@ def compare_values(
             nan[side] = int(np.isnan(as_float).sum())
             inf[side] = int(np.isinf(as_float).sum())
     mismatches = int(original.size - np.count_nonzero(within))
+    max_abs_error = float(abs_error.max()) if original.size else 0.0
+    measured = None
+    if drift is not None:
+        measured = measure_drift(sample, original, rewritten, drift, max_abs_error)
+    failed = not measured.passed if measured is not None else bool(mismatches)
     worst = None
     if original.size and abs_error.max() > 0:
         flat = int(np.argmax(abs_error))
@@ -303,14 +322,15 @@ def compare_values(
         elements=int(original.size),
         mismatches=mismatches,
         exact_matches=int(np.count_nonzero(exact)),
-        max_abs_error=float(abs_error.max()) if original.size else 0.0,
+        max_abs_error=max_abs_error,
         max_rel_error=float(rel_error.max()) if original.size else 0.0,
         worst=worst,
-        failed_samples=(sample,) if mismatches else (),
+        failed_samples=(sample,) if failed else (),
         nan_original=nan["original"],
         nan_rewritten=nan["rewritten"],
         inf_original=inf["original"],
         inf_rewritten=inf["rewritten"],
+        drift=measured,
     )
 
 
@@ -319,6 +339,7 @@ def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
     first = parts[0]
     problems = [p for p in parts if p.problem]
     worst_part = max(parts, key=lambda p: p.max_abs_error)
+    drifts = [p.drift for p in parts if p.drift is not None]
     return dataclasses.replace(
         first,
         elements=sum(p.elements for p in parts),
@@ -333,4 +354,5 @@ def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
         inf_rewritten=sum(p.inf_rewritten for p in parts),
         problem=problems[0].problem if problems else None,
         failed_samples=tuple(s for p in parts for s in p.failed_samples),
+        drift=merge_drifts(drifts) if drifts else None,
     )

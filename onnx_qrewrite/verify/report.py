@@ -21,6 +21,7 @@ import numpy as np
 
 from onnx_qrewrite.report import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
+from onnx_qrewrite.verify.drift import Drift, DriftDecision, DriftThresholds
 from onnx_qrewrite.verify.hazards import Hazard
 from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, ValueRange
 from onnx_qrewrite.verify.localize import Localization
@@ -45,6 +46,8 @@ class VerifySettings:
     vendor_nodes: int = 0
     value_ranges: Mapping[str, ValueRange] = dataclasses.field(default_factory=dict)  # generated inputs
     runtime: Any = None  # verify.runtimes.RuntimeInfo: what ran the rewritten model (None: onnxruntime CPU)
+    drift: DriftThresholds = dataclasses.field(default_factory=DriftThresholds)
+    drift_decision: DriftDecision | None = None  # None: not decided (no rewritten model was read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +118,19 @@ class VerifyReport:
         reason = self.inconclusive_reason
         if reason is not None:
             return f"INCONCLUSIVE | nothing was compared: {reason}"
+        judged = self.settings.drift_decision is not None and self.settings.drift_decision.judged
+        drift = "; judged by drift (approximate rewrite)" if judged else ""
         if self.passed:
             n = len(self.outputs)
             empty = sum(o.verdict == "empty" for o in self.outputs)
             note = f" ({empty} of them empty: no element compared)" if empty else ""
-            return f"PASSED | {n} output{'s' * (n != 1)} agree{'s' * (n == 1)}{note} {where}{excluded}"
+            agree = "agree" if not judged else "within the drift thresholds"
+            if not judged and n == 1:
+                agree += "s"
+            return f"PASSED | {n} output{'s' * (n != 1)} {agree}{note} {where}{excluded}{drift}"
         failed = [o.name for o in self.outputs if not o.passed]
         text = f"FAILED | {len(failed)} of {len(self.outputs)} outputs differ {where}: {', '.join(failed)}{excluded}"
+        text += drift
         loc = self.localization
         if loc is not None and loc.found:
             text += f"; first differing node {loc.node!r}"
@@ -146,6 +155,7 @@ class VerifyReport:
                 "reference_kernels": s.reference_kernels,
                 "vendor_nodes": s.vendor_nodes,
                 "runtime": _runtime_dict(s.runtime),
+                "drift": _drift_settings(s.drift, s.drift_decision),
                 "tolerances": {
                     "atol": s.tolerances.atol,
                     "rtol": s.tolerances.rtol,
@@ -213,6 +223,7 @@ class VerifyReport:
             ("ort_opt_level", self.settings.session.opt_level),
             ("threads", str(self.settings.session.threads)),
             ("samples", ", ".join(s.name for s in self.samples)),
+            ("drift", _drift_line(self.settings.drift, self.settings.drift_decision) or "not judged"),
         ):
             ET.SubElement(properties, "property", name=name, value=value)
         classname = Path(self.rewritten).stem if self.rewritten else "model"
@@ -250,6 +261,7 @@ class VerifyReport:
             f"settings:  onnxruntime opt-level {s.session.opt_level}, threads {threads}; "
             f"samples: {', '.join(sample.name for sample in self.samples)}",
             *_runtime_lines(s.runtime),
+            *([f"drift:     {line}"] if (line := _drift_line(s.drift, s.drift_decision)) else []),
             "",
         ]
         header = (
@@ -296,6 +308,8 @@ class VerifyReport:
                         "",
                     )
                 )
+            if o.drift is not None:
+                rows.append(("", "", "", "", "", "", "", f"drift: {o.drift.describe()}", "", ""))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         loc_lines = _localization_lines(self.localization)
@@ -407,7 +421,50 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "inf": {"original": o.inf_original, "rewritten": o.inf_rewritten},
         "problem": o.problem,
         "failed_samples": list(dict.fromkeys(o.failed_samples)),
+        "drift": None if o.drift is None else _drift_dict(o.drift),
     }
+
+
+def _drift_dict(d: Drift) -> dict[str, Any]:
+    t = d.threshold
+    return {
+        "verdict": "passed" if d.passed else "failed",
+        "rel_l2": _num(d.rel_l2),
+        "rel_l2_sample": d.rel_l2_sample,
+        "cosine": _num(d.cosine),
+        "cosine_sample": d.cosine_sample,
+        "argmax_agreement": d.argmax_agreement,
+        "argmax_rows": d.argmax_rows,
+        "one_sided_non_finite": d.one_sided_non_finite,
+        "max_abs_error": _num(d.max_abs),
+        "thresholds": {"rel_l2": t.rel_l2, "cosine": t.cosine, "argmax": t.argmax, "max_abs": t.max_abs},
+        "failures": d.failures,
+    }
+
+
+def _drift_settings(thresholds: DriftThresholds, decision: DriftDecision | None) -> dict[str, Any]:
+    return {
+        "mode": thresholds.mode,
+        "judged": bool(decision and decision.judged),
+        "approximate_rules": {} if decision is None else dict(decision.approximate_rules),
+        "note": None if decision is None else decision.note,
+        **thresholds.to_dict(),
+    }
+
+
+def _drift_line(thresholds: DriftThresholds, decision: DriftDecision | None) -> str | None:
+    """Why the outputs are (or, with a note, might have to be) judged by drift; None otherwise."""
+    if decision is None or not (decision.judged or decision.note):
+        return None
+    if not decision.judged:
+        return f"not judged by drift: {decision.note}"
+    rules = ", ".join(f"{rule} x{n}" for rule, n in decision.approximate_rules.items())
+    why = f"approximate rules {rules}" if rules else f"--drift {decision.mode}"
+    t = thresholds
+    limits = f"rel L2 <= {t.rel_l2:g}, cosine >= {t.cosine:g}, argmax agreement >= {t.argmax:g}"
+    if t.max_abs is not None:
+        limits += f", max abs <= {t.max_abs:g}"
+    return f"outputs judged by drift ({why}): {limits}"
 
 
 def _localization_dict(loc: Localization) -> dict[str, Any]:
@@ -429,6 +486,8 @@ def _localization_dict(loc: Localization) -> dict[str, Any]:
 def _failure_message(o: ValueComparison) -> str:
     if o.problem:
         return o.problem
+    if o.drift is not None:
+        return "drift beyond thresholds: " + "; ".join(o.drift.failures) if o.drift.failures else o.drift.describe()
     return (
         f"{o.mismatches} of {o.elements} elements differ ({o.tolerance_text}); "
         f"max abs error {_fmt(o.max_abs_error)}, max rel error {_fmt(o.max_rel_error)}"
@@ -443,6 +502,7 @@ def _stats_lines(o: ValueComparison) -> list[str]:
         f"exact matches: {o.exact_matches}/{o.elements} ({100 * o.exact_match_rate:.2f}%)",
         f"NaN original/rewritten: {o.nan_original}/{o.nan_rewritten}; inf: {o.inf_original}/{o.inf_rewritten}",
         f"failing samples: {', '.join(dict.fromkeys(o.failed_samples)) or '-'}",
+        *([f"drift: {o.drift.describe()}"] if o.drift is not None else []),
     ]
 
 
