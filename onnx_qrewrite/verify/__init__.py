@@ -419,14 +419,32 @@ def verify(
         save_stored_outputs(save_outputs, used, kept, original_label)
 
     localization = None
-    # Localising runs intermediate values of both models in onnxruntime: that says which rewrite
-    # differs, not where another runtime goes wrong, so it is done for onnxruntime only.
-    if localize_failures and runtime == "onnxruntime" and not all(o.passed for o in outputs):
+    # The original's intermediate values always come from onnxruntime; the rewritten model's from
+    # the runtime that ran it, so on another runtime this names where *that runtime* departs (the
+    # rewrite's node or its own arithmetic), when it can run the model with them as outputs.
+    if localize_failures and not all(o.passed for o in outputs):
         excluded = {h.sample for h in hazards}
         failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
         sample = next((s for s in used if s.name in failing_now), used[0])
+        if runtime != "onnxruntime":
+            # Another runtime's rounding differs a little on every sample; where it goes wrong shows
+            # best on the sample with the largest error.
+            worst = max((o for o in outputs if not o.passed and o.worst), key=lambda o: o.max_abs_error, default=None)
+            if worst is not None and worst.worst is not None and worst.worst.sample in failing_now:
+                sample = next(s for s in used if s.name == worst.worst.sample)
         with stage(progress, "localizing"):
-            localization = localize(original_model, rewritten_model, sample, tolerances, make_runner, judge)
+            # On another runtime, intermediate values are judged by drift (its rounding differs
+            # everywhere by a little): what is named is where its numbers go wrong.
+            localization = localize(
+                original_model,
+                rewritten_model,
+                sample,
+                tolerances,
+                make_runner,
+                judge,
+                runtime=runtime,
+                runtime_drift=None if runtime == "onnxruntime" else drift,
+            )
 
     return VerifyReport(
         original=original_label,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import onnx
 
 from onnx_qrewrite import provenance
+from onnx_qrewrite.errors import InvalidModelError, first_line
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
 from onnx_qrewrite.verify.drift import DriftThreshold, DriftThresholds
 from onnx_qrewrite.verify.inputs import Sample
@@ -73,15 +74,17 @@ def with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProt
     return copy
 
 
-def _intermediate_drift(drift: DriftThresholds | None, name: str, model: onnx.ModelProto) -> DriftThreshold | None:
-    """The drift thresholds of one value: a model output's own; an intermediate value is judged by
-    rel L2 and cosine only (the argmax of an activation's last axis means nothing)."""
-    if drift is None:
-        return None
-    threshold = drift.for_value(name)
-    if name in {o.name for o in model.graph.output}:
-        return threshold
-    return dataclasses.replace(threshold, argmax=0.0)
+def _drift_for(
+    name: str, model: onnx.ModelProto, drift: DriftThresholds | None, runtime_drift: DriftThresholds | None
+) -> DriftThreshold | None:
+    """How one value is judged: a model output as in the comparison (by ``drift`` when the rewrite
+    is approximate, else element-wise); an intermediate value by ``drift``, or on another runtime by
+    ``runtime_drift``, on rel L2 and cosine only (the argmax of an activation's last axis means
+    nothing)."""
+    if name in _outputs(model):
+        return None if drift is None else drift.for_value(name)
+    judge = drift or runtime_drift
+    return None if judge is None else dataclasses.replace(judge.for_value(name), argmax=0.0)
 
 
 def localize(
@@ -91,11 +94,23 @@ def localize(
     tolerances: Tolerances,
     make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
     drift: DriftThresholds | None = None,
+    *,
+    runtime: str = "onnxruntime",
+    runtime_drift: DriftThresholds | None = None,
 ) -> Localization:
     """Run both models with their shared intermediate values exposed and name the first differing
     node. ``make_runner(model, side)`` opens a session for ``side`` ("original" / "rewritten")
     with the same settings as the comparison run. With ``drift`` (an approximate rewrite, whose
-    values differ by design), the first value whose drift breaks the thresholds is named instead."""
+    values differ by design), the first value whose drift breaks the thresholds is named instead.
+
+    ``runtime``: what ``make_runner`` runs the rewritten side on. The original's values always come
+    from onnxruntime. Another runtime rounds differently almost everywhere (a QuantizeLinear that
+    multiplies by 1/scale lands one step away on ties, and every value downstream moves by that
+    step), so element-wise the first difference is noise; there intermediate values are judged by
+    ``runtime_drift``, so the value named is where that runtime's numbers go wrong (a departure of
+    a step or two is not localised there: verify in onnxruntime localises those). A runtime that
+    cannot run the model with the extra outputs, or whose outputs agree once they are added (its
+    compiler fuses differently), gives a Localization that says so and names no node."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
     origins = provenance.attribute_nodes(rewritten.graph.node)
     candidates = [
@@ -108,7 +123,12 @@ def localize(
     if not names:
         return Localization(sample.name, 0, note="the two models share no intermediate value names")
     original_runner = make_runner(with_outputs(original, names), "original")
-    rewritten_runner = make_runner(with_outputs(rewritten, names), "rewritten")
+    try:
+        rewritten_runner = make_runner(with_outputs(rewritten, names), "rewritten")
+    except InvalidModelError as exc:
+        if runtime == "onnxruntime":
+            raise
+        return _not_possible(sample, runtime, "cannot load the rewritten model with them as outputs", exc)
     tensors = [
         n
         for n in names
@@ -116,29 +136,41 @@ def localize(
         and rewritten_runner.output_types.get(n, "").startswith("tensor(")
     ]
     expected = original_runner.run(sample.feeds, tensors)
-    actual = rewritten_runner.run(sample.feeds, tensors)
+    try:
+        actual = rewritten_runner.run(sample.feeds, tensors)
+    except InvalidModelError as exc:
+        if runtime == "onnxruntime":
+            raise
+        return _not_possible(sample, runtime, "cannot run the rewritten model with them as outputs", exc)
     compared = 0
+    compared_names: set[str] = set()
+    skipped: list[str] = []
     for node, out, origin in candidates:
         if out not in expected:
             continue
-        compared += 1
+        if out not in actual:
+            skipped.append(out)
+            continue
         original_value = expected[out]
+        tolerance = tolerances.for_value(out, original_value.dtype)
         comparison = compare_values(
-            out,
-            sample.name,
-            original_value,
-            actual[out],
-            tolerances.for_value(out, original_value.dtype),
-            _intermediate_drift(drift, out, rewritten),
+            out, sample.name, original_value, actual[out], tolerance, _drift_for(out, rewritten, drift, runtime_drift)
         )
+        if comparison.problem is not None and runtime != "onnxruntime" and out not in _outputs(rewritten):
+            skipped.append(out)  # another runtime's choice of type for an intermediate, not a value
+            continue
+        compared += 1
+        compared_names.add(out)
         if not comparison.passed:
             logger.info("first differing value: %s (node %s)", out, node.name or out)
-            note = None
+            notes = []
             if origin is None and provenance.model_mode(rewritten) == "none":
-                note = (
+                notes.append(
                     "the rewrite was made with --provenance none, so the model does not say which rule "
                     "made this node; its JSON report (--report) does"
                 )
+            if runtime != "onnxruntime":
+                notes.append(_runtime_note(runtime, origin is not None))
             return Localization(
                 sample.name,
                 compared,
@@ -148,11 +180,56 @@ def localize(
                 rule=origin[0] if origin else None,
                 origin=origin[1] if origin else None,
                 comparison=comparison,
-                note=note,
+                note="; ".join(notes) or None,
             )
+    outputs_compared = _outputs(rewritten) <= compared_names
+    if runtime != "onnxruntime" and outputs_compared:
+        return Localization(
+            sample.name,
+            compared,
+            note=f"not possible on {runtime}: with the {compared} intermediate values exposed as "
+            f"outputs, its outputs agree with onnxruntime's on sample {sample.name!r}, though in the comparison "
+            f"they did not: {runtime} computes the model as given differently from the same model with more "
+            "outputs (a fusion or precision choice of its compiler that the extra outputs prevent), so the "
+            "wrong numbers come from no single node's value",
+        )
+    note = (
+        f"none of the {compared} values both models produce differs on sample {sample.name!r}; "
+        "the difference arises in nodes whose outputs have no counterpart in the original"
+    )
+    if skipped:
+        note += f"; {len(skipped)} value(s) {runtime} did not return as onnxruntime types them were skipped"
+    return Localization(sample.name, compared, note=note)
+
+
+def _outputs(model: onnx.ModelProto) -> set[str]:
+    return {o.name for o in model.graph.output}
+
+
+def _runtime_note(runtime: str, made_by_rule: bool) -> str:
+    """What a first differing value found on another runtime means."""
+    if made_by_rule:
+        return (
+            f"values of the rewritten model from {runtime}, of the original from onnxruntime: this node is "
+            f"the rule's; verify without --runtime tells the rule's doing from {runtime}'s"
+        )
+    return (
+        f"values of the rewritten model from {runtime}, of the original from onnxruntime: this node was "
+        f"not made by the rewrite, so {runtime} computes it differently from onnxruntime"
+    )
+
+
+#: Why a runtime may refuse the model with extra outputs when it runs it without them.
+_WHY_REFUSED = {
+    "qnn": "; a value exposed inside a DequantizeLinear -> op -> QuantizeLinear group keeps QNN from running "
+    "the group as one quantized node, and the CPU fallback is disabled so that verify proves something",
+}
+
+
+def _not_possible(sample: Sample, runtime: str, what: str, exc: InvalidModelError) -> Localization:
     return Localization(
         sample.name,
-        compared,
-        note=f"none of the {compared} values both models produce differs on sample {sample.name!r}; "
-        "the difference arises in nodes whose outputs have no counterpart in the original",
+        0,
+        note=f"not possible on {runtime}: it needs the shared intermediate values as extra "
+        f"graph outputs, and {runtime} {what} ({first_line(exc)}){_WHY_REFUSED.get(runtime, '')}",
     )

@@ -312,7 +312,14 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]
             if dim.dim_param:
                 value = int(given[i]) if given is not None and i < len(given) else 1
                 make_dim_param_fixed(fixed.graph, dim.dim_param, value)
+    # Outputs declared without a type (the localiser's extra outputs, verify/localize.py) stay so:
+    # fix_output_shapes cannot read them, and the runtime infers them.
+    untyped = [o for o in fixed.graph.output if not o.type.HasField("tensor_type")]
+    typed = [o for o in fixed.graph.output if o.type.HasField("tensor_type")]
+    del fixed.graph.output[:]
+    fixed.graph.output.extend(typed)
     fix_output_shapes(fixed)
+    fixed.graph.output.extend(untyped)
     return fixed
 
 
