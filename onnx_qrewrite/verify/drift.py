@@ -71,6 +71,7 @@ class DriftThreshold:
     max_abs: float | None = None
 
     def describe(self) -> str:
+        """The thresholds in one line, as the table's tolerance column shows them."""
         text = f"drift: rel L2 <= {self.rel_l2:g}, cosine >= {self.cosine:g}, argmax >= {self.argmax:g}"
         return text + (f", max abs <= {self.max_abs:g}" if self.max_abs is not None else "")
 
@@ -140,6 +141,7 @@ class DriftThresholds:
         )
 
     def to_dict(self) -> dict[str, object]:
+        """The thresholds as the JSON report's ``settings.drift`` holds them."""
         return {
             "rel_l2": self.rel_l2,
             "cosine": self.cosine,
@@ -194,6 +196,7 @@ class Drift:
 
     @property
     def passed(self) -> bool:
+        """Within every threshold."""
         return not self.failures
 
     def describe(self) -> str:
