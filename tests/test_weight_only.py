@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import op_types, rule_marker, run
+from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
@@ -370,6 +370,7 @@ def test_the_weights_option_is_set_on_the_whole_form_at_once():
     assert {r.id: r.options["weights"] for r in form if r.id.startswith("weight-only")} == {
         "weight-only-matmul": "float",
         "weight-only-ms-matmul": "float",
+        "weight-only-gather": "float",
         "weight-only-remove-dead": "float",
     }
     with pytest.raises(onnx_qrewrite.errors.UsageError, match="did you mean 'weights'"):
@@ -396,3 +397,65 @@ def test_a_replacement_reading_a_removed_value_is_an_internal_error_not_a_broken
         onnx_qrewrite.errors.InternalError, match="removed the node writing 'accf0', which is still read"
     ):
         _rewrite(_dynamic_matmul(np.int8, False))
+
+
+def _gathered(dtype=np.uint8, per_axis: bool = False, axis: int = 0, table_input: bool = False) -> onnx.ModelProto:
+    """quantize_dynamic's quantized embedding: DequantizeLinear(Gather(W_q, ids), scale, zp)."""
+    rng = np.random.default_rng(9)
+    table, scale, zp = _weights(dtype, (12, 6), 1 if per_axis else None, rng)
+    inits = [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "z")]
+    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, [2, 3])]
+    if table_input:
+        inputs.append(helper.make_tensor_value_info("table", TensorProto.UINT8, [12, 6]))
+    else:
+        inits.append(numpy_helper.from_array(table, "table"))
+    out_shape = [2, 3, 6] if axis == 0 else [12, 2, 3]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["looked_up"], axis=axis),
+        helper.make_node("DequantizeLinear", ["looked_up", "s", "z"], ["emb"], **({"axis": 1} if per_axis else {})),
+        helper.make_node("Relu", ["emb"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@rule_marker("weight-only-gather", "positive")
+@pytest.mark.parametrize("weights", ["dequantize", "float"])
+@pytest.mark.parametrize(("dtype", "axis"), [(np.uint8, 0), (np.int8, 0), (np.uint8, 1)])
+def test_a_quantized_embedding_lookup_becomes_a_gather_of_the_dequantized_table(dtype, axis, weights):
+    model = _gathered(dtype, axis=axis)
+    result = _rewrite(model, weights)
+    out = result.model
+    assert result.report.by_rule() == {"weight-only-gather": 1, "weight-only-remove-dead": 1}
+    assert op_types(out).count("Gather") == 1 and ("DequantizeLinear" in op_types(out)) == (weights == "dequantize")
+    gather = next(n for n in out.graph.node if n.op_type == "Gather")
+    assert [helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"] == [axis]
+    ids = np.random.default_rng(1).integers(0, 12 if axis == 0 else 6, (2, 3)).astype(np.int64)
+    # Gathering the dequantized table is the same arithmetic on the same values: bit for bit.
+    assert_bitwise_equal(run(out, {"ids": ids})["y"], run(model, {"ids": ids})["y"], "embedding")
+
+
+@rule_marker("weight-only-gather", "negative")
+@pytest.mark.parametrize("change", ["per-axis-scale", "table-computed-at-run-time"])
+def test_a_gather_that_is_not_a_constant_per_tensor_table_gives_way(change):
+    model = _gathered(per_axis=change == "per-axis-scale", table_input=change == "table-computed-at-run-time")
+    result = _rewrite(model)
+    assert not result.report.rewrites
+    assert op_types(result.model) == op_types(model)
+
+
+def test_a_zero_weight_zero_point_is_left_out_of_the_dequantize():
+    """Symmetric int8 weights (quantize_dynamic's default) get DequantizeLinear(W, scale): what
+    targets that take only zero points of 0 (TensorRT) read most plainly; the values are the same."""
+    model = _dynamic_matmul(np.int8, True)
+    for t in model.graph.initializer:
+        if t.name == "wz0":
+            t.CopyFrom(numpy_helper.from_array(np.zeros(8, np.int8), "wz0"))
+    out = _rewrite(model).model
+    dq = next(n for n in out.graph.node if n.op_type == "DequantizeLinear")
+    assert list(dq.input) == ["w0", "ws0"]
+    assert "wz0" not in {t.name for t in out.graph.initializer}
+    x = _x()
+    np.testing.assert_allclose(run(out, {"x": x})["m0"], _expected_matmul(model, x, 0, True), rtol=1e-5, atol=1e-5)

@@ -11,11 +11,13 @@ Patterns, as ``onnxruntime.quantization.quantize_dynamic`` and onnxruntime's opt
                                                      ==>  MatMul(x, W') [-> Add(bias)]
     com.microsoft DynamicQuantizeMatMul(x, W, W_scale, W_zp[, bias])
                                                      ==>  MatMul(x, W') [-> Add(bias)]
+    DequantizeLinear(Gather(W, ids), W_scale, W_zp)  ==>  Gather(W', ids)   (per tensor; the same values)
 
 where ``W' = DequantizeLinear(W, W_scale, W_zp)`` (option ``weights = "dequantize"``: the model
 stays small; what TensorRT's and OpenVINO's weight-only paths consume) or its value folded into a
 float initializer (``weights = "float"``: for targets with no Q/DQ at all, CoreML, WebGPU, NNAPI;
-the value is onnxruntime's DequantizeLinear arithmetic, ``(float)(W - zp) * scale``).
+the value is onnxruntime's DequantizeLinear arithmetic, ``(float)(W - zp) * scale``). A zero point
+of 0 is left out of the DequantizeLinear (what symmetric-only targets such as TensorRT read).
 
 The engine matches one node at a time, so the rule is anchored at the pattern's last node (the
 ``Mul`` by the scale product, or the fused op), whose output it writes: any ``Add`` of a bias after
@@ -57,7 +59,7 @@ _ROLES = ("rewrite", "remove_dead")
 _WEIGHTS = ("dequantize", "float")
 _WEIGHT_TYPES: dict[int, str] = {_T.UINT8: "uint8", _T.INT8: "int8"}
 #: Ops whose nodes the ``remove_dead`` role removes when the rewrite left them unread.
-_CHAIN_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "Cast", "Mul"})
+_CHAIN_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "Cast", "Mul", "Gather"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +81,10 @@ class _Weights:
 class _Anchor:
     """The last node of a matched pattern and what its rewrite needs."""
 
-    x: str  # the float activation
+    op: str  # what the replacement computes: MatMul, Conv or Gather
+    x: str  # the float activation (Gather: the indices)
     weights: _Weights
-    conv: tuple[onnx.AttributeProto, ...] | None  # ConvInteger's attributes; None: a MatMul
+    attributes: tuple[onnx.AttributeProto, ...]  # ConvInteger's or Gather's
     bias: str  # added after the MatMul (the fused ops' bias input); '' when absent
     chain: tuple[str, ...]  # first outputs of the pattern's other nodes
     reads: frozenset[str]
@@ -117,6 +120,8 @@ def _analyse(scope: Scope) -> _Analysis:
             read = _read_mul
         elif node.domain == "com.microsoft" and node.op_type in ("MatMulIntegerToFloat", "DynamicQuantizeMatMul"):
             read = _read_fused
+        elif node.domain in _STANDARD and node.op_type == "DequantizeLinear":
+            read = _read_gathered
         else:
             continue
         try:
@@ -170,9 +175,10 @@ def _dql_of(scope: Scope, y: str, y_zp: str, y_scale: str) -> onnx.NodeProto:
     return dql
 
 
-def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool) -> _Weights:
+def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool, gather: bool = False) -> _Weights:
     """The weights, their scale and zero point as DequantizeLinear takes them: per tensor, or along
-    the output column (MatMul: axis 1 of a 2-D W) or channel (Conv: axis 0)."""
+    the output column (MatMul: axis 1 of a 2-D W) or channel (Conv: axis 0). A gathered table:
+    per tensor only, any rank."""
     info = _constant_info(scope, w)
     if info is None:
         raise NotApplicable("the weights are computed at run time")
@@ -181,7 +187,9 @@ def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool) -> _W
         raise NotApplicable(f"the weights are {dtype_name(elem)}; uint8 and int8 are dequantized")
     if conv and len(shape) < 3:
         raise NotApplicable(f"the convolution weights have rank {len(shape)}")
-    if not conv and len(shape) != 2:
+    if gather and not shape:
+        raise NotApplicable("the gathered table is a scalar")
+    if not conv and not gather and len(shape) != 2:
         raise NotApplicable(f"the weights have rank {len(shape)}; 2-D weights are dequantized")
     scale = scope.constant(w_scale) if w_scale else None
     if scale is None or scale.dtype != np.float32:
@@ -189,12 +197,14 @@ def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool) -> _W
     zp = scope.constant(w_zp) if w_zp else None
     if w_zp and (zp is None or zp.dtype != np.dtype(_WEIGHT_TYPES[elem])):
         raise NotApplicable("the weight zero point is not a constant of the weights' type")
-    n = shape[0] if conv else shape[1]
+    n = shape[0] if conv or gather else shape[1]
     axis: int | None
     scale_1d: np.ndarray
     if scale.size == 1 and scale.ndim <= 1:
         axis = None
         scale_1d = scale.reshape(())
+    elif gather:
+        raise NotApplicable("the gathered table's scale is not per tensor")
     elif conv and scale.shape in ((n,) + (1,) * (len(shape) - 2), (1, n) + (1,) * (len(shape) - 2)):
         axis, scale_1d = 0, scale.reshape(n)  # broadcasts along the output's channel axis
     elif not conv and scale.shape == (n,):
@@ -208,7 +218,7 @@ def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool) -> _W
     if zp is not None:
         if zp.size == 1 and zp.ndim <= 1:
             zp_1d = zp.reshape(()) if axis is None else np.full(n, zp.reshape(()), zp.dtype)
-        elif zp.shape == (n,):
+        elif zp.shape == (n,) and not gather:
             if axis is None:  # a per-tensor scale with per-channel zero points
                 axis, scale_1d = (0 if conv else 1), np.full(n, scale_1d, np.float32)
             zp_1d = zp
@@ -217,6 +227,8 @@ def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool) -> _W
                 f"the weight zero point's shape {list(zp.shape)} is neither per tensor nor per "
                 f"output {'channel' if conv else 'column'}"
             )
+    if zp_1d is not None and not np.any(zp_1d):
+        zp_1d = None  # zero: DequantizeLinear's default (what symmetric-only targets accept)
     return _Weights(
         w,
         _WEIGHT_TYPES[elem],
@@ -259,9 +271,10 @@ def _read_mul(scope: Scope, node: onnx.NodeProto) -> _Anchor:
     x = dql.input[0]
     chain = (cast.output[0], integer.output[0], scale_product.output[0], dql.output[0])
     return _Anchor(
+        "Conv" if conv else "MatMul",
         x,
         weights,
-        tuple(integer.attribute) if conv else None,
+        tuple(integer.attribute) if conv else (),
         "",
         chain,
         frozenset(n for n in (x, w, w_scale, w_zp) if n),
@@ -282,13 +295,44 @@ def _read_fused(scope: Scope, node: onnx.NodeProto) -> _Anchor:
         raise NotApplicable(f"{node.op_type} has more inputs than the contrib op defines")
     weights = _weights(scope, w, w_scale, w_zp, conv=False)
     return _Anchor(
+        "MatMul",
         x,
         weights,
-        None,
+        (),
         bias,
         chain,
         frozenset(n for n in (x, w, w_scale, w_zp, bias) if n),
         f"{node.op_type} {weights.dtype} weights" + ("" if weights.axis is None else " per output column"),
+    )
+
+
+def _read_gathered(scope: Scope, node: onnx.NodeProto) -> _Anchor:
+    """DequantizeLinear(Gather(W: constant, indices), scale, zp), per tensor: quantize_dynamic's
+    quantized embedding lookup. Gathering the dequantized table computes the same values."""
+    x, x_scale, x_zp = _inputs(node, 3)
+    gather = _producer(scope, x, "Gather")
+    if gather is None or len(gather.input) != 2 or gather.output[0] != x:
+        raise NotApplicable("not a DequantizeLinear of a Gather")
+    attrs = {a.name: a.i for a in node.attribute}
+    if (
+        set(attrs) - {"axis", "block_size", "output_dtype"}
+        or attrs.get("block_size")
+        or attrs.get("output_dtype", 0) not in (0, _T.FLOAT)
+    ):
+        raise NotApplicable(
+            f"DequantizeLinear attributes {sorted(attrs)}: blocked or non-float32 forms are not supported"
+        )
+    table, indices = gather.input
+    weights = _weights(scope, table, x_scale, x_zp, conv=False, gather=True)
+    return _Anchor(
+        "Gather",
+        indices,
+        weights,
+        tuple(gather.attribute),
+        "",
+        (gather.output[0],),
+        frozenset(n for n in (indices, table, x_scale, x_zp) if n),
+        f"Gather of a {weights.dtype} table",
     )
 
 
@@ -314,7 +358,7 @@ class WeightOnlyBuilder:
                 "float: folded to float initializers (no Q/DQ op left)",
             ),
         ),
-        emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add"}),
+        emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "Gather"}),
         exactness=always(APPROXIMATE),
         opset=lambda options, dtypes: (
             "any"
@@ -357,8 +401,10 @@ class WeightOnlyBuilder:
         anchor: _Anchor = plan.data["anchor"]
         weights = self._weights(site, emit, anchor.weights, options["weights"])
         y = site.node.output[0]
-        if anchor.conv is not None:
-            emit.op1("Conv", [anchor.x, weights], y, **{a.name: a for a in anchor.conv})
+        if anchor.op == "Conv":
+            emit.op1("Conv", [anchor.x, weights], y, **{a.name: a for a in anchor.attributes})
+        elif anchor.op == "Gather":
+            emit.op1("Gather", [weights, anchor.x], y, **{a.name: a for a in anchor.attributes})
         elif anchor.bias:
             emit.op1("Add", [emit.op1("MatMul", [anchor.x, weights]), anchor.bias], y)
         else:
