@@ -222,6 +222,150 @@ def test_attention_forms_not_lowered_say_why(case):
         onnx_qrewrite.rewrite(make())
 
 
+# --- MultiHeadAttention ------------------------------------------------------------------------
+
+
+def mha_model(batch, seq, kv_seq, hidden, hidden_v, heads, bias=True, mask_shape=None, attrs=None):
+    inputs = ["q", "k", "v", "b" if bias else "", "m" if mask_shape else ""]
+    while not inputs[-1]:
+        inputs.pop()
+    values = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, [batch, seq, hidden]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, [batch, kv_seq, hidden]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [batch, kv_seq, hidden_v]),
+    ]
+    if bias:
+        values.append(helper.make_tensor_value_info("b", TensorProto.FLOAT, [2 * hidden + hidden_v]))
+    if mask_shape:
+        values.append(helper.make_tensor_value_info("m", TensorProto.INT32, list(mask_shape)))
+    node = helper.make_node(
+        "MultiHeadAttention", inputs, ["y"], name="mha", domain="com.microsoft", num_heads=heads, **(attrs or {})
+    )
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden_v])
+    graph = helper.make_graph([node], "g", values, [output])
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def mha_feeds(batch, seq, kv_seq, hidden, hidden_v, bias=True, mask=None, scale=1.0):
+    feeds = {
+        "q": (RNG.standard_normal((batch, seq, hidden)) * scale).astype(np.float32),
+        "k": (RNG.standard_normal((batch, kv_seq, hidden)) * scale).astype(np.float32),
+        "v": RNG.standard_normal((batch, kv_seq, hidden_v)).astype(np.float32),
+    }
+    if bias:
+        feeds["b"] = RNG.standard_normal(2 * hidden + hidden_v).astype(np.float32)
+    if mask == "lengths":
+        feeds["m"] = RNG.integers(0, kv_seq + 1, batch).astype(np.int32)
+    elif mask == "raw":
+        feeds["m"] = RNG.integers(-1, 3, (batch, kv_seq)).astype(np.int32)
+        feeds["m"][0] = 0
+    elif mask == "3d":
+        feeds["m"] = RNG.integers(0, 2, (batch, seq, kv_seq)).astype(np.int32)
+    return feeds
+
+
+MHA_MASKS = {
+    "lengths": lambda b, s, t: (b,),
+    "raw": lambda b, s, t: (b, t),
+    "3d": lambda b, s, t: (b, s, t),
+}
+MHA_SHAPES = [(2, 8, 8, 32, 32, 2), (2, 5, 9, 64, 32, 4), (2, 16, 16, 768, 768, 12), (3, 4, 1, 32, 32, 1)]
+
+
+@rule_marker("unfuse-multi-head-attention", "positive")
+@pytest.mark.parametrize("mask", list(MHA_MASKS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", MHA_SHAPES, ids=str)
+def test_multi_head_attention_with_a_mask_is_bit_exact(mask, bias, shape):
+    batch, seq, kv_seq = shape[:3]
+    model = mha_model(*shape, bias=bias, mask_shape=MHA_MASKS[mask](batch, seq, kv_seq))
+    result, want, got = rewrite_and_run(model, mha_feeds(*shape[:5], bias=bias, mask=mask))
+    assert result.report.by_rule() == {"unfuse-multi-head-attention": 1}
+    assert_bitwise_equal(got, want, f"MultiHeadAttention {shape}, mask {mask}, bias {bias}")
+
+
+@rule_marker("unfuse-multi-head-attention", "positive")
+@pytest.mark.parametrize(
+    "attrs", [{"unidirectional": 1}, {"unidirectional": 1, "mask_filter_value": -1.0, "scale": 0.3}]
+)
+def test_multi_head_attention_attributes(attrs):
+    model = mha_model(2, 8, 8, 32, 32, 2, mask_shape=(2,), attrs=attrs)
+    _, want, got = rewrite_and_run(model, mha_feeds(2, 8, 8, 32, 32, mask="lengths"))
+    assert_bitwise_equal(got, want, str(attrs))
+
+
+def _mha_bound(feeds, hidden, heads):
+    q, k, v = (feeds[n].astype(np.float64) for n in "qkv")
+    if "b" in feeds:
+        b = feeds["b"].astype(np.float64)
+        q, k, v = q + b[:hidden], k + b[hidden : 2 * hidden], v + b[2 * hidden :]
+    head = hidden // heads
+    qh = q.reshape(*q.shape[:2], heads, head).transpose(0, 2, 1, 3)
+    kh = k.reshape(*k.shape[:2], heads, head).transpose(0, 2, 3, 1)
+    return 2.0**-20 * (1 + np.abs(qh @ kh).max() / math.sqrt(head)) * np.abs(v).max()
+
+
+@rule_marker("unfuse-multi-head-attention", "positive")
+@pytest.mark.parametrize("shape", [*MHA_SHAPES, (1, 1, 7, 64, 64, 2), (2, 100, 100, 64, 64, 2)], ids=str)
+@pytest.mark.parametrize("scale", [0.1, 1.0, 10.0])
+def test_multi_head_attention_without_a_mask_is_within_the_stated_bound(shape, scale):
+    model = mha_model(*shape)
+    feeds = mha_feeds(*shape[:5], scale=scale)
+    _, want, got = rewrite_and_run(model, feeds)
+    diff = np.abs(got.astype(np.float64) - want).max()
+    bound = _mha_bound(feeds, shape[3], shape[5])
+    assert diff <= bound, f"{diff:g} > {bound:g}"
+
+
+def test_a_broken_multi_head_attention_rewrite_exceeds_the_bound():
+    shape = (2, 16, 16, 64, 64, 4)
+    model = mha_model(*shape)
+    feeds = mha_feeds(*shape[:5])
+    broken = onnx_qrewrite.rewrite(model).model
+    scale = next(n for n in broken.graph.node if n.op_type == "Mul" and "Scale" in n.name)
+    init = next(i for i in broken.graph.initializer if i.name == scale.input[1])
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.001), init.name))
+    diff = np.abs(run(broken, feeds)["y"].astype(np.float64) - run(model, feeds)["y"]).max()
+    assert diff > _mha_bound(feeds, 64, 4)
+
+
+def _mha_with(index, name, shape, **kw):
+    model = mha_model(2, 8, 8, 32, 32, 4, **kw)
+    node = model.graph.node[0]
+    while len(node.input) < index:
+        node.input.append("")
+    node.input.append(name)
+    model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+    return model
+
+
+def _packed_kv():
+    model = mha_model(2, 8, 8, 32, 32, 4)
+    node = model.graph.node[0]
+    node.input[1] = "kv"
+    node.input[2] = ""
+    model.graph.input[1].CopyFrom(helper.make_tensor_value_info("kv", TensorProto.FLOAT, [2, 8, 4, 2, 8]))
+    del model.graph.input[2]
+    return model
+
+
+MHA_NOT_LOWERED = {
+    "attention_bias": (lambda: _mha_with(5, "ab", [2, 4, 8, 8]), "input 5 (attention_bias) is given"),
+    "past_key": (lambda: _mha_with(6, "pk", [2, 4, 3, 8]), "input 6 (past_key) is given"),
+    "packed kv": (_packed_kv, "packed QKV or KV"),
+}
+
+
+@rule_marker("unfuse-multi-head-attention", "negative")
+@pytest.mark.parametrize("case", list(MHA_NOT_LOWERED))
+def test_multi_head_attention_forms_not_lowered_say_why(case):
+    make, reason = MHA_NOT_LOWERED[case]
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
+        onnx_qrewrite.rewrite(make())
+
+
 # --- a real model: a tiny BERT-like encoder fused by onnxruntime.transformers' optimizer ----------
 
 
@@ -335,16 +479,22 @@ def ort_transformers_optimized(tmp_path, **fusions) -> onnx.ModelProto:
     return onnx.load(tmp_path / "fused.onnx")
 
 
-def test_a_bert_fused_by_onnxruntime_transformers_with_attention_runs_on_standard_ops(tmp_path):
-    fused = ort_transformers_optimized(tmp_path, enable_embed_layer_norm=False)
+@pytest.mark.parametrize("embed", [False], ids=["attention-mask-from-reducesum"])
+def test_a_bert_fused_by_onnxruntime_transformers_runs_on_standard_ops(tmp_path, embed):
+    fused = ort_transformers_optimized(tmp_path, enable_embed_layer_norm=embed)
     contrib = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}
-    assert contrib == {"Attention", "SkipLayerNormalization", "BiasGelu"}
-    # The optimizer records no shape for the mask index it computes.
-    with pytest.raises(onnx_qrewrite.LoweringError, match="run onnx shape inference on the model first"):
-        onnx_qrewrite.rewrite(fused)
-    fused = onnx.shape_inference.infer_shapes(fused)
+    assert contrib == {"Attention", "SkipLayerNormalization", "BiasGelu"} | (
+        {"EmbedLayerNormalization"} if embed else set()
+    )
+    if not embed:
+        # The optimizer records no shape for the mask index it computes with ReduceSum (the one
+        # EmbedLayerNormalization outputs is known to be 1-D).
+        with pytest.raises(onnx_qrewrite.LoweringError, match="run onnx shape inference on the model first"):
+            onnx_qrewrite.rewrite(fused)
+        fused = onnx.shape_inference.infer_shapes(fused)
     result = onnx_qrewrite.rewrite(fused)
     assert result.report.by_rule()["unfuse-attention"] == 2
+    assert result.report.by_rule().get("unfuse-embed-layer-norm", 0) == int(embed)
     assert {n.domain for n in result.model.graph.node} == {""}
     feeds = bert_feeds()
     report = verify(fused, result.model, inputs=feeds)

@@ -36,14 +36,17 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import BOUNDED, Contract, Option
+from onnx_qrewrite.contract import BOUNDED, Contract
 from onnx_qrewrite.graph import dtype_name
 
-__all__ = ["AttentionBuilder"]
+__all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder"]
 
 _T = onnx.TensorProto
-_FORMS = ("attention",)
 _DEFAULT_FILTER = -10000.0
+_EMITS = frozenset(
+    {"MatMul", "Add", "Mul", "Slice", "Reshape", "Transpose", "Softmax", "Where", "Greater", "Less", "Not", "And"}
+    | {"Range", "Shape", "Gather", "Unsqueeze", "Cast", "Concat"}
+)
 
 
 def _float32(site: Site, *names: str) -> None:
@@ -64,6 +67,14 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
     return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
 
 
+def _slice(emit: Emitter, x: str, start: int, end: int, axis: int) -> str:
+    i64 = np.int64
+    return emit.op1(
+        "Slice",
+        [x, emit.const(np.array([start], i64)), emit.const(np.array([end], i64)), emit.const(np.array([axis], i64))],
+    )
+
+
 def _positions(emit: Emitter, length: str) -> str:
     """0, 1, ..., length - 1 (int64)."""
     return emit.op1("Range", [emit.const(np.int64(0)), length, emit.const(np.int64(1))])
@@ -77,29 +88,8 @@ class AttentionBuilder:
 
     name = "unfuse_attention"
     contract = Contract(
-        options=(Option("form", str, allowed=_FORMS, doc="which attention op the rule replaces"),),
-        emits=frozenset(
-            {
-                "MatMul",
-                "Add",
-                "Mul",
-                "Slice",
-                "Reshape",
-                "Transpose",
-                "Softmax",
-                "Where",
-                "Greater",
-                "Less",
-                "Not",
-                "And",
-                "Range",
-                "Shape",
-                "Gather",
-                "Unsqueeze",
-                "Cast",
-                "Concat",
-            }
-        ),
+        options=(),
+        emits=_EMITS,
         exactness=lambda options: BOUNDED,
         bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
         "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
@@ -183,37 +173,135 @@ class AttentionBuilder:
             for i in range(3)
         )
         scale = float(site.attribute("scale", 0.0))
-        keep, causal = self._masks(site, emit, plan, x)
+        keep, causal = emit_masks(emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"])
         emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
 
-    @staticmethod
-    def _masks(site: Site, emit: Emitter, plan: Plan, x: str) -> tuple[str | None, str | None]:
-        """Where the mask input lets a key be attended, and where the causal mask does (bool,
-        broadcastable to B x N x S x T; None: everywhere)."""
-        keep = None
-        rank = plan.data["mask_rank"]
-        mask = site.input(3)
-        if rank == 1:
-            # B key lengths, or 2B: lengths then start positions. Concatenating B zeros and taking
-            # [B, 2B) gives the starts in both cases (0 when absent), without knowing B statically.
-            batch = _unsqueeze(emit, _dim(emit, x, 0), [0])
-            mask64 = emit.op1("Cast", [mask], to=_T.INT64)
-            ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
-            padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
-            starts = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
-            keys = _positions(emit, _dim(emit, x, 1))
-            inside = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
-            before = emit.op1("Less", [keys, _unsqueeze(emit, starts, [1])])
-            keep = _unsqueeze(emit, emit.op1("And", [inside, emit.op1("Not", [before])]), [1, 2])
-        elif rank in (2, 3):
-            attended = emit.op1("Greater", [mask, emit.const(np.int32(0))])
-            keep = _unsqueeze(emit, attended, [1, 2] if rank == 2 else [1])
-        causal = None
-        if plan.data["causal"]:
-            length = _dim(emit, x, 1)
-            rows = _unsqueeze(emit, _positions(emit, length), [1])
-            causal = emit.op1("Not", [emit.op1("Greater", [_positions(emit, length), rows])])
-        return keep, causal
+
+class MultiHeadAttentionBuilder:
+    """Replaces com.microsoft MultiHeadAttention (separate Q, K, V) with Add, MatMul and Softmax.
+
+    Q, K and V plus their slices of the optional bias, heads by Reshape/Transpose, scaled scores plus
+    the mask the kernel builds from ``key_padding_mask``, Softmax, probabilities times V."""
+
+    name = "unfuse_multi_head_attention"
+    contract = Contract(
+        options=(),
+        emits=_EMITS,
+        exactness=lambda options: BOUNDED,
+        bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
+        "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
+        "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
+        opset=lambda options, dtypes: "13 (11 without key_padding_mask and unidirectional)",
+    )
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(0))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        unknown = sorted(
+            {a.name for a in site.node.attribute} - {"num_heads", "unidirectional", "mask_filter_value", "scale"}
+        )
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for index, what in (
+            (5, "attention_bias"),
+            (6, "past_key"),
+            (7, "past_value"),
+            (8, "past_sequence_length"),
+            (9, "cache_indirection"),
+        ):
+            if site.input(index):
+                raise NoMatch(f"input {index} ({what}) is given; not lowered")
+        if any(site.node.output[1:]):
+            raise NoMatch("present_key / present_value / qk outputs are used; not lowered")
+        if not (site.input(0) and site.input(1) and site.input(2)):
+            raise NoMatch("packed QKV or KV (no separate key and value) is not lowered")
+        _float32(site, *[site.input(i) for i in range(4)])
+        heads = int(site.attribute("num_heads", 0))
+        if heads <= 0:
+            raise NoMatch(f"num_heads={heads}")
+        sizes = []
+        for index, what in ((0, "query"), (1, "key"), (2, "value")):
+            shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+            if shape is None or len(shape) != 3 or shape[2] is None:
+                if shape is not None and len(shape) != 3:
+                    raise NoMatch(f"{what} is {len(shape)}-D; only (batch, sequence, hidden) is lowered")
+                raise NoMatch(
+                    f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
+                    "on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            sizes.append(int(shape[2]))
+        if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+            raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
+        mask_rank = None
+        if site.input(4):
+            elem = site.elem_type(site.input(4))
+            if elem is not None and elem != _T.INT32:
+                raise NoMatch(f"key_padding_mask is {dtype_name(elem)}, not int32")
+            shape = value_shape(site.scope, site.input(4), site.same_shape_ops)
+            if shape is None:
+                raise NoMatch(
+                    f"the rank of key_padding_mask {site.input(4)!r} is not recorded; run onnx shape inference "
+                    "on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            mask_rank = len(shape)
+            if mask_rank not in (1, 2, 3):
+                raise NoMatch(f"a {mask_rank}-D key_padding_mask is not lowered (1-D, 2-D and 3-D are)")
+        causal = bool(site.attribute("unidirectional", 0))
+        need = 13 if mask_rank is not None or causal else 11
+        return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        sizes, heads = plan.data["sizes"], plan.data["heads"]
+        q, k, v = site.input(0), site.input(1), site.input(2)
+        if site.input(3):  # the kernel adds each slice of the bias to its input before the heads split
+            bounds = np.cumsum([0, *sizes])
+            q, k, v = (
+                emit.op1(
+                    "Add",
+                    [t, _slice(emit, site.input(3), int(bounds[i]), int(bounds[i + 1]), 0)],
+                    hint=f"AddBias{'QKV'[i]}",
+                )
+                for i, t in enumerate((q, k, v))
+            )
+        keep, causal = emit_masks(
+            emit, site.input(4), plan.data["mask_rank"], site.input(0), site.input(1), plan.data["causal"]
+        )
+        scale = float(site.attribute("scale", 0.0))
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
+
+
+register(MultiHeadAttentionBuilder())
+
+
+def emit_masks(
+    emit: Emitter, mask: str, rank: int | None, query: str, key: str, causal: bool
+) -> tuple[str | None, str | None]:
+    """Where the mask input lets a key be attended, and where the causal mask does (bool,
+    broadcastable to B x N x S x T; None: everywhere). ``query`` (B, S, ...) and ``key`` (B, T, ...)
+    give the lengths at run time."""
+    keep = None
+    if rank == 1:
+        # B key lengths, or 2B: lengths then start positions. Concatenating B zeros and taking
+        # [B, 2B) gives the starts in both cases (0 when absent), without knowing B statically.
+        batch = _unsqueeze(emit, _dim(emit, query, 0), [0])
+        mask64 = emit.op1("Cast", [mask], to=_T.INT64)
+        ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
+        padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
+        starts = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
+        keys = _positions(emit, _dim(emit, key, 1))
+        inside = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
+        before = emit.op1("Less", [keys, _unsqueeze(emit, starts, [1])])
+        keep = _unsqueeze(emit, emit.op1("And", [inside, emit.op1("Not", [before])]), [1, 2])
+    elif rank in (2, 3):
+        attended = emit.op1("Greater", [mask, emit.const(np.int32(0))])
+        keep = _unsqueeze(emit, attended, [1, 2] if rank == 2 else [1])
+    allowed = None
+    if causal:
+        rows = _unsqueeze(emit, _positions(emit, _dim(emit, query, 1)), [1])
+        allowed = emit.op1("Not", [emit.op1("Greater", [_positions(emit, _dim(emit, key, 1)), rows])])
+    return keep, allowed
 
 
 def emit_heads_attention(
