@@ -366,6 +366,105 @@ def test_multi_head_attention_forms_not_lowered_say_why(case):
         onnx_qrewrite.rewrite(make())
 
 
+# --- EmbedLayerNormalization ---------------------------------------------------------------------
+
+EMB = {"batch": 3, "seq": 7, "hidden": 48, "vocab": 30, "max_pos": 16}
+
+
+def embed_model(segment=True, mask=True, position_ids=False, outputs=("y", "mask_index", "sum"), attrs=None):
+    b, s, h = EMB["batch"], EMB["seq"], EMB["hidden"]
+    inputs = ["ids", "seg" if segment else "", "words", "positions", "segments" if segment else "", "gamma", "beta"]
+    inputs += ["m" if mask else "", "pos_ids" if position_ids else ""]
+    while not inputs[-1]:
+        inputs.pop()
+    values = [
+        helper.make_tensor_value_info("ids", TensorProto.INT32, [b, s]),
+        helper.make_tensor_value_info("words", TensorProto.FLOAT, [EMB["vocab"], h]),
+        helper.make_tensor_value_info("positions", TensorProto.FLOAT, [EMB["max_pos"], h]),
+        helper.make_tensor_value_info("gamma", TensorProto.FLOAT, [h]),
+        helper.make_tensor_value_info("beta", TensorProto.FLOAT, [h]),
+    ]
+    if segment:
+        values += [
+            helper.make_tensor_value_info("seg", TensorProto.INT32, [b, s]),
+            helper.make_tensor_value_info("segments", TensorProto.FLOAT, [2, h]),
+        ]
+    if mask:
+        values.append(helper.make_tensor_value_info("m", TensorProto.INT32, [b, s]))
+    if position_ids:
+        values.append(helper.make_tensor_value_info("pos_ids", TensorProto.INT32, [b, s]))
+    node = helper.make_node(
+        "EmbedLayerNormalization", inputs, list(outputs), name="embed", domain="com.microsoft", **(attrs or {})
+    )
+    shapes = {"y": [b, s, h], "mask_index": [b], "sum": [b, s, h]}
+    results = [
+        helper.make_tensor_value_info(o, TensorProto.INT32 if o == "mask_index" else TensorProto.FLOAT, shapes[o])
+        for o in outputs
+        if o
+    ]
+    graph = helper.make_graph([node], "g", values, results)
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def embed_feeds(scale=1.0):
+    b, s, h = EMB["batch"], EMB["seq"], EMB["hidden"]
+    return {
+        "ids": RNG.integers(0, EMB["vocab"], (b, s)).astype(np.int32),
+        "seg": RNG.integers(0, 2, (b, s)).astype(np.int32),
+        "words": (RNG.standard_normal((EMB["vocab"], h)) * scale).astype(np.float32),
+        "positions": (RNG.standard_normal((EMB["max_pos"], h)) * scale).astype(np.float32),
+        "segments": (RNG.standard_normal((2, h)) * scale).astype(np.float32),
+        "gamma": RNG.standard_normal(h).astype(np.float32),
+        "beta": RNG.standard_normal(h).astype(np.float32),
+        # 1 counts; 0, 2 and -1 do not (measured); a row of zeros and a row of ones.
+        "m": np.array([[1, 1, 0, 1, 2, -1, 0], [0] * 7, [1] * 7], np.int32),
+        "pos_ids": RNG.integers(0, EMB["max_pos"], (b, s)).astype(np.int32),
+    }
+
+
+@rule_marker("unfuse-embed-layer-norm", "positive")
+@pytest.mark.parametrize("segment", [True, False])
+@pytest.mark.parametrize("mask", [True, False])
+@pytest.mark.parametrize("position_ids", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 100.0])
+def test_embed_layer_norm(segment, mask, position_ids, scale):
+    model = embed_model(segment, mask, position_ids, attrs={"epsilon": 1e-5})
+    feeds = {k: v for k, v in embed_feeds(scale).items() if k in {i.name for i in model.graph.input}}
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-embed-layer-norm": 1}
+    assert {n.domain for n in result.model.graph.node} == {""}
+    want, got = run(model, feeds), run(result.model, feeds)
+    assert_bitwise_equal(got["mask_index"], want["mask_index"], "mask index")
+    assert_bitwise_equal(got["sum"], want["sum"], "embedding sum")
+    diff = np.abs(got["y"].astype(np.float64) - want["y"])
+    bound = 16 * 2.0**-24 * (np.abs(want["y"].astype(np.float64)) + 1)
+    assert np.all(diff <= bound), f"{np.max(diff - bound):g} beyond the bound"
+    # A broken sum order (segment first) or a dropped position embedding is caught.
+    if segment and not position_ids:
+        broken = feeds["words"][feeds["ids"]] + feeds["segments"][feeds["seg"]] + feeds["positions"][: EMB["seq"]]
+        assert not np.array_equal(broken, want["sum"])
+
+
+def test_embed_layer_norm_with_only_its_first_output():
+    model = embed_model(outputs=("y", ""))
+    feeds = {k: v for k, v in embed_feeds().items() if k in {i.name for i in model.graph.input}}
+    result = onnx_qrewrite.rewrite(model)
+    assert "ReduceSum" not in [n.op_type for n in result.model.graph.node]
+    np.testing.assert_allclose(run(result.model, feeds)["y"], run(model, feeds)["y"], rtol=1e-6, atol=1e-6)
+
+
+@rule_marker("unfuse-embed-layer-norm", "negative")
+def test_embed_layer_norm_forms_not_lowered_say_why():
+    with pytest.raises(onnx_qrewrite.LoweringError, match="mask_index_type=0 is not lowered"):
+        onnx_qrewrite.rewrite(embed_model(attrs={"mask_index_type": 0}))
+    model = embed_model(segment=True)
+    model.graph.node[0].input[4] = ""
+    with pytest.raises(onnx_qrewrite.LoweringError, match="segment_ids and segment_embedding must both be given"):
+        onnx_qrewrite.rewrite(model)
+
+
 # --- a real model: a tiny BERT-like encoder fused by onnxruntime.transformers' optimizer ----------
 
 
@@ -479,7 +578,7 @@ def ort_transformers_optimized(tmp_path, **fusions) -> onnx.ModelProto:
     return onnx.load(tmp_path / "fused.onnx")
 
 
-@pytest.mark.parametrize("embed", [False], ids=["attention-mask-from-reducesum"])
+@pytest.mark.parametrize("embed", [False, True], ids=["attention-mask-from-reducesum", "embed-layer-norm"])
 def test_a_bert_fused_by_onnxruntime_transformers_runs_on_standard_ops(tmp_path, embed):
     fused = ort_transformers_optimized(tmp_path, enable_embed_layer_norm=embed)
     contrib = {n.op_type for n in fused.graph.node if n.domain == "com.microsoft"}

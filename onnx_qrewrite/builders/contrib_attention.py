@@ -67,6 +67,17 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
     return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
 
 
+def _is_embed_mask_index(site: Site, name: str) -> bool:
+    producer = site.scope.producer(name)
+    return (
+        producer is not None
+        and producer.domain == "com.microsoft"
+        and producer.op_type == "EmbedLayerNormalization"
+        and len(producer.output) > 1
+        and producer.output[1] == name
+    )
+
+
 def _slice(emit: Emitter, x: str, start: int, end: int, axis: int) -> str:
     i64 = np.int64
     return emit.op1(
@@ -142,6 +153,8 @@ class AttentionBuilder:
             if elem is not None and elem != _T.INT32:
                 raise NoMatch(f"mask_index is {dtype_name(elem)}, not int32")
             shape = value_shape(site.scope, site.input(3), site.same_shape_ops)
+            if shape is None and _is_embed_mask_index(site, site.input(3)):
+                shape = (None,)  # EmbedLayerNormalization's mask index is (batch,)
             if shape is None:
                 raise NoMatch(
                     f"the rank of mask_index {site.input(3)!r} is not recorded; run onnx shape inference on the "
