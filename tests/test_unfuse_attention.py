@@ -424,6 +424,16 @@ def embed_feeds(scale=1.0):
     }
 
 
+def _assert_layer_norm_bound(got, want, total, gamma, beta, what):
+    """The stated bound: 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (float64)."""
+    total = total.astype(np.float64)
+    centred = total - total.mean(axis=-1, keepdims=True)
+    normalized = centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + 1e-12)
+    bound = 16 * 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
+    diff = np.abs(got.astype(np.float64) - want)
+    assert np.all(diff <= bound), f"{what}: {np.max(diff - bound):g} beyond the bound"
+
+
 @rule_marker("unfuse-embed-layer-norm", "positive")
 @pytest.mark.parametrize("segment", [True, False])
 @pytest.mark.parametrize("mask", [True, False])
@@ -438,9 +448,7 @@ def test_embed_layer_norm(segment, mask, position_ids, scale):
     want, got = run(model, feeds), run(result.model, feeds)
     assert_bitwise_equal(got["mask_index"], want["mask_index"], "mask index")
     assert_bitwise_equal(got["sum"], want["sum"], "embedding sum")
-    diff = np.abs(got["y"].astype(np.float64) - want["y"])
-    bound = 16 * 2.0**-24 * (np.abs(want["y"].astype(np.float64)) + 1)
-    assert np.all(diff <= bound), f"{np.max(diff - bound):g} beyond the bound"
+    _assert_layer_norm_bound(got["y"], want["y"], want["sum"], feeds["gamma"], feeds["beta"], "EmbedLayerNormalization")
     # A broken sum order (segment first) or a dropped position embedding is caught.
     if segment and not position_ids:
         broken = feeds["words"][feeds["ids"]] + feeds["segments"][feeds["seg"]] + feeds["positions"][: EMB["seq"]]
@@ -462,6 +470,166 @@ def test_embed_layer_norm_forms_not_lowered_say_why():
     model = embed_model(segment=True)
     model.graph.node[0].input[4] = ""
     with pytest.raises(onnx_qrewrite.LoweringError, match="segment_ids and segment_embedding must both be given"):
+        onnx_qrewrite.rewrite(model)
+
+
+def qembed_model(table_type=np.uint8, segment=True, mask=True):
+    """QEmbedLayerNormalization over 8-bit tables, as quantize_dynamic writes it (constant per-tensor
+    scales and zero points as initializers)."""
+    b, s, h = EMB["batch"], EMB["seq"], EMB["hidden"]
+    lo, hi = (0, 256) if table_type == np.uint8 else (-128, 128)
+    inits = []
+
+    def table(name, shape):
+        inits.append(numpy_helper.from_array(RNG.integers(lo, hi, shape).astype(table_type), f"{name}_q"))
+        inits.append(numpy_helper.from_array(np.array(RNG.random() * 0.02 + 0.005, np.float32), f"{name}_s"))
+        inits.append(numpy_helper.from_array(np.array(RNG.integers(lo, hi), table_type), f"{name}_zp"))
+
+    names = ["words", "positions", "segments", "gamma", "beta"]
+    shapes = [(EMB["vocab"], h), (EMB["max_pos"], h), (2, h), (h,), (h,)]
+    for name, shape in zip(names, shapes, strict=True):
+        table(name, shape)
+    present = [n if (n != "segments" or segment) else "" for n in names]
+    inputs = ["ids", "seg" if segment else ""] + [f"{n}_q" if n else "" for n in present]
+    inputs += (
+        ["m" if mask else ""] + [f"{n}_s" if n else "" for n in present] + [f"{n}_zp" if n else "" for n in present]
+    )
+    values = [helper.make_tensor_value_info("ids", TensorProto.INT32, [b, s])]
+    if segment:
+        values.append(helper.make_tensor_value_info("seg", TensorProto.INT32, [b, s]))
+    if mask:
+        values.append(helper.make_tensor_value_info("m", TensorProto.INT32, [b, s]))
+    node = helper.make_node(
+        "QEmbedLayerNormalization", inputs, ["y", "mask_index"], name="qembed", domain="com.microsoft", epsilon=1e-12
+    )
+    results = [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, [b, s, h]),
+        helper.make_tensor_value_info("mask_index", TensorProto.INT32, [b]),
+    ]
+    graph = helper.make_graph([node], "g", values, results, inits)
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+@rule_marker("unfuse-qembed-layer-norm", "positive")
+@pytest.mark.parametrize("table_type", [np.uint8, np.int8], ids=["uint8", "int8"])
+@pytest.mark.parametrize("segment, mask", [(True, True), (False, True), (True, False)])
+def test_qembed_layer_norm(table_type, segment, mask):
+    model = qembed_model(table_type, segment, mask)
+    feeds = {k: v for k, v in embed_feeds().items() if k in {i.name for i in model.graph.input}}
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-qembed-layer-norm": 1}
+    assert {n.domain for n in result.model.graph.node} == {""}
+    want, got = run(model, feeds), run(result.model, feeds)
+    assert_bitwise_equal(got["mask_index"], want["mask_index"], "mask index")
+    tables = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+
+    def dequantized(name):
+        return (tables[f"{name}_q"] - tables[f"{name}_zp"]) * tables[f"{name}_s"]
+
+    total = dequantized("words")[feeds["ids"]] + dequantized("positions")[: EMB["seq"]]
+    if segment:
+        total = total + dequantized("segments")[feeds["seg"]]
+    gamma, beta = dequantized("gamma"), dequantized("beta")
+    _assert_layer_norm_bound(got["y"], want["y"], total, gamma, beta, "QEmbedLayerNormalization")
+
+
+@rule_marker("unfuse-qembed-layer-norm", "negative")
+def test_qembed_layer_norm_needs_constant_per_tensor_parameters():
+    model = qembed_model()
+    scale = next(i for i in model.graph.initializer if i.name == "words_s")
+    model.graph.initializer.remove(scale)
+    model.graph.input.append(helper.make_tensor_value_info("words_s", TensorProto.FLOAT, []))
+    with pytest.raises(onnx_qrewrite.LoweringError, match="'words_s' is not a constant per-tensor scale"):
+        onnx_qrewrite.rewrite(model)
+
+
+# --- QAttention ----------------------------------------------------------------------------------
+
+
+def qattention_model(batch, seq, hidden, heads, weights="int8", per_column=False, mask_shape=None, weight_range=64):
+    columns = 3 * hidden
+    scales = columns if per_column else 1
+    inputs = ["x", "w", "b", "xs", "ws", "m" if mask_shape else "", "xzp", "wzp"]
+    values = [
+        helper.make_tensor_value_info("x", TensorProto.UINT8, [batch, seq, hidden]),
+        helper.make_tensor_value_info("xs", TensorProto.FLOAT, []),
+        helper.make_tensor_value_info("xzp", TensorProto.UINT8, []),
+    ]
+    if mask_shape:
+        values.append(helper.make_tensor_value_info("m", TensorProto.INT32, list(mask_shape)))
+    if weights == "int8":
+        w = RNG.integers(-weight_range, weight_range + 1, (hidden, columns)).astype(np.int8)
+        zp = RNG.integers(-5, 6, scales).astype(np.int8)
+    else:
+        w = RNG.integers(0, 256, (hidden, columns)).astype(np.uint8)
+        zp = RNG.integers(120, 136, scales).astype(np.uint8)
+    shape = () if scales == 1 else (scales,)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array((RNG.random(scales) * 0.02 + 0.001).astype(np.float32).reshape(shape), "ws"),
+        numpy_helper.from_array(zp.reshape(shape), "wzp"),
+        numpy_helper.from_array((RNG.standard_normal(columns) * 0.1).astype(np.float32), "b"),
+    ]
+    node = helper.make_node("QAttention", inputs, ["y"], name="qattn", domain="com.microsoft", num_heads=heads)
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])
+    graph = helper.make_graph([node], "g", values, [output], inits)
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def qattention_feeds(batch, seq, hidden, mask_shape=None):
+    feeds = {
+        "x": RNG.integers(0, 256, (batch, seq, hidden)).astype(np.uint8),
+        "xs": np.array(0.02, np.float32),
+        "xzp": np.array(RNG.integers(0, 256), np.uint8),
+    }
+    if mask_shape == (batch,):
+        feeds["m"] = RNG.integers(0, seq + 1, batch).astype(np.int32)
+    elif mask_shape:
+        feeds["m"] = RNG.integers(0, 2, mask_shape).astype(np.int32)
+    return feeds
+
+
+@rule_marker("unfuse-qattention", "positive")
+@pytest.mark.parametrize("shape", [(2, 8, 32, 2), (2, 7, 128, 2), (2, 5, 768, 12), (1, 1, 64, 2)], ids=str)
+@pytest.mark.parametrize("weights, per_column", [("int8", False), ("int8", True), ("uint8", False), ("uint8", True)])
+@pytest.mark.parametrize("mask", [None, "lengths", "raw"])
+def test_qattention_is_bit_exact_on_the_battery(shape, weights, per_column, mask):
+    batch, seq, hidden, heads = shape
+    mask_shape = {None: None, "lengths": (batch,), "raw": (batch, seq)}[mask]
+    model = qattention_model(batch, seq, hidden, heads, weights, per_column, mask_shape)
+    result, want, got = rewrite_and_run(model, qattention_feeds(batch, seq, hidden, mask_shape))
+    assert result.report.by_rule() == {"unfuse-qattention": 1}
+    assert_bitwise_equal(got, want, f"QAttention {shape} {weights} per-column {per_column} mask {mask}")
+
+
+@rule_marker("unfuse-qattention-unsaturated", "positive")
+@rule_marker("unfuse-qattention", "negative")
+def test_qattention_with_weights_the_avx2_kernel_saturates():
+    model = qattention_model(2, 8, 64, 4, "int8", weight_range=127)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="saturates pairs of products to int16 here"):
+        onnx_qrewrite.rewrite(model)
+    result = onnx_qrewrite.rewrite(model, allow=("exact", "bounded", "approximate"))
+    assert result.report.by_rule() == {"unfuse-qattention-unsaturated": 1}
+    assert [r.exactness for r in result.report.rewrites] == ["approximate"]
+    assert {n.domain for n in result.model.graph.node} == {""}
+
+
+@rule_marker("unfuse-qattention", "negative")
+@rule_marker("unfuse-qattention-unsaturated", "negative")
+def test_qattention_forms_not_lowered_say_why():
+    model = qattention_model(2, 8, 32, 2)
+    model.graph.node[0].input.append("past")
+    model.graph.input.append(helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, 2, 2, 0, 16]))
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape("input 8 (past) is given")):
+        onnx_qrewrite.rewrite(model, allow=("exact", "bounded", "approximate"))
+    model = qattention_model(2, 8, 32, 2)
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT8
+    model.graph.input[2].type.tensor_type.elem_type = TensorProto.INT8
+    with pytest.raises(onnx_qrewrite.LoweringError, match="takes uint8 only"):
         onnx_qrewrite.rewrite(model)
 
 
@@ -602,3 +770,37 @@ def test_a_bert_fused_by_onnxruntime_transformers_runs_on_standard_ops(tmp_path,
     # lengths in the fused model).
     got, want = run(result.model, feeds)["last_hidden_state"], run(tiny_bert(), feeds)["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_type", ["QUInt8", "QInt8"])
+def test_a_bert_fused_and_quantized_by_onnxruntime_runs_on_standard_ops(tmp_path, weight_type):
+    # onnxruntime.transformers' optimizer, then quantize_dynamic: QEmbedLayerNormalization, QAttention,
+    # DynamicQuantizeLinear + MatMulInteger, SkipLayerNormalization, BiasGelu.
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    onnx.save(ort_transformers_optimized(tmp_path), tmp_path / "fused_bert.onnx")
+    quantize_dynamic(
+        tmp_path / "fused_bert.onnx",
+        tmp_path / "quantized.onnx",
+        weight_type=getattr(QuantType, weight_type),
+        extra_options={"DefaultTensorType": TensorProto.FLOAT},  # the fused ops carry no shapes
+    )
+    quantized = onnx.load(tmp_path / "quantized.onnx")
+    contrib = {n.op_type for n in quantized.graph.node if n.domain == "com.microsoft"}
+    assert contrib == {"QEmbedLayerNormalization", "QAttention", "SkipLayerNormalization", "BiasGelu"}
+    feeds = bert_feeds()
+    if weight_type == "QInt8":
+        # Full-range int8 weights: onnxruntime's AVX2 kernel saturates pairs of uint8 x int8 products,
+        # which no standard op reproduces; the bounded rule gives way and says so.
+        with pytest.raises(onnx_qrewrite.LoweringError, match="saturates pairs of products to int16 here"):
+            onnx_qrewrite.rewrite(quantized)
+        result = onnx_qrewrite.rewrite(quantized, allow=("exact", "bounded", "approximate"))
+        assert result.report.by_rule()["unfuse-qattention-unsaturated"] == 2
+        assert {n.domain for n in result.model.graph.node} == {""}
+        return
+    result = onnx_qrewrite.rewrite(quantized)
+    rules = result.report.by_rule()
+    assert (rules["unfuse-qattention"], rules["unfuse-qembed-layer-norm"]) == (2, 1)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    report = verify(quantized, result.model, inputs=feeds)
+    assert report.passed, report.to_table()

@@ -36,10 +36,10 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import BOUNDED, Contract
+from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, Contract, Option
 from onnx_qrewrite.graph import dtype_name
 
-__all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder"]
+__all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder", "QAttentionBuilder"]
 
 _T = onnx.TensorProto
 _DEFAULT_FILTER = -10000.0
@@ -67,12 +67,146 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
     return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
 
 
+#: Pairs of adjacent uint8 x int8 products must stay in int16 (onnxruntime's AVX2 u8s8 kernel).
+_INT16 = (-32768, 32767)
+#: Sums of integer products stay exact in float32 up to this magnitude.
+_EXACT_FLOAT_INTEGERS = 2**24
+
+
+def _may_saturate(weights: np.ndarray) -> bool:
+    """Whether onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI: vpmaddubsw sums adjacent pairs
+    of products into int16 with saturation) can saturate for these int8 weights (K, N) and any uint8 input."""
+    w = weights.astype(np.int32)
+    most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
+    return bool(
+        (most[:-1] + most[1:]).max(initial=0) > _INT16[1] or (least[:-1] + least[1:]).min(initial=0) < _INT16[0]
+    )
+
+
+class QAttentionBuilder:
+    """Replaces com.microsoft QAttention with float arithmetic on the integer values and Attention's form.
+
+    ``(Cast(x) - x_zp) @ (Cast(W) - W_zp) · (x_scale · W_scale) + bias``, then the heads, mask and
+    Softmax as for Attention. The integer products are exact in float32 and so is their sum while it
+    stays within 2^24, which is checked per column from the constant weights."""
+
+    name = "unfuse_qattention"
+    contract = Contract(
+        options=(
+            Option(
+                "u8s8_saturation",
+                str,
+                "decline",
+                ("decline", "ignore"),
+                doc="uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
+                "products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the unsaturated "
+                "value, the ONNX definition (approximate)",
+            ),
+        ),
+        emits=_EMITS | {"Sub"},
+        exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
+        bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
+        "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
+        "(bit-exact on the tests' battery, hidden 32 to 768)",
+        opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+    )
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(1))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        known = {"num_heads", "unidirectional", "mask_filter_value", "scale", "do_rotary", "past_present_share_buffer"}
+        unknown = sorted({a.name for a in site.node.attribute} - known)
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for attr in ("do_rotary", "past_present_share_buffer"):
+            if site.attribute(attr, 0):
+                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        if site.input(8):
+            raise NoMatch("input 8 (past) is given; not lowered")
+        if any(site.node.output[1:]):
+            raise NoMatch("output 1 (present) is used; not lowered")
+        for index in range(5):
+            if not site.input(index):
+                raise NoMatch(f"malformed node: input {index} is required")
+        _float32(site, site.input(2), site.input(3), site.input(4))
+        heads = int(site.attribute("num_heads", 0))
+        if heads <= 0:
+            raise NoMatch(f"num_heads={heads}")
+        weights = site.constant(site.input(1))
+        if weights is None or weights.ndim != 2 or weights.shape[1] % 3:
+            raise NoMatch("weights are not a constant (K, 3·hidden) tensor")
+        hidden = weights.shape[1] // 3
+        if hidden % heads:
+            raise NoMatch(f"hidden size {hidden} does not split into {heads} heads")
+        x_type = site.elem_type(site.input(0))
+        if x_type is not None and x_type != _T.UINT8:
+            raise NoMatch(
+                f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
+            )
+        notes: tuple[str, ...] = ()
+        if weights.dtype == np.int8 and _may_saturate(weights):  # the input is uint8 (the only kernel)
+            if options["u8s8_saturation"] == "decline":
+                raise NoMatch(
+                    "uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
+                    "products to int16 here, which no standard op does (the approximate rule rewrites to the "
+                    "unsaturated value; quantizing with reduce_range=True or uint8 weights avoids it)"
+                )
+            notes = ("onnxruntime's AVX2 kernel can saturate pairs of products here; rewritten to the ONNX value",)
+        zp = site.constant(site.input(7)) if site.input(7) else np.zeros(1, np.int64)
+        if zp is None:
+            raise NoMatch("weight_zero_point is not constant")
+        shift = np.abs(weights.astype(np.int64) - zp.astype(np.int64).reshape(1, -1)).sum(axis=0).max()
+        if 255 * int(shift) > _EXACT_FLOAT_INTEGERS:
+            notes += ("integer sums may exceed 2^24: float32 rounds them (bounded)",)
+        mask_rank = None
+        if site.input(5):
+            shape = value_shape(site.scope, site.input(5), site.same_shape_ops)
+            if shape is None and _is_embed_mask_index(site, site.input(5)):
+                shape = (None,)
+            if shape is None:
+                raise NoMatch(
+                    f"the rank of mask_index {site.input(5)!r} is not recorded; run onnx shape inference on the "
+                    "model first (onnx.shape_inference.infer_shapes)"
+                )
+            mask_rank = len(shape)
+            if mask_rank not in (1, 2, 3):
+                raise NoMatch(f"a {mask_rank}-D mask_index is not lowered (1-D, 2-D and 3-D are)")
+        causal = bool(site.attribute("unidirectional", 0))
+        need = 13 if mask_rank is not None or causal else 11
+        data = {"sizes": [hidden] * 3, "heads": heads, "mask_rank": mask_rank, "causal": causal}
+        return Plan(min_opset=need, notes=notes, data=data)
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        sizes, heads = plan.data["sizes"], plan.data["heads"]
+
+        def shifted(value: str, zero_point: str) -> str:
+            as_float = emit.op1("Cast", [value], to=_T.FLOAT)
+            if not zero_point:
+                return as_float
+            return emit.op1("Sub", [as_float, emit.op1("Cast", [zero_point], to=_T.FLOAT)])
+
+        x = site.input(0)
+        products = emit.op1("MatMul", [shifted(x, site.input(6)), shifted(site.input(1), site.input(7))])
+        scale = emit.op1("Mul", [site.input(3), site.input(4)], hint="ScaleProduct")
+        qkv = emit.op1("Add", [emit.op1("Mul", [products, scale]), site.input(2)], hint="AddBias")
+        bounds = np.cumsum([0, *sizes])
+        q, k, v = (_slice(emit, qkv, int(bounds[i]), int(bounds[i + 1]), -1) for i in range(3))
+        keep, causal = emit_masks(emit, site.input(5), plan.data["mask_rank"], x, x, plan.data["causal"])
+        scale_attr = float(site.attribute("scale", 0.0))
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0])
+
+
+register(QAttentionBuilder())
+
+
 def _is_embed_mask_index(site: Site, name: str) -> bool:
     producer = site.scope.producer(name)
     return (
         producer is not None
         and producer.domain == "com.microsoft"
-        and producer.op_type == "EmbedLayerNormalization"
+        and producer.op_type in ("EmbedLayerNormalization", "QEmbedLayerNormalization")
         and len(producer.output) > 1
         and producer.output[1] == name
     )

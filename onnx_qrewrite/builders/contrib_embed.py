@@ -1,5 +1,8 @@
 """onnxruntime's ``com.microsoft`` EmbedLayerNormalization -> Gather, Add and LayerNormalization
-(what onnxruntime.transformers' optimizer writes at the bottom of every BERT-like model)::
+(what onnxruntime.transformers' optimizer writes at the bottom of every BERT-like model), and
+QEmbedLayerNormalization (what ``quantize_dynamic`` makes of it: 8-bit tables, gamma and beta with
+per-tensor scales and zero points; rows are gathered, then ``DequantizeLinear``-ed, as the kernel
+dequantizes each value it reads)::
 
     EmbedLayerNormalization(ids, segment_ids, word, position, segment, gamma, beta, mask, position_ids)
         output 0:  LayerNormalization((word[ids] + position[position_ids or 0..S-1]) + segment[segment_ids])
@@ -24,7 +27,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.contract import BOUNDED, Contract
+from onnx_qrewrite.contract import BOUNDED, Contract, Option
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["EmbedLayerNormalizationBuilder"]
@@ -37,15 +40,24 @@ class EmbedLayerNormalizationBuilder:
 
     name = "unfuse_embed_layer_norm"
     contract = Contract(
-        options=(),
+        options=(
+            Option(
+                "form",
+                str,
+                "float",
+                ("float", "quantized"),
+                doc="EmbedLayerNormalization, or QEmbedLayerNormalization (8-bit tables and gamma/beta, each "
+                "with a per-tensor scale and zero point: the rows are gathered, then dequantized)",
+            ),
+        ),
         emits=frozenset(
             {"Gather", "Add", "LayerNormalization", "Range", "Shape", "Equal", "Cast", "ReduceSum", "ConstantOfShape"}
-            | {"Slice"}
+            | {"Slice", "DequantizeLinear"}
         ),
         exactness=lambda options: BOUNDED,
         bound="output 0: the mean and variance summed in float32 in another order than the kernel's sequential "
-        "loop, at most 16·2^-24·(|y| + 1) at each output y (asserted on the tests' battery); the mask index and "
-        "the embedding sum are bit-exact",
+        "loop, at most 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (asserted on the tests' "
+        "battery); the mask index and the embedding sum are bit-exact",
         outputs=2,
         opset=lambda options, dtypes: "17",
     )
@@ -55,43 +67,73 @@ class EmbedLayerNormalizationBuilder:
         return dtype_name(elem) if elem else None
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        unknown = sorted({a.name for a in site.node.attribute} - {"epsilon", "mask_index_type"})
+        quantized = options["form"] == "quantized"
+        known = {"epsilon"} if quantized else {"epsilon", "mask_index_type"}
+        unknown = sorted({a.name for a in site.node.attribute} - known)
         if unknown:
             raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
         if int(site.attribute("mask_index_type", 1)) != 1:
             raise NoMatch(f"mask_index_type={site.attribute('mask_index_type')} is not lowered (1 is)")
-        for index in (2, 3, 5, 6):
+        required = (2, 3, 5, 6, 8, 9, 11, 12, 13, 14, 16, 17) if quantized else (2, 3, 5, 6)
+        for index in required:
             if not site.input(index):
                 raise NoMatch(f"malformed node: input {index} is required")
         if bool(site.input(1)) != bool(site.input(4)):
             raise NoMatch("segment_ids and segment_embedding must both be given or both absent")
-        for index in (2, 3, 4, 5, 6):
+        if quantized and site.input(4) and not (site.input(10) and site.input(15)):
+            raise NoMatch("malformed node: the segment embedding's scale and zero point are required")
+        floats = (8, 9, 10, 11, 12) if quantized else (2, 3, 4, 5, 6)
+        for index in floats:
             elem = site.elem_type(site.input(index))
             if elem is not None and elem != _T.FLOAT:
                 raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 was measured")
-        for index in (0, 1, 7, 8):
+        for index in (0, 1, 7) if quantized else (0, 1, 7, 8):
             elem = site.elem_type(site.input(index))
             if elem is not None and elem != _T.INT32:
                 raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}, not int32")
+        if quantized:
+            for index in (8, 9, 10, 11, 12, 13, 14, 15, 16, 17):
+                value = site.constant(site.input(index)) if site.input(index) else None
+                if site.input(index) and (value is None or value.size != 1):
+                    raise NoMatch(f"{site.input(index)!r} is not a constant per-tensor scale or zero point")
         return Plan(min_opset=17)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = [*site.node.output, "", ""][:3]
         ids = site.input(0)
-        words = emit.op1("Gather", [site.input(2), ids], axis=0, hint="Words")
-        if site.input(8):
+        quantized = options["form"] == "quantized"
+
+        def rows(table: int, indices: str, hint: str) -> str:
+            found = emit.op1("Gather", [site.input(table), indices], axis=0, hint=hint)
+            if not quantized:
+                return found
+            # Per-tensor: dequantizing the gathered rows is dequantizing the table, row by row.
+            return dequantize(found, table)
+
+        def dequantize(value: str, index: int) -> str:
+            scale, zero_point = site.input(index + 6), site.input(index + 11)
+            return emit.op1("DequantizeLinear", [value, _scalar(scale), _scalar(zero_point)])
+
+        def _scalar(name: str) -> str:
+            value = site.constant(name)
+            assert value is not None
+            return emit.const(value.reshape(()))
+
+        words = rows(2, ids, "Words")
+        if not quantized and site.input(8):
             position_ids = site.input(8)
         else:
             length = emit.op1("Gather", [emit.op1("Shape", [ids]), emit.const(np.int64(1))], axis=0)
             position_ids = emit.op1("Range", [emit.const(np.int64(0)), length, emit.const(np.int64(1))])
-        positions = emit.op1("Gather", [site.input(3), position_ids], axis=0, hint="Positions")
+        positions = rows(3, position_ids, "Positions")
         # As the kernel: (word + position) + segment.
         total = emit.op1("Add", [words, positions], None if site.input(1) else outputs[2] or None)
         if site.input(1):
-            segments = emit.op1("Gather", [site.input(4), site.input(1)], axis=0, hint="Segments")
+            segments = rows(4, site.input(1), "Segments")
             total = emit.op1("Add", [total, segments], outputs[2] or None)
         eps = float(site.attribute("epsilon", 1e-12))
-        emit.op1("LayerNormalization", [total, site.input(5), site.input(6)], outputs[0], axis=-1, epsilon=eps)
+        gamma, beta = (dequantize(site.input(i), i) if quantized else site.input(i) for i in (5, 6))
+        emit.op1("LayerNormalization", [total, gamma, beta], outputs[0], axis=-1, epsilon=eps)
         if outputs[1]:
             if site.input(7):
                 ones = emit.op1("Cast", [emit.op1("Equal", [site.input(7), emit.const(np.int32(1))])], to=_T.INT32)

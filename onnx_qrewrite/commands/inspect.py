@@ -34,7 +34,6 @@ OTHER_QUANT_OPS = frozenset(
     {
         "QuantizeLinear",
         "DequantizeLinear",
-        "QAttention",
         "MatMulBnb4",
     }
 )
