@@ -181,6 +181,7 @@ def test_a_broken_attention_rewrite_exceeds_the_bound_and_is_caught_at_its_node(
     assert verify(model, rewritten, inputs=feeds).passed
     report = verify(model, broken, inputs=feeds)
     assert not report.passed
+    assert (report.localization.origin, report.localization.rule) == ("attn", "unfuse-attention")
 
 
 def _with_input(index, name, shape):
