@@ -17,6 +17,7 @@ and give it options. Format (``rules/*.toml``)::
     match = [{ domain = "", op = "DynamicQuantizeLinear" }]   # several entries = aliases
     when = { dtypes = ["uint8"], min_opset = 11, max_opset = 26 }   # all optional
     options = { semantics = "onnxruntime" }            # the builder's declared options
+    precedes = ["other-rule-id"]                       # optional: tried before those rules
 
 Every rule is checked against its builder's contract (:mod:`onnx_qrewrite.contract`) when the
 catalogue is built: unknown keys and options, bad values, ops the builder does not emit, and an
@@ -25,8 +26,10 @@ The opset an emitted op needs is not stated here: builders take it from
 :mod:`onnx_qrewrite.kernel_opsets`.
 
 ``match.domain = "*"`` matches any non-standard domain. The engine tries a node's exact rules
-first, then its bounded ones (each group in catalogue order); approximate rules only when asked,
-and then before the others. The first whose conditions hold and whose builder accepts the node
+first, then its bounded ones (each group in catalogue order, except that a rule is tried before
+the rules its ``precedes`` names: how a named form's rule file, loaded after the shipped ones,
+takes over a node the shipped rules also lower); approximate rules only when asked, and then
+before the others. The first whose conditions hold and whose builder accepts the node
 rewrites it.
 """
 
@@ -95,6 +98,8 @@ class Rule:
     given_options: Mapping[str, Any] | None = None
     #: Details for docs/lowerings.md (markdown, optional).
     doc: str = ""
+    #: Rule ids this rule is tried before, for the ops both match (ids not in the catalogue: none).
+    precedes: tuple[str, ...] = ()
 
     def with_options(self, overrides: Mapping[str, Any]) -> Rule:
         given = {**(self.given_options if self.given_options is not None else self.options), **overrides}
@@ -115,7 +120,7 @@ class Rule:
         return self.implementation.contract.bound if self.exactness != "exact" else ""
 
 
-_RULE_KEYS = ("id", "summary", "doc", "emits", "builder", "exactness", "match", "when", "options")
+_RULE_KEYS = ("id", "summary", "doc", "emits", "builder", "exactness", "match", "when", "options", "precedes")
 _WHEN_KEYS = ("dtypes", "min_opset", "max_opset")
 _FILE_KEYS = ("rule", "title", "about", "notes")
 #: Keys rule files used to have, and where their content lives now.
@@ -196,6 +201,9 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
     options = raw.get("options", {})
     if not isinstance(options, dict):
         raise _fail(source, where, "'options' must be a table")
+    precedes = raw.get("precedes", [])
+    if not isinstance(precedes, list) or not all(isinstance(r, str) and r for r in precedes):
+        raise _fail(source, where, "'precedes' must be a list of rule ids")
     return Rule(
         id=raw["id"],
         summary=raw["summary"],
@@ -209,6 +217,7 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
         max_opset=when.get("max_opset"),
         options=MappingProxyType(dict(options)),
         source=source,
+        precedes=tuple(precedes),
     )
 
 
@@ -271,6 +280,20 @@ def parse_rules(text: str, source: str) -> list[Rule]:
     return [checked(_parse_rule(r, source, i)) for i, r in enumerate(raw_rules)]
 
 
+def _with_precedence(rules: list[Rule]) -> list[Rule]:
+    """``rules`` in catalogue order, but each rule with ``precedes`` moved just before the first of
+    the rules it names (stable otherwise)."""
+    out = list(rules)
+    for rule in rules:
+        if not rule.precedes:
+            continue
+        first = next((i for i, r in enumerate(out) if r.id in rule.precedes), None)
+        here = out.index(rule)
+        if first is not None and first < here:
+            out.insert(first, out.pop(here))
+    return out
+
+
 def shipped_rules_dir() -> Path:
     """The catalogue that ships with the tool: inside the wheel, or ``rules/`` in a checkout."""
     package_dir = Path(__file__).resolve().parent
@@ -294,6 +317,9 @@ class Catalogue:
         for rule in self.rules:
             for ref in rule.match:
                 self._by_op.setdefault(ref.op, []).append(rule)
+        for op, listed in self._by_op.items():
+            if any(r.precedes for r in listed):
+                self._by_op[op] = _with_precedence(listed)
 
     def __iter__(self):
         return iter(self.rules)

@@ -27,7 +27,7 @@ import onnx
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.graph import _STANDARD_CONTROL_FLOW, subgraphs
 
-__all__ = ["sort_model"]
+__all__ = ["outer_reads", "sort_model"]
 
 _Graph = onnx.GraphProto | onnx.FunctionProto
 
@@ -74,6 +74,14 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
         for sub in _subgraphs(node):
             free.update(n for n in _free_names(sub) if n not in defined)
     return free
+
+
+def outer_reads(node: onnx.NodeProto) -> set[str]:
+    """Names the subgraphs of ``node`` (at any depth) read from the scopes around them."""
+    found: set[str] = set()
+    for sub in _subgraphs(node):
+        found |= _free_names(sub)
+    return found
 
 
 def _reads(node: onnx.NodeProto) -> Iterable[str]:
