@@ -120,7 +120,7 @@ def _read(site: Site) -> _Read:
     bits, block_size = _attr_int(site, "bits", 4), _attr_int(site, "block_size")
     accuracy_level = _attr_int(site, "accuracy_level", 0)
     if bits not in (4, 8):
-        raise NoMatch(f"bits={bits}: onnxruntime's CPU kernel runs 4 and 8 only")
+        raise NoMatch(f"bits={bits}: only 4 and 8 are lowered (onnxruntime 1.31.1 runs 2 as well: docs/numerics.md)")
     if block_size < 16 or block_size & (block_size - 1):
         raise NoMatch(f"malformed node: block_size {block_size} is not a power of two >= 16")
     if k <= 0 or n <= 0:
