@@ -112,7 +112,7 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
             raise NoMatch(f"needs opset {needed}, above the highest allowed ({options.max_opset})")
         if site.scope.is_function:
             raise NoMatch(f"needs opset {needed}; raising the opset of a local function is not supported")
-    return dataclasses.replace(plan, min_opset=needed)
+    return plan
 
 
 @dataclasses.dataclass

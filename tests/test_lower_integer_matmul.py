@@ -545,3 +545,31 @@ def test_dynamic_quantize_matmul_with_full_range_int8_weights_computes_the_onnx_
     acc = (q["q"].astype(np.int64) - q["z"].astype(np.int64)) @ b.astype(np.int64)
     expected = acc.astype(np.float32) * (q["s"] * b_scale) + bias
     assert_bitwise_equal(run(result.model, {"A": a})["Y"], expected.astype(np.float32))
+
+
+def test_weight_statistics_shared_by_nodes_follow_each_nodes_zero_point_and_types():
+    """Statistics of one weight are worked out once per scope (graph.Scope.memo) and shared by the
+    nodes reading it; a node with another zero point or operand type must still get its own."""
+    rng = np.random.default_rng(9)
+    w = np.full((8, 3), 127, np.int8)
+    w[::2] = _values(rng, "int8", (4, 3), "random")
+    variants = [("uint8", None), ("uint8", np.int8(-100)), ("int8", None), ("uint8", None)]
+    alone = []
+    for ta, bzp in variants:
+        model, _ = _matmul_model(ta, "int8", (2, 8), w, None, bzp)
+        alone.append(_rewrite(model).report.rewrites[0].notes)
+    inits = [numpy_helper.from_array(w, "B")]
+    inputs, nodes, outputs = [], [], []
+    for i, (ta, bzp) in enumerate(variants):
+        names = [f"A{i}", "B"]
+        if bzp is not None:
+            inits.append(numpy_helper.from_array(np.asarray(bzp), f"b_zp{i}"))
+            names += ["", f"b_zp{i}"]
+        inputs.append(helper.make_tensor_value_info(f"A{i}", _ONNX[ta], [2, 8]))
+        nodes.append(helper.make_node("MatMulInteger", names, [f"Y{i}"], name=f"mmi{i}"))
+        outputs.append(helper.make_tensor_value_info(f"Y{i}", T.INT32, [None, None]))
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    shared = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    together = [r.notes for r in _rewrite(shared).report.rewrites]
+    assert together == alone
+    assert len({n for notes in alone for n in notes}) > 3  # the variants do differ

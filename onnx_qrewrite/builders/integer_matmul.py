@@ -288,8 +288,10 @@ class IntegerMatMulBuilder:
                 raise NoMatch("malformed node: DynamicQuantizeMatMul needs b_scale")
         else:
             raise NoMatch(f"{op} is not an integer matmul or convolution")
-        weights = site.constant(b.name)  # read once here; only statistics of it are kept
-        b_shape = tuple(weights.shape) if weights is not None else value_shape(site.scope, b.name, site.same_shape_ops)
+        # One weight often feeds many nodes (every block of a chain; a layer's weight under several
+        # quantizers): its statistics are worked out once per scope, from everything they depend on.
+        weight_key = ("integer-matmul-weights", b.name, b.zero_point, read.conv, a.dtype, b.dtype)
+        b_shape, columns, saturates = site.scope.memo(weight_key, lambda: self._weight_facts(site, read))
         k = None
         if b_shape is not None:
             dims = b_shape[1:] if read.conv else b_shape[-2:-1]
@@ -298,12 +300,21 @@ class IntegerMatMulBuilder:
         a_shape = value_shape(site.scope, read.a.name, site.same_shape_ops) if not read.dynamic else None
         return dataclasses.replace(
             read,
-            columns=_column_sums(weights, b, read.conv) if weights is not None else None,
-            saturates=_may_saturate_in_onnxruntime(weights, read),
+            columns=columns,
+            saturates=saturates,
             k=k,
             b_rank=None if b_shape is None else len(b_shape),
             a_rank=None if a_shape is None else len(a_shape),
         )
+
+    def _weight_facts(self, site: Site, read: _Read) -> tuple[tuple[int | None, ...] | None, float | None, bool | None]:
+        """B's shape, column sums and whether onnxruntime's kernel may saturate on it; the
+        weights' values are read here and only these statistics of them are kept."""
+        b = read.b
+        weights = site.constant(b.name)
+        if weights is None:
+            return value_shape(site.scope, b.name, site.same_shape_ops), None, _may_saturate_in_onnxruntime(None, read)
+        return tuple(weights.shape), _column_sums(weights, b, read.conv), _may_saturate_in_onnxruntime(weights, read)
 
     # -- deciding -----------------------------------------------------------------------------
 
