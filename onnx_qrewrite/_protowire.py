@@ -16,6 +16,10 @@ from collections.abc import Iterable, Mapping, Sequence
 import onnx
 from google.protobuf.message import Message
 
+from onnx_qrewrite._wire import SMALL_VARINTS as _SMALL_VARINTS
+from onnx_qrewrite._wire import read_varint as _read_varint
+from onnx_qrewrite._wire import varint as _varint
+
 __all__ = [
     "encode_attribute",
     "encode_node",
@@ -30,18 +34,6 @@ __all__ = [
 def _tag(message: type[Message], field_name: str) -> bytes:
     number = message.DESCRIPTOR.fields_by_name[field_name].number
     return _varint((number << 3) | 2)  # wire type 2: length-delimited
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_SMALL_VARINTS = [_varint(i) for i in range(1 << 14)]
 
 
 def _field(tag: bytes, payload: bytes) -> bytes:
@@ -166,17 +158,6 @@ def replace_nodes(
     encoded = encode_node_list(container, replacements, prepend)
     container.ClearField("node")
     container.MergeFromString(encoded)
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7
 
 
 _MODEL_GRAPH_NUMBER = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number

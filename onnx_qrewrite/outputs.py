@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from onnx_qrewrite._wire import varint
 from onnx_qrewrite.errors import UsageError
 
 __all__ = [
@@ -185,15 +186,6 @@ def _is_candidate(model_name: str, name: str) -> bool:
     return name == f"{model_name}.data" or re.fullmatch(re.escape(model_name) + r"\.[0-9]+\.data", name) is not None
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def references(model_bytes: bytes, location: str) -> bool:
     """Whether serialized model bytes hold the external-data entry ``location = <location>``.
 
@@ -202,7 +194,7 @@ def references(model_bytes: bytes, location: str) -> bool:
     data files an old output used, where a miss only leaves a file behind.
     """
     name = location.encode("utf-8", "surrogateescape")
-    return b"\x0a\x08location\x12" + _varint(len(name)) + name in model_bytes
+    return b"\x0a\x08location\x12" + varint(len(name)) + name in model_bytes
 
 
 def _read_model_bytes(path: Path) -> bytes:

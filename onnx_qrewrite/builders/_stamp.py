@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from onnx_qrewrite._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT, _SMALL_VARINTS, _varint
+from onnx_qrewrite._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT
+from onnx_qrewrite._wire import SMALL_VARINTS, length_prefixed, varint
 from onnx_qrewrite.report import CreatedNames
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class Template:
                 return fresh + value
             if kind == "out":
                 return fresh + n_inputs + value
-            return piece(_length_prefixed(value))
+            return piece(length_prefixed(value))
 
         #: Per created node: the hint its name was drawn from (node names are always fresh).
         self._node_hints: tuple[str, ...] | None = None
@@ -134,9 +135,9 @@ class Template:
         if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
             raise ValueError("template_key promised a structure this node does not have")
         fresh, clashed = names.fresh_all(prefix, self._hints)
-        small = _SMALL_VARINTS
+        small = SMALL_VARINTS
         encoded = [n.encode() for n in (*fresh, *site.node.input, *site.node.output)]
-        table = [small[len(e)] + e if len(e) < 16384 else _varint(len(e)) + e for e in encoded]
+        table = [small[len(e)] + e if len(e) < 16384 else varint(len(e)) + e for e in encoded]
         table += self._static
         table.extend(metadata)
         join = b"".join
@@ -151,8 +152,3 @@ class Template:
                 if fresh[slot] != prefix + self._hints[slot]
             }
         return nodes, CreatedNames(prefix, self._node_hints, clashes)
-
-
-def _length_prefixed(b: bytes) -> bytes:
-    n = len(b)
-    return (_SMALL_VARINTS[n] if n < 16384 else _varint(n)) + b

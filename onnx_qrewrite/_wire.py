@@ -1,0 +1,42 @@
+"""Protobuf wire-format primitives, without onnx: varints and length prefixes.
+
+One home for them: ``_protowire`` (which encodes ONNX messages and needs onnx's descriptors for
+field numbers) and ``outputs`` (which must not import onnx: it runs on every write, and scans an
+old output's bytes for an external-data entry) both build on these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SMALL_VARINTS", "length_prefixed", "read_varint", "varint"]
+
+
+def varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+#: ``varint(n)`` for every n below 2**14 (two bytes or fewer): lengths of names and node bodies.
+SMALL_VARINTS = [varint(i) for i in range(1 << 14)]
+
+
+def length_prefixed(payload: bytes) -> bytes:
+    """``payload`` preceded by its length, as a length-delimited field's value is written."""
+    n = len(payload)
+    return (SMALL_VARINTS[n] if n < 16384 else varint(n)) + payload
+
+
+def read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``data[pos:]`` and the position after it."""
+    result = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
