@@ -25,6 +25,7 @@ __all__ = [
     "encode_node",
     "encode_node_chunks",
     "encode_node_list",
+    "frame_nodes",
     "replace_nodes",
     "splice_graph_chunks",
     "splice_graph_nodes",
@@ -109,12 +110,26 @@ def node_tail(op_type: str, domain: str, attributes: bytes) -> bytes:
     return op_fields[0] + attributes + op_fields[1]
 
 
+def frame_nodes(container: onnx.GraphProto | onnx.FunctionProto, bodies: Iterable[bytes]) -> bytes:
+    """``container``'s ``node`` fields (tag, length, body) for each of ``bodies``, as one piece:
+    how the engine keeps a replacement, one object instead of three per created node."""
+    tag = _FUNCTION_NODE if isinstance(container, onnx.FunctionProto) else _GRAPH_NODE
+    small = _SMALL_VARINTS
+    parts: list[bytes] = []
+    extend = parts.extend
+    for body in bodies:
+        n = len(body)
+        extend((tag, small[n] if n < 16384 else _varint(n), body))
+    return b"".join(parts)
+
+
 def encode_node_list(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: Mapping[int, Iterable[bytes]],
+    replacements: Mapping[int, bytes],
     prepend: Iterable[bytes] = (),
 ) -> bytes:
-    """The container's ``node`` fields with ``node[i]`` replaced by ``replacements[i]``, in order.
+    """The container's ``node`` fields with ``node[i]`` replaced by ``replacements[i]`` (node fields
+    as :func:`frame_nodes` makes them), in order.
 
     The graph stays topologically sorted because each replacement takes its original's place.
     """
@@ -123,17 +138,14 @@ def encode_node_list(
 
 def encode_node_chunks(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: Mapping[int, Iterable[bytes]],
+    replacements: Mapping[int, bytes],
     prepend: Iterable[bytes] = (),
 ) -> list[bytes]:
-    """What :func:`encode_node_list` joins: tag, length and body of each node field, the bodies
-    being the replacement bytes themselves (no copy; a saved model is written piece by piece)."""
+    """What :func:`encode_node_list` joins, as pieces: the replacements themselves (no copy; a
+    saved model is written piece by piece) and the tag, length and body of every other node."""
     tag = _FUNCTION_NODE if isinstance(container, onnx.FunctionProto) else _GRAPH_NODE
-    # Tag, length and body as separate pieces of ONE join: wrapping each body in a field first
-    # would copy every node once more (a whole output's worth of memory at the peak).
     chunks: list[bytes] = []
-    extend = chunks.extend
-    small = _SMALL_VARINTS
+    append, extend = chunks.append, chunks.extend
     get = replacements.get
     for body in prepend:
         extend((tag, _varint(len(body)), body))
@@ -142,16 +154,14 @@ def encode_node_chunks(
         if new is None:
             body = node.SerializeToString()
             extend((tag, _varint(len(body)), body))
-            continue
-        for body in new:  # inlined: this loop runs once per created node (260k on a 20k-block chain)
-            n = len(body)
-            extend((tag, small[n] if n < 16384 else _varint(n), body))
+        else:
+            append(new)
     return chunks
 
 
 def replace_nodes(
     container: onnx.GraphProto | onnx.FunctionProto,
-    replacements: Mapping[int, Iterable[bytes]],
+    replacements: Mapping[int, bytes],
     prepend: Iterable[bytes] = (),
 ) -> None:
     """Replace nodes in place: the new node list is parsed back in one C++ call."""

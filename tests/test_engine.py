@@ -116,3 +116,47 @@ def test_output_check_policy(monkeypatch, check, nodes_limit, expected_calls):
     monkeypatch.setattr(api, "AUTO_CHECK_MAX_NODES", nodes_limit)
     onnx_qrewrite.rewrite(onnx.parser.parse_model(MODEL), check=check)
     assert sum("rewritten" in (w or "") for w in calls) == expected_calls
+
+
+_SCOPES = """
+<ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+agraph (float[N] x, bool cond) => (uint8[N] y1, float r, uint8[N] y_if, uint8[N] y_fn, uint8[N] y2)
+{
+    n = Neg (x)
+    y1, s1, z1 = DynamicQuantizeLinear (n)
+    r = Relu (s1)
+    y_if = If (cond) <
+        then_branch = then_g () => (uint8[N] t_y) {
+            t_y, t_s, t_zp = DynamicQuantizeLinear (x)
+        },
+        else_branch = else_g () => (uint8[N] e_y) {
+            e_y = Identity (y1)
+        }
+    >
+    y_fn = local.QuantizeTwice (x)
+    y2, s2, z2 = DynamicQuantizeLinear (x)
+}
+<domain: "local", opset_import: ["" : 17]>
+QuantizeTwice (a) => (b)
+{
+    b, s, zp = DynamicQuantizeLinear (a)
+}
+"""
+
+
+def test_encoded_output_is_protobufs_own_serialization_in_every_scope(tmp_path):
+    """The main graph is written from framed replacement pieces (never parsed back): the bytes
+    must be exactly what protobuf writes for the same model, with subgraphs, a local function
+    (its constants prepended as nodes) and unchanged nodes between replaced ones; and ``save``
+    must write those bytes."""
+    from onnx_qrewrite.encoded import EncodedModel
+
+    model = onnx.parser.parse_model(_SCOPES)
+    result = onnx_qrewrite.rewrite(model)
+    rewritten = result._rewritten
+    assert isinstance(rewritten, EncodedModel)
+    encoded = to_bytes(rewritten)
+    assert onnx.ModelProto.FromString(encoded).SerializeToString() == encoded
+    result.save(tmp_path / "out.onnx")
+    assert (tmp_path / "out.onnx").read_bytes() == encoded
+    assert result.model.SerializeToString() == encoded

@@ -1,0 +1,67 @@
+"""NameAllocator keeps stamped names as families (prefix + shared hints): it must take exactly the
+names a plain set of every drawn name would, in every order of draws."""
+
+from __future__ import annotations
+
+import random
+
+from onnx import TensorProto, helper
+
+from onnx_qrewrite.graph import NameAllocator
+
+
+class _PlainAllocator:
+    """The reference: every name drawn kept as one string (what NameAllocator did before families)."""
+
+    def __init__(self, used: set[str]):
+        self.used = set(used)
+
+    def fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self.used:
+            n += 1
+            name = f"{base}_{n}"
+        self.used.add(name)
+        return name
+
+    def fresh_all(self, prefix: str, hints: list[str]) -> tuple[list[str], bool]:
+        out = [self.fresh(prefix + h) for h in hints]
+        return out, out != [prefix + h for h in hints]
+
+
+def _model(names: list[str]):
+    nodes = [helper.make_node("Relu", ["x"], [n], name=f"node{i}") for i, n in enumerate(names)]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in names]
+    return helper.make_model(helper.make_graph(nodes, "g", [x], outs))
+
+
+def test_families_take_the_names_a_plain_set_would():
+    rng = random.Random(7)
+    parts = ["a", "b", "a/b", "x", "x_1", "", "b/"]
+    hint_sets = [["/x", "/y"], ["/x", "/x"], ["/x", "/y_1"], ["x", "/y"], ["/a/b"], ["/x_1", "/x"], ["/"]]
+    for trial in range(300):
+        existing = sorted({rng.choice(parts) + rng.choice(["", "/x", "/y", "/x_1"]) for _ in range(3)} - {""})
+        model = _model(existing)
+        ours, plain = (
+            NameAllocator(model),
+            _PlainAllocator({*existing, "x", "g"} | {f"node{i}" for i in range(len(existing))}),
+        )
+        for step in range(40):
+            prefix = rng.choice(parts)
+            if rng.random() < 0.7:
+                hints = rng.choice(hint_sets)
+                assert ours.fresh_all(prefix, hints) == plain.fresh_all(prefix, hints), (trial, step)
+            else:
+                base = prefix + rng.choice(["/x", "/y", "/x_1", "", "/q"])
+                if base:
+                    assert ours.fresh(base) == plain.fresh(base), (trial, step, base)
+
+
+def test_a_stamped_family_and_a_clashing_prefix():
+    names = NameAllocator(_model(["p/x"]))
+    assert names.fresh_all("n", ["/x", "/y"]) == (["n/x", "n/y"], False)
+    assert names.fresh_all("n", ["/x", "/y"]) == (["n/x_1", "n/y_1"], True)
+    assert names.fresh("n/x") == "n/x_2"
+    assert names.fresh("n/z") == "n/z"
+    assert names.fresh_all("p", ["/x", "/y"]) == (["p/x_1", "p/y"], True)
