@@ -8,8 +8,10 @@ Cases (each a whole process, timed from outside; peak RSS from the kernel's acco
 
 chain-N   rewrite of an N-block DynamicQuantizeLinear -> MatMulInteger chain (5N nodes), against the
           floor of ``onnx.load`` + ``onnx.save`` of the *input* in a bare Python process; the note
-          gives the output's size over the input's, peak RSS over the output file's size, and the
-          rewrite over a load + save of its own *output*.
+          gives the output's size over the input's, peak RSS over the output file's size, the
+          rewrite over a load + save of its own *output*, the ratio of CPU time (user + system,
+          which other jobs on a shared machine barely move, unlike wall time) and the cost per
+          node. The three commands run interleaved, round after round.
 llm       rewrite of a 32-layer LLM-shaped model with 4 GB of external weights, to another folder
           (weights streamed into a new data file) against the floor of copying the data file alone
           (``cp``); and with ``--reference-external-data`` (zero copy) in the same folder.
@@ -54,6 +56,9 @@ CLI = [PY, "-m", "onnx_qrewrite"]
 class Sample:
     wall: float
     rss_mb: float
+    #: user + system CPU seconds (0 when unknown): unlike wall time, barely moved by other jobs
+    #: sharing the machine's cores, so ratios of it are what to compare on a loaded machine.
+    cpu: float = 0.0
 
 
 #: GNU time reports the measured command's own peak RSS. The kernel's per-child ru_maxrss (wait4)
@@ -63,28 +68,47 @@ _TIME = "/usr/bin/time" if Path("/usr/bin/time").exists() else None
 
 
 def measure(cmd: list[str], repeat: int) -> Sample:
-    """Median wall time and peak RSS of ``cmd`` over ``repeat`` runs (after one warm-up)."""
-    walls, rss = [], []
-    for i in range(repeat + 1):
-        start = time.perf_counter()
-        if _TIME:
-            proc = subprocess.run(
-                [_TIME, "-f", "%M", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False
+    """Median wall time, peak RSS and CPU time of ``cmd`` over ``repeat`` runs (after one warm-up)."""
+    return measure_interleaved([cmd], repeat)[0]
+
+
+def measure_interleaved(cmds: list[list[str]], repeat: int) -> list[Sample]:
+    """:func:`measure` of each command, run in turn within each round (after one warm-up round):
+    on a machine shared with other jobs, load that comes and goes then hits every command alike."""
+    runs = [_run_once(cmd) for _ in range(repeat + 1) for cmd in cmds][len(cmds) :]
+    out = []
+    for k in range(len(cmds)):
+        mine = runs[k :: len(cmds)]
+        out.append(
+            Sample(
+                statistics.median(r.wall for r in mine),
+                statistics.median(r.rss_mb for r in mine),
+                statistics.median(r.cpu for r in mine),
             )
-            elapsed = time.perf_counter() - start
-            peak_kb = float(proc.stderr.decode().strip().splitlines()[-1]) if proc.returncode == 0 else 0.0
-            code, err = proc.returncode, proc.stderr
-        else:
-            child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            _, status, usage = os.wait4(child.pid, 0)
-            elapsed = time.perf_counter() - start
-            code, err, peak_kb = os.waitstatus_to_exitcode(status), b"", usage.ru_maxrss
-        if code != 0:
-            raise SystemExit(f"benchmark command failed ({code}): {' '.join(cmd)}\n{err.decode()}")
-        if i:  # the first run warms the page cache
-            walls.append(elapsed)
-            rss.append(peak_kb / 1024)
-    return Sample(statistics.median(walls), statistics.median(rss))
+        )
+    return out
+
+
+def _run_once(cmd: list[str]) -> Sample:
+    """One run of ``cmd``: wall time, peak RSS and CPU time (fails the benchmark if it fails)."""
+    start = time.perf_counter()
+    if _TIME:
+        proc = subprocess.run(
+            [_TIME, "-f", "%M %U %S", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False
+        )
+        elapsed = time.perf_counter() - start
+        fields = proc.stderr.decode().strip().splitlines()[-1].split() if proc.returncode == 0 else ["0", "0", "0"]
+        peak_kb, cpu = float(fields[0]), float(fields[1]) + float(fields[2])
+        code, err = proc.returncode, proc.stderr
+    else:
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(child.pid, 0)
+        elapsed = time.perf_counter() - start
+        code, err, peak_kb = os.waitstatus_to_exitcode(status), b"", usage.ru_maxrss
+        cpu = usage.ru_utime + usage.ru_stime
+    if code != 0:
+        raise SystemExit(f"benchmark command failed ({code}): {' '.join(cmd)}\n{err.decode()}")
+    return Sample(elapsed, peak_kb / 1024, cpu)
 
 
 @dataclass
@@ -109,14 +133,19 @@ def bench_chain(blocks: int, work: Path, repeat: int) -> Row:
     if not src.exists():
         make_dql_chain(blocks, src)
     out = work / f"chain_{blocks}.portable.onnx"
-    ours = measure([*CLI, "-q", "rewrite", str(src), "-o", str(out)], repeat)
-    floor_in = measure(_floor_load_save(src, work), repeat)
-    floor_out = measure(_floor_load_save(out, work), repeat)
+    # Interleaved; the first (warm-up) round's rewrite writes the output its floor then loads.
+    ours, floor_in, floor_out = measure_interleaved(
+        [[*CLI, "-q", "rewrite", str(src), "-o", str(out)], _floor_load_save(src, work), _floor_load_save(out, work)],
+        repeat,
+    )
     size_in, size_out = src.stat().st_size, out.stat().st_size
+    nodes = blocks * 5
     note = (
-        f"{blocks * 5} nodes in; output {size_out / size_in:.2f}x the input's bytes; "
+        f"{nodes} nodes in; output {size_out / size_in:.2f}x the input's bytes; "
         f"peak RSS {ours.rss_mb * 2**20 / size_out:.2f}x the output file; "
-        f"{ours.wall / floor_out.wall:.2f}x a load+save of the output; {ours.wall / blocks * 1e6:.0f} us/block"
+        f"{ours.wall / floor_out.wall:.2f}x a load+save of the output; "
+        f"CPU time {ours.cpu / floor_in.cpu:.2f}x the floor's ({ours.cpu:.2f} s); "
+        f"{ours.wall / nodes * 1e6:.1f} us/node wall, {ours.cpu / nodes * 1e6:.1f} us/node CPU"
     )
     return Row(f"chain-{blocks // 1000}k", floor_in, ours, note)
 
