@@ -4,14 +4,15 @@
     python benchmarks/drift.py [--samples 50] [--work-dir DIR]
 
 For each model made by a real producer (onnxruntime.quantization.quantize_dynamic on the sample and
-benchmark networks, and the checked-in quantize_dynamic CNN), the *weight-only* form: every
-DynamicQuantizeLinear -> MatMulInteger/ConvInteger -> Cast -> Mul(scale) chain replaced by
-DequantizeLinear(weights) -> float MatMul/Conv, the activation left float. It is made here by a
-small graph edit (the "weight-only" rule form, when the catalogue has it, is used instead), then
-``verify(..., drift=DriftThresholds(mode="always"))`` reports its relative L2 error, cosine
-similarity and argmax agreement against the quantized original on ``--samples`` random samples
-plus the battery. Then the same form broken on purpose (the first layer's weight scale 2 % or 25 %
-too large; the last layer's weight zero point dropped), and the "qdq-to-float" form of
+benchmark networks, and the checked-in quantize_dynamic CNN), the *weight-only* form (rule form
+"weight-only", ``--form weight-only --allow-approximate``): every DynamicQuantizeLinear ->
+MatMulInteger/ConvInteger -> Cast -> Mul(scale) chain becomes DequantizeLinear(weights) -> float
+MatMul/Conv, the activation left float; ``verify`` (which sees the approximate rules in the
+provenance) reports its relative L2 error, cosine similarity and argmax agreement against the
+quantized original on ``--samples`` random samples plus the battery. Then the same form made by a
+small graph edit (:func:`weight_only`; unbroken it drifts exactly as the rule form, which
+tests/test_verify_drift.py checks) with one bug (the first layer's weight scale 2 % or 25 % too
+large; the last layer's weight zero point dropped), and the "qdq-to-float" form of
 the static QDQ sample (activation Q -> DQ pairs dropped), to show how far a calibrated model moves.
 
 Prints one table row per case: the worst rel L2 and cosine over the samples, the argmax agreement
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=50)
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    from onnx_qrewrite import rewrite
+    from onnx_qrewrite.catalogue import named_form
     from onnx_qrewrite.verify import DriftThresholds, verify
 
     drift = DriftThresholds(mode="always")
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         for label, path, options in _models(work):
             original = onnx.load(path)
             names = _integer_nodes(original)
-            cases = [("weight-only", weight_only(original))]
+            form = rewrite(original, rules=[named_form("weight-only")], allow=("exact", "bounded", "approximate"))
+            cases = [("weight-only (rule form)", form.model)]
             for factor in (1.02, 1.25):
                 broken = weight_only(original, break_scale=names[0], factor=factor)
                 cases.append((f"broken: scale of {names[0]} x{factor}", broken))
@@ -183,9 +187,6 @@ def main(argv: list[str] | None = None) -> int:
                     original, rewritten, samples=args.samples, drift=drift, localize_failures=False, **options
                 )
                 print(_row(label, case, report), flush=True)
-        from onnx_qrewrite import rewrite
-        from onnx_qrewrite.catalogue import named_form
-
         form = ["qdq-to-float-fold-weights", "qdq-to-float-drop-dq", "qdq-to-float-drop-q"]
         for name in ("qdq_contrib_u16",):
             path = ROOT / "sample_models" / f"{name}.onnx"

@@ -265,3 +265,18 @@ def test_the_cli_takes_the_drift_options_and_exits_by_the_drift(models, tmp_path
     assert run(models["weight_only"], "--drift", "never").exit_code == EXIT_DISAGREE
     bad = run(models["weight_only"], "--drift-argmax", "1.5")
     assert bad.exit_code == 2 and "--drift-argmax: must be between 0 and 1" in bad.output
+
+
+def test_the_weight_only_rule_form_is_judged_by_drift_and_drifts_as_the_benchmarks_edit(models):
+    """The "weight-only" named form, as a user runs it (--form weight-only --allow-approximate):
+    verify sees its approximate rules, passes it within the defaults, and it drifts exactly as the
+    graph edit of benchmarks/drift.py whose broken variants set the defaults."""
+    from onnx_qrewrite import rewrite
+    from onnx_qrewrite.catalogue import named_form
+
+    form = rewrite(MLP, rules=[named_form("weight-only")], allow=("exact", "bounded", "approximate")).model
+    by_form = verify(MLP, form)
+    assert by_form.passed and by_form.settings.drift_decision.approximate_rules == {"weight-only-matmul": 3}
+    by_edit = verify(MLP, models["weight_only"])
+    assert by_form.outputs[0].drift.rel_l2 == pytest.approx(by_edit.outputs[0].drift.rel_l2, rel=1e-6)
+    assert by_form.outputs[0].drift.cosine == pytest.approx(by_edit.outputs[0].drift.cosine, rel=1e-9)
