@@ -8,6 +8,9 @@ lowering code, so a test that uses them exercises the verifier, not the engine.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -31,6 +34,45 @@ ONNX_TYPES = {
 }
 RULE_KEY = "onnx_qrewrite.rule"
 ORIGIN_KEY = "onnx_qrewrite.origin"
+
+
+# -- running the command line --------------------------------------------------------------------
+
+
+def cli(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real program, as a user runs it (a separate process: exit codes, stderr, signals)."""
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def invoke(*args: object):
+    """The command line in-process (click's CliRunner): fast, for option batteries."""
+    from click.testing import CliRunner
+
+    from onnx_qrewrite.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_error_line(stderr: str | subprocess.CompletedProcess) -> str:
+    """The one line a bad invocation writes on stderr (never a traceback)."""
+    text = stderr.stderr if isinstance(stderr, subprocess.CompletedProcess) else stderr
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    return lines[0]
+
+
+def save_toy_models(folder: Path) -> dict[str, Path]:
+    """The toy Quark model, its correct rewrite and one broken along the axis, saved in ``folder``."""
+    import onnx
+
+    original = toy_quark_model()
+    paths = {"original": folder / "toy.onnx", "good": folder / "toy.good.onnx", "bad": folder / "toy.axis.onnx"}
+    onnx.save(original, paths["original"])
+    onnx.save(toy_rewrite(original), paths["good"])
+    onnx.save(toy_rewrite(original, "axis"), paths["bad"])
+    return paths
 
 
 def vector_cases() -> list[dict]:

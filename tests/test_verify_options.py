@@ -7,20 +7,16 @@ sees: the exit code and exactly one line on stderr, no traceback."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
 import numpy as np
 import onnx
 import pytest
-from _verify_helpers import toy_quark_model, toy_rewrite
-from click.testing import CliRunner
+from _verify_helpers import cli, invoke, one_error_line, save_toy_models
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.cli import main
 from onnx_qrewrite.errors import EXIT_INCONCLUSIVE, UsageError, worst_exit_code
 from onnx_qrewrite.verify import SCHEMA_PATH, Sample, Tolerances, verify
 from onnx_qrewrite.verify.compare import compare_values
@@ -36,31 +32,9 @@ from onnx_qrewrite.verify.inputs import (
 from onnx_qrewrite.verify.session import available_cpus
 
 
-def cli(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-
-
-def one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
-
-
-def invoke(*args: object):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("toy")
-    original = toy_quark_model()
-    paths = {"original": folder / "toy.onnx", "good": folder / "toy.good.onnx", "bad": folder / "toy.axis.onnx"}
-    onnx.save(original, paths["original"])
-    onnx.save(toy_rewrite(original), paths["good"])
-    onnx.save(toy_rewrite(original, "axis"), paths["bad"])
-    return paths
+    return save_toy_models(tmp_path_factory.mktemp("toy"))
 
 
 # -- defaults that keep exported models valid ---------------------------------------------------
