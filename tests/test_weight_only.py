@@ -459,3 +459,50 @@ def test_a_zero_weight_zero_point_is_left_out_of_the_dequantize():
     assert "wz0" not in {t.name for t in out.graph.initializer}
     x = _x()
     np.testing.assert_allclose(run(out, {"x": x})["m0"], _expected_matmul(model, x, 0, True), rtol=1e-5, atol=1e-5)
+
+
+@rule_marker("weight-only-matmul", "positive")
+def test_patterns_inside_a_subgraph_and_values_read_from_one_stay_sound():
+    """A pattern inside an If branch is rewritten there; a DynamicQuantizeLinear of the main graph
+    whose outputs the other branch reads is not removed (the branch still reads them)."""
+    inner = _dynamic_matmul(np.int8, True)
+    out_info = helper.make_tensor_value_info("m0", TensorProto.FLOAT, [2, 5, 8])
+    then_branch = helper.make_graph(list(inner.graph.node), "then", [], [out_info])
+    else_branch = helper.make_graph(
+        [
+            helper.make_node("Cast", ["xz_main"], ["zf"], to=TensorProto.FLOAT),
+            helper.make_node("Expand", ["zf", "shape_258"], ["z"]),
+        ],
+        "else",
+        [],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 5, 8])],
+    )
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq_main", "xs_main", "xz_main"], name="dql_main"),
+        helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 16]),
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5, 8])],
+        [*inner.graph.initializer, numpy_helper.from_array(np.array([2, 5, 8], np.int64), "shape_258")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    result = _rewrite(model)
+    assert result.report.by_rule()["weight-only-matmul"] == 1
+    out = result.model
+    onnx.checker.check_model(out, full_check=True)
+    assert "xz_main" in {o for n in out.graph.node for o in n.output}  # still written: the else branch reads it
+    x = _x()
+    for cond in (True, False):
+        feeds = {"x": x, "cond": np.array(cond)}
+        got, original = run(out, feeds)["y"], run(model, feeds)["y"]
+        if cond:
+            np.testing.assert_allclose(got, _expected_matmul(model, x, 0, True), rtol=1e-5, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(got, original)

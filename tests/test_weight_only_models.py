@@ -154,6 +154,18 @@ def test_the_drift_bound_catches_a_dropped_weight_zero_point(producer_models):
     assert measured["max_abs"] > DRIFT["mlp"]["max_abs"], measured
 
 
+@pytest.mark.parametrize(("name", "weights"), [("mlp-s8-per-channel-fused", "dequantize"), ("bert", "float")])
+def test_verify_judges_the_rewrite_by_drift_and_passes(producer_models, name, weights, tmp_path):
+    """onnx_qrewrite.verify sees the approximate rules in the rewrite's provenance and judges its
+    outputs by end-to-end drift (verify/drift.py): the weight-only form passes its thresholds."""
+    original = producer_models[name]
+    rewritten = tmp_path / "rewritten.onnx"
+    onnx_qrewrite.rewrite(original, rules=_form(weights), allow=APPROXIMATE).save(rewritten)
+    report = onnx_qrewrite.verify(original, rewritten, samples=2)
+    assert report.passed, report.summary
+    assert "drift" in report.summary
+
+
 def _drift_table() -> None:
     """The measurements behind DRIFT, printed: ``python tests/test_weight_only_models.py``. Also the
     drift when onnxruntime runs the rewrite with its default graph optimizations (which fuse
