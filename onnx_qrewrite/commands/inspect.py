@@ -22,6 +22,7 @@ from onnx_qrewrite.commands.options import (
     float16_semantics_option,
     global_options,
     load_selected_rules,
+    plan_options,
     rule_selection,
 )
 from onnx_qrewrite.errors import LoweringError, UsageError
@@ -243,9 +244,7 @@ def _sources(profile: Any) -> dict[str, str]:
 @click.argument("model", type=click.Path(dir_okay=False))
 @rule_selection
 @float16_semantics_option
-@click.option("--target-opset", type=int, default=None, help="Plan as if rewriting with --target-opset N.")
-@click.option("--keep-opset", is_flag=True, help="Plan as if rewriting with --keep-opset.")
-@click.option("--allow-approximate", is_flag=True, help="Plan as if rewriting with --allow-approximate.")
+@plan_options(inspecting=True)
 @click.option("-a", "--all-nodes", is_flag=True, help="Also list every quantization node, one a line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
 @click.option(

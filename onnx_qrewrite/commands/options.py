@@ -166,6 +166,35 @@ def rule_selection(func: Callable) -> Callable:
     return func
 
 
+def plan_options(*, inspecting: bool) -> Callable[[Callable], Callable]:
+    """--target-opset/--keep-opset/--allow-approximate, shared by ``rewrite`` and ``inspect`` (which
+    plans as if rewriting with them, so its help says so)."""
+    helps = {
+        "--target-opset": "Raise the default-domain opset to N first (max 26).",
+        "--keep-opset": "Never change the opset; use exact decompositions instead.",
+        "--allow-approximate": "Also apply approximate rules (they change the model's numerics by design; "
+        "tried first).",
+    }
+    if inspecting:
+        helps = {
+            "--target-opset": "Plan as if rewriting with --target-opset N.",
+            "--keep-opset": "Plan as if rewriting with --keep-opset.",
+            "--allow-approximate": "Plan as if rewriting with --allow-approximate.",
+        }
+    options = [
+        click.option("--target-opset", type=int, default=None, help=helps["--target-opset"]),
+        click.option("--keep-opset", is_flag=True, help=helps["--keep-opset"]),
+        click.option("--allow-approximate", is_flag=True, help=helps["--allow-approximate"]),
+    ]
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
 #: Quark float16: its CPU kernel ignores scale and zero point, its documentation applies them.
 FLOAT16_SEMANTICS = ("kernel", "documented")
 

@@ -18,6 +18,7 @@ from onnx_qrewrite.commands.options import (
     float16_semantics_option,
     global_options,
     load_selected_rules,
+    plan_options,
     rule_selection,
 )
 from onnx_qrewrite.commands.verify import combined_junit, verify_kwargs, verify_options
@@ -163,8 +164,7 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
 )
 @rule_selection
 @float16_semantics_option
-@click.option("--target-opset", type=int, default=None, help="Raise the default-domain opset to N first (max 26).")
-@click.option("--keep-opset", is_flag=True, help="Never change the opset; use exact decompositions instead.")
+@plan_options(inspecting=False)
 @click.option("--allow-unlowered", is_flag=True, help="Leave nodes no rule can lower in place, with a warning.")
 @click.option(
     "--target",
@@ -173,11 +173,6 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     metavar="NAME",
     help="Rewrite for this deployment target (see `onnx-qrewrite targets`, or a .toml profile): keep what it "
     "runs natively, stay within its opsets; exit 4 naming each node it would still refuse unless --allow-unlowered.",
-)
-@click.option(
-    "--allow-approximate",
-    is_flag=True,
-    help="Also apply approximate rules (they change the model's numerics by design; tried first).",
 )
 @click.option(
     "--check/--no-check",
