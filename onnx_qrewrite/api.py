@@ -238,6 +238,8 @@ def _for_target(
         max_opset=plan.options.max_opset,
         keep_opset=plan.options.keep_opset,
         target_opset=plan.options.target_opset,
+        allow=plan.options.allow,
+        node_rules=plan.options.node_rules,
     )
     assert plan.catalogue is not None  # plan_for_model always records the catalogue it planned with
     return plan.catalogue, used, plan

@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import onnx
 
@@ -73,6 +73,11 @@ class EngineOptions:
 
     #: Which created nodes carry rule/origin metadata: "compact", "full" or "none" (provenance.py).
     provenance: str = provenance_mod.DEFAULT_MODE
+    #: Per-node rule choice, keyed by (scope path, index of the node in its scope): the only rules
+    #: tried for that node, in order (empty: leave it as it is). Nodes not listed get the usual
+    #: candidates. ``rewrite --target`` uses it to rewrite each node with the rule its plan chose
+    #: (targets/plan.py); the rules still have to be in the catalogue and in ``allow``.
+    node_rules: Mapping[tuple[str, int], tuple[str, ...]] | None = None
 
 
 @dataclasses.dataclass
@@ -161,6 +166,8 @@ def _match(
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
     candidates_of: dict[tuple[str, str], list[Rule]] = {}
     same_shape_ops = catalogue.same_shape_ops
+    chosen = options.node_rules
+    by_id = {r.id: r for r in catalogue} if chosen is not None else {}
 
     def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
         if rule is not None and plan is not None:
@@ -174,9 +181,16 @@ def _match(
         for index, node in enumerate(scope.container.node):
             key = (node.domain, node.op_type)
             counts[key] += 1
-            candidates = candidates_of.get(key)
-            if candidates is None:
-                candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
+            picked = chosen.get((scope.path, index)) if chosen is not None else None
+            candidates: list[Rule] | None
+            if picked is not None:
+                candidates = [by_id[rule_id] for rule_id in picked if rule_id in by_id]
+                if not candidates:
+                    continue
+            else:
+                candidates = candidates_of.get(key)
+                if candidates is None:
+                    candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
             if not candidates:
                 continue
             site = Site(node, scope, same_shape_ops)

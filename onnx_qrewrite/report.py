@@ -191,10 +191,12 @@ class RewriteReport:
                 f"  {bounded} node{'s' if bounded != 1 else ''} rewritten by bounded rules (no exact rule applies "
                 "there): within each rule's stated bound of the original, not bit-exact"
             )
+        forms = (self.target or {}).get("forms", {})
         if len(inexact) > bounded:
             n = len(inexact) - bounded
+            asked = f"target {self.target['target']} needs them" if self.target and forms else "asked for"
             lines.append(
-                f"  {n} node{'s' if n != 1 else ''} rewritten by approximate rules (asked for): numerics changed"
+                f"  {n} node{'s' if n != 1 else ''} rewritten by approximate rules ({asked}): numerics changed"
             )
         if self.target is not None:
             t = self.target
@@ -202,6 +204,16 @@ class RewriteReport:
                 f"  target {t['target']} ({t['target_version']}): refused before {t['refused_before']}, "
                 f"after {t['refused_after']}"
             )
+            for name, form in forms.items():
+                loud = (
+                    "APPROXIMATE: changes the model's numerics by design; "
+                    if form["exactness"] == "approximate"
+                    else ""
+                )
+                lines.append(
+                    f"  target {t['target']}: form {name} ({form['exactness']}) rewrote {form['nodes']} node"
+                    f"{'s' if form['nodes'] != 1 else ''}: {loud}the profile asks for it {form['source']}"
+                )
             lines.extend(f"  target {t['target']}: rule {r} not used: {why}" for r, why in t["skipped_rules"].items())
         for c in self.opset_changes:
             before = "none" if c.before is None else c.before

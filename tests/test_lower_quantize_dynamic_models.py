@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _target_helpers import assert_never_worse
 from conftest import rule_marker
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
@@ -158,3 +159,12 @@ def test_onnxruntime_fused_models_become_standard_onnx_and_verify(quantized, tmp
     result = _check(fused, tmp_path)
     if name.startswith("mlp"):
         assert result.report.by_rule().get("ms-int-matmul-float", 0) >= 1
+
+
+def test_rewrite_for_any_target_never_makes_these_models_worse(quantized, tmp_path):
+    """Issue 11's invariant on the producer's models, as quantized and as onnxruntime fuses them."""
+    _, model = quantized
+    counts = assert_never_worse(model)
+    assert counts["tract"] == (0, 0) and counts["onnx"] == (0, 0)  # both run quantize_dynamic's ops
+    fused = assert_never_worse(_optimized(model, tmp_path / "fused.onnx"))
+    assert fused["onnx"][1] == 0  # the contrib fusions are lowered for plain ONNX

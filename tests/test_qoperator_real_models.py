@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime.quantization as quantization
 import pytest
+from _target_helpers import assert_never_worse
 from conftest import rule_marker
 from onnx import TensorProto, helper, numpy_helper
 
@@ -182,3 +183,11 @@ def test_a_broken_rewrite_is_caught_at_the_node_that_breaks_its_bound(quantized,
     # Shared zero-point constants may serve several replacements: each one using it is named.
     assert failing and all("node " in f for f in failing)
     assert any(f"node {origin}," in f for f in failing), failing
+
+
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_rewrite_for_any_target_never_makes_these_models_worse(quantized, name, weights):
+    """Issue 11's invariant on quantize_static's QOperator models."""
+    counts = assert_never_worse(quantized[name, weights])
+    assert counts["onnx"][1] == 0  # every QOperator op has a rewrite to standard ONNX

@@ -58,6 +58,15 @@ source = "doc"
 """
 
 
+FORM = """
+[[rewrites.form]]
+name = "float-emulation"
+allow = "exact"
+why = "no QuantizeLinear kernel"
+source = "doc"
+"""
+
+
 # -- the profiles as data -------------------------------------------------------------------------
 
 
@@ -91,10 +100,30 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
             lambda t: t + '\n[[refuse]]\nop = "Add"\nwhen = "sometimes"\nreason = "x"\nsource = "doc"\n',
             "'when' must be one of",
         ),
+        (lambda t: t + FORM.replace("float-emulation", "float-emulaton"), "did you mean 'float-emulation'"),
+        (lambda t: t + FORM.replace('allow = "exact"', 'allow = "roughly"'), "'allow' must be one of"),
+        (lambda t: t + FORM.replace('allow = "exact"\n', ""), "'allow' must be a non-empty string"),
+        (lambda t: t + FORM.replace('source = "doc"', 'source = "nodoc"'), "'nodoc' is not a [[source]] id"),
+        (
+            lambda t: t + FORM.replace("why =", 'options = { float-emulation-q = { direktion = "quantize" } }\nwhy ='),
+            "direktion",
+        ),
+        (lambda t: t + FORM + FORM, "form 'float-emulation' is named twice"),
+        (
+            lambda t: t.replace("[[ops]]", '[rewrites]\navoid = ["ms-q-decompos"]\nsource = "doc"\n\n[[ops]]'),
+            "did you mean 'ms-q-decompose'",
+        ),
+        (
+            lambda t: t + FORM.replace("float-emulation", "qdq-to-float").replace("why =", "options = {}\nwhy ="),
+            "",  # qdq-to-float has an exact rule: valid at allow = "exact"
+        ),
     ],
 )
 def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):
     parse_target(MINIMAL, "mini.toml")  # the unedited text is valid
+    if not message:
+        parse_target(edit(MINIMAL), "mini.toml")
+        return
     with pytest.raises(UsageError) as err:
         parse_target(edit(MINIMAL), "mini.toml")
     assert str(err.value).startswith("mini.toml: ")
@@ -217,14 +246,15 @@ def test_inspect_target_names_rule_and_what_stays_refused():
     plan = plan_for_target(SAMPLES / "dynamic_mlp.onnx", load_rules(), load_target("tensorrt"))
     verdicts = {n.node: n for n in plan.nodes}
     dql = [n for n in plan.nodes if n.op == "DynamicQuantizeLinear"]
-    assert len(dql) == 3 and all(n.rule == "dql-expand" for n in dql)
-    assert all("not among the ops the target runs" in n.reasons[0] for n in dql)
-    # the expansion's uint8 zero point is refused inside a TensorRT network (operators.md)
-    assert any("uint8 only as a model input or output" in a for a in dql[0].after)
+    assert len(dql) == 3 and all("not among the ops the target runs" in n.reasons[0] for n in dql)
+    # Expanding it would leave two refused nodes (uint8 inside a TensorRT network, operators.md)
+    # for one: the node stays as it is, and inspect says what it weighed.
+    assert all(n.rule is None and n.after == n.reasons for n in dql)
+    assert all(n.considered == ("dql-expand (exact): leaves 2 refused nodes",) for n in dql)
     mmi = [n for n in verdicts.values() if n.op == "MatMulInteger"]
-    # lowered to Cast/Sub/float MatMul/Cast: TensorRT runs those (the uint8 stays in the expansion)
+    # lowered to Cast/Sub/float MatMul/Cast: TensorRT runs those
     assert len(mmi) == 3 and all(n.rule == "int-matmul-float" and not n.after for n in mmi)
-    assert not plan.ok and plan.refused_after == len(plan.after) > 0
+    assert not plan.ok and plan.refused_after == len(plan.after) == 3
 
 
 def test_a_rule_that_would_make_things_worse_is_not_used(tmp_path):
@@ -312,14 +342,26 @@ def test_inspect_target_cli_exit_codes_and_json():
 
 
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: Path(p).stem)
-def test_every_target_plans_every_test_model(path):
-    """No profile/model combination crashes, and the after-count is what the plan lists."""
+def test_rewrite_for_any_target_never_makes_things_worse(path):
+    """Issue 11's invariant, for every shipped profile and every test model: `rewrite --target T`
+    leaves T no more to refuse than the model as given, and no node it accepted is refused after
+    (what `rewrite` writes is checked, not only what the plan says). The runtimes' side of it (a
+    model T ran still runs) is in test_targets_runtime.py."""
+    from onnx_qrewrite import rewrite
+
     catalogue = load_rules()
     for profile in load_targets().values():
         plan = plan_for_target(path, catalogue, profile)
         assert plan.refused_after == len(plan.after)
         assert len(plan.nodes) == len(plan.before)
         assert np.all([n.reasons for n in plan.nodes])
+        written = rewrite(path, rules=catalogue, target=profile.id, allow_unlowered=True, provenance="full").model
+        after = check_model(written, profile)
+        assert len(after) == plan.refused_after <= len(plan.before), profile.id
+        accepted = {(r.scope, r.node) for r in plan.before}
+        origins = {r.origin or r.node for r in after}
+        newly = [r for r in after if (r.scope, r.origin or r.node) not in accepted]
+        assert not newly, (profile.id, newly[:2], origins)
 
 
 # -- rewrite --target -----------------------------------------------------------------------------
@@ -384,3 +426,93 @@ def test_rewrite_target_verify_says_when_the_runtime_is_missing(tmp_path):
     )
     assert "verifying in onnxruntime instead" in proc.stderr
     assert "PASSED" in proc.stdout
+
+
+# -- forms a profile asks for ([[rewrites.form]]) ----------------------------------------------------
+
+EMU_OPS = ["Relu", "Div", "Round", "Add", "Clip", "IsNaN", "Not", "Where", "Cast", "Sub", "Mul", "Reshape", "Identity"]
+
+
+def _emu_profile(tmp_path, ops, form: str, allow: str) -> Path:
+    text = MINIMAL.replace('id = "mini"', 'id = "emu"').replace('names = ["Add"]', f"names = {json.dumps(ops)}")
+    text += FORM.replace("float-emulation", form).replace('allow = "exact"', f'allow = "{allow}"')
+    path = tmp_path / "emu.toml"
+    path.write_text(text)
+    return path
+
+
+def _qdq_relu() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q"),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], name="dq"),
+            helper.make_node("Relu", ["d"], ["y"], name="relu"),
+        ],
+        "g",
+        [x],
+        [y],
+        [
+            helper.make_tensor("s", TensorProto.FLOAT, [], [0.037]),
+            helper.make_tensor("z", TensorProto.UINT8, [], [131]),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_form_the_profile_names_fixes_only_the_nodes_the_target_refuses(tmp_path):
+    from onnx_qrewrite import rewrite
+
+    path = _emu_profile(tmp_path, [*EMU_OPS, "DequantizeLinear"], "float-emulation", "exact")
+    model = _qdq_relu()
+    plan = plan_for_target_model(model, load_target(str(path)))
+    assert [(n.node, n.rule, n.form, n.status) for n in plan.nodes] == [
+        ("q", "float-emulation-q", "float-emulation", "fixed by the rewrite")
+    ]
+    assert plan.ok and plan.forms["float-emulation"]["nodes"] == 1
+    assert plan.forms["float-emulation"]["exactness"] == "exact"
+    result = rewrite(model, target=str(path))
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "QuantizeLinear" not in ops and ops.count("DequantizeLinear") == 1  # the accepted node stays
+    assert any("form float-emulation (exact) rewrote 1 node" in line for line in result.report.summary_lines())
+    # exact: bit for bit what onnxruntime computes for the original
+    import onnxruntime as ort
+
+    feed = {"x": np.linspace(-6, 6, 16, dtype=np.float32).reshape(2, 8)}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feed)[0]
+    got = ort.InferenceSession(result.model.SerializeToString()).run(None, feed)[0]
+    assert np.array_equal(want, got)
+
+
+def test_a_form_that_would_leave_more_refused_nodes_is_not_used(tmp_path):
+    path = _emu_profile(
+        tmp_path, [op for op in EMU_OPS if op != "Round"] + ["DequantizeLinear"], "float-emulation", "exact"
+    )
+    plan = plan_for_target_model(_qdq_relu(), load_target(str(path)))
+    (q,) = plan.nodes
+    assert q.rule is None and q.status == "refused after the rewrite"
+    assert q.considered == ("float-emulation-q (exact): leaves 1 refused node",)
+    assert plan.refused_after == len(plan.before) == 1 and plan.forms == {}
+
+
+def test_an_approximate_form_runs_only_with_the_profiles_consent_and_says_so_loudly(tmp_path):
+    from onnx_qrewrite import rewrite
+
+    model = _qdq_relu()
+    exact_only = load_target(str(_emu_profile(tmp_path, EMU_OPS, "qdq-to-float", "exact")))
+    plan = plan_for_target_model(model, exact_only)
+    assert plan.refused_after == 2 and plan.forms == {}  # only the exact fold, which does not apply
+    path = _emu_profile(tmp_path, EMU_OPS, "qdq-to-float", "approximate")
+    plan = plan_for_target_model(model, load_target(str(path)))
+    assert plan.ok and plan.forms["qdq-to-float"]["exactness"] == "approximate"
+    assert {n.exactness for n in plan.nodes} == {"approximate"}
+    summary = "\n".join(rewrite(model, target=str(path)).report.summary_lines())
+    assert "rewritten by approximate rules (target emu needs them): numerics changed" in summary
+    assert "form qdq-to-float (approximate) rewrote 2 nodes: APPROXIMATE" in summary
+
+
+def plan_for_target_model(model: onnx.ModelProto, profile):
+    from onnx_qrewrite.targets import plan_for_model
+
+    return plan_for_model(model, load_rules(), profile)

@@ -106,11 +106,17 @@ def test_verdict_agrees_with_the_runtime(runtime, path):
     _runtime(runtime)
     profile = load_target(runtime)
     inputs, expected = _io(path)
+    ran_as = {}
     for form, model in _forms(path, runtime):
         refused = check_model(model, profile)
         ran, detail = runs_on(runtime, model, inputs, expected)
+        ran_as[form] = ran
         why = "; ".join(f"{r.node}: {r.reasons[0]}" for r in refused[:3])
         assert ran == (not refused), f"{form}: runtime says {'runs' if ran else 'fails'} ({detail}); verdict: {why}"
+    # Never make things worse: a model the runtime ran still runs after `rewrite --target`
+    # (a target rewrite equal to the original is not run twice: it is the original).
+    if ran_as["original"]:
+        assert ran_as.get("target rewrite", True), "the target rewrite no longer runs"
 
 
 # -- verify --runtime -----------------------------------------------------------------------------

@@ -22,9 +22,16 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             click.echo(f"      today: {reason}")
         if n.rule:
             exact = f" ({n.exactness})" if n.exactness else ""
-            click.echo(f"      rewrite: {n.rule}{exact}")
+            form = f", form {n.form} asked for by the target" if n.form else ""
+            click.echo(f"      rewrite: {n.rule}{exact}{form}")
+        elif n.considered:
+            click.echo(
+                "      rewrite: none; left as it is, since every rule leaves the target as much or more to refuse"
+            )
         else:
             click.echo("      rewrite: no rule rewrites it")
+        for alternative in n.considered:
+            click.echo(f"      weighed: {alternative}")
         for reason in n.after[: None if all_nodes else 3]:
             click.echo(f"      after: {reason}")
         if not all_nodes and len(n.after) > 3:
@@ -35,6 +42,12 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
     extra = [r for r in plan.after if r.origin is None and (r.scope, r.node) not in listed]
     for r in extra:
         click.echo(f"  {r.node} ({r.op_key}): refused after the rewrite: {'; '.join(r.reasons)}")
+    for name, form in plan.forms.items():
+        loud = " APPROXIMATE: the model's numerics change by design." if form["exactness"] == "approximate" else ""
+        click.echo(
+            f"  form {name} ({form['exactness']}, asked for by the target {form['source']}): "
+            f"{form['nodes']} node(s).{loud}"
+        )
     if plan.ok:
         click.echo(f"{profile.id} would run the rewritten model: nothing refused after the rewrite")
     else:

@@ -28,6 +28,11 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 "extra": p.extra,
                 "opsets": [p.opset_min, p.opset_max],
                 "keeps": sorted(p.keep),
+                "avoids": sorted(p.avoid),
+                "forms": [
+                    {"name": f.name, "allow": f.allow, "why": f.why, "source": f.source, "options": dict(f.options)}
+                    for f in p.forms
+                ],
                 "sources": {s.id: {"document": s.document, "version": s.version} for s in p.sources.values()},
                 "file": p.path,
             }
@@ -48,3 +53,6 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
             p = next(x for x in profiles if x.id == r[0])
             for s in p.sources.values():
                 click.echo(f"    [{p.id}/{s.id}] {s.document} ({s.version})")
+            for f in p.forms:
+                why = f": {f.why}" if f.why else ""
+                click.echo(f"    form {f.name} (up to {f.allow}){why} {p.cite(f.source)}")

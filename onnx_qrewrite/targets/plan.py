@@ -1,11 +1,23 @@
 """What a target refuses in a model today, which rewrite would fix each refusal, and what it would
-still refuse after the rewrite: the answer of ``inspect --target``.
+still refuse after the rewrite: the answer of ``inspect --target``, and the plan ``rewrite
+--target`` applies.
 
-The "after" model comes from the engine itself (a rewrite in memory with ``allow_unlowered``), so
-``inspect --target`` and ``rewrite`` cannot disagree. Rules are chosen for the target so that a
-rewrite never makes things worse: rules that rewrite only ops the profile lists under
-``[rewrites] keep`` (ops it runs natively) are left out, and so is any rule that turned a node
-the target accepted into nodes it refuses (found by checking, not assumed).
+The plan chooses per node, among leaving it as it is, each rule of the catalogue that matches it,
+and (for nodes the target refuses as they are) each rule of the forms the profile names
+(``[[rewrites.form]]``, within the consent it gives). Every candidate is tried by the engine itself
+(a rewrite in memory) and its replacement checked against the profile, so ``inspect --target`` and
+``rewrite`` cannot disagree. The choice, per node:
+
+1. a choice after which the target refuses nothing of the node beats any that leaves refusals;
+2. among those, exact rewrites first, then the node as it is, then bounded, then approximate
+   rules: so a bounded or approximate rule runs only where the target needs it;
+3. when every choice leaves refusals, the fewest refused nodes, the node as it is on a tie: a
+   rewrite never turns an accepted node into refused ones, nor one refused node into more.
+
+Rules that rewrite only ops the profile lists under ``[rewrites] keep`` (ops it runs natively) are
+left out. The chosen rewrites are then applied together and checked again; a rewrite whose result
+is refused more than the node as it is gives way, and if the whole still has more refusals than
+the original, nothing is rewritten.
 """
 
 from __future__ import annotations
@@ -18,11 +30,24 @@ from typing import Any
 
 import onnx
 
-from onnx_qrewrite.catalogue import Catalogue
+from onnx_qrewrite.catalogue import Catalogue, Rule
+from onnx_qrewrite.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, check_model
 from onnx_qrewrite.targets.profile import TargetProfile
 
-__all__ = ["NodeVerdict", "TargetPlan", "engine_options", "plan_for_model", "plan_for_target", "target_catalogue"]
+#: Preference between choices that leave the target nothing to refuse (lower first).
+_RANK = {"exact": 0, "bounded": 2, "approximate": 3}
+_AS_IS = 1
+
+__all__ = [
+    "NodeVerdict",
+    "TargetPlan",
+    "engine_options",
+    "form_rules",
+    "plan_for_model",
+    "plan_for_target",
+    "target_catalogue",
+]
 
 
 @dataclasses.dataclass
@@ -37,6 +62,10 @@ class NodeVerdict:
     rule: str | None = None  # the rewrite that replaces it, if any
     exactness: str | None = None  # that rule's declared exactness, when the catalogue declares one
     after: tuple[str, ...] = ()  # why the target would still refuse what replaces it
+    form: str | None = None  # the named form the rule comes from, when a profile's form
+    #: The other choices the plan weighed for this node, in words ("dql-expand (exact): leaves 4
+    #: refused nodes"): why the chosen one won.
+    considered: tuple[str, ...] = ()
 
     @property
     def status(self) -> str:
@@ -55,6 +84,9 @@ class TargetPlan:
     after: list[Refused]
     nodes: list[NodeVerdict]
     skipped_rules: dict[str, str]  # rule id -> why it is not used for this target
+    #: Per form of the profile used here: its consent, how many nodes its rules rewrote, the least
+    #: exact level among them, and why the profile names it.
+    forms: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: The rewrite for this target (in memory) and the rules that made it; not in to_dict().
     rewritten: onnx.ModelProto | None = dataclasses.field(default=None, repr=False)
     catalogue: Catalogue | None = dataclasses.field(default=None, repr=False)
@@ -87,20 +119,48 @@ class TargetPlan:
             "refused_after": len(self.after),
             "ok": self.ok,
             "skipped_rules": self.skipped_rules,
+            "forms": self.forms,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
         }
 
 
 def target_catalogue(catalogue: Catalogue, profile: TargetProfile) -> tuple[Catalogue, dict[str, str]]:
-    """The rules to use for ``profile``: without those that rewrite only ops it keeps."""
+    """The rules to use for ``profile``: without those that rewrite only ops it keeps, nor those
+    it avoids."""
     skipped = {}
     for rule in catalogue:
-        if rule.match and all(ref.domain in ("", "ai.onnx") and ref.op in profile.keep for ref in rule.match):
+        if rule.id in profile.avoid:
+            skipped[rule.id] = (
+                f"{profile.id} was seen not to run what it emits as onnxruntime does "
+                f"{profile.cite(profile.rewrites_source)}"
+            )
+        elif rule.match and all(ref.domain in ("", "ai.onnx") and ref.op in profile.keep for ref in rule.match):
             ops = ", ".join(ref.op for ref in rule.match)
             skipped[rule.id] = f"{profile.id} runs {ops} natively {profile.cite(profile.rewrites_source)}"
     kept = [r.id for r in catalogue if r.id not in skipped]
     return catalogue.select(only=kept) if skipped else catalogue, skipped
+
+
+def form_rules(profile: TargetProfile, taken: Collection[str] = ()) -> tuple[list[Rule], dict[str, str]]:
+    """The rules of the forms ``profile`` names (``[[rewrites.form]]``), within each form's
+    consent and with its options; and, per rule, the form it comes from. Rules whose id is in
+    ``taken`` (the user added the form's file already) are not repeated."""
+    from onnx_qrewrite.catalogue import load_catalogue, named_form
+
+    rules: list[Rule] = []
+    form_of: dict[str, str] = {}
+    for form in profile.forms:
+        loaded = load_catalogue([named_form(form.name)], include_shipped=False)
+        if form.options:
+            loaded = loaded.with_options(form.options)
+        for rule in loaded:
+            if rule.id in profile.avoid or rule.id in taken or rule.id in form_of:
+                continue
+            if _RANK[rule.exactness] <= _RANK[form.allow]:
+                rules.append(rule)
+                form_of[rule.id] = form.name
+    return rules, form_of
 
 
 def engine_options(
@@ -109,6 +169,7 @@ def engine_options(
     target_opset: int | None = None,
     keep_opset: bool = False,
     allow: Collection[str] | None = None,
+    node_rules: dict[tuple[str, int], tuple[str, ...]] | None = None,
 ) -> Any:
     """The engine's options for ``profile``: a rewrite never raises the opset above what the
     target loads (``[opset] max``), so rules that would need more give way to the next rule.
@@ -126,6 +187,7 @@ def engine_options(
         max_opset=highest,
         provenance="full",
         allow=levels,
+        node_rules=node_rules,
     )
 
 
@@ -143,14 +205,6 @@ def _rewrite(model: onnx.ModelProto, catalogue: Catalogue, external: Any, option
         options = dataclasses.replace(options, keep_opset=True, target_opset=None)
         out, report = engine.run(copy.deepcopy(model), catalogue, options, external)
     return to_proto(out), report, options
-
-
-def _exactness(catalogue: Catalogue, rule_id: str | None) -> str | None:
-    if rule_id is None:
-        return None
-    rule = next((r for r in catalogue if r.id == rule_id), None)
-    value = getattr(rule, "exactness", None)
-    return str(value) if value else None
 
 
 def plan_for_target(
@@ -182,6 +236,59 @@ def plan_for_target(
             loaded.external.close()
 
 
+@dataclasses.dataclass
+class _Node:
+    """One node of the input model, as the engine (``key``, ``site``) and the check (``label``)
+    name it, with the choices the plan weighs for it."""
+
+    key: tuple[str, int]  # (scope path, index in its scope): EngineOptions.node_rules
+    site: str  # how the engine's report names it (builders.Site.label)
+    label: str  # how check_model names it
+    refused: int  # refusals of the node as it is (0 or 1)
+    candidates: list[str]
+    outcome: dict[str, int] = dataclasses.field(default_factory=dict)  # rule -> refused nodes it leaves
+
+
+def _nodes(
+    model: onnx.ModelProto, catalogue: Catalogue, usable: set[str], forms: set[str], refused: set[tuple[str, str]]
+) -> list[_Node]:
+    """Every node some rule matches, with the rules usable on it: form rules only for nodes the
+    target refuses as they are."""
+    nodes = []
+    for scope in iter_scopes(model):
+        for index, node in enumerate(scope.container.node):
+            matching = catalogue.candidates(node.domain, node.op_type)
+            if not matching:
+                continue
+            rules = [r for r in matching if r.id in usable]
+            name = node.name or (
+                f"<unnamed {node.op_type} -> {node.output[0]}>" if node.output else f"<unnamed {node.op_type}>"
+            )
+            site = name if scope.path == "main" else f"{name} (in {scope.path})"
+            label = node.name or (node.output[0] if node.output else node.op_type)
+            is_refused = int((scope.path, label) in refused)
+            if not is_refused:
+                rules = [r for r in rules if r.id not in forms]
+            rules.sort(key=lambda r: _RANK[r.exactness])  # stable: catalogue order within a level
+            # Listed even without candidates: then no rule may touch it (node_rules ()).
+            nodes.append(_Node((scope.path, index), site, label, is_refused, [r.id for r in rules]))
+    return nodes
+
+
+def _left_refused(report: Any, after: list[Refused]) -> dict[tuple[str, str], int]:
+    """Per rewritten node (scope, engine label): how many of the nodes replacing it the target refuses."""
+    refused = {(r.scope, r.node) for r in after}
+    return {
+        (rw.scope, rw.node): sum((rw.scope, name) in refused for name in rw.created_nodes) for rw in report.rewrites
+    }
+
+
+def _preference(choice: str | None, left: int, rank: int, order: int) -> tuple[int, ...]:
+    if left == 0:
+        return (0, 0, rank, order)
+    return (1, left, 0 if choice is None else 1, rank, order)
+
+
 def plan_for_model(
     model: onnx.ModelProto,
     catalogue: Catalogue,
@@ -195,42 +302,155 @@ def plan_for_model(
 ) -> TargetPlan:
     """:func:`plan_for_target` for a model in memory (not modified); ``external`` is its opened
     external data (model_io.ExternalData), if any."""
+    from onnx_qrewrite import engine
+
     before = check_model(model, profile)
-    chosen, skipped = target_catalogue(catalogue, profile)
+    base, skipped = target_catalogue(catalogue, profile)
+    levels = set(allow) if allow is not None else set(engine.DEFAULT_ALLOW)
+    extra, form_of = form_rules(profile, taken=base.ids)
+    chosen_rules = Catalogue([*base, *extra])
+    rules = {r.id: r for r in chosen_rules}
+    usable = {r.id for r in base if r.exactness in levels} | set(form_of)
     refused_now = {(r.scope, r.node) for r in before}
-    options = engine_options(profile, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
-    for _ in range(len(chosen) + 1):
-        rewritten, report, used = _rewrite(model, chosen, external, options)
-        after = check_model(rewritten, profile)
-        # Never make things worse: a rule that turned an accepted node into refused ones is dropped.
-        worse = {
-            r.rule
-            for r in after
-            if r.rule is not None and r.origin is not None and ("main", r.origin) not in refused_now
-        }
-        worse -= set(skipped)
+    nodes = _nodes(model, chosen_rules, usable, set(form_of), refused_now)
+    levels |= {rules[i].exactness for n in nodes for i in n.candidates}
+    by_site = {(n.key[0], n.site): n for n in nodes}
+
+    def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> tuple[Any, Any, Any, list[Refused]]:
+        options = engine_options(
+            profile, target_opset=target_opset, keep_opset=keep_opset, allow=levels, node_rules=node_rules
+        )
+        rewritten, report, used = _rewrite(model, chosen_rules, external, options)
+        return rewritten, report, used, check_model(rewritten, profile)
+
+    # Try each node's k-th candidate, all nodes at once, and see what the target refuses of each.
+    applied: set[str] = set()
+    for k in range(max((len(n.candidates) for n in nodes), default=0)):
+        _, report, _, after = run({n.key: tuple(n.candidates[k : k + 1]) for n in nodes})
+        counts = _left_refused(report, after)
+        for rw in report.rewrites:
+            node = by_site.get((rw.scope, rw.node))
+            if node is not None and rw.rule in node.candidates:
+                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
+                applied.add(rw.rule)
+
+    def best(node: _Node) -> str | None:
+        options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
+        for order, rule_id in enumerate(node.candidates, 1):
+            if rule_id in node.outcome:
+                n = node.outcome[rule_id]
+                options.append((_preference(rule_id, n, _RANK[rules[rule_id].exactness], order), rule_id))
+        return min(options, key=lambda o: o[0])[1]
+
+    choice = {n.key: best(n) for n in nodes}
+    # Apply the choices together and check again: what a rewrite leaves can depend on its
+    # neighbours' choices. A rewrite refused more than the node as it is gives way.
+    for _ in range(len(nodes) + 1):
+        rewritten, report, used, after = run({k: (c,) if c else () for k, c in choice.items()})
+        worse = [
+            by_site[key]
+            for key, n in _left_refused(report, after).items()
+            if key in by_site and n > by_site[key].refused
+        ]
         if not worse:
             break
-        for rule_id in worse:
-            skipped[rule_id] = f"it would turn nodes {profile.id} runs into nodes it refuses"
-        chosen = chosen.select(skip=sorted(worse))
+        for node in worse:
+            choice[node.key] = None
+    if len(after) > len(before):  # never make things worse, whatever the interactions
+        rewritten, report, used, after = run(dict.fromkeys(choice, ()))
 
-    rule_of = {(r.scope, r.node): r.rule for r in report.rewrites}
-    after_by_origin: dict[str, list[Refused]] = {}
-    for r in after:
-        if r.origin is not None:
-            after_by_origin.setdefault(r.origin, []).append(r)
-    after_same = {(r.scope, r.node): r for r in after if r.origin is None}
-    nodes = []
+    return _assemble(
+        label, profile, before, after, report, nodes, rules, form_of, skipped, applied, rewritten, chosen_rules, used
+    )  # fmt: skip
+
+
+def _assemble(
+    label: str,
+    profile: TargetProfile,
+    before: list[Refused],
+    after: list[Refused],
+    report: Any,
+    nodes: list[_Node],
+    rules: dict[str, Rule],
+    form_of: dict[str, str],
+    skipped: dict[str, str],
+    applied: set[str],
+    rewritten: onnx.ModelProto,
+    chosen_rules: Catalogue,
+    used: Any,
+) -> TargetPlan:
+    """The plan's account: per refused node what was chosen and why, rules not used, forms used."""
+    created = {(rw.scope, rw.node): rw for rw in report.rewrites}
+    after_at = {(r.scope, r.node): r for r in after}
+    by_label = {(n.key[0], n.label): n for n in nodes}
+    verdicts = []
     for r in before:
-        rule = rule_of.get((r.scope, r.node)) or rule_of.get((r.scope, r.node.split(" (in ")[0]))
-        if rule is not None:
-            still = after_by_origin.get(r.node, [])
+        node = by_label.get((r.scope, r.node))
+        rw = created.get((r.scope, node.site)) if node is not None else None
+        if rw is not None:
+            still = [after_at[(rw.scope, name)] for name in rw.created_nodes if (rw.scope, name) in after_at]
             reasons = tuple(f"{s.node} ({s.op_key}): {'; '.join(s.reasons)}" for s in still)
         else:
-            same = after_same.get((r.scope, r.node))
+            same = after_at.get((r.scope, r.node))
             reasons = same.reasons if same is not None else ()
-        nodes.append(NodeVerdict(r.scope, r.node, r.op_key, r.reasons, rule, _exactness(chosen, rule), reasons))
+        considered: list[str] = []
+        for rule_id in node.candidates if node is not None else ():
+            if rw is not None and rule_id == rw.rule:
+                continue
+            level = rules[rule_id].exactness
+            if rule_id not in node.outcome:  # type: ignore[union-attr]
+                considered.append(f"{rule_id} ({level}): does not apply here")
+            else:
+                n = node.outcome[rule_id]  # type: ignore[union-attr]
+                considered.append(f"{rule_id} ({level}): leaves {n} refused node{'s' if n != 1 else ''}")
+        rule = rw.rule if rw is not None else None
+        verdicts.append(
+            NodeVerdict(
+                r.scope,
+                r.node,
+                r.op_key,
+                r.reasons,
+                rule,
+                rules[rule].exactness if rule else None,
+                reasons,
+                form_of.get(rule) if rule else None,
+                tuple(considered),
+            )
+        )
+    used_rules = {rw.rule for rw in report.rewrites}
+    for rule_id in sorted(applied - used_rules - set(skipped)):
+        worse = any(n.refused == 0 and n.outcome.get(rule_id, 0) > 0 for n in nodes)
+        if worse:
+            skipped[rule_id] = f"it would turn nodes {profile.id} runs into nodes it refuses"
+        else:
+            skipped[rule_id] = (
+                f"chosen for no node: another choice leaves {profile.id} fewer refused nodes, is more exact, "
+                "or comes first in the catalogue (inspect --target lists what each node weighed)"
+            )
+    forms: dict[str, dict[str, Any]] = {}
+    for request in profile.forms:
+        mine = [rw for rw in report.rewrites if form_of.get(rw.rule) == request.name]
+        if mine:
+            level = max((rw.exactness for rw in mine), key=lambda e: _RANK[e])
+            forms[request.name] = {
+                "allow": request.allow,
+                "exactness": level,
+                "nodes": len(mine),
+                "rules": sorted({rw.rule for rw in mine}),
+                "why": request.why,
+                "source": profile.cite(request.source),
+            }
     return TargetPlan(
-        label, profile.id, profile.version, profile.proof, before, after, nodes, skipped, rewritten, chosen, used
+        label,
+        profile.id,
+        profile.version,
+        profile.proof,
+        before,
+        after,
+        verdicts,
+        skipped,
+        forms,
+        rewritten,
+        chosen_rules,
+        used,
     )

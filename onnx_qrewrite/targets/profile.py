@@ -60,7 +60,23 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
 
     [rewrites]
     keep = ["DynamicQuantizeLinear"] # standard ops the target runs natively: never rewritten for it
+    avoid = ["ms-q-decompose"]       # rules whose output the target was seen to run wrongly (or not
+                                     # at all) although it runs each of its ops: never used for it
     source = "..."
+
+    [[rewrites.form]]                # a named form (rules/forms/<name>.toml) the target may need
+    name = "weight-only"
+    allow = "approximate"            # the target's consent: the least exact level of the form's
+                                     # rules it may use (exact | bounded | approximate); rules
+                                     # beyond it are not used. Required: no form runs by default.
+    options = { rule-id = { key = "value" } }   # optional: the form's rule options for this target
+    why = "NNAPI has no Round: ..."  # what the form gives this target (shown by `targets --long`)
+    source = "..."
+
+The plan (:mod:`.plan`) chooses per node among leaving it, the catalogue's rules and the rules of
+the forms the profile names: a form's rule is used on a node only where it leaves fewer refused
+nodes than every more exact choice, so an approximate form runs only where the target needs it,
+and the summary and report name it.
 """
 
 from __future__ import annotations
@@ -75,6 +91,7 @@ from typing import Any
 from onnx_qrewrite.errors import UsageError
 
 __all__ = [
+    "FormRequest",
     "OpSupport",
     "Quantization",
     "Refusal",
@@ -134,7 +151,8 @@ _QUANT_KEYS = {
     "notes",
 }
 _NETWORK_KEYS = {"io_only_types", "refused_types", "source", "notes"}
-_REWRITES_KEYS = {"keep", "prefer", "source", "notes"}
+_REWRITES_KEYS = {"keep", "avoid", "form", "source", "notes"}
+_FORM_KEYS = {"name", "allow", "options", "why", "source"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +199,18 @@ class Quantization:
 
 
 @dataclasses.dataclass(frozen=True)
+class FormRequest:
+    """A named form (``rules/forms/<name>.toml``) the target may need, and its consent: rules of
+    the form less exact than ``allow`` are not used for the target."""
+
+    name: str
+    allow: str
+    source: str
+    why: str = ""
+    options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetProfile:
     id: str
     title: str
@@ -198,7 +228,8 @@ class TargetProfile:
     refused_types: frozenset[str] = frozenset()
     network_source: str | None = None
     keep: frozenset[str] = frozenset()
-    prefer: tuple[str, ...] = ()
+    forms: tuple[FormRequest, ...] = ()
+    avoid: frozenset[str] = frozenset()
     rewrites_source: str | None = None
     runtime: str | None = None
     extra: str | None = None
@@ -284,6 +315,50 @@ def _cited(path: str, where: str, table: dict[str, Any], sources: Mapping[str, S
     if source not in sources:
         raise _fail(path, where, f"'source' {source!r} is not a [[source]] id (known: {', '.join(sources)})")
     return source
+
+
+def _check_rule_ids(path: str, where: str, ids: frozenset[str]) -> None:
+    """Rule ids a profile names must exist (shipped catalogue or a named form): a typo would
+    silently avoid nothing."""
+    from onnx_qrewrite.catalogue import load_catalogue, shipped_rules_dir
+    from onnx_qrewrite.contract import closest
+
+    forms = sorted((shipped_rules_dir() / "forms").glob("*.toml"))
+    known = load_catalogue(forms).ids
+    for rule_id in sorted(ids):
+        if rule_id not in known:
+            raise _fail(path, where, f"no rule {rule_id!r}{closest(rule_id, known)}")
+
+
+def _form(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> FormRequest:
+    """One ``[[rewrites.form]]``, checked against the form itself: it exists, the consent leaves
+    it at least one rule, and the options are valid for its rules (as ``--option`` would be)."""
+    from onnx_qrewrite.catalogue import load_catalogue, named_form
+    from onnx_qrewrite.contract import EXACTNESS
+
+    raw = _check_keys(path, where, item, _FORM_KEYS)
+    source = _cited(path, where, raw, sources)
+    name = _string(path, where, raw, "name")
+    allow = _string(path, where, raw, "allow")
+    if allow not in EXACTNESS:
+        raise _fail(path, where, f"'allow' must be one of {', '.join(EXACTNESS)}, got {allow!r}")
+    why = raw.get("why", "")
+    if not isinstance(why, str):
+        raise _fail(path, where, "'why' must be a string")
+    options = raw.get("options", {})
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise _fail(path, where, "'options' must be a table of tables: { rule-id = { key = value } }")
+    try:
+        rules = load_catalogue([named_form(name)], include_shipped=False)
+        if options:
+            rules = rules.with_options(options)
+    except UsageError as exc:
+        raise _fail(path, where, str(exc)) from None
+    usable = [r.id for r in rules if EXACTNESS.index(r.exactness) <= EXACTNESS.index(allow)]
+    if not usable:
+        levels = ", ".join(sorted({r.exactness for r in rules}))
+        raise _fail(path, where, f"form {name!r} has no rule at allow = {allow!r} or more exact (its rules: {levels})")
+    return FormRequest(name, allow, source, why, options)
 
 
 def parse_target(text: str, path: str) -> TargetProfile:
@@ -392,17 +467,30 @@ def parse_target(text: str, path: str) -> TargetProfile:
         refused_types = _types(path, "[network]", raw, "refused_types") or frozenset()
 
     keep: frozenset[str] = frozenset()
-    prefer: tuple[str, ...] = ()
+    avoid: frozenset[str] = frozenset()
+    forms: tuple[FormRequest, ...] = ()
     rewrites_source = None
     if "rewrites" in data:
         raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
-        rewrites_source = _cited(path, "[rewrites]", raw, sources)
-        for key in ("keep", "prefer"):
+        if set(raw) - {"form"}:  # each [[rewrites.form]] cites its own source
+            rewrites_source = _cited(path, "[rewrites]", raw, sources)
+        for key in ("keep", "avoid"):
             value = raw.get(key, [])
             if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
                 raise _fail(path, "[rewrites]", f"'{key}' must be a list of names")
         keep = frozenset(raw.get("keep", []))
-        prefer = tuple(raw.get("prefer", []))
+        avoid = frozenset(raw.get("avoid", []))
+        if avoid:
+            _check_rule_ids(path, "[rewrites] avoid", avoid)
+        raw_forms = raw.get("form", [])
+        if not isinstance(raw_forms, list):
+            raise _fail(path, "[[rewrites.form]]", "must be an array of tables")
+        forms = tuple(_form(path, f"[[rewrites.form]] #{i + 1}", item, sources) for i, item in enumerate(raw_forms))
+        names = [f.name for f in forms]
+        if len(set(names)) != len(names):
+            raise _fail(
+                path, "[[rewrites.form]]", f"form {next(n for n in names if names.count(n) > 1)!r} is named twice"
+            )
 
     return TargetProfile(
         id=target_id,
@@ -421,7 +509,8 @@ def parse_target(text: str, path: str) -> TargetProfile:
         refused_types=refused_types,
         network_source=network_source,
         keep=keep,
-        prefer=prefer,
+        avoid=avoid,
+        forms=forms,
         rewrites_source=rewrites_source,
         runtime=_optional_string(path, "[target]", target, "runtime"),
         extra=_optional_string(path, "[target]", target, "extra"),
