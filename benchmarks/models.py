@@ -417,13 +417,28 @@ def make_bert(
     max_seq: int = 128,
     seed: int = 0,
 ) -> Path:
-    """A BERT-like encoder (bert-tiny sized by default), dynamically quantized by onnxruntime.
+    """A BERT-like encoder (bert-tiny sized by default), dynamically quantized by onnxruntime:
+    :func:`float_bert`, where every weight MatMul becomes DynamicQuantizeLinear -> MatMulInteger as
+    quantize_dynamic writes it."""
+    return _quantize_dynamic(float_bert(n_layers, hidden, heads, intermediate, vocab, max_seq, seed), Path(path))
+
+
+def float_bert(
+    n_layers: int = 2,
+    hidden: int = 128,
+    heads: int = 2,
+    intermediate: int = 512,
+    vocab: int = 1024,
+    max_seq: int = 128,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """The float BERT-like encoder the quantizers start from (benchmarks/target_models.py gives it
+    to several of them).
 
     Word + position embeddings (Gather), LayerNormalization, per layer multi-head self-attention
     (MatMul/Add projections, scaled MatMul, Softmax) and a GELU (Erf) feed-forward block, each with a
     residual Add and LayerNormalization. Input ``input_ids`` int64 [batch, seq] (seq <= max_seq),
-    output ``last_hidden_state`` float [batch, seq, hidden]. Every weight MatMul becomes
-    DynamicQuantizeLinear -> MatMulInteger as quantize_dynamic writes it.
+    output ``last_hidden_state`` float [batch, seq, hidden].
     """
     g = _FloatGraph(seed)
     head_dim = hidden // heads
@@ -470,15 +485,20 @@ def make_bert(
         [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", hidden])],
         g.inits,
     )
-    return _quantize_dynamic(_model(graph), Path(path))
+    return _model(graph)
 
 
 def make_cnn(
     path: str | os.PathLike, channels: tuple[int, ...] = (16, 32, 64), classes: int = 10, seed: int = 0
 ) -> Path:
-    """A small CNN (3x3 Conv + Relu stages, the later ones strided, global pooling, a linear head),
-    dynamically quantized by onnxruntime: every Conv becomes DynamicQuantizeLinear -> ConvInteger.
-    Input ``pixels`` float [batch, 3, height, width], output ``logits`` float [batch, classes]."""
+    """A small CNN (:func:`float_cnn`) dynamically quantized by onnxruntime: every Conv becomes
+    DynamicQuantizeLinear -> ConvInteger."""
+    return _quantize_dynamic(float_cnn(channels, classes, seed), Path(path))
+
+
+def float_cnn(channels: tuple[int, ...] = (16, 32, 64), classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """A small float CNN (3x3 Conv + Relu stages, the later ones strided, global pooling, a linear
+    head). Input ``pixels`` float [batch, 3, height, width], output ``logits`` float [batch, classes]."""
     g = _FloatGraph(seed)
     x, c_in = "pixels", 3
     for i, c_out in enumerate(channels):
@@ -498,7 +518,7 @@ def make_cnn(
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", classes])],
         g.inits,
     )
-    return _quantize_dynamic(_model(graph), Path(path))
+    return _model(graph)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,50 +1,72 @@
-"""Per target and per test model: what ``inspect --target`` refuses before and after the target's
-rewrite, whether the original and the rewrite load, run and agree on the runtime installed here,
-their errors against onnxruntime running the original (the recorded outputs), and the runtime's
-latency for both. Prints a Markdown table (the README's Targets numbers come from it).
+"""Per target and per real model (benchmarks/target_models.py: the test suite's models plus ones
+the producers make here, seeded): what ``inspect --target`` refuses before and after ``rewrite
+--target``, which rules that rewrite used (and their exactness, forms named), whether the original
+and the rewrite load, run and agree on the runtime installed here, their max abs and relative L2
+errors against onnxruntime running the original, and the runtime's latency for both. Prints
+Markdown tables: per target and model, then per target (the README's Targets table is the latter).
 
-    python benchmarks/targets.py [--repeat 20] [--targets openvino,tract,qnn,tensorrt,...]
+    python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
 
-"default rewrite" is today's output without --target (every rule applied), for contrast.
-Targets without a runtime here (tensorrt, nnapi, coreml, webgpu, tflite) get the refused counts
-only. Latency: the fastest of ``--repeat`` runs after one warm-up (the least disturbed by other
-work on a shared machine), one thread where the runtime takes a thread count, inputs from the
-model's recorded ``.inputs.npz``. QNN runs on the HTP simulator: its latency says nothing about a
-device. TFLite runs in its own interpreter process per call (verify/runtimes.py), so its latency is
-mostly that process starting, not the model.
+Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts, and the rewrite's
+errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
+``--repeat`` runs after one warm-up (the least disturbed by other work on a shared machine), one
+thread where the runtime takes a thread count, the recorded inputs (batch 1). QNN runs on the HTP
+simulator: its latency says nothing about a device. TFLite runs in its own interpreter process per
+call (verify/runtimes.py), so its latency is mostly that process starting, not the model.
+``--default`` adds today's default rewrite (every rule, no target) on each runtime, for contrast.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = [
-    REPO / "sample_models" / "dynamic_mlp.onnx",
-    REPO / "sample_models" / "dynamic_cnn.onnx",
-    REPO / "sample_models" / "qdq_contrib_u16.onnx",
-    *sorted((REPO / "tests" / "data" / "models").glob("*.onnx")),
-]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from target_models import Battery, make_battery  # noqa: E402
+
+ALL_TARGETS = "openvino,tract,qnn,tflite,tensorrt,nnapi,coreml,webgpu,onnx"
 
 
 def _io(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The recorded inputs, and onnxruntime's outputs for the original with its graph
+    optimizations off (as ``verify`` runs it); the recorded outputs where stock onnxruntime cannot
+    run the original (the Quark models: Quark's custom-op library measured them)."""
+    from onnx_qrewrite.errors import QRewriteError
+
     stem = str(path)[: -len(".onnx")]
-    return dict(np.load(stem + ".inputs.npz")), dict(np.load(stem + ".outputs.npz"))
+    inputs = dict(np.load(stem + ".inputs.npz"))
+    try:
+        return inputs, _OrtRunner(onnx.load(path)).run(inputs)
+    except QRewriteError:
+        return inputs, dict(np.load(stem + ".outputs.npz"))
 
 
-def _run(runtime: str, model: onnx.ModelProto, inputs, expected, repeat: int) -> dict[str, object]:
+def _run(runtime: str, model: onnx.ModelProto, inputs, expected, repeat: int, same=None) -> dict[str, Any]:
+    """Load and run ``model`` on ``runtime``: its errors against the recorded outputs of the
+    original (what the user gets), and whether the runtime agrees, within its default tolerance,
+    with onnxruntime running the same model (``same``; default: the original's outputs). For an
+    exact rewrite the two references are the same; for a bounded or approximate one the second
+    separates what the runtime computes wrongly from what the rule changes by its declaration."""
     from onnx_qrewrite.errors import QRewriteError
     from onnx_qrewrite.verify.runtimes import RUNTIMES, make_runner
 
     spec = RUNTIMES[runtime]
     try:
-        runner = make_runner(runtime, model, label="model", threads=1, shapes={k: v.shape for k, v in inputs.items()})
+        if runtime == "onnxruntime":
+            runner = _OrtRunner(model)
+        else:
+            shapes = {k: v.shape for k, v in inputs.items()}
+            runner = make_runner(runtime, model, label="model", threads=1, shapes=shapes)
         got = runner.run(inputs)
         times = []
         for _ in range(repeat):
@@ -52,31 +74,90 @@ def _run(runtime: str, model: onnx.ModelProto, inputs, expected, repeat: int) ->
             runner.run(inputs)
             times.append(time.perf_counter() - start)
     except QRewriteError as exc:
-        return {"runs": False, "why": str(exc).split(": ", 2)[-1][:60]}
+        return {"runs": False, "why": " ".join(str(exc).split(": ", 2)[-1].split())[:70]}
     max_abs = rel_l2 = 0.0
     agrees = True
     for name, want in expected.items():
         have = np.asarray(got[name], np.float64)
         ref = np.asarray(want, np.float64)
-        max_abs = max(max_abs, float(np.max(np.abs(have - ref))))
+        if have.shape != ref.shape:
+            return {"runs": False, "why": f"{name}: shape {have.shape} != {ref.shape}"}
+        diff = np.abs(have - ref)
+        max_abs = max(max_abs, float(np.max(diff)) if np.all(np.isfinite(have)) else float("inf"))
         rel_l2 = max(rel_l2, float(np.linalg.norm(have - ref) / max(np.linalg.norm(ref), 1e-30)))
-        agrees &= bool(np.all(np.abs(have - ref) <= spec.atol + spec.rtol * np.abs(ref)))
-    return {"runs": agrees, "max_abs": max_abs, "rel_l2": rel_l2, "ms": 1000 * min(times)}
+        mine = np.asarray((same or expected)[name], np.float64)
+        agrees &= bool(np.all(np.abs(have - mine) <= spec.atol + spec.rtol * np.abs(mine)))
+    ms = 1000 * min(times) if times else None
+    return {"runs": agrees, "max_abs": max_abs, "rel_l2": rel_l2, "ms": ms, "vs_same": same is not None}
 
 
-def _cell(result: dict[str, object] | None) -> str:
+class _OrtRunner:
+    """onnxruntime (CPU, one thread), for targets with no runtime here: what the rewrite computes."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        import onnxruntime as ort
+
+        from onnx_qrewrite.errors import QRewriteError
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as verify runs it
+        try:
+            self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types
+            raise QRewriteError(f"onnxruntime cannot load it: {exc}") from None
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(self.names, self.session.run(None, inputs), strict=True))
+
+
+def _cell(result: dict[str, Any] | None) -> str:
     if result is None:
         return "-"
     if "max_abs" not in result:
         return f"no ({result['why']})"
-    verdict = "yes" if result["runs"] else "WRONG"
-    return f"{verdict}, {result['max_abs']:.2g} / {result['rel_l2']:.2g}, {result['ms']:.2f} ms"
+    verdict = "runs" if result["runs"] else "WRONG"
+    if result.get("vs_same"):
+        verdict += " (vs the rewrite in onnxruntime)"
+    if result.get("ort"):
+        verdict = "in onnxruntime"
+    ms = f", {result['ms']:.2f} ms" if result.get("ms") is not None else ""
+    return f"{verdict}, {result['max_abs']:.2g} / {result['rel_l2']:.2g}{ms}"
+
+
+def _rules(plan: Any) -> str:
+    """The rewrite's rules by exactness, e.g. "exact 12, bounded 3, approximate 6 (weight-only)"."""
+    levels: collections.Counter[str] = collections.Counter()
+    forms = set()
+    for n in plan.nodes:
+        if n.rule:
+            levels[n.exactness or "exact"] += 1
+            if n.form:
+                forms.add(n.form)
+    text = ", ".join(f"{k} {levels[k]}" for k in ("exact", "bounded", "approximate") if levels[k])
+    return (text or "none") + (f" ({', '.join(sorted(forms))})" if forms else "")
+
+
+def _identical(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    def key(m: onnx.ModelProto) -> bytes:
+        c = onnx.ModelProto()
+        c.CopyFrom(m)
+        del c.metadata_props[:]
+        for node in c.graph.node:
+            del node.metadata_props[:]
+        return c.SerializeToString()
+
+    return key(a) == key(b)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--targets", default="openvino,tract,qnn,tensorrt,nnapi,coreml,webgpu,tflite,onnx")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--targets", default=ALL_TARGETS)
+    parser.add_argument("--models", default=None, help="comma-separated model names (default: all)")
+    parser.add_argument("-o", "--models-dir", type=Path, default=None, help="where to make the models (default: temp)")
+    parser.add_argument("--default", action="store_true", help="also run today's default rewrite on each runtime")
     args = parser.parse_args(argv)
 
     from onnx_qrewrite.api import load_rules
@@ -84,40 +165,121 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_qrewrite.targets import load_target, plan_for_target
     from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
 
-    catalogue = load_rules()
+    with tempfile.TemporaryDirectory() as tmp:
+        battery = make_battery(args.models_dir or tmp, set(args.models.split(",")) if args.models else None)
+        catalogue = load_rules()
+        rows: list[dict[str, Any]] = []
+        header = "| target | model | family | refused before → after | rules used | original on the runtime | "
+        header += "default rewrite | " if args.default else ""
+        print(header + "`rewrite --target` on the runtime |")
+        print("|---" * (8 if args.default else 7) + "|")
+        for target in args.targets.split(","):
+            profile = load_target(target)
+            runtime = profile.runtime if profile.runtime in RUNTIMES else None
+            if runtime is not None:
+                try:
+                    runtime_info(runtime)
+                except MissingDependencyError as exc:
+                    print(f"{target}: {exc}; counts only", file=sys.stderr)
+                    runtime = None
+            measured_on = runtime or "onnxruntime"
+            for item in battery:
+                rows.append(_measure(item, target, profile, runtime, measured_on, catalogue, args, plan_for_target))
+                r = rows[-1]
+                cells = [r["original"], *([r["default"]] if args.default else []), r["rewrite"]]
+                ran = " | ".join(_cell(c) for c in cells)
+                print(
+                    f"| {target} | {item.name} | {item.family} | {r['before']} → {r['after']} | {r['rules']} | {ran} |",
+                    flush=True,
+                )
+        print(
+            "\ncells: on the target's runtime (onnxruntime CPU where none is installed here): `runs` = loads, runs and "
+            "agrees with onnxruntime running the original within the runtime's default tolerance (for a rewrite "
+            "that used bounded or approximate rules: with onnxruntime running that rewrite, the rule's own "
+            "difference being what its declaration and `verify` bound), WRONG = runs outside it, no = fails to "
+            "load or run; then max abs error / relative L2 error against onnxruntime running the original, "
+            "fastest run. A rewrite identical to the original is not run twice."
+        )
+        print()
+        _summary(rows)
+    return 0
+
+
+def _measure(
+    item: Battery, target: str, profile: Any, runtime: str | None, on: str, catalogue: Any, args: Any, plan_for: Any
+) -> dict[str, Any]:
     from onnx_qrewrite import rewrite
 
-    print(
-        "| target | model | refused before -> after | original on the runtime | default rewrite on the runtime "
-        "| target rewrite on the runtime |"
-    )
-    print("|---|---|---|---|---|---|")
-    for target in args.targets.split(","):
-        profile = load_target(target)
-        runtime = profile.runtime if profile.runtime in RUNTIMES and profile.runtime != "onnxruntime" else None
-        if runtime is not None:
-            try:
-                runtime_info(runtime)
-            except MissingDependencyError as exc:
-                print(f"{target}: {exc}; counts only", file=sys.stderr)
-                runtime = None
-        for path in MODELS:
-            plan = plan_for_target(path, catalogue, profile)
-            original = default = rewritten = None
-            if runtime is not None:
-                inputs, expected = _io(path)
-                original = _run(runtime, onnx.load(path), inputs, expected, args.repeat)
-                default_model = rewrite(path, rules=catalogue, allow_unlowered=True).model
-                default = _run(runtime, default_model, inputs, expected, args.repeat)
-                rewritten = _run(runtime, plan.rewritten, inputs, expected, args.repeat)
-            counts = f"{len(plan.before)} -> {len(plan.after)}"
-            cells = " | ".join(_cell(c) for c in (original, default, rewritten))
-            print(f"| {target} | {path.stem} | {counts} | {cells} |", flush=True)
-    print(
-        "\ncells: agrees with onnxruntime running the original (yes / WRONG numbers / no: fails to load or run), "
-        "max abs error / relative L2 error, fastest run"
-    )
-    return 0
+    plan = plan_for(item.path, catalogue, profile)
+    row: dict[str, Any] = {
+        "target": target,
+        "model": item.name,
+        "family": item.family,
+        "before": len(plan.before),
+        "after": len(plan.after),
+        "rules": _rules(plan),
+        "levels": {n.exactness or "exact" for n in plan.nodes if n.rule},
+        "forms": sorted({n.form for n in plan.nodes if n.form}),
+        "first_refusal": plan.after[0].reasons[0] if plan.after else "",
+        "original": None,
+        "default": None,
+        "rewrite": None,
+        "proof": profile.proof,
+        "runtime": runtime,
+    }
+    inputs, expected = _io(item.path)
+    original = onnx.load(item.path)
+    if runtime is not None:
+        row["original"] = _run(runtime, original, inputs, expected, args.repeat)
+        if args.default:
+            row["default"] = _run(
+                runtime, rewrite(item.path, rules=catalogue, allow_unlowered=True).model, inputs, expected, args.repeat
+            )
+    assert plan.rewritten is not None
+    if runtime is not None and _identical(plan.rewritten, original):
+        row["rewrite"] = row["original"]
+    elif runtime is None and not plan.after:
+        # No runtime for the target here: the rewrite's numbers in onnxruntime (what its rules cost).
+        row["rewrite"] = _run(on, plan.rewritten, inputs, expected, args.repeat)
+        row["rewrite"]["ort"] = True
+    elif runtime is not None:
+        exact = row["levels"] <= {"exact"}
+        same = None if exact else _OrtRunner(plan.rewritten).run(inputs)
+        row["rewrite"] = _run(runtime, plan.rewritten, inputs, expected, args.repeat, same)
+    return row
+
+
+def _summary(rows: list[dict[str, Any]]) -> None:
+    """Per target: the model families `rewrite --target` makes run there, and what is not reached."""
+    print("| target | reached after `rewrite --target` (models) | not reached: first reason | exactness | proven by |")
+    print("|---|---|---|---|---|")
+    by_target: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in rows:
+        by_target[r["target"]].append(r)
+    for target, items in by_target.items():
+        reached, missing = collections.defaultdict(list), collections.defaultdict(list)
+        levels: set[str] = set()
+        forms: set[str] = set()
+        for r in items:
+            ok = r["after"] == 0 and (r["runtime"] is None or bool(r["rewrite"] and r["rewrite"]["runs"]))
+            if ok:
+                reached[r["family"]].append(r["model"])
+                levels |= r["levels"]
+                forms |= set(r["forms"])
+            else:
+                if r["after"]:
+                    why = f"{r['after']} refused: {r['first_refusal'].split(' [')[0].split(': ')[0]}"
+                elif r["rewrite"] and "why" in r["rewrite"]:
+                    why = f"fails on {r['runtime']}: {r['rewrite']['why']}"
+                else:
+                    why = f"WRONG on {r['runtime']}: max abs {r['rewrite']['max_abs']:.2g}" if r["rewrite"] else "?"
+                missing[r["family"]].append(f"{r['model']} ({why})")
+        proof = items[0]["proof"] + (f" ({items[0]['runtime']})" if items[0]["runtime"] else "")
+        reach = "; ".join(f"{fam}: {', '.join(ms)}" for fam, ms in reached.items()) or "-"
+        miss = "; ".join(f"{fam}: {', '.join(ms)}" for fam, ms in missing.items()) or "-"
+        level = ", ".join(sorted(levels, key=["exact", "bounded", "approximate"].index)) or "none needed"
+        level += f" (form {', '.join(sorted(forms))})" if forms else ""
+        print(f"| `{target}` | {reach} | {miss} | {level} | {proof} |")
 
 
 if __name__ == "__main__":

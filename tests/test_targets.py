@@ -409,8 +409,13 @@ def test_rewrite_api_with_a_target_reports_before_and_after():
     result = rewrite(SAMPLES / "qdq_contrib_u16.onnx", target="onnx")
     assert result.report.target["refused_before"] == 22 and result.report.target["refused_after"] == 0
     assert check_model(result.model, load_target("onnx")) == []
-    kept = rewrite(SAMPLES / "dynamic_cnn.onnx", target="openvino")
+    kept = rewrite(SAMPLES / "dynamic_cnn.onnx", target="tract")
     assert kept.report.rewrites == [] and "dql-expand" in kept.report.target["skipped_rules"]
+    # OpenVINO runs ConvInteger/MatMulInteger itself, but its DynamicQuantizeLinear is not
+    # onnxruntime's (observed): the exact expansion is used, the integer ops kept.
+    expanded = rewrite(SAMPLES / "dynamic_cnn.onnx", target="openvino")
+    assert expanded.report.by_rule() == {"dql-expand": 3}
+    assert "int-matmul-float" in expanded.report.target["skipped_rules"]
 
 
 def test_rewrite_target_verify_says_when_the_runtime_is_missing(tmp_path):
@@ -516,3 +521,68 @@ def plan_for_target_model(model: onnx.ModelProto, profile):
     from onnx_qrewrite.targets import plan_for_model
 
     return plan_for_model(model, load_rules(), profile)
+
+
+def _quantized_softmax() -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Softmax", ["x"], ["p"], name="softmax"),
+            helper.make_node("QuantizeLinear", ["p", "s", "z"], ["q"], name="q_probs"),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"], name="dq_probs"),
+            helper.make_node("QuantizeLinear", ["d", "s", "z"], ["q2"], name="q_other"),
+            helper.make_node("DequantizeLinear", ["q2", "s", "z"], ["y"], name="dq_other"),
+        ],
+        "g",
+        [x],
+        [y],
+        [
+            helper.make_tensor("s", TensorProto.FLOAT, [], [1 / 255]),
+            helper.make_tensor("z", TensorProto.UINT8, [], [0]),
+        ],
+    )
+    # with value_info, as producers write it: the float emulation needs to know x's type
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_a_refusal_after_a_producer_and_the_form_that_fixes_it():
+    """tract computes the QuantizeLinear of a Softmax output wrongly (observed): refused there and
+    only there, and its profile's float-emulation form rewrites that node alone, exactly."""
+    from onnx_qrewrite import rewrite
+
+    model = _quantized_softmax()
+    tract = load_target("tract")
+    refused = check_model(model, tract)
+    assert [(r.node, r.reasons[0].split(":")[0]) for r in refused] == [
+        ("q_probs", "QuantizeLinear of a Softmax output")
+    ]
+    result = rewrite(model, target="tract")
+    assert result.report.by_rule() == {"float-emulation-q": 1}
+    assert [r.node for r in result.report.rewrites] == ["q_probs"]
+    assert result.report.target["forms"]["float-emulation"]["nodes"] == 1
+    import onnxruntime as ort
+
+    feed = {"x": np.linspace(-4, 4, 16, dtype=np.float32).reshape(2, 8)}
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(model.SerializeToString(), opts).run(None, feed)[0]
+    got = ort.InferenceSession(result.model.SerializeToString(), opts).run(None, feed)[0]
+    assert np.array_equal(want, got)
+
+
+def test_per_channel_refusals_look_at_the_scales():
+    text = MINIMAL.replace('names = ["Add"]', 'names = ["QuantizeLinear", "DequantizeLinear", "Relu"]') + (
+        '\n[[refuse]]\nop = "DequantizeLinear"\nwhen = "per-channel"\nreason = "no per-channel"\nsource = "doc"\n'
+    )
+    profile = parse_target(text, "mini.toml")
+    model = _qdq_relu()
+    assert check_model(model, profile) == []
+    scale = np.full(8, 0.037, np.float32)
+    model.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(scale, "s"))
+    model.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.full(8, 131, np.uint8), "z"))
+    for node in model.graph.node[:2]:
+        node.attribute.append(helper.make_attribute("axis", 1))
+    (refused,) = check_model(model, profile)
+    assert refused.node == "dq" and "per-channel scales ('s')" in refused.reasons[0]

@@ -143,7 +143,7 @@ def _node_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, gr
     for refusal in profile.refusals:
         if refusal.op != node.op_type or refusal.domain != domain:
             continue
-        why = _refusal_applies(refusal.when, refusal.types, node, scope)
+        why = _refusal_applies(refusal.when, refusal.types, node, scope, refusal.ops)
         if why is not None:
             reasons.append(f"{node.op_type}{why}: {refusal.reason} {profile.cite(refusal.source)}")
     reasons.extend(_network_reasons(node, scope, profile, graph_io))
@@ -154,10 +154,28 @@ def _is_constant(scope: Scope, name: str | None) -> bool:
     return name is None or scope.initializer(name) is not None or scope.constant(name) is not None
 
 
-def _refusal_applies(when: str, types: frozenset[str], node: onnx.NodeProto, scope: Scope) -> str | None:
+#: The scale inputs of the ops a `per-channel` refusal looks at.
+_SCALES = {"QuantizeLinear": (1,), "DequantizeLinear": (1,), "QLinearConv": (1, 4, 6), "QLinearMatMul": (1, 4, 6)}
+
+
+def _refusal_applies(
+    when: str, types: frozenset[str], node: onnx.NodeProto, scope: Scope, ops: frozenset[str] = frozenset()
+) -> str | None:
     """None when the refusal does not hold for this node, else a phrase saying what it saw."""
     if when == "always":
         return ""
+    if when == "input-from":
+        producer = scope.producer(node.input[0]) if node.input and node.input[0] else None
+        if producer is not None and producer.domain in _STANDARD and producer.op_type in ops:
+            return f" of a {producer.op_type} output"
+        return None
+    if when == "per-channel":
+        for index in _SCALES.get(node.op_type, ()):
+            name = _operand(node, index)
+            value = scope.constant(name) if name else None
+            if value is not None and value.size > 1:
+                return f" with per-channel scales ({name!r})"
+        return None
     if when == "computed-scale":
         return None if _is_constant(scope, _operand(node, 1)) else " with a scale computed at run time"
     if when == "computed-zero-point":

@@ -246,6 +246,7 @@ class _Node:
     label: str  # how check_model names it
     refused: int  # refusals of the node as it is (0 or 1)
     candidates: list[str]
+    form_rules: list[str]  # every rule of the profile's forms that matches it (the form stage)
     outcome: dict[str, int] = dataclasses.field(default_factory=dict)  # rule -> refused nodes it leaves
 
 
@@ -267,11 +268,12 @@ def _nodes(
             site = name if scope.path == "main" else f"{name} (in {scope.path})"
             label = node.name or (node.output[0] if node.output else node.op_type)
             is_refused = int((scope.path, label) in refused)
+            in_forms = [r.id for r in rules if r.id in forms]
             if not is_refused:
                 rules = [r for r in rules if r.id not in forms]
             rules.sort(key=lambda r: _RANK[r.exactness])  # stable: catalogue order within a level
             # Listed even without candidates: then no rule may touch it (node_rules ()).
-            nodes.append(_Node((scope.path, index), site, label, is_refused, [r.id for r in rules]))
+            nodes.append(_Node((scope.path, index), site, label, is_refused, [r.id for r in rules], in_forms))
     return nodes
 
 
@@ -313,7 +315,7 @@ def plan_for_model(
     usable = {r.id for r in base if r.exactness in levels} | set(form_of)
     refused_now = {(r.scope, r.node) for r in before}
     nodes = _nodes(model, chosen_rules, usable, set(form_of), refused_now)
-    levels |= {rules[i].exactness for n in nodes for i in n.candidates}
+    levels |= {rules[i].exactness for n in nodes for i in (*n.candidates, *n.form_rules)}
     by_site = {(n.key[0], n.site): n for n in nodes}
 
     def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> tuple[Any, Any, Any, list[Refused]]:
@@ -342,20 +344,40 @@ def plan_for_model(
                 options.append((_preference(rule_id, n, _RANK[rules[rule_id].exactness], order), rule_id))
         return min(options, key=lambda o: o[0])[1]
 
-    choice = {n.key: best(n) for n in nodes}
-    # Apply the choices together and check again: what a rewrite leaves can depend on its
-    # neighbours' choices. A rewrite refused more than the node as it is gives way.
-    for _ in range(len(nodes) + 1):
-        rewritten, report, used, after = run({k: (c,) if c else () for k, c in choice.items()})
-        worse = [
-            by_site[key]
-            for key, n in _left_refused(report, after).items()
-            if key in by_site and n > by_site[key].refused
-        ]
-        if not worse:
-            break
-        for node in worse:
-            choice[node.key] = None
+    def settle(choice: dict[tuple[str, int], tuple[str, ...]]) -> tuple[Any, Any, Any, list[Refused]]:
+        """Apply the choices together and check again: what a rewrite leaves can depend on its
+        neighbours' choices. A rewrite refused more than the node as it is gives way."""
+        for _ in range(len(nodes) + 1):
+            state = run(choice)
+            worse = [
+                by_site[key]
+                for key, n in _left_refused(state[1], state[3]).items()
+                if key in by_site and n > by_site[key].refused
+            ]
+            if not worse:
+                break
+            for node in worse:
+                choice[node.key] = ()
+        return state
+
+    chosen = {n.key: best(n) for n in nodes}
+    choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
+    rewritten, report, used, after = settle(choice)
+    # The form stage: a form whose rules rewrite patterns (anchored at a node the target accepts,
+    # removing the refused ones it reads) is tried on the whole model, each of its rules first
+    # where it matches and the choice so far after it; it is kept if the target then refuses less.
+    for request in sorted(profile.forms, key=lambda f: _RANK[f.allow]):
+        trial = dict(choice)
+        for n in nodes:
+            mine = [r for r in n.form_rules if form_of.get(r) == request.name and r not in choice[n.key]]
+            if mine:
+                trial[n.key] = (*mine, *choice[n.key])
+        if trial == choice:
+            continue
+        state = settle(trial)
+        applied.update(rw.rule for rw in state[1].rewrites)
+        if len(state[3]) < len(after):
+            choice, (rewritten, report, used, after) = trial, state
     if len(after) > len(before):  # never make things worse, whatever the interactions
         rewritten, report, used, after = run(dict.fromkeys(choice, ()))
 

@@ -40,7 +40,10 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     op = "QuantizeLinear"
     when = "computed-scale"          # always | computed-scale | computed-zero-point |
                                      # nonzero-zero-point | quantized-type (with types = [...]) |
-                                     # type (any input or output of these types)
+                                     # type (any input or output of these types) | per-channel
+                                     # (a scale with more than one element: Q/DQ, QLinearConv,
+                                     # QLinearMatMul) | input-from (with ops = [...]: its first
+                                     # input is the output of one of these standard ops)
     reason = "y_scale must be a const"
     source = "observed"
 
@@ -104,7 +107,16 @@ __all__ = [
 ]
 
 PROOFS = ("runtime", "vendor-checker", "published-table", "spec")
-REFUSE_WHEN = ("always", "computed-scale", "computed-zero-point", "nonzero-zero-point", "quantized-type", "type")
+REFUSE_WHEN = (
+    "always",
+    "computed-scale",
+    "computed-zero-point",
+    "nonzero-zero-point",
+    "quantized-type",
+    "type",
+    "per-channel",
+    "input-from",
+)
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
     {
@@ -139,7 +151,7 @@ _TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
 _SOURCE_KEYS = {"id", "document", "version", "notes"}
 _OPSET_KEYS = {"min", "max", "source", "notes"}
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
-_REFUSE_KEYS = {"domain", "op", "when", "types", "reason", "source"}
+_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "reason", "source"}
 _QUANT_KEYS = {
     "types",
     "constant_scale",
@@ -185,6 +197,7 @@ class Refusal:
     reason: str
     source: str
     types: frozenset[str] = frozenset()
+    ops: frozenset[str] = frozenset()  # when = "input-from": the producers it applies after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,6 +446,11 @@ def parse_target(text: str, path: str) -> TargetProfile:
         types = _types(path, where, raw, "types") or frozenset()
         if when in ("quantized-type", "type") and not types:
             raise _fail(path, where, f"'when = \"{when}\"' needs 'types'")
+        after_ops = raw.get("ops", [])
+        if not isinstance(after_ops, list) or not all(isinstance(o, str) and o for o in after_ops):
+            raise _fail(path, where, "'ops' must be a list of op names")
+        if (when == "input-from") != bool(after_ops):
+            raise _fail(path, where, "'ops' goes with 'when = \"input-from\"', and it needs them")
         refusals.append(
             Refusal(
                 _norm_domain(str(raw.get("domain", ""))),
@@ -441,6 +459,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
                 _string(path, where, raw, "reason"),
                 source,
                 types,
+                frozenset(after_ops),
             )
         )
 
