@@ -250,7 +250,10 @@ def test_inspect_target_names_rule_and_what_stays_refused():
     # Expanding it would leave two refused nodes (uint8 inside a TensorRT network, operators.md)
     # for one: the node stays as it is, and inspect says what it weighed.
     assert all(n.rule is None and n.after == n.reasons for n in dql)
-    assert all(n.considered == ("dql-expand (exact): leaves 2 refused nodes",) for n in dql)
+    assert all(n.considered[0] == "dql-expand (exact): leaves 2 refused nodes" for n in dql)
+    # weight-only (TensorRT's profile consents to it) keeps uint8 weights as DequantizeLinear,
+    # which TensorRT refuses: tried on the whole model, not kept
+    assert all("form weight-only): tried with the whole form, which leaves" in n.considered[1] for n in dql)
     mmi = [n for n in verdicts.values() if n.op == "MatMulInteger"]
     # lowered to Cast/Sub/float MatMul/Cast: TensorRT runs those
     assert len(mmi) == 3 and all(n.rule == "int-matmul-float" and not n.after for n in mmi)
@@ -586,3 +589,31 @@ def test_per_channel_refusals_look_at_the_scales():
         node.attribute.append(helper.make_attribute("axis", 1))
     (refused,) = check_model(model, profile)
     assert refused.node == "dq" and "per-channel scales ('s')" in refused.reasons[0]
+
+
+def test_quantize_dynamic_reaches_nnapi_through_the_weight_only_form_named_loudly(tmp_path):
+    """NNAPI has no DynamicQuantizeLinear/MatMulInteger and no Round for an exact emulation: its
+    profile consents to the approximate weight-only form, which rewrite --target names loudly."""
+    import onnxruntime as ort
+
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "nnapi", "--report", report)
+    assert proc.returncode == 0, proc.stderr
+    assert "target nnapi (onnxruntime 1.31.1 tables): refused before 6, after 0" in proc.stdout
+    assert "form weight-only (approximate) rewrote" in proc.stdout and "APPROXIMATE" in proc.stdout
+    assert "rewritten by approximate rules (target nnapi needs them)" in proc.stdout
+    assert check_model(onnx.load(out), load_target("nnapi")) == []
+    forms = json.loads(report.read_text())["target"]["forms"]
+    assert forms["weight-only"]["exactness"] == "approximate" and forms["weight-only"]["allow"] == "approximate"
+    # Approximate: the activation stays float. The drift is real and small (measured, not assumed).
+    inputs = dict(np.load(SAMPLES / "dynamic_mlp.inputs.npz"))
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(str(SAMPLES / "dynamic_mlp.onnx"), opts).run(None, inputs)[0]
+    got = ort.InferenceSession(str(out), opts).run(None, inputs)[0]
+    drift = float(np.max(np.abs(got - want)))
+    assert 0 < drift < 0.05, drift
+    # A target that runs quantize_dynamic's ops never gets the approximate form.
+    assert "weight-only" not in json.dumps(
+        plan_for_target(SAMPLES / "dynamic_mlp.onnx", load_rules(), load_target("tract")).to_dict()
+    )

@@ -366,6 +366,7 @@ def plan_for_model(
     # The form stage: a form whose rules rewrite patterns (anchored at a node the target accepts,
     # removing the refused ones it reads) is tried on the whole model, each of its rules first
     # where it matches and the choice so far after it; it is kept if the target then refuses less.
+    trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
     for request in sorted(profile.forms, key=lambda f: _RANK[f.allow]):
         trial = dict(choice)
         for n in nodes:
@@ -376,13 +377,15 @@ def plan_for_model(
             continue
         state = settle(trial)
         applied.update(rw.rule for rw in state[1].rewrites)
+        trials[request.name] = (len(state[3]), len(after))
         if len(state[3]) < len(after):
             choice, (rewritten, report, used, after) = trial, state
     if len(after) > len(before):  # never make things worse, whatever the interactions
         rewritten, report, used, after = run(dict.fromkeys(choice, ()))
 
     return _assemble(
-        label, profile, before, after, report, nodes, rules, form_of, skipped, applied, rewritten, chosen_rules, used
+        label, profile, before, after, report, nodes, rules, form_of, skipped, applied, rewritten, chosen_rules, used,
+        trials,
     )  # fmt: skip
 
 
@@ -400,6 +403,7 @@ def _assemble(
     rewritten: onnx.ModelProto,
     chosen_rules: Catalogue,
     used: Any,
+    trials: dict[str, tuple[int, int]],
 ) -> TargetPlan:
     """The plan's account: per refused node what was chosen and why, rules not used, forms used."""
     created = {(rw.scope, rw.node): rw for rw in report.rewrites}
@@ -420,7 +424,14 @@ def _assemble(
             if rw is not None and rule_id == rw.rule:
                 continue
             level = rules[rule_id].exactness
-            if rule_id not in node.outcome:  # type: ignore[union-attr]
+            form = form_of.get(rule_id)
+            if rule_id not in node.outcome and form in trials:  # type: ignore[union-attr]
+                with_it, without = trials[form]
+                considered.append(
+                    f"{rule_id} ({level}, form {form}): tried with the whole form, which leaves {with_it} refused "
+                    f"node(s) against {without} without it"
+                )
+            elif rule_id not in node.outcome:  # type: ignore[union-attr]
                 considered.append(f"{rule_id} ({level}): does not apply here")
             else:
                 n = node.outcome[rule_id]  # type: ignore[union-attr]
