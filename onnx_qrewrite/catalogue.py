@@ -44,8 +44,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from onnx_qrewrite.builders import Builder, builder_names, get_builder
-from onnx_qrewrite.contract import EXACTNESS, closest
+from onnx_qrewrite.builders import Builder, builder_names, contract_of, get_builder
+from onnx_qrewrite.contract import EXACTNESS, Contract, closest
 from onnx_qrewrite.errors import UsageError
 
 __all__ = [
@@ -110,14 +110,23 @@ class Rule:
 
     @property
     def implementation(self) -> Builder:
+        """The builder (its module is imported on first use: applying a rule needs it, loading or
+        listing the catalogue does not)."""
         builder = get_builder(self.builder)
         assert builder is not None  # checked when the catalogue was built
         return builder
 
     @property
+    def contract(self) -> Contract:
+        """The builder's contract, without importing the builder's code."""
+        contract = contract_of(self.builder)
+        assert contract is not None  # checked when the catalogue was built
+        return contract
+
+    @property
     def bound(self) -> str:
         """The bound of a bounded rule, in words (the builder's)."""
-        return self.implementation.contract.bound if self.exactness != "exact" else ""
+        return self.contract.bound if self.exactness != "exact" else ""
 
 
 _RULE_KEYS = ("id", "summary", "doc", "emits", "builder", "exactness", "match", "when", "options", "precedes")
@@ -159,7 +168,7 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
     for key in ("doc", "emits"):
         if not isinstance(raw.get(key, ""), str):
             raise _fail(source, where, f"'{key}' must be a string")
-    if get_builder(raw["builder"]) is None:
+    if contract_of(raw["builder"]) is None:
         names = builder_names()
         raise _fail(
             source,
@@ -227,25 +236,24 @@ def checked(rule: Rule) -> Rule:
     if rule.given_options is not None:
         return rule
     where = f"rule {rule.id!r}"
-    builder = get_builder(rule.builder)
-    if builder is None:
+    contract = contract_of(rule.builder)
+    if contract is None:
         names = builder_names()
         raise _fail(
             rule.source,
             where,
             f"unknown builder {rule.builder!r}{closest(rule.builder, names)}; known: {', '.join(names)}",
         )
-    contract = builder.contract
     resolved, problems = contract.resolve(rule.options)
     if problems:
         key, why = problems[0]
-        raise _fail(rule.source, where, f"option {key!r} ({builder.name}): {why}")
+        raise _fail(rule.source, where, f"option {key!r} ({rule.builder}): {why}")
     for op in (o.strip() for o in rule.emits.split(",")):
         if op and op not in contract.emits:
             raise _fail(
                 rule.source,
                 where,
-                f"'emits' names {op!r}{closest(op, contract.emits)}, which builder {builder.name} does not emit "
+                f"'emits' names {op!r}{closest(op, contract.emits)}, which builder {rule.builder} does not emit "
                 f"(its contract: {', '.join(sorted(contract.emits))})",
             )
     delivered = contract.exactness(resolved)
@@ -253,7 +261,7 @@ def checked(rule: Rule) -> Rule:
         raise _fail(
             rule.source,
             where,
-            f"'exactness' is {rule.exactness!r} but builder {builder.name} with these options is {delivered!r}",
+            f"'exactness' is {rule.exactness!r} but builder {rule.builder} with these options is {delivered!r}",
         )
     return dataclasses.replace(
         rule, options=MappingProxyType(resolved), given_options=MappingProxyType(dict(rule.options))
@@ -334,9 +342,7 @@ class Catalogue:
     @functools.cached_property
     def same_shape_ops(self) -> frozenset[str]:
         """Ops matched by rules whose builder declares that output 0 has input 0's shape."""
-        return frozenset(
-            ref.op for rule in self.rules if rule.implementation.contract.preserves_shape for ref in rule.match
-        )
+        return frozenset(ref.op for rule in self.rules if rule.contract.preserves_shape for ref in rule.match)
 
     def matched_ops(self) -> set[tuple[str, str]]:
         """Every (domain, op) some rule matches (domain "*" for any non-standard one)."""

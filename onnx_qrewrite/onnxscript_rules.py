@@ -83,7 +83,7 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         super().__init__(name=f"{rule.id}:{ref}")
         self._rule, self._ref = rule, ref
         self._catalogue = catalogue.select(only=[rule.id])
-        self._outputs = rule.implementation.contract.outputs
+        self._outputs = rule.contract.outputs
         # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
         self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int]] | None = None
 

@@ -149,6 +149,34 @@ def test_every_builder_declares_a_complete_contract():
         assert rule.implementation.contract.opset(rule.options, rule.dtypes), rule.id
 
 
+def test_each_builtin_builder_carries_the_contract_its_declaration_gives():
+    """One source of truth: the catalogue validates against builders/contracts.py without importing
+    the builders, and each builder class says ``contract = CONTRACTS[name]``."""
+    import importlib
+    import pkgutil
+
+    from onnx_qrewrite.builders import contracts
+
+    for name, contract in contracts.CONTRACTS.items():
+        builder = builders.get_builder(name)
+        assert builder is not None and builder.name == name, name
+        assert builder.contract is contract, name
+        assert type(builder).__module__ == f"onnx_qrewrite.builders.{contracts.MODULES[name]}", name
+    # Every module that registers a builder is declared (so get_builder finds it by name).
+    for info in pkgutil.iter_modules(builders.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"onnx_qrewrite.builders.{info.name}")
+    builtin = {n: b for n, b in builders._REGISTRY.items() if type(b).__module__.startswith("onnx_qrewrite.builders.")}
+    assert set(builtin) == set(contracts.CONTRACTS)
+
+
+def test_the_qoperator_builder_lays_out_exactly_the_ops_its_contract_names():
+    from onnx_qrewrite.builders.contracts import QOPERATOR_EXACTNESS
+    from onnx_qrewrite.builders.qoperator import SPECS
+
+    assert list(SPECS) == list(QOPERATOR_EXACTNESS)
+
+
 _QDQ_UINT8 = """
     <ir_version: 8, opset_import: ["" : 10, "com.microsoft" : 1]>
     g (float[4] x) => (uint8[4] y)

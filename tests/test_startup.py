@@ -1,5 +1,7 @@
-"""Start-up: importing the package and ``--help`` load neither onnx nor numpy, and the help text
-the command line prints without importing the subcommands is the one they carry."""
+"""Start-up: importing the package, ``--help`` and ``rules`` load neither onnx nor numpy (the
+catalogue is validated against the builders' declared contracts, builders/contracts.py, without
+importing their code), and the help text the command line prints without importing the
+subcommands is the one they carry."""
 
 from __future__ import annotations
 
@@ -28,6 +30,30 @@ def test_help_loads_no_subcommand_and_no_onnx():
     )
     assert "onnx" not in loaded and "numpy" not in loaded
     assert not any(m.startswith("onnx_qrewrite.commands") for m in loaded)
+
+
+def test_rules_loads_no_onnx_numpy_or_builder_code():
+    loaded = _modules_after(
+        "from onnx_qrewrite.cli import main\n"
+        "for args in (['rules'], ['rules', '--long']):\n"
+        "    try:\n        main(args)\n    except SystemExit:\n        pass"
+    )
+    assert "onnx_qrewrite.catalogue" in loaded  # it did list the rules
+    assert "onnx" not in loaded and "numpy" not in loaded
+    builder_code = {m for m in loaded if m.startswith("onnx_qrewrite.builders.")}
+    assert builder_code == {"onnx_qrewrite.builders.contracts"}
+
+
+def test_a_builder_module_is_imported_when_its_rule_is_applied():
+    loaded = _modules_after(
+        "from onnx_qrewrite import builders\n"
+        "assert builders.contract_of('qoperator_to_qdq') is not None\n"
+        "import sys\n"
+        "assert 'onnx_qrewrite.builders.qoperator' not in sys.modules\n"
+        "assert builders.get_builder('qoperator_to_qdq').contract is builders.contract_of('qoperator_to_qdq')"
+    )
+    assert "onnx_qrewrite.builders.qoperator" in loaded
+    assert "onnx_qrewrite.builders.matmul_nbits" not in loaded
 
 
 def test_the_lazy_api_is_the_api():

@@ -18,15 +18,10 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Site
-from onnx_qrewrite.contract import Option
 from onnx_qrewrite.graph import Scope, dtype_name, known_shape
 
 __all__ = [
-    "AXIS_DEFAULT",
-    "DIRECTION",
-    "FLOAT16",
     "INTEGER_RANGES",
-    "REQUIRE_ZERO_POINT",
     "STANDARD_SAME_SHAPE_OPS",
     "QDQNode",
     "broadcast_operand",
@@ -56,22 +51,6 @@ PER_AXIS = "per-axis"
 DYNAMIC = "decided at run time"
 
 _FLOAT = onnx.TensorProto.FLOAT
-
-
-DIRECTION = Option("direction", str, allowed=("quantize", "dequantize"), doc="which op the rule replaces")
-AXIS_DEFAULT = Option(
-    "axis_default", int, 1, doc="the axis the vendor kernel uses when the node has no axis attribute (written out)"
-)
-REQUIRE_ZERO_POINT = Option(
-    "require_zero_point", bool, False, doc="the vendor kernel takes exactly three inputs (x, scale, zero point)"
-)
-FLOAT16 = Option(
-    "float16",
-    bool,
-    False,
-    doc="also x (quantize), scale and y (dequantize) in float16: onnxruntime's contrib kernels compute those "
-    "in float32 (measured), the emitted ops then do too",
-)
 
 
 #: Standard ops whose output has their first input's shape. A quantized tensor between a vendor Q

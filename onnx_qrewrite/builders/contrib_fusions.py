@@ -34,7 +34,7 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import BOUNDED, EXACT, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["ActivationBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
@@ -64,7 +64,6 @@ def _float_type(site: Site) -> str | None:
 
 # --- Gelu family ---------------------------------------------------------------------------------
 
-_GELU_FORMS = ("gelu", "bias_gelu", "quick_gelu", "fast_gelu_standard", "fast_gelu_decomposed")
 #: FastGelu's constants, as the kernel has them: sqrt(2 / pi) and 0.044715 * sqrt(2 / pi).
 _KB = np.float32(0.7978845608028654)
 _KC = np.float32(0.044715 * 0.7978845608028654)
@@ -74,15 +73,7 @@ class ActivationBuilder:
     """Replaces com.microsoft Gelu, BiasGelu, QuickGelu and FastGelu with standard elementwise ops."""
 
     name = "unfuse_activation"
-    contract = Contract(
-        options=(Option("form", str, allowed=_GELU_FORMS, doc="which op, and for FastGelu which decomposition"),),
-        emits=frozenset({"Mul", "Add", "Erf", "Sigmoid", "Tanh", "Gelu"}),
-        exactness=lambda options: BOUNDED if options["form"] == "fast_gelu_decomposed" else EXACT,
-        bound="the tanh approximation in other float32 roundings: within 2^-21·(|x| + 1) "
-        "(measured: 4.8e-7 at |x| ~ 10)",
-        preserves_shape=True,
-        opset=lambda options, dtypes: {"fast_gelu_standard": "20", "quick_gelu": "6"}.get(options["form"], "9"),
-    )
+    contract = CONTRACTS["unfuse_activation"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return _float_type(site)
@@ -129,15 +120,8 @@ register(ActivationBuilder())
 
 # --- FusedGemm / FusedConv -----------------------------------------------------------------------
 
-#: Activation name -> (standard op, its attribute names in the order of the fused op's parameters).
-_ACTIVATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "Relu": ("Relu", ()),
-    "LeakyRelu": ("LeakyRelu", ("alpha",)),
-    "Sigmoid": ("Sigmoid", ()),
-    "Tanh": ("Tanh", ()),
-    "HardSigmoid": ("HardSigmoid", ("alpha", "beta")),
-    "Clip": ("Clip", ()),  # min and max become inputs
-}
+#: Activation name -> (standard op, its attribute names), declared with the contract.
+_ACTIVATIONS = FUSED_ACTIVATIONS
 _CONV_ATTRS = {"auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"}
 
 
@@ -145,11 +129,7 @@ class FusedGemmConvBuilder:
     """Replaces com.microsoft FusedGemm / FusedConv with Gemm / Conv and the activation op."""
 
     name = "unfuse_gemm_conv"
-    contract = Contract(
-        options=(Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),),
-        emits=frozenset({"Gemm", "Conv", "Add", "Reshape", *(op for op, _ in _ACTIVATIONS.values())}),
-        opset=lambda options, dtypes: "11 (Clip with inputs)",
-    )
+    contract = CONTRACTS["unfuse_gemm_conv"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return _float_type(site)
@@ -232,22 +212,7 @@ class FusedMatMulBuilder:
     """Replaces com.microsoft FusedMatMul with Transpose, MatMul and Mul."""
 
     name = "unfuse_matmul"
-    contract = Contract(
-        options=(
-            Option(
-                "any_alpha",
-                bool,
-                False,
-                doc="also nodes with alpha != 1 or transA (bounded: MLAS applies alpha per K panel and "
-                "transposes A while packing, which changes the float32 summation)",
-            ),
-        ),
-        emits=frozenset({"Transpose", "MatMul", "Mul"}),
-        exactness=lambda options: BOUNDED if options["any_alpha"] else EXACT,
-        bound="the same products summed in another order, times alpha: at most 2·γ(K)·|alpha|·Σ|a·b| + one "
-        "rounding of the result",
-        opset=lambda options, dtypes: "any",
-    )
+    contract = CONTRACTS["unfuse_matmul"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return _float_type(site)
@@ -294,28 +259,13 @@ register(FusedMatMulBuilder())
 
 # --- Skip/Simplified layer normalization ---------------------------------------------------------
 
-_NORM_FORMS = ("skip_layer_norm", "skip_simplified", "simplified_standard", "simplified_decomposed")
-
 
 class NormalizationBuilder:
     """Replaces SkipLayerNormalization, SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization
     with Add, LayerNormalization / RMSNormalization or their elementwise form."""
 
     name = "unfuse_normalization"
-    contract = Contract(
-        options=(
-            Option(
-                "form", str, allowed=_NORM_FORMS, doc="which op, and for RMS norms the standard op or a decomposition"
-            ),
-        ),
-        emits=frozenset({"Add", "LayerNormalization", "RMSNormalization", "Mul", "ReduceMean", "Sqrt", "Div"}),
-        exactness=lambda options: EXACT if options["form"] == "simplified_standard" else BOUNDED,
-        bound="the mean and mean square summed in float32 in another order than the kernel's sequential loop: "
-        "at most 16·2^-24·(|y| + 1) at each output y (asserted on the tests' battery)",
-        opset=lambda options, dtypes: {"skip_layer_norm": "17", "simplified_decomposed": "13"}.get(
-            options["form"], "23"
-        ),
-    )
+    contract = CONTRACTS["unfuse_normalization"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return _float_type(site)

@@ -30,13 +30,12 @@ import onnx
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
-    AXIS_DEFAULT,
     broadcast_operand,
     normalized_axis,
     per_tensor_operand,
     value_shape,
 )
-from onnx_qrewrite.contract import Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.graph import dtype_name, known_shape
 
 __all__ = ["DynamicDequantizeBuilder"]
@@ -57,22 +56,7 @@ class DynamicDequantizeBuilder:
     """Replaces oneDNN's DynamicDequantize with DequantizeLinear or its Cast/Sub/Mul form."""
 
     name = "dynamic_dequantize"
-    contract = Contract(
-        options=(
-            Option(
-                "form",
-                str,
-                "dequantize_linear",
-                ("dequantize_linear", "arithmetic"),
-                doc="DequantizeLinear (gives way for a zero point of another type than src, or a "
-                "non-float32 scale) or the Cast/Sub/Mul form",
-            ),
-            AXIS_DEFAULT,
-        ),
-        emits=frozenset({"DequantizeLinear", "Cast", "Sub", "Mul", "Reshape"}),
-        preserves_shape=True,
-        opset=lambda options, dtypes: "10 (per_channel 13)" if options["form"] == "dequantize_linear" else "13",
-    )
+    contract = CONTRACTS["dynamic_dequantize"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))

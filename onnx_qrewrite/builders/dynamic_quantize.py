@@ -58,11 +58,10 @@ from onnx import defs
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.graph import dtype_name, known_shape
 
-SEMANTICS = ("onnxruntime", "spec")
 #: Below this many elements onnxruntime's x86-64 (AVX) min/max search is a scalar loop that skips
 #: NaN; from it on, vector instructions make a NaN's effect position-dependent (module docstring).
 SCALAR_MINMAX_BELOW = 8
@@ -87,39 +86,7 @@ class DynamicQuantizeLinearBuilder:
     """Expands DynamicQuantizeLinear into primitive ops valid at the model's opset (11-26)."""
 
     name = "dynamic_quantize_linear"
-    contract = Contract(
-        options=(
-            Option(
-                "semantics",
-                str,
-                "onnxruntime",
-                SEMANTICS,
-                doc="onnxruntime's kernel, bit for bit (degenerate cases included), or the ONNX spec's function body",
-            ),
-        ),
-        # The spec body (onnx's own schema) uses a subset of these at every opset 11-26.
-        emits=frozenset(
-            {
-                "ReduceMin",
-                "ReduceMax",
-                "Min",
-                "Max",
-                "Sub",
-                "Div",
-                "Equal",
-                "Where",
-                "IsNaN",
-                "Clip",
-                "Round",
-                "Cast",
-                "QuantizeLinear",
-                "Constant",
-                "Identity",
-            }
-        ),
-        outputs=3,
-        opset=lambda options, dtypes: "11",
-    )
+    contract = CONTRACTS["dynamic_quantize_linear"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return "uint8"  # DynamicQuantizeLinear always produces uint8

@@ -36,7 +36,6 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NotApplicable, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
-    DIRECTION,
     INTEGER_RANGES,
     PER_TENSOR,
     broadcast_operand,
@@ -44,7 +43,8 @@ from onnx_qrewrite.builders._qdq import (
     quantized_dtype,
     read_qdq,
 )
-from onnx_qrewrite.contract import Contract
+from onnx_qrewrite.builders.contracts import CONTRACTS
+from onnx_qrewrite.builders.contracts import FLOAT_EMULATION_MIN_OPSET as MIN_OPSET
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["FloatEmulationBuilder"]
@@ -52,23 +52,13 @@ __all__ = ["FloatEmulationBuilder"]
 _T = onnx.TensorProto
 _TYPES = {"uint8": _T.UINT8, "int8": _T.INT8, "uint16": _T.UINT16, "int16": _T.INT16}
 _FLOATS = {"float32": _T.FLOAT, "float16": _T.FLOAT16, "bfloat16": _T.BFLOAT16}
-#: Round 11, Clip with bound inputs 11, bfloat16 Cast 13.
-MIN_OPSET = 13
 
 
 class FloatEmulationBuilder:
     """Replaces a standard QuantizeLinear/DequantizeLinear with float arithmetic and Casts."""
 
     name = "qdq_float_emulation"
-    contract = Contract(
-        options=(DIRECTION,),
-        emits=frozenset(
-            {"Div", "Round", "Add", "Clip", "IsNaN", "Where", "Cast", "Sub", "Mul", "Reshape"}
-            | {"GreaterOrEqual", "Less", "And"}
-        ),
-        preserves_shape=True,
-        opset=lambda options, dtypes: str(MIN_OPSET),
-    )
+    contract = CONTRACTS["qdq_float_emulation"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return quantized_dtype(site, quantize=site.node.op_type == "QuantizeLinear")

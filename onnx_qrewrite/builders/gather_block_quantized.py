@@ -28,8 +28,8 @@ import onnx
 
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.builders.matmul_nbits import unpack
-from onnx_qrewrite.contract import Contract
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["GatherBlockQuantizedBuilder"]
@@ -65,11 +65,7 @@ class GatherBlockQuantizedBuilder:
     """Replaces com.microsoft GatherBlockQuantized with Gather and a blocked DequantizeLinear."""
 
     name = "gather_block_quantized"
-    contract = Contract(
-        options=(),
-        emits=frozenset({"Gather", "DequantizeLinear"}),
-        opset=lambda options, dtypes: str(kernel_opsets.BLOCKED),
-    )
+    contract = CONTRACTS["gather_block_quantized"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))

@@ -52,8 +52,8 @@ import onnx
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import INTEGER_RANGES, value_shape
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
-from onnx_qrewrite.contract import BOUNDED, EXACT, Contract, Option
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["IntegerMatMulBuilder", "float32_sum_bound"]
@@ -66,7 +66,6 @@ _INT16 = (-32768, 32767)
 _TYPES = ("uint8", "int8")
 #: An operand whose type the model does not record (no value_info); the op's schema says 8-bit.
 _UNKNOWN = "8-bit"
-_FORMS = ("float-exact", "int32", "float")
 
 
 def float32_sum_bound(k: int, total: float) -> float:
@@ -194,28 +193,7 @@ class IntegerMatMulBuilder:
     """Integer MatMul/Conv (and onnxruntime's fused forms) as float or int32 arithmetic."""
 
     name = "integer_matmul"
-    contract = Contract(
-        options=(
-            Option(
-                "accumulate",
-                str,
-                "float-exact",
-                _FORMS,
-                doc="float-exact: float MatMul/Conv where sums provably stay below 2^24 (declines otherwise); "
-                "int32: int32 MatMul (MatMul only); float: float MatMul/Conv within a computed bound",
-            ),
-        ),
-        emits=frozenset(
-            {"Cast", "Sub", "MatMul", "Conv", "Mul", "Add", "Reshape"} | DynamicQuantizeLinearBuilder.contract.emits
-        ),
-        exactness=lambda options: BOUNDED if options["accumulate"] == "float" else EXACT,
-        bound="float32 accumulation of the exact integer products: at most gamma(K-1) * sum |products| "
-        "(computed per node from K, the dtype ranges, the zero points and constant weights)",
-        opset=lambda options, dtypes: (
-            str(kernel_opsets.FORMS["integer-matmul"])
-            + f" ({kernel_opsets.FORMS['dynamic-quantize-linear']} with DynamicQuantizeMatMul)"
-        ),
-    )
+    contract = CONTRACTS["integer_matmul"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         types = []

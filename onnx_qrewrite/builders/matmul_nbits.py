@@ -46,14 +46,13 @@ import onnx
 
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
+from onnx_qrewrite.builders.contracts import NBITS_BLOCKED as _BLOCKED
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["MatMulNBitsBuilder", "pack", "unpack"]
 
 _T = onnx.TensorProto
-_BLOCKED = "blocked_dequantize"
-_UNPACKED = "unpacked"
 
 
 def unpack(packed: np.ndarray, bits: int, rows: int, count: int) -> np.ndarray:
@@ -187,31 +186,7 @@ class MatMulNBitsBuilder:
     """Replaces com.microsoft MatMulNBits with a blocked dequantization of its weights and a MatMul."""
 
     name = "matmul_nbits"
-    contract = Contract(
-        options=(
-            Option(
-                "form",
-                str,
-                allowed=(_BLOCKED, _UNPACKED),
-                doc="blocked_dequantize: DequantizeLinear with block_size (opset 21, 4/8-bit types); "
-                "unpacked: one uint8 per weight and Cast/Sub/Mul per block (any opset from 10)",
-            ),
-            Option(
-                "int8_activations",
-                bool,
-                False,
-                doc="rewrite only nodes with accuracy_level 4, where onnxruntime may quantize A to int8 per "
-                "block (approximate: the rewrite computes in float32)",
-            ),
-        ),
-        emits=frozenset({"DequantizeLinear", "MatMul", "Add", "Cast", "Sub", "Mul", "Reshape", "Slice"}),
-        exactness=lambda options: APPROXIMATE if options["int8_activations"] else BOUNDED,
-        bound="bit-identical dequantized weights; the float32 sum over K in another order: at most "
-        "2·γ(K)·Σ|a·w| per output (γ(K) = K·2^-24/(1 - K·2^-24))",
-        opset=lambda options, dtypes: str(
-            kernel_opsets.BLOCKED if options["form"] == _BLOCKED else kernel_opsets.NBITS_UNPACKED
-        ),
-    )
+    contract = CONTRACTS["matmul_nbits"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         bits = site.attribute("bits", 4)

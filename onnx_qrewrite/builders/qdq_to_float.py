@@ -21,12 +21,11 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NotApplicable, Plan, Site, register
-from onnx_qrewrite.contract import APPROXIMATE, EXACT, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.graph import Scope, dtype_name
 
 __all__ = ["QDQToFloatBuilder", "dequantize_constant"]
 
-_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
 _CONSUMERS: weakref.WeakKeyDictionary[Scope, dict[str, list[onnx.NodeProto]]] = weakref.WeakKeyDictionary()
 
 
@@ -78,13 +77,7 @@ class QDQToFloatBuilder:
     """Folds constant DequantizeLinear into float initializers; removes activation Q -> DQ pairs."""
 
     name = "qdq_to_float"
-    contract = Contract(
-        options=(Option("form", str, allowed=_FORMS, doc="which part of the QDQ form the rule removes"),),
-        emits=frozenset({"Identity"}),
-        exactness=lambda options: EXACT if options["form"] == "fold_constant" else APPROXIMATE,
-        preserves_shape=True,
-        opset=lambda options, dtypes: "any",
-    )
+    contract = CONTRACTS["qdq_to_float"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         name = site.node.output[0] if site.node.op_type == "QuantizeLinear" else site.input(0)

@@ -53,7 +53,8 @@ import onnx
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS, QOPERATOR_EXACTNESS
+from onnx_qrewrite.contract import EXACT
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["QOperatorBuilder", "summation_error_bound"]
@@ -87,7 +88,6 @@ class _Spec:
     out_scale: int
     out_zero_point: int
     float_op: str
-    exactness: str
 
 
 def _concat_operands(n: int) -> tuple[_Operand, ...]:
@@ -97,18 +97,19 @@ def _concat_operands(n: int) -> tuple[_Operand, ...]:
 _UNARY = (_Operand(0, 1, 2),)
 _BINARY = (_Operand(0, 1, 2), _Operand(3, 4, 5))
 
+#: One per op of the contract (contracts.QOPERATOR_EXACTNESS, which also gives each op's exactness).
 SPECS: dict[str, _Spec] = {
-    "QLinearConv": _Spec(_BINARY, 6, 7, "Conv", BOUNDED),
-    "QLinearMatMul": _Spec(_BINARY, 6, 7, "MatMul", BOUNDED),
-    "QGemm": _Spec(_BINARY, 7, 8, "Gemm", BOUNDED),
-    "QLinearAdd": _Spec(_BINARY, 6, 7, "Add", BOUNDED),
-    "QLinearMul": _Spec(_BINARY, 6, 7, "Mul", BOUNDED),
-    "QLinearConcat": _Spec((), 0, 1, "Concat", EXACT),
-    "QLinearAveragePool": _Spec(_UNARY, 3, 4, "AveragePool", BOUNDED),
-    "QLinearGlobalAveragePool": _Spec(_UNARY, 3, 4, "GlobalAveragePool", BOUNDED),
-    "QLinearLeakyRelu": _Spec(_UNARY, 3, 4, "LeakyRelu", EXACT),
-    "QLinearSigmoid": _Spec(_UNARY, 3, 4, "Sigmoid", EXACT),
-    "QLinearSoftmax": _Spec(_UNARY, 3, 4, "Softmax", BOUNDED),
+    "QLinearConv": _Spec(_BINARY, 6, 7, "Conv"),
+    "QLinearMatMul": _Spec(_BINARY, 6, 7, "MatMul"),
+    "QGemm": _Spec(_BINARY, 7, 8, "Gemm"),
+    "QLinearAdd": _Spec(_BINARY, 6, 7, "Add"),
+    "QLinearMul": _Spec(_BINARY, 6, 7, "Mul"),
+    "QLinearConcat": _Spec((), 0, 1, "Concat"),
+    "QLinearAveragePool": _Spec(_UNARY, 3, 4, "AveragePool"),
+    "QLinearGlobalAveragePool": _Spec(_UNARY, 3, 4, "GlobalAveragePool"),
+    "QLinearLeakyRelu": _Spec(_UNARY, 3, 4, "LeakyRelu"),
+    "QLinearSigmoid": _Spec(_UNARY, 3, 4, "Sigmoid"),
+    "QLinearSoftmax": _Spec(_UNARY, 3, 4, "Softmax"),
 }
 
 _ACCUMULATING = ("QLinearConv", "QLinearMatMul", "QGemm")
@@ -154,63 +155,11 @@ class _Param:
     value: np.ndarray
 
 
-def _exactness(options: Mapping[str, Any]) -> str:
-    if options["u8s8_saturation"] == "ignore":
-        return APPROXIMATE
-    return SPECS[options["op"]].exactness
-
-
-def _opset(options: Mapping[str, Any], dtypes: Any) -> str:
-    op = options["op"]
-    if op in ("QLinearConv", "QLinearMatMul", "QGemm", "QLinearSoftmax"):
-        return f"{kernel_opsets.PER_AXIS} (per-channel DequantizeLinear; Softmax's single-axis form)"
-    return "10"
-
-
 class QOperatorBuilder:
     """Replaces a QOperator op with DequantizeLinear -> the float op -> QuantizeLinear."""
 
     name = "qoperator_to_qdq"
-    contract = Contract(
-        options=(
-            Option("op", str, allowed=tuple(SPECS), doc="which QOperator op the rule replaces"),
-            Option(
-                "u8s8_saturation",
-                str,
-                "decline",
-                ("decline", "ignore"),
-                doc="uint8 activations x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates "
-                "pairs of products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the "
-                "unsaturated value (approximate)",
-            ),
-        ),
-        emits=frozenset(
-            {
-                "DequantizeLinear",
-                "QuantizeLinear",
-                "Conv",
-                "MatMul",
-                "Gemm",
-                "Add",
-                "Mul",
-                "Concat",
-                "AveragePool",
-                "GlobalAveragePool",
-                "LeakyRelu",
-                "Sigmoid",
-                "Softmax",
-                "Transpose",
-                "Flatten",
-                "Shape",
-                "Reshape",
-            }
-        ),
-        exactness=_exactness,
-        bound="one quantization step at the node's output for every op but QLinearSoftmax with a non-integral "
-        "1/y_scale (two); more only where float32 accumulation of the dot products cannot be bounded below "
-        "one step (computed per node from the weights: floor(d) + 1 steps)",
-        opset=_opset,
-    )
+    contract = CONTRACTS["qoperator_to_qdq"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         spec = SPECS.get(site.node.op_type)
@@ -229,7 +178,7 @@ class QOperatorBuilder:
         inputs = [_read_operand(site, o) for o in operands]
         out = _read_output(site, spec, inputs[0][3] if inputs else _dtype(site, 2, 4))
         per_axis = any(p[1].value.size > 1 for p in inputs)
-        bound: float | None = None if spec.exactness == EXACT else 1.0
+        bound: float | None = None if QOPERATOR_EXACTNESS[op] == EXACT else 1.0
         min_opset = max(
             kernel_opsets.qdq_opset(False, inputs[0][3], per_axis=per_axis) or 10,
             kernel_opsets.qdq_opset(True, out[2], per_axis=False) or 10,

@@ -75,19 +75,15 @@ import onnx
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import (
-    AXIS_DEFAULT,
-    DIRECTION,
-    FLOAT16,
     INTEGER_RANGES,
     PER_AXIS,
     PER_TENSOR,
-    REQUIRE_ZERO_POINT,
     QDQNode,
     quantized_dtype,
     read_qdq,
     scale_and_zero_point,
 )
-from onnx_qrewrite.contract import Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 
 __all__ = ["QDQDecomposeBuilder", "StandardQDQBuilder"]
 
@@ -117,26 +113,7 @@ class StandardQDQBuilder:
     """Replaces a vendor QuantizeLinear/DequantizeLinear with the standard op of the same kind."""
 
     name = "standard_qdq"
-    contract = Contract(
-        options=(
-            DIRECTION,
-            AXIS_DEFAULT,
-            REQUIRE_ZERO_POINT,
-            FLOAT16,
-            Option(
-                "int32_in_int64",
-                bool,
-                False,
-                doc="the vendor kernel dequantizes int32 as (int64)x - zp: use DequantizeLinear only for a "
-                "constant zero point of 0",
-            ),
-        ),
-        emits=frozenset({"QuantizeLinear", "DequantizeLinear", "Reshape"}),
-        preserves_shape=True,
-        opset=lambda options, dtypes: kernel_opsets.describe(
-            options["direction"] == "quantize", sorted(dtypes) if dtypes is not None else None
-        ),
-    )
+    contract = CONTRACTS["standard_qdq"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         # No options here (the Builder protocol): the op name tells the direction.
@@ -213,39 +190,7 @@ class QDQDecomposeBuilder:
 
     name = "qdq_decompose"
     MIN_OPSET = kernel_opsets.FORMS["qdq-decompose"]
-    contract = Contract(
-        options=(
-            DIRECTION,
-            AXIS_DEFAULT,
-            REQUIRE_ZERO_POINT,
-            FLOAT16,
-            Option(
-                "overflow",
-                str,
-                "int64-wrap",
-                ("int64-wrap", "saturate"),
-                doc="integer quantize where x / scale is NaN, infinite or >= 2^63: Quark's x86 kernel "
-                "(int64-wrap) or onnxruntime's QuantizeLinear (saturate)",
-            ),
-            Option(
-                "float16_semantics",
-                str,
-                "strict",
-                ("strict", "kernel", "documented"),
-                doc="float16, where Quark's CPU kernel and its documentation disagree",
-            ),
-        ),
-        emits=frozenset(
-            {"Div", "Round", "Cast", "Add", "Clip", "Abs", "Less", "Where", "IsNaN", "Not", "Sub", "Mul", "Reshape"}
-        ),
-        preserves_shape=True,
-        opset=lambda options, dtypes: (
-            f"{kernel_opsets.DECOMPOSE_DEQUANTIZE_INTEGER} (integer types; "
-            f"bfloat16/float16: {QDQDecomposeBuilder.MIN_OPSET})"
-            if options["direction"] == "dequantize"
-            else str(QDQDecomposeBuilder.MIN_OPSET)
-        ),
-    )
+    contract = CONTRACTS["qdq_decompose"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return quantized_dtype(site, quantize="dequantize" not in site.node.op_type.lower())

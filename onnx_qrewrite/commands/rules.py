@@ -27,7 +27,7 @@ def rules_command(rule_files, only, skip, rule_options, forms, form_options, dql
                 conds.append(f"opset {rule.min_opset or ''}..{rule.max_opset or ''}")
             if conds:
                 click.echo(f"{'':{width}}  when: {'; '.join(conds)}")
-            contract = rule.implementation.contract
+            contract = rule.contract
             click.echo(f"{'':{width}}  exactness: {rule.exactness}" + (f" ({rule.bound})" if rule.bound else ""))
             click.echo(f"{'':{width}}  emitted ops need opset: {contract.opset(rule.options, rule.dtypes)}")
             if rule.options:
