@@ -16,8 +16,8 @@ llm       rewrite of a 32-layer LLM-shaped model with 4 GB of external weights, 
           (weights streamed into a new data file) against the floor of copying the data file alone
           (``cp``); and with ``--reference-external-data`` (zero copy) in the same folder.
 verify    ``onnx-qrewrite verify`` of a model against its rewrite (the chain, and the BERT-like
-          encoder), against a bare script that creates the same two onnxruntime sessions and runs
-          them on the same inputs.
+          encoder) on saved inputs (``--inputs``), against a bare script that creates the same two
+          onnxruntime sessions (verify's default settings) and runs both on the same samples.
 infer     onnxruntime latency of the rewritten model over the original's (a BERT-like encoder and a
           CNN, made by onnxruntime.quantization.quantize_dynamic; default session options, i.e.
           graph optimisation on, one intra-op thread), interleaved runs in one child process; the
@@ -25,7 +25,12 @@ infer     onnxruntime latency of the rewritten model over the original's (a BERT
 startup   ``onnx-qrewrite --help``, ``rules`` and ``inspect`` of a small model, against
           ``polygraphy --help`` (when polygraphy is installed: ``pip install polygraphy``).
 
-Medians of ``--repeat`` runs are reported. Models are generated once into ``--work-dir``.
+Medians of ``--repeat`` runs are reported. The verify and startup cases interleave their commands
+(floor, ours, floor, ours, ...) after one warm-up round, so a load that changes during the run
+weighs on both sides alike. Every command runs with Python's bytecode cache on (an inherited
+PYTHONDONTWRITEBYTECODE is dropped): an installed tool runs from cached bytecode, as the floors'
+packages do, and the warm-up round writes it for a source checkout. Models are generated once into
+``--work-dir``.
 """
 
 from __future__ import annotations
@@ -67,6 +72,10 @@ class Sample:
 _TIME = "/usr/bin/time" if Path("/usr/bin/time").exists() else None
 
 
+#: Children run as an installed tool does: with the bytecode cache (see the module docstring).
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def measure(cmd: list[str], repeat: int) -> Sample:
     """Median wall time, peak RSS and CPU time of ``cmd`` over ``repeat`` runs (after one warm-up)."""
     return measure_interleaved([cmd], repeat)[0]
@@ -89,19 +98,28 @@ def measure_interleaved(cmds: list[list[str]], repeat: int) -> list[Sample]:
     return out
 
 
+def measure_named(cmds: dict[str, list[str]], repeat: int) -> dict[str, Sample]:
+    """:func:`measure_interleaved`, keyed by a name per command."""
+    return dict(zip(cmds, measure_interleaved(list(cmds.values()), repeat), strict=True))
+
+
 def _run_once(cmd: list[str]) -> Sample:
     """One run of ``cmd``: wall time, peak RSS and CPU time (fails the benchmark if it fails)."""
     start = time.perf_counter()
     if _TIME:
         proc = subprocess.run(
-            [_TIME, "-f", "%M %U %S", *cmd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False
+            [_TIME, "-f", "%M %U %S", *cmd],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            check=False,
+            env=_ENV,
         )
         elapsed = time.perf_counter() - start
         fields = proc.stderr.decode().strip().splitlines()[-1].split() if proc.returncode == 0 else ["0", "0", "0"]
         peak_kb, cpu = float(fields[0]), float(fields[1]) + float(fields[2])
         code, err = proc.returncode, proc.stderr
     else:
-        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_ENV)
         _, status, usage = os.wait4(child.pid, 0)
         elapsed = time.perf_counter() - start
         code, err, peak_kb = os.waitstatus_to_exitcode(status), b"", usage.ru_maxrss
@@ -172,15 +190,19 @@ def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
 
 
 def _bare_sessions(src: Path, out: Path, inputs: Path) -> list[str]:
-    """Two onnxruntime sessions with verify's default settings, run on the same saved inputs."""
+    """Two onnxruntime sessions with verify's default settings (no graph optimisation, one
+    intra-op and one inter-op thread, errors-only logging), each run on every saved sample (keys
+    ``sample::input``, as ``verify --save-inputs`` writes them)."""
     code = (
         "import numpy as np, onnxruntime as ort\n"
         "so = ort.SessionOptions(); so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
-        "so.intra_op_num_threads = 1\n"
-        f"feeds = dict(np.load({str(inputs)!r}))\n"
+        "so.intra_op_num_threads = 1; so.inter_op_num_threads = 1; so.log_severity_level = 3\n"
+        "samples = {}\n"
+        f"for key, value in np.load({str(inputs)!r}).items():\n"
+        "    sample, _, name = key.rpartition('::'); samples.setdefault(sample, {})[name] = value\n"
         f"for path in ({str(src)!r}, {str(out)!r}):\n"
         "    s = ort.InferenceSession(path, so, providers=['CPUExecutionProvider'])\n"
-        "    for k, v in feeds.items(): s.run(None, {s.get_inputs()[0].name: v})\n"
+        "    for feeds in samples.values(): s.run(None, feeds)\n"
     )
     return [PY, "-c", code]
 
@@ -190,9 +212,19 @@ def bench_verify(src: Path, label: str, work: Path, repeat: int) -> Row:
     subprocess.run([*CLI, "-q", "rewrite", str(src), "-o", str(out)], check=True)
     inputs = work / f"{src.stem}.inputs.npz"
     subprocess.run([*CLI, "-q", "verify", str(src), str(out), "--save-inputs", str(inputs)], check=True)
-    ours = measure([*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)], repeat)
-    floor = measure(_bare_sessions(src, out, inputs), repeat)
-    return Row(f"verify {label}", floor, ours, "two ORT sessions + runs on the same inputs")
+    import numpy as np
+
+    with np.load(inputs) as saved:
+        samples = len({key.rpartition("::")[0] for key in saved.files})
+    timed = measure_named(
+        {
+            "floor": _bare_sessions(src, out, inputs),
+            "ours": [*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)],
+        },
+        repeat,
+    )
+    note = f"two ORT sessions + runs on the same {samples} samples; interleaved"
+    return Row(f"verify {label}", timed["floor"], timed["ours"], note)
 
 
 def _small_models(work: Path) -> tuple[Path, Path]:
@@ -276,15 +308,15 @@ def bench_startup(work: Path, repeat: int) -> list[Row]:
     tool = Path(PY).parent / "onnx-qrewrite"
     base = [str(tool)] if tool.exists() else CLI
     poly = shutil.which("polygraphy", path=str(Path(PY).parent)) or shutil.which("polygraphy")
-    floor = measure([poly, "--help"], repeat) if poly else Sample(0.0, 0.0)
     small = HERE.parent / "sample_models" / "dynamic_mlp.onnx"
-    rows = []
-    for label, args in (("--help", ["--help"]), ("rules", ["rules"]), ("inspect", ["inspect", str(small)])):
-        ours = measure([*base, *args], repeat)
-        rows.append(
-            Row(f"start-up {label}", floor, ours, "floor: polygraphy --help" if poly else "polygraphy not installed")
-        )
-    return rows
+    cases = {"--help": ["--help"], "rules": ["rules"], "inspect": ["inspect", str(small)]}
+    cmds = {label: [*base, *args] for label, args in cases.items()}
+    if poly:
+        cmds = {"floor": [poly, "--help"], **cmds}
+    timed = measure_named(cmds, repeat)
+    floor = timed.get("floor", Sample(0.0, 0.0))
+    note = "floor: polygraphy --help; interleaved" if poly else "polygraphy not installed"
+    return [Row(f"start-up {label}", floor, timed[label], note) for label in cases]
 
 
 def machine() -> str:
@@ -332,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     cases = {c.strip() for c in args.cases.split(",")}
     rows: list[Row] = []
+    load_before = os.getloadavg()[0]
 
     def add(new: list[Row]) -> None:
         rows.extend(new)
@@ -356,7 +389,10 @@ def main(argv: list[str] | None = None) -> None:
         add([bench_infer(cnn, "cnn", [1, 3, 16, 16], work, args.infer_seconds)])
     if "startup" in cases:
         add(bench_startup(work, max(args.repeat, 5)))
-    header = f"Machine: {machine()}; medians of {args.repeat} runs after a warm-up."
+    header = (
+        f"Machine: {machine()}; medians of {args.repeat} runs after a warm-up (start-up: "
+        f"{max(args.repeat, 5)}); load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end."
+    )
     out = [header, "", *table(rows)]
     print("\n".join(out))
     if args.markdown:
