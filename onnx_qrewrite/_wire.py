@@ -20,8 +20,16 @@ def varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _small_varints() -> list[bytes]:
+    """``varint(n)`` for every n < 2**14, built from byte pairs: every import pays for this table,
+    and building it by concatenation is ~10x cheaper than calling ``varint`` 16384 times."""
+    low = [bytes((i,)) for i in range(128)]  # n < 128: one byte
+    continued = [bytes((i | 0x80,)) for i in range(128)]  # low 7 bits, with the continuation bit
+    return low + [head + low[high] for high in range(1, 128) for head in continued]
+
+
 #: ``varint(n)`` for every n below 2**14 (two bytes or fewer): lengths of names and node bodies.
-SMALL_VARINTS = [varint(i) for i in range(1 << 14)]
+SMALL_VARINTS = _small_varints()
 
 
 def length_prefixed(payload: bytes) -> bytes:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import signal
 import stat
 import threading
@@ -76,7 +75,7 @@ def file_id(st: os.stat_result) -> FileId:
 def new_temp(folder: Path, final_name: str, kind: str) -> tuple[int, Path]:
     """Create ``.<final_name>.qrw-tmp-<pid>-<token>.<kind>`` in ``folder`` (registered for cleanup)."""
     while True:
-        path = folder / f".{final_name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}.{kind}"
+        path = folder / f".{final_name}{TEMP_MARK}{os.getpid()}-{os.urandom(4).hex()}.{kind}"
         with _registry_lock:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)

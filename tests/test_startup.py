@@ -71,3 +71,30 @@ def test_short_help_table_matches_the_commands():
         command = cli.main.get_command(ctx, name)
         assert command is not None
         assert command.get_short_help_str(limit=1000) == cli.SHORT_HELP[name], name
+
+
+def test_the_precomputed_varint_table_is_the_encoding():
+    """_wire builds its table of short length prefixes cheaply at import; it must be exactly what
+    the encoder computes."""
+    from onnx_qrewrite._wire import SMALL_VARINTS, varint
+
+    assert [varint(n) for n in range(1 << 14)] == SMALL_VARINTS
+
+
+def test_verifying_one_pair_starts_no_worker_machinery(tmp_path):
+    """``verify A B`` does not import the worker pool (multiprocessing) that ``--rewritten-dir``
+    with ``-j`` uses."""
+    from pathlib import Path
+
+    import onnx_qrewrite
+
+    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
+    out = tmp_path / "mlp.portable.onnx"
+    onnx_qrewrite.rewrite(str(model)).save(str(out))
+    loaded = _modules_after(
+        "from onnx_qrewrite.cli import main\n"
+        f"try:\n    main(['-q', 'verify', {str(model)!r}, {str(out)!r}])\n"
+        "except SystemExit as exit:\n    assert not exit.code, exit.code"
+    )
+    assert "onnx_qrewrite.verify" in loaded and "onnxruntime" in loaded  # it did verify
+    assert "onnx_qrewrite.batch" not in loaded and "multiprocessing" not in loaded

@@ -13,11 +13,10 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from onnx_qrewrite.batch import Outcome, run_tasks
 from onnx_qrewrite.clash import check_writes, model_reads
 from onnx_qrewrite.commands.options import (
     MultiValueOption,
@@ -28,6 +27,9 @@ from onnx_qrewrite.commands.options import (
 )
 from onnx_qrewrite.errors import UsageError, worst_exit_code
 from onnx_qrewrite.report import write_report_file
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.batch import Outcome
 
 __all__ = ["combined_junit", "emit_report", "verify_command", "verify_kwargs", "verify_options"]
 
@@ -332,6 +334,7 @@ def combined_junit(
 
 
 def _verify_one(args: tuple[str | None, str, dict[str, Any]]) -> Outcome:
+    from onnx_qrewrite.batch import Outcome
     from onnx_qrewrite.verify import verify
 
     original, rewritten, kwargs = args
@@ -456,6 +459,8 @@ def verify_command(
         if report.exit_code:
             ctx.exit(report.exit_code)
         return
+    from onnx_qrewrite.batch import run_tasks  # worker processes: only for several models
+
     outcomes = []
     labels = [o or r for o, r in pairs]
     for outcome in run_tasks(_verify_one, [(o, r, kwargs) for o, r in pairs], labels, jobs):

@@ -127,12 +127,14 @@ def _version(distribution: str) -> str | None:
 
 def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> RuntimeInfo:
     """Check ``name`` is installed (else exit 2 naming the extra) and say how it will be run."""
-    _require(name)
+    module = _require(name)
     spec = RUNTIMES[name]
     settings: dict[str, str]
     if name == "onnxruntime":
         settings = {"providers": ",".join(providers or ("CPUExecutionProvider",))}
-        return RuntimeInfo(name, _version("onnxruntime"), settings, None, None)
+        # The module's own version: any onnxruntime flavour (onnxruntime-gpu, ...) is that module,
+        # and reading it costs nothing where a distribution lookup scans the installed packages.
+        return RuntimeInfo(name, getattr(module, "__version__", None), settings, None, None)
     if name == "openvino":
         settings = {"device": "CPU", "INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": str(threads or 0)}
     elif name == "tract":
