@@ -389,9 +389,9 @@ class Catalogue:
         """Set option ``key`` on every rule whose builder takes it, e.g. a named form's
         ``with_option("weights", "float")`` (``--form-option``). A key no rule takes, or a bad
         value, is a usage error naming the closest valid key."""
-        takers = {r.id: {key: value} for r in self.rules if key in r.implementation.contract.option_names()}
+        takers = {r.id: {key: value} for r in self.rules if key in r.contract.option_names()}
         if not takers:
-            known = sorted({o for r in self.rules for o in r.implementation.contract.option_names()})
+            known = sorted({o for r in self.rules for o in r.contract.option_names()})
             raise UsageError(
                 f"no rule takes option {key!r}{closest(key, known)}; options: {', '.join(known) or 'none'}"
             )

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from onnx_qrewrite import kernel_opsets
-from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option
+from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option, always
 
 __all__ = [
     "ATTENTION_FORMS",
@@ -38,6 +38,8 @@ __all__ = [
     "QOPERATOR_EXACTNESS",
     "REQUIRE_ZERO_POINT",
     "SEMANTICS",
+    "WEIGHT_ONLY_ROLES",
+    "WEIGHT_ONLY_WEIGHTS",
 ]
 
 # --- options several builders share (the vendor and standard Q/DQ builders) --------------------
@@ -86,6 +88,9 @@ NBITS_UNPACKED = "unpacked"
 FLOAT_EMULATION_MIN_OPSET = 13
 #: qdq_to_float
 QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
+#: weight_only: the role of a rule in the pattern, and how the weights are written.
+WEIGHT_ONLY_ROLES = ("rewrite", "remove_dead")
+WEIGHT_ONLY_WEIGHTS = ("dequantize", "float")
 #: qoperator_to_qdq: the ops it replaces, and the exactness of each (unless ``u8s8_saturation`` is
 #: "ignore"): exact where the float op cannot round (Concat, and the lookup-table ops whose
 #: onnxruntime kernel is the float op then QuantizeLinear), one step otherwise.
@@ -359,6 +364,35 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: EXACT if options["form"] == "fold_constant" else APPROXIMATE,
             preserves_shape=True,
             opset=lambda options, dtypes: "any",
+        ),
+    ),
+    "weight_only": (
+        "weight_only",
+        Contract(
+            options=(
+                Option(
+                    "role",
+                    str,
+                    allowed=WEIGHT_ONLY_ROLES,
+                    doc="rewrite: the pattern's last node becomes the float MatMul/Conv; remove_dead: the "
+                    "pattern's other nodes, removed once nothing reads them",
+                ),
+                Option(
+                    "weights",
+                    str,
+                    "dequantize",
+                    WEIGHT_ONLY_WEIGHTS,
+                    doc="dequantize: DequantizeLinear of the integer weights (opset 13 for per-channel); "
+                    "float: folded to float initializers (no Q/DQ op left)",
+                ),
+            ),
+            emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "Gather"}),
+            exactness=always(APPROXIMATE),
+            opset=lambda options, dtypes: (
+                "any"
+                if options.get("role") == "remove_dead" or options.get("weights") == "float"
+                else kernel_opsets.describe(False, ["uint8", "int8"])
+            ),
         ),
     ),
     "qoperator_to_qdq": (

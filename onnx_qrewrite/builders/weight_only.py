@@ -47,16 +47,14 @@ import onnx
 
 from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NotApplicable, Plan, Site, register
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.builders.qdq_to_float import dequantize_constant
-from onnx_qrewrite.contract import APPROXIMATE, Contract, Option, always
 from onnx_qrewrite.graph import Scope, dtype_name
 
 __all__ = ["WeightOnlyBuilder"]
 
 _T = onnx.TensorProto
 _STANDARD = ("", "ai.onnx")
-_ROLES = ("rewrite", "remove_dead")
-_WEIGHTS = ("dequantize", "float")
 _WEIGHT_TYPES: dict[int, str] = {_T.UINT8: "uint8", _T.INT8: "int8"}
 #: Ops whose nodes the ``remove_dead`` role removes when the rewrite left them unread.
 _CHAIN_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "Cast", "Mul", "Gather"})
@@ -340,32 +338,7 @@ class WeightOnlyBuilder:
     """Integer matmul/conv patterns to float MatMul/Conv of the float activation and dequantized weights."""
 
     name = "weight_only"
-    contract = Contract(
-        options=(
-            Option(
-                "role",
-                str,
-                allowed=_ROLES,
-                doc="rewrite: the pattern's last node becomes the float MatMul/Conv; remove_dead: the "
-                "pattern's other nodes, removed once nothing reads them",
-            ),
-            Option(
-                "weights",
-                str,
-                "dequantize",
-                _WEIGHTS,
-                doc="dequantize: DequantizeLinear of the integer weights (opset 13 for per-channel); "
-                "float: folded to float initializers (no Q/DQ op left)",
-            ),
-        ),
-        emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "Gather"}),
-        exactness=always(APPROXIMATE),
-        opset=lambda options, dtypes: (
-            "any"
-            if options.get("role") == "remove_dead" or options.get("weights") == "float"
-            else kernel_opsets.describe(False, ["uint8", "int8"])
-        ),
-    )
+    contract = CONTRACTS["weight_only"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         anchor = _analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None

@@ -249,11 +249,11 @@ def expand_forms(
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise UsageError(f"--form-option {item!r}: expected KEY=VALUE")
-        takers = [r for r in rules if key in r.implementation.contract.option_names()]
+        takers = [r for r in rules if key in r.contract.option_names()]
         if not takers:
             from onnx_qrewrite.contract import closest
 
-            known = sorted({o for r in rules for o in r.implementation.contract.option_names()})
+            known = sorted({o for r in rules for o in r.contract.option_names()})
             raise UsageError(
                 f"--form-option {item!r}: no rule of {', '.join(forms)} takes option {key!r}"
                 f"{closest(key, known)}; options: {', '.join(known) or 'none'}"
