@@ -25,6 +25,10 @@ infer     onnxruntime latency of the rewritten model over the original's (a BERT
 startup   ``onnx-qrewrite --help``, ``rules`` and ``inspect`` of a small model, against
           ``polygraphy --help`` (when polygraphy is installed: ``pip install polygraphy``).
 
+The verify and startup cases add a reference row each: the bare-sessions floor with ``import
+onnx`` added, and ``python -c "import onnx"`` against ``polygraphy --help``: the part of our time
+that parsing models with onnx costs before any work.
+
 Medians of ``--repeat`` runs are reported. The verify and startup cases interleave their commands
 (floor, ours, floor, ours, ...) after one warm-up round, so a load that changes during the run
 weighs on both sides alike. Every command runs with Python's bytecode cache on (an inherited
@@ -189,12 +193,13 @@ def bench_llm(work: Path, repeat: int, weights_gb: float) -> list[Row]:
     ]
 
 
-def _bare_sessions(src: Path, out: Path, inputs: Path) -> list[str]:
+def _bare_sessions(src: Path, out: Path, inputs: Path, *, import_onnx: bool = False) -> list[str]:
     """Two onnxruntime sessions with verify's default settings (no graph optimisation, one
     intra-op and one inter-op thread, errors-only logging), each run on every saved sample (keys
-    ``sample::input``, as ``verify --save-inputs`` writes them)."""
+    ``sample::input``, as ``verify --save-inputs`` writes them). ``import_onnx``: also import onnx
+    (a reference row: what reading models with onnx costs before any work)."""
     code = (
-        "import numpy as np, onnxruntime as ort\n"
+        ("import onnx\n" if import_onnx else "") + "import numpy as np, onnxruntime as ort\n"
         "so = ort.SessionOptions(); so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL\n"
         "so.intra_op_num_threads = 1; so.inter_op_num_threads = 1; so.log_severity_level = 3\n"
         "samples = {}\n"
@@ -207,7 +212,7 @@ def _bare_sessions(src: Path, out: Path, inputs: Path) -> list[str]:
     return [PY, "-c", code]
 
 
-def bench_verify(src: Path, label: str, work: Path, repeat: int) -> Row:
+def bench_verify(src: Path, label: str, work: Path, repeat: int) -> list[Row]:
     out = work / f"{src.stem}.portable.onnx"
     subprocess.run([*CLI, "-q", "rewrite", str(src), "-o", str(out)], check=True)
     inputs = work / f"{src.stem}.inputs.npz"
@@ -220,11 +225,15 @@ def bench_verify(src: Path, label: str, work: Path, repeat: int) -> Row:
         {
             "floor": _bare_sessions(src, out, inputs),
             "ours": [*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)],
+            "onnx": _bare_sessions(src, out, inputs, import_onnx=True),
         },
         repeat,
     )
     note = f"two ORT sessions + runs on the same {samples} samples; interleaved"
-    return Row(f"verify {label}", timed["floor"], timed["ours"], note)
+    return [
+        Row(f"verify {label}", timed["floor"], timed["ours"], note),
+        Row(f"(reference) floor + import onnx, {label}", timed["floor"], timed["onnx"], "interleaved with the above"),
+    ]
 
 
 def _small_models(work: Path) -> tuple[Path, Path]:
@@ -311,12 +320,14 @@ def bench_startup(work: Path, repeat: int) -> list[Row]:
     small = HERE.parent / "sample_models" / "dynamic_mlp.onnx"
     cases = {"--help": ["--help"], "rules": ["rules"], "inspect": ["inspect", str(small)]}
     cmds = {label: [*base, *args] for label, args in cases.items()}
+    cmds["import onnx"] = [PY, "-c", "import onnx"]  # reference: what any command reading a model pays
     if poly:
         cmds = {"floor": [poly, "--help"], **cmds}
     timed = measure_named(cmds, repeat)
     floor = timed.get("floor", Sample(0.0, 0.0))
     note = "floor: polygraphy --help; interleaved" if poly else "polygraphy not installed"
-    return [Row(f"start-up {label}", floor, timed[label], note) for label in cases]
+    rows = [Row(f"start-up {label}", floor, timed[label], note) for label in cases]
+    return [*rows, Row("(reference) python -c 'import onnx'", floor, timed["import onnx"], note)]
 
 
 def machine() -> str:
@@ -380,8 +391,8 @@ def main(argv: list[str] | None = None) -> None:
             chain = work / f"chain_{args.verify_blocks}.onnx"
             if not chain.exists():
                 make_dql_chain(args.verify_blocks, chain)
-            add([bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat)])
-        add([bench_verify(_small_models(work)[0], "bert-tiny", work, args.repeat)])
+            add(bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat))
+        add(bench_verify(_small_models(work)[0], "bert-tiny", work, args.repeat))
     if "infer" in cases:
         bert, cnn = _small_models(work)
         for shape in ([1, 8], [1, 64], [8, 64]):
