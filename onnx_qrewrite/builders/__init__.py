@@ -27,6 +27,7 @@ use, when a rule is applied). :class:`Site`, :class:`Emitter` and :class:`Consta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -119,6 +120,9 @@ def get_builder(name: str) -> Builder | None:
     if builder is None and name in MODULES:
         importlib.import_module(f"{__name__}.{MODULES[name]}")  # registers it
         builder = _REGISTRY.get(name)
+    if builder is None:
+        _import_undeclared()
+        builder = _REGISTRY.get(name)
     return builder
 
 
@@ -128,12 +132,30 @@ def contract_of(name: str) -> Contract | None:
     builder = _REGISTRY.get(name)
     if builder is not None:
         return builder.contract
-    return CONTRACTS.get(name)
+    if name not in CONTRACTS:
+        _import_undeclared()
+        builder = _REGISTRY.get(name)
+        return builder.contract if builder is not None else None
+    return CONTRACTS[name]
 
 
 def builder_names() -> list[str]:
     """Names of every builder, built-in or registered, sorted: what a rule file's ``builder`` may say."""
+    _import_undeclared()
     return sorted(set(_REGISTRY) | set(MODULES))
+
+
+@functools.cache
+def _import_undeclared() -> None:
+    """Import the modules under ``builders/`` that :mod:`.contracts` does not name, once: a builder
+    added without its declaration there still works (``tests/test_contract.py`` asks for the
+    declaration, which keeps its code out of catalogue loading)."""
+    import pkgutil
+
+    declared = set(MODULES.values())
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_") and info.name != "contracts" and info.name not in declared:
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
 #: Names defined in ``_emit`` (they need onnx and numpy), loaded on first access (PEP 562).

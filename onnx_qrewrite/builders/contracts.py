@@ -21,7 +21,7 @@ from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option, always
 
 __all__ = [
-    "ATTENTION_FORMS",
+    "ATTENTION_EMITS",
     "AXIS_DEFAULT",
     "CONTRACTS",
     "DIRECTION",
@@ -29,6 +29,7 @@ __all__ = [
     "FLOAT_EMULATION_MIN_OPSET",
     "FUSED_ACTIVATIONS",
     "GELU_FORMS",
+    "INTEGER_MATMUL_FLOAT_PARTS",
     "INTEGER_MATMUL_FORMS",
     "MODULES",
     "NBITS_BLOCKED",
@@ -77,8 +78,13 @@ FUSED_ACTIVATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "HardSigmoid": ("HardSigmoid", ("alpha", "beta")),
     "Clip": ("Clip", ()),  # min and max become inputs
 }
-#: unfuse_attention
-ATTENTION_FORMS = ("attention",)
+#: unfuse_attention, unfuse_qattention, unfuse_multi_head_attention: what the attention ops become.
+ATTENTION_EMITS = frozenset(
+    {"MatMul", "Add", "Mul", "Slice", "Reshape", "Transpose", "Softmax", "Where", "Greater", "Less", "Not", "And"}
+    | {"Range", "Shape", "Gather", "Unsqueeze", "Cast", "Concat"}
+)
+#: integer_matmul_float_output: which node of the MatMulInteger/ConvInteger -> Cast pair a rule rewrites.
+INTEGER_MATMUL_FLOAT_PARTS = ("producer", "cast")
 #: integer_matmul
 INTEGER_MATMUL_FORMS = ("float-exact", "int32", "float")
 #: matmul_nbits
@@ -249,37 +255,102 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             ),
         ),
     ),
+    "unfuse_qattention": (
+        "contrib_attention",
+        Contract(
+            options=(
+                Option(
+                    "u8s8_saturation",
+                    str,
+                    "decline",
+                    ("decline", "ignore"),
+                    doc="uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
+                    "products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the unsaturated "
+                    "value, the ONNX definition (approximate)",
+                ),
+            ),
+            emits=ATTENTION_EMITS | {"Sub"},
+            exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
+            bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
+            "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
+            "(bit-exact on the tests' battery, hidden 32 to 768)",
+            opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+        ),
+    ),
     "unfuse_attention": (
         "contrib_attention",
         Contract(
-            options=(Option("form", str, allowed=ATTENTION_FORMS, doc="which attention op the rule replaces"),),
-            emits=frozenset(
-                {
-                    "MatMul",
-                    "Add",
-                    "Mul",
-                    "Slice",
-                    "Reshape",
-                    "Transpose",
-                    "Softmax",
-                    "Where",
-                    "Greater",
-                    "Less",
-                    "Not",
-                    "And",
-                    "Range",
-                    "Shape",
-                    "Gather",
-                    "Unsqueeze",
-                    "Cast",
-                    "Concat",
-                }
-            ),
+            options=(),
+            emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
             bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
             "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
             "at each output, score = scale·Q·Kᵀ (asserted on the tests' battery; worst measured 2^-22.6)",
             opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+        ),
+    ),
+    "unfuse_multi_head_attention": (
+        "contrib_attention",
+        Contract(
+            options=(),
+            emits=ATTENTION_EMITS,
+            exactness=lambda options: BOUNDED,
+            bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
+            "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
+            "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
+            opset=lambda options, dtypes: "13 (11 without key_padding_mask and unidirectional)",
+        ),
+    ),
+    "unfuse_embed_layer_norm": (
+        "contrib_embed",
+        Contract(
+            options=(
+                Option(
+                    "form",
+                    str,
+                    "float",
+                    ("float", "quantized"),
+                    doc="EmbedLayerNormalization, or QEmbedLayerNormalization (8-bit tables and gamma/beta, each "
+                    "with a per-tensor scale and zero point: the rows are gathered, then dequantized)",
+                ),
+            ),
+            emits=frozenset(
+                {
+                    "Gather",
+                    "Add",
+                    "LayerNormalization",
+                    "Range",
+                    "Shape",
+                    "Equal",
+                    "Cast",
+                    "ReduceSum",
+                    "ConstantOfShape",
+                }
+                | {"Slice", "DequantizeLinear"}
+            ),
+            exactness=lambda options: BOUNDED,
+            bound="output 0: the mean and variance summed in float32 in another order than the kernel's sequential "
+            "loop, at most 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (asserted on the tests' "
+            "battery); the mask index and the embedding sum are bit-exact",
+            outputs=2,
+            opset=lambda options, dtypes: "17",
+        ),
+    ),
+    "integer_matmul_float_output": (
+        "integer_matmul_float",
+        Contract(
+            options=(
+                Option(
+                    "part",
+                    str,
+                    "cast",
+                    INTEGER_MATMUL_FLOAT_PARTS,
+                    doc="producer: the MatMulInteger/ConvInteger (removed); cast: the Cast to float reading it "
+                    "(computes the product in float)",
+                ),
+            ),
+            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Reshape"}),
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["integer-matmul"]),
         ),
     ),
     "qdq_float_emulation": (

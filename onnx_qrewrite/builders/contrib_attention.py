@@ -36,17 +36,13 @@ import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.builders._qdq import value_shape
-from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder", "QAttentionBuilder"]
 
 _T = onnx.TensorProto
 _DEFAULT_FILTER = -10000.0
-_EMITS = frozenset(
-    {"MatMul", "Add", "Mul", "Slice", "Reshape", "Transpose", "Softmax", "Where", "Greater", "Less", "Not", "And"}
-    | {"Range", "Shape", "Gather", "Unsqueeze", "Cast", "Concat"}
-)
 
 
 def _float32(site: Site, *names: str) -> None:
@@ -91,25 +87,7 @@ class QAttentionBuilder:
     stays within 2^24, which is checked per column from the constant weights."""
 
     name = "unfuse_qattention"
-    contract = Contract(
-        options=(
-            Option(
-                "u8s8_saturation",
-                str,
-                "decline",
-                ("decline", "ignore"),
-                doc="uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
-                "products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the unsaturated "
-                "value, the ONNX definition (approximate)",
-            ),
-        ),
-        emits=_EMITS | {"Sub"},
-        exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
-        bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
-        "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
-        "(bit-exact on the tests' battery, hidden 32 to 768)",
-        opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
-    )
+    contract = CONTRACTS["unfuse_qattention"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(1))
@@ -232,15 +210,7 @@ class AttentionBuilder:
     mask the kernel builds, Softmax, probabilities times V, heads merged back."""
 
     name = "unfuse_attention"
-    contract = Contract(
-        options=(),
-        emits=_EMITS,
-        exactness=lambda options: BOUNDED,
-        bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
-        "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
-        "at each output, score = scale·Q·Kᵀ (asserted on the tests' battery; worst measured 2^-22.6)",
-        opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
-    )
+    contract = CONTRACTS["unfuse_attention"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))
@@ -331,15 +301,7 @@ class MultiHeadAttentionBuilder:
     the mask the kernel builds from ``key_padding_mask``, Softmax, probabilities times V."""
 
     name = "unfuse_multi_head_attention"
-    contract = Contract(
-        options=(),
-        emits=_EMITS,
-        exactness=lambda options: BOUNDED,
-        bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
-        "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
-        "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
-        opset=lambda options, dtypes: "13 (11 without key_padding_mask and unidirectional)",
-    )
+    contract = CONTRACTS["unfuse_multi_head_attention"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(0))

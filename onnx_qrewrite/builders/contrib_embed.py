@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.contract import BOUNDED, Contract, Option
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.graph import dtype_name
 
 __all__ = ["EmbedLayerNormalizationBuilder"]
@@ -39,28 +39,7 @@ class EmbedLayerNormalizationBuilder:
     """Replaces com.microsoft EmbedLayerNormalization with Gather, Add, LayerNormalization and the mask count."""
 
     name = "unfuse_embed_layer_norm"
-    contract = Contract(
-        options=(
-            Option(
-                "form",
-                str,
-                "float",
-                ("float", "quantized"),
-                doc="EmbedLayerNormalization, or QEmbedLayerNormalization (8-bit tables and gamma/beta, each "
-                "with a per-tensor scale and zero point: the rows are gathered, then dequantized)",
-            ),
-        ),
-        emits=frozenset(
-            {"Gather", "Add", "LayerNormalization", "Range", "Shape", "Equal", "Cast", "ReduceSum", "ConstantOfShape"}
-            | {"Slice", "DequantizeLinear"}
-        ),
-        exactness=lambda options: BOUNDED,
-        bound="output 0: the mean and variance summed in float32 in another order than the kernel's sequential "
-        "loop, at most 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (asserted on the tests' "
-        "battery); the mask index and the embedding sum are bit-exact",
-        outputs=2,
-        opset=lambda options, dtypes: "17",
-    )
+    contract = CONTRACTS["unfuse_embed_layer_norm"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         elem = site.elem_type(site.input(2))

@@ -32,10 +32,9 @@ from typing import Any
 
 import onnx
 
-from onnx_qrewrite import kernel_opsets
 from onnx_qrewrite.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
+from onnx_qrewrite.builders.contracts import CONTRACTS
 from onnx_qrewrite.builders.integer_matmul import IntegerMatMulBuilder
-from onnx_qrewrite.contract import Contract, Option
 from onnx_qrewrite.graph import Scope
 from onnx_qrewrite.toposort import outer_reads
 
@@ -43,7 +42,6 @@ __all__ = ["IntegerMatMulFloatOutputBuilder"]
 
 _T = onnx.TensorProto
 _PRODUCERS = ("MatMulInteger", "ConvInteger")
-_PARTS = ("producer", "cast")
 _EXACT = IntegerMatMulBuilder()
 #: Readers of each value of a scope (nodes whose subgraphs read it count as readers), per scope.
 _READERS: weakref.WeakKeyDictionary[Scope, dict[str, list[onnx.NodeProto]]] = weakref.WeakKeyDictionary()
@@ -98,20 +96,7 @@ class IntegerMatMulFloatOutputBuilder:
     """MatMulInteger/ConvInteger read by one Cast to float -> a float MatMul/Conv writing the Cast's output."""
 
     name = "integer_matmul_float_output"
-    contract = Contract(
-        options=(
-            Option(
-                "part",
-                str,
-                "cast",
-                _PARTS,
-                doc="producer: the MatMulInteger/ConvInteger (removed); cast: the Cast to float reading it "
-                "(computes the product in float)",
-            ),
-        ),
-        emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Reshape"}),
-        opset=lambda options, dtypes: str(kernel_opsets.FORMS["integer-matmul"]),
-    )
+    contract = CONTRACTS["integer_matmul_float_output"]
 
     def quantized_dtype(self, site: Site) -> str | None:
         return None
