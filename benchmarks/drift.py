@@ -87,7 +87,7 @@ def weight_only(
             name=f"{node.name}/weight_only_dq",
             **axis,
         )
-        # Provenance as the engine writes it (onnx_qrewrite.provenance), so verify sees the rewrite
+        # Provenance as the engine writes it (onnx_qrewrite.rewriter.provenance), so verify sees the rewrite
         # is approximate: on the replacement's first node, the others named under the same prefix.
         for key, value in ((RULE_KEY, RULE), (ORIGIN_KEY, node.name), (EXACTNESS_KEY, "approximate")):
             entry = dq.metadata_props.add()
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     from onnx_qrewrite import rewrite
-    from onnx_qrewrite.catalogue import named_form
+    from onnx_qrewrite.rewriter.catalogue import named_form
     from onnx_qrewrite.verify import DriftThresholds, verify
 
     drift = DriftThresholds(mode="always")

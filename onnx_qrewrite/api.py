@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any, Union
 
 import onnx
 
-from onnx_qrewrite import engine, model_io
-from onnx_qrewrite.catalogue import Catalogue, load_rules
-from onnx_qrewrite.encoded import EncodedModel, to_proto
 from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
-from onnx_qrewrite.external_data import ExternalData
+from onnx_qrewrite.io import model_io
+from onnx_qrewrite.io.encoded import EncodedModel, to_proto
+from onnx_qrewrite.io.external_data import ExternalData
+from onnx_qrewrite.io.toposort import sort_model
 from onnx_qrewrite.progress import ProgressSink, stage
-from onnx_qrewrite.report import RewriteReport
-from onnx_qrewrite.toposort import sort_model
+from onnx_qrewrite.rewriter import engine
+from onnx_qrewrite.rewriter.catalogue import Catalogue, load_rules
+from onnx_qrewrite.rewriter.report import RewriteReport
 
 if TYPE_CHECKING:
     import onnx_ir
@@ -84,7 +85,7 @@ class RewriteResult:
         reference_external_data: bool = False,
         progress: ProgressSink | None = None,
     ) -> model_io.SaveInfo:
-        """Write the model all or nothing; see :func:`onnx_qrewrite.model_io.save_model`.
+        """Write the model all or nothing; see :func:`onnx_qrewrite.io.model_io.save_model`.
 
         Refused (UsageError) when ``path`` is, or links to, a file the input was read from."""
         out = Path(path)
@@ -171,7 +172,7 @@ def _to_proto(
     model: ModelLike, base_dir: str | os.PathLike[str] | None
 ) -> tuple[onnx.ModelProto, str, ExternalData | None, Path | None, dict[tuple[int, int], Path], int]:
     """A private copy to edit, the kind given, its external data (opened, checked), the files read,
-    and how many nodes were moved into topological order (:mod:`onnx_qrewrite.toposort`)."""
+    and how many nodes were moved into topological order (:mod:`onnx_qrewrite.io.toposort`)."""
     if isinstance(model, (str, os.PathLike)):
         loaded = model_io.open_model(Path(model))
         return loaded.proto, "path", loaded.external, loaded.path, loaded.reads(), loaded.reordered
@@ -271,9 +272,9 @@ def rewrite(
     ``onnx.ModelProto``'s external data lives in (a path's is its folder; an ``onnx_ir.Model``'s
     is its tensors' ``base_dir``); external data must stay inside that folder. ``allow``: the
     exactness levels rules may have (default ``("exact", "bounded")``; add ``"approximate"`` to run
-    the rules that change numerics by design, see :mod:`onnx_qrewrite.contract`). ``provenance``:
+    the rules that change numerics by design, see :mod:`onnx_qrewrite.rewriter.contract`). ``provenance``:
     which created nodes carry rule/origin metadata, "compact" (the first of each replacement),
-    "full" (all) or "none" (see :mod:`onnx_qrewrite.provenance`; the report always has the full
+    "full" (all) or "none" (see :mod:`onnx_qrewrite.rewriter.provenance`; the report always has the full
     mapping). ``target``: rewrite for that deployment target (a name from ``onnx-qrewrite
     targets`` or a profile's path, see :mod:`onnx_qrewrite.targets`): the ops it runs natively are
     kept, no rule that would make a node it accepts refused is used, the opset stays within what it
@@ -288,7 +289,7 @@ def rewrite(
             catalogue = catalogue.with_options(options)
     else:
         catalogue = load_rules(() if rules is None else rules, only=only, skip=skip, options=options)
-    from onnx_qrewrite.provenance import check_mode
+    from onnx_qrewrite.rewriter.provenance import check_mode
 
     check_mode(provenance)
     with stage(progress, "loading model"):

@@ -26,10 +26,10 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
-from onnx_qrewrite import engine
-from onnx_qrewrite.catalogue import ANY_DOMAIN, Catalogue, OpRef, Rule, load_catalogue
-from onnx_qrewrite.encoded import to_proto
 from onnx_qrewrite.errors import MissingDependencyError, QRewriteError
+from onnx_qrewrite.io.encoded import to_proto
+from onnx_qrewrite.rewriter import engine
+from onnx_qrewrite.rewriter.catalogue import ANY_DOMAIN, Catalogue, OpRef, Rule, load_catalogue
 
 try:
     from onnxscript.rewriter import pattern

@@ -95,7 +95,7 @@ def batch_task(arg: str):
     import ctypes
     import signal as _signal
 
-    from onnx_qrewrite.batch import Outcome
+    from onnx_qrewrite.cli.batch import Outcome
 
     if arg == "sigkill":
         os.kill(os.getpid(), _signal.SIGKILL)

@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO, run
 
 import onnx_qrewrite
-from onnx_qrewrite.catalogue import load_catalogue, parse_rules, shipped_rules_dir
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, parse_rules, shipped_rules_dir
 
 SHIPPED = load_catalogue()
 
@@ -183,7 +183,7 @@ def test_the_wheel_carries_the_rule_catalogue_and_finds_it_installed(wheel, tmp_
         capture_output=True,
     )
     code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); from onnx_qrewrite.catalogue import load_catalogue, "
+        "import sys; sys.path.insert(0, sys.argv[1]); from onnx_qrewrite.rewriter.catalogue import load_catalogue, "
         "shipped_rules_dir; print(shipped_rules_dir()); print(len(load_catalogue()))"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, cwd=tmp_path)

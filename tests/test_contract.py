@@ -1,4 +1,4 @@
-"""The builder contract (onnx_qrewrite.contract) does what it says: declarations are enforced, the
+"""The builder contract (onnx_qrewrite.rewriter.contract) does what it says: declarations are enforced, the
 things derived from them follow them, opset policy has one home, and exactness orders the rules."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 from conftest import op_types, run
 
 import onnx_qrewrite
-from onnx_qrewrite import builders, kernel_opsets
-from onnx_qrewrite.builders import Emitter, NoMatch, Plan, Site
-from onnx_qrewrite.catalogue import load_catalogue, parse_rules
-from onnx_qrewrite.commands.inspect import OTHER_QUANT_OPS
-from onnx_qrewrite.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS, Contract, Option
+from onnx_qrewrite.cli.inspect import OTHER_QUANT_OPS
 from onnx_qrewrite.errors import InternalError, LoweringError, UsageError
+from onnx_qrewrite.rewriter import builders, kernel_opsets
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, parse_rules
+from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS, Contract, Option
 
 SHIPPED = load_catalogue()
 
@@ -155,24 +155,26 @@ def test_each_builtin_builder_carries_the_contract_its_declaration_gives():
     import importlib
     import pkgutil
 
-    from onnx_qrewrite.builders import contracts
+    from onnx_qrewrite.rewriter.builders import contracts
 
     for name, contract in contracts.CONTRACTS.items():
         builder = builders.get_builder(name)
         assert builder is not None and builder.name == name, name
         assert builder.contract is contract, name
-        assert type(builder).__module__ == f"onnx_qrewrite.builders.{contracts.MODULES[name]}", name
+        assert type(builder).__module__ == f"onnx_qrewrite.rewriter.builders.{contracts.MODULES[name]}", name
     # Every module that registers a builder is declared (so get_builder finds it by name).
     for info in pkgutil.iter_modules(builders.__path__):
         if not info.name.startswith("_"):
-            importlib.import_module(f"onnx_qrewrite.builders.{info.name}")
-    builtin = {n: b for n, b in builders._REGISTRY.items() if type(b).__module__.startswith("onnx_qrewrite.builders.")}
+            importlib.import_module(f"onnx_qrewrite.rewriter.builders.{info.name}")
+    builtin = {
+        n: b for n, b in builders._REGISTRY.items() if type(b).__module__.startswith("onnx_qrewrite.rewriter.builders.")
+    }
     assert set(builtin) == set(contracts.CONTRACTS)
 
 
 def test_the_qoperator_builder_lays_out_exactly_the_ops_its_contract_names():
-    from onnx_qrewrite.builders.contracts import QOPERATOR_EXACTNESS
-    from onnx_qrewrite.builders.qoperator import SPECS
+    from onnx_qrewrite.rewriter.builders.contracts import QOPERATOR_EXACTNESS
+    from onnx_qrewrite.rewriter.builders.qoperator import SPECS
 
     assert list(SPECS) == list(QOPERATOR_EXACTNESS)
 

@@ -23,8 +23,8 @@ def test_docs_lowerings_is_the_generated_file():
 
 
 def test_every_shipped_rule_and_builder_appears_in_the_docs():
-    from onnx_qrewrite.builders import builder_names
-    from onnx_qrewrite.catalogue import load_catalogue
+    from onnx_qrewrite.rewriter.builders import builder_names
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue
 
     text = _generator().generate()
     for rule in load_catalogue():

@@ -9,9 +9,9 @@ import onnx.parser
 import pytest
 
 import onnx_qrewrite
-from onnx_qrewrite import engine
-from onnx_qrewrite.encoded import to_bytes
-from onnx_qrewrite.report import count_ops
+from onnx_qrewrite.io.encoded import to_bytes
+from onnx_qrewrite.rewriter import engine
+from onnx_qrewrite.rewriter.report import count_ops
 
 MODEL = """
 <ir_version: 8, opset_import: ["" : 17, "local" : 1]>
@@ -108,7 +108,8 @@ def test_vendor_imports_of_functions_are_dropped_when_unused():
     "check, nodes_limit, expected_calls", [(None, 20_000, 1), (None, 10, 0), (True, 10, 1), (False, 20_000, 0)]
 )
 def test_output_check_policy(monkeypatch, check, nodes_limit, expected_calls):
-    from onnx_qrewrite import api, model_io
+    from onnx_qrewrite import api
+    from onnx_qrewrite.io import model_io
 
     calls = []
     real = model_io.check_model
@@ -149,7 +150,7 @@ def test_encoded_output_is_protobufs_own_serialization_in_every_scope(tmp_path):
     must be exactly what protobuf writes for the same model, with subgraphs, a local function
     (its constants prepended as nodes) and unchanged nodes between replaced ones; and ``save``
     must write those bytes."""
-    from onnx_qrewrite.encoded import EncodedModel
+    from onnx_qrewrite.io.encoded import EncodedModel
 
     model = onnx.parser.parse_model(_SCOPES)
     result = onnx_qrewrite.rewrite(model)

@@ -12,8 +12,8 @@ from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.catalogue import load_catalogue, named_form
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 
 NP = {"uint8": np.uint8, "int8": np.int8, "uint16": np.uint16, "int16": np.int16}
 TP = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8, "uint16": TensorProto.UINT16, "int16": TensorProto.INT16}

@@ -25,8 +25,8 @@ from test_lower_integer_matmul import (
 )
 
 import onnx_qrewrite
-from onnx_qrewrite.catalogue import load_catalogue, named_form, parse_rules
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form, parse_rules
 
 FORM = load_catalogue([named_form("float-emulation")])
 FOLDED = {"float-emulation-int-matmul-folded": 1, "float-emulation-int-matmul-cast": 1}

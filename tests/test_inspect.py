@@ -16,7 +16,7 @@ from onnx import helper
 
 import onnx_qrewrite
 from onnx_qrewrite.api import load_rules
-from onnx_qrewrite.commands.inspect import inspect_model
+from onnx_qrewrite.cli.inspect import inspect_model
 
 A16W8 = REAL_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
 

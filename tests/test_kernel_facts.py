@@ -19,7 +19,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders.matmul_nbits import pack
+from onnx_qrewrite.rewriter.builders.matmul_nbits import pack
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=21) -> onnx.ModelProto:

@@ -11,7 +11,7 @@ from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders.matmul_nbits import pack
+from onnx_qrewrite.rewriter.builders.matmul_nbits import pack
 
 RNG = np.random.default_rng(17)
 

@@ -23,8 +23,8 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders.integer_matmul import float32_sum_bound
 from onnx_qrewrite.errors import LoweringError
+from onnx_qrewrite.rewriter.builders.integer_matmul import float32_sum_bound
 
 _NP = {"uint8": np.uint8, "int8": np.int8}
 _ONNX = {"uint8": T.UINT8, "int8": T.INT8}

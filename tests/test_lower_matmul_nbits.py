@@ -24,7 +24,7 @@ from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders.matmul_nbits import pack
+from onnx_qrewrite.rewriter.builders.matmul_nbits import pack
 from onnx_qrewrite.verify import Tolerances, verify
 
 RNG = np.random.default_rng(11)
@@ -330,8 +330,8 @@ def test_a_model_from_onnxruntimes_matmul_nbits_quantizer(bits, block_size, symm
 
 def test_int4_constants_do_not_share_a_name_with_equal_uint4_bytes():
     # ml_dtypes' int4 and uint4 have the same dtype.str: the constant pool must tell them apart.
-    from onnx_qrewrite.builders import ConstantPool
-    from onnx_qrewrite.graph import NameAllocator, iter_scopes
+    from onnx_qrewrite.rewriter.builders import ConstantPool
+    from onnx_qrewrite.rewriter.graph import NameAllocator, iter_scopes
 
     model = helper.make_model(helper.make_graph([], "g", [], []))
     pool = ConstantPool(iter_scopes(model)[0], NameAllocator(model))

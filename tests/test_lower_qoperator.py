@@ -22,8 +22,8 @@ from conftest import rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders import Emitter
 from onnx_qrewrite.errors import LoweringError
+from onnx_qrewrite.rewriter.builders import Emitter
 
 TP = {"uint8": TensorProto.UINT8, "int8": TensorProto.INT8}
 NP = {"uint8": np.uint8, "int8": np.int8}

@@ -549,8 +549,8 @@ def test_nodes_in_subgraphs_and_local_functions_are_lowered():
 
 
 def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
-    from onnx_qrewrite import engine
-    from onnx_qrewrite.encoded import to_bytes
+    from onnx_qrewrite.io.encoded import to_bytes
+    from onnx_qrewrite.rewriter import engine
 
     model = parse(
         HEADER.format(opset=21)
@@ -578,7 +578,7 @@ def test_stamped_standard_replacements_equal_built_ones_byte_for_byte():
 
 
 def test_rewritten_nodes_carry_rule_and_origin():
-    from onnx_qrewrite.provenance import attribute_nodes
+    from onnx_qrewrite.rewriter.provenance import attribute_nodes
 
     expected = {"onnx_qrewrite.rule": "quark-q-float16", "onnx_qrewrite.origin": "n"}
     full = onnx_qrewrite.rewrite(fp16_model(1.0, 0.0), provenance="full").model

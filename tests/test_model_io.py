@@ -15,8 +15,8 @@ from conftest import assert_bitwise_equal, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite import model_io
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.io import model_io
 
 
 def _dql_matmul_model(folder: Path, *, external: bool = True) -> Path:

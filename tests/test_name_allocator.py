@@ -7,7 +7,7 @@ import random
 
 from onnx import TensorProto, helper
 
-from onnx_qrewrite.graph import NameAllocator
+from onnx_qrewrite.rewriter.graph import NameAllocator
 
 
 class _PlainAllocator:

@@ -88,7 +88,7 @@ def test_the_api_surface_documents_its_methods():
     """Classes a Python caller gets from onnx_qrewrite and onnx_qrewrite.verify: every public method
     and property says what it does."""
     import onnx_qrewrite.verify as verify_api
-    from onnx_qrewrite.report import RewriteReport
+    from onnx_qrewrite.rewriter.report import RewriteReport
 
     classes = [getattr(onnx_qrewrite, n) for n in onnx_qrewrite.__all__ if inspect.isclass(getattr(onnx_qrewrite, n))]
     classes += [getattr(verify_api, n) for n in verify_api.__all__ if inspect.isclass(getattr(verify_api, n))]

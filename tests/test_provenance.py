@@ -11,9 +11,9 @@ from onnx import helper
 from test_dynamic_quantize import KERNEL_OPS, dql_model
 
 import onnx_qrewrite
-from onnx_qrewrite import provenance
 from onnx_qrewrite.cli import main
-from onnx_qrewrite.encoded import to_proto
+from onnx_qrewrite.io.encoded import to_proto
+from onnx_qrewrite.rewriter import provenance
 
 META = {(provenance.RULE_KEY, "dql-expand"), (provenance.ORIGIN_KEY, "dql")}
 
@@ -34,7 +34,7 @@ def two_dql_model() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("stamp", [True, False])
 def test_compact_puts_the_entries_on_the_first_created_node_only(stamp):
-    from onnx_qrewrite import engine
+    from onnx_qrewrite.rewriter import engine
 
     model = two_dql_model()
     rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions(stamp_templates=stamp))
@@ -122,7 +122,7 @@ def test_the_localiser_traces_a_node_in_every_mode(mode):
 def test_report_names_every_created_node_even_after_a_clash(stamp):
     """Stamped replacements keep their names compactly (prefix + the template's hints); a name a
     clash made different must still be reported as written."""
-    from onnx_qrewrite import engine
+    from onnx_qrewrite.rewriter import engine
 
     model = two_dql_model()
     model.graph.node[1].name = "dql2"

@@ -10,7 +10,7 @@ from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.catalogue import load_catalogue, named_form
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 
 FORM = load_catalogue([named_form("qdq-to-float")])
 APPROXIMATE = ("exact", "bounded", "approximate")

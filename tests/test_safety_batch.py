@@ -12,9 +12,9 @@ from pathlib import Path
 
 from _safety_helpers import PY, batch_task, cli, dql_model
 
-from onnx_qrewrite import outputs
-from onnx_qrewrite.batch import run_tasks
+from onnx_qrewrite.cli.batch import run_tasks
 from onnx_qrewrite.errors import EXIT_INTERNAL
+from onnx_qrewrite.io import outputs
 
 
 def test_a_dead_worker_fails_only_its_model():

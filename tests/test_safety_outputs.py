@@ -23,7 +23,8 @@ from _safety_helpers import PY, cli, digest, dql_model, one_error_line
 from conftest import assert_bitwise_equal, run
 
 import onnx_qrewrite
-from onnx_qrewrite import UsageError, outputs
+from onnx_qrewrite import UsageError
+from onnx_qrewrite.io import outputs
 
 X = np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_bitwise_equal, run
 
 import onnx_qrewrite
-from onnx_qrewrite.graph import iter_scopes
+from onnx_qrewrite.rewriter.graph import iter_scopes
 
 NESTED = """
 <ir_version: 8, opset_import: ["" : 17, "local" : 1]>

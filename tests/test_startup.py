@@ -29,7 +29,7 @@ def test_help_loads_no_subcommand_and_no_onnx():
         "from onnx_qrewrite.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
     )
     assert "onnx" not in loaded and "numpy" not in loaded
-    assert not any(m.startswith("onnx_qrewrite.commands") for m in loaded)
+    assert not any(m.startswith("onnx_qrewrite.cli.") for m in loaded)
 
 
 def test_rules_loads_no_onnx_numpy_or_builder_code():
@@ -38,22 +38,22 @@ def test_rules_loads_no_onnx_numpy_or_builder_code():
         "for args in (['rules'], ['rules', '--long']):\n"
         "    try:\n        main(args)\n    except SystemExit:\n        pass"
     )
-    assert "onnx_qrewrite.catalogue" in loaded  # it did list the rules
+    assert "onnx_qrewrite.rewriter.catalogue" in loaded  # it did list the rules
     assert "onnx" not in loaded and "numpy" not in loaded
-    builder_code = {m for m in loaded if m.startswith("onnx_qrewrite.builders.")}
-    assert builder_code == {"onnx_qrewrite.builders.contracts"}
+    builder_code = {m for m in loaded if m.startswith("onnx_qrewrite.rewriter.builders.")}
+    assert builder_code == {"onnx_qrewrite.rewriter.builders.contracts"}
 
 
 def test_a_builder_module_is_imported_when_its_rule_is_applied():
     loaded = _modules_after(
-        "from onnx_qrewrite import builders\n"
+        "from onnx_qrewrite.rewriter import builders\n"
         "assert builders.contract_of('qoperator_to_qdq') is not None\n"
         "import sys\n"
-        "assert 'onnx_qrewrite.builders.qoperator' not in sys.modules\n"
+        "assert 'onnx_qrewrite.rewriter.builders.qoperator' not in sys.modules\n"
         "assert builders.get_builder('qoperator_to_qdq').contract is builders.contract_of('qoperator_to_qdq')"
     )
-    assert "onnx_qrewrite.builders.qoperator" in loaded
-    assert "onnx_qrewrite.builders.matmul_nbits" not in loaded
+    assert "onnx_qrewrite.rewriter.builders.qoperator" in loaded
+    assert "onnx_qrewrite.rewriter.builders.matmul_nbits" not in loaded
 
 
 def test_the_lazy_api_is_the_api():
@@ -76,7 +76,7 @@ def test_short_help_table_matches_the_commands():
 def test_the_precomputed_varint_table_is_the_encoding():
     """_wire builds its table of short length prefixes cheaply at import; it must be exactly what
     the encoder computes."""
-    from onnx_qrewrite._wire import SMALL_VARINTS, varint
+    from onnx_qrewrite.io._wire import SMALL_VARINTS, varint
 
     assert [varint(n) for n in range(1 << 14)] == SMALL_VARINTS
 
@@ -97,4 +97,4 @@ def test_verifying_one_pair_starts_no_worker_machinery(tmp_path):
         "except SystemExit as exit:\n    assert not exit.code, exit.code"
     )
     assert "onnx_qrewrite.verify" in loaded and "onnxruntime" in loaded  # it did verify
-    assert "onnx_qrewrite.batch" not in loaded and "multiprocessing" not in loaded
+    assert "onnx_qrewrite.cli.batch" not in loaded and "multiprocessing" not in loaded

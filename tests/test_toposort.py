@@ -12,7 +12,7 @@ from conftest import assert_bitwise_equal, op_types, run
 from onnx import TensorProto, helper
 
 import onnx_qrewrite
-from onnx_qrewrite.toposort import sort_model
+from onnx_qrewrite.io.toposort import sort_model
 
 _F = TensorProto.FLOAT
 

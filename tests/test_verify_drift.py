@@ -214,7 +214,7 @@ def test_without_provenance_auto_cannot_see_it_and_always_judges_it(models):
 
 def test_an_engine_rewrite_with_approximate_rules_is_detected_from_its_provenance():
     from onnx_qrewrite import rewrite
-    from onnx_qrewrite.catalogue import named_form
+    from onnx_qrewrite.rewriter.catalogue import named_form
 
     path = SAMPLES / "qdq_contrib_u16.onnx"
     standard = rewrite(path).model
@@ -272,7 +272,7 @@ def test_the_weight_only_rule_form_is_judged_by_drift_and_drifts_as_the_benchmar
     verify sees its approximate rules, passes it within the defaults, and it drifts exactly as the
     graph edit of benchmarks/drift.py whose broken variants set the defaults."""
     from onnx_qrewrite import rewrite
-    from onnx_qrewrite.catalogue import named_form
+    from onnx_qrewrite.rewriter.catalogue import named_form
 
     form = rewrite(MLP, rules=[named_form("weight-only")], allow=("exact", "bounded", "approximate")).model
     by_form = verify(MLP, form)

@@ -1,4 +1,4 @@
-"""The "weight-only" form (rules/forms/weight-only.toml, onnx_qrewrite/builders/weight_only.py): each
+"""The "weight-only" form (rules/forms/weight-only.toml, onnx_qrewrite/rewriter/builders/weight_only.py): each
 pattern on hand-made graphs, the cases where it must give way, and what the engine guarantees about
 the nodes it removes. Real producer models and the measured drift: test_weight_only_models.py."""
 
@@ -11,8 +11,8 @@ from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
-from onnx_qrewrite.builders.qdq_to_float import dequantize_constant
-from onnx_qrewrite.catalogue import load_catalogue, named_form
+from onnx_qrewrite.rewriter.builders.qdq_to_float import dequantize_constant
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 
 FORM = load_catalogue([named_form("weight-only")])
 APPROXIMATE = ("exact", "bounded", "approximate")
@@ -384,7 +384,7 @@ def test_a_replacement_reading_a_removed_value_is_an_internal_error_not_a_broken
     whose replacement reads more than its plan said (here: the Cast's output) is caught."""
     import dataclasses
 
-    from onnx_qrewrite.builders import weight_only
+    from onnx_qrewrite.rewriter.builders import weight_only
 
     real = weight_only._read_mul
 

@@ -26,7 +26,7 @@ from onnxruntime.quantization import quantize_dynamic
 from test_lower_quantize_dynamic_models import _VARIANTS, _optimized
 
 import onnx_qrewrite
-from onnx_qrewrite.catalogue import load_catalogue, named_form
+from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "models.py"
 _spec = importlib.util.spec_from_file_location("benchmarks_models_weight_only", _PATH)

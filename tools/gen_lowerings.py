@@ -19,9 +19,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from onnx_qrewrite.builders import builder_names, get_builder  # noqa: E402
-from onnx_qrewrite.catalogue import Rule, parse_rules  # noqa: E402
-from onnx_qrewrite.contract import REQUIRED  # noqa: E402
+from onnx_qrewrite.rewriter.builders import builder_names, get_builder  # noqa: E402
+from onnx_qrewrite.rewriter.catalogue import Rule, parse_rules  # noqa: E402
+from onnx_qrewrite.rewriter.contract import REQUIRED  # noqa: E402
 
 TARGET = REPO / "docs" / "lowerings.md"
 TEMPLATE = REPO / "tools" / "lowerings.md.in"
@@ -97,7 +97,7 @@ def _builders_section() -> str:
     out = [
         "## Builders",
         "",
-        "The mechanism each rule names, with its contract (`onnx_qrewrite/contract.py`): the options a",
+        "The mechanism each rule names, with its contract (`onnx_qrewrite/rewriter/contract.py`): the options a",
         "rule may give it (anything else is refused when the catalogue loads, exit code 2), the ops it",
         "emits (it can emit no other), and the outputs of the op it replaces.",
         "",

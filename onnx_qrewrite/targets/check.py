@@ -4,7 +4,7 @@ Each reason names what failed (op, domain, opset, element type, quantization con
 source the profile cites for it. Element types come from onnx's shape inference (run on a copy)
 plus the model's own records, so a value whose type nobody can tell is not held against a node.
 Nodes made by a rewrite are attributed to the rule and the node they replaced from their
-provenance metadata (:mod:`onnx_qrewrite.provenance`, compact or full); the verdict keeps both, so
+provenance metadata (:mod:`onnx_qrewrite.rewriter.provenance`, compact or full); the verdict keeps both, so
 ``inspect --target`` can say which rewrite a remaining refusal comes from.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import numpy as np
 import onnx
 
-from onnx_qrewrite.graph import Scope, dtype_name, iter_scopes, known_shape
+from onnx_qrewrite.rewriter.graph import Scope, dtype_name, iter_scopes, known_shape
 from onnx_qrewrite.targets.profile import TargetProfile
 
 __all__ = ["Refused", "check_model", "model_level_reasons"]
@@ -53,7 +53,7 @@ def _type_name(elem: int | None) -> str | None:
 def _iter_nodes(model: onnx.ModelProto) -> Iterator[tuple[Scope, onnx.NodeProto, tuple[str, str] | None]]:
     """Each node with the (rule, origin) that created it, if a rewrite did (provenance.py: with
     compact provenance only a replacement's first node carries the entries)."""
-    from onnx_qrewrite.provenance import attribute_nodes
+    from onnx_qrewrite.rewriter.provenance import attribute_nodes
 
     for scope in iter_scopes(model):
         nodes = scope.container.node

@@ -30,8 +30,8 @@ from typing import Any
 
 import onnx
 
-from onnx_qrewrite.catalogue import Catalogue, Rule
-from onnx_qrewrite.graph import iter_scopes
+from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
+from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, check_model
 from onnx_qrewrite.targets.profile import TargetProfile
 
@@ -146,7 +146,7 @@ def form_rules(profile: TargetProfile, taken: Collection[str] = ()) -> tuple[lis
     """The rules of the forms ``profile`` names (``[[rewrites.form]]``), within each form's
     consent and with its options; and, per rule, the form it comes from. Rules whose id is in
     ``taken`` (the user added the form's file already) are not repeated."""
-    from onnx_qrewrite.catalogue import load_catalogue, named_form
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 
     rules: list[Rule] = []
     form_of: dict[str, str] = {}
@@ -175,8 +175,8 @@ def engine_options(
     target loads (``[opset] max``), so rules that would need more give way to the next rule.
     Exactness levels as for any rewrite (exact first, bounded where no exact rule applies,
     approximate only when ``allow`` names it)."""
-    from onnx_qrewrite import engine
-    from onnx_qrewrite.opset import MAX_RUNTIME_OPSET
+    from onnx_qrewrite.rewriter import engine
+    from onnx_qrewrite.rewriter.opset import MAX_RUNTIME_OPSET
 
     highest = min(MAX_RUNTIME_OPSET, profile.opset_max or MAX_RUNTIME_OPSET)
     levels = frozenset(allow) if allow is not None else engine.DEFAULT_ALLOW
@@ -192,9 +192,9 @@ def engine_options(
 
 
 def _rewrite(model: onnx.ModelProto, catalogue: Catalogue, external: Any, options: Any) -> tuple[Any, Any, Any]:
-    from onnx_qrewrite import engine
-    from onnx_qrewrite.encoded import to_proto
     from onnx_qrewrite.errors import LoweringError
+    from onnx_qrewrite.io.encoded import to_proto
+    from onnx_qrewrite.rewriter import engine
 
     try:
         out, report = engine.run(copy.deepcopy(model), catalogue, options, external)
@@ -217,7 +217,7 @@ def plan_for_target(
     allow: Collection[str] | None = None,
 ) -> TargetPlan:
     """Check the model at ``path`` against ``profile`` before and after the target's rewrite."""
-    from onnx_qrewrite import model_io
+    from onnx_qrewrite.io import model_io
 
     loaded = model_io.open_model(path)
     try:
@@ -304,7 +304,7 @@ def plan_for_model(
 ) -> TargetPlan:
     """:func:`plan_for_target` for a model in memory (not modified); ``external`` is its opened
     external data (model_io.ExternalData), if any."""
-    from onnx_qrewrite import engine
+    from onnx_qrewrite.rewriter import engine
 
     before = check_model(model, profile)
     base, skipped = target_catalogue(catalogue, profile)

@@ -333,8 +333,8 @@ def _cited(path: str, where: str, table: dict[str, Any], sources: Mapping[str, S
 def _check_rule_ids(path: str, where: str, ids: frozenset[str]) -> None:
     """Rule ids a profile names must exist (shipped catalogue or a named form): a typo would
     silently avoid nothing."""
-    from onnx_qrewrite.catalogue import load_catalogue, shipped_rules_dir
-    from onnx_qrewrite.contract import closest
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue, shipped_rules_dir
+    from onnx_qrewrite.rewriter.contract import closest
 
     forms = sorted((shipped_rules_dir() / "forms").glob("*.toml"))
     known = load_catalogue(forms).ids
@@ -346,8 +346,8 @@ def _check_rule_ids(path: str, where: str, ids: frozenset[str]) -> None:
 def _form(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> FormRequest:
     """One ``[[rewrites.form]]``, checked against the form itself: it exists, the consent leaves
     it at least one rule, and the options are valid for its rules (as ``--option`` would be)."""
-    from onnx_qrewrite.catalogue import load_catalogue, named_form
-    from onnx_qrewrite.contract import EXACTNESS
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
+    from onnx_qrewrite.rewriter.contract import EXACTNESS
 
     raw = _check_keys(path, where, item, _FORM_KEYS)
     source = _cited(path, where, raw, sources)
@@ -538,7 +538,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
 
 def shipped_targets_dir() -> Path:
     """``targets/`` of the shipped rule catalogue (inside the wheel, or ``rules/`` in a checkout)."""
-    from onnx_qrewrite.catalogue import shipped_rules_dir
+    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
 
     return shipped_rules_dir() / "targets"
 

@@ -88,7 +88,7 @@ def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
         return model, f"<{side} ModelProto>"
     if not isinstance(model, (str, os.PathLike)):
         raise UsageError(f"{side}: expected a path or an onnx.ModelProto, got {type(model).__name__}")
-    from onnx_qrewrite import model_io
+    from onnx_qrewrite.io import model_io
 
     path = Path(model)
     loaded = model_io.open_model(path, check=False)  # external data opened and checked, read once

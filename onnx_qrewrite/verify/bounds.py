@@ -1,6 +1,6 @@
 """Check every bounded rewrite at its own output, on the original model's own inputs to it.
 
-A bounded rule (``onnx_qrewrite.contract``) promises that the nodes replacing one original node
+A bounded rule (``onnx_qrewrite.rewriter.contract``) promises that the nodes replacing one original node
 compute that node's outputs within ``Plan.bound``; the engine writes the rule, the origin and the
 bound into the created nodes' metadata (``Emitter.BOUND_KEY``). Comparing intermediate values of
 the two whole models cannot check that promise: a one-step difference upstream changes what every
@@ -9,7 +9,7 @@ bounded replacement is cut out of the rewritten model and run alone, fed with th
 *original* model computes for its inputs, and its outputs are compared with the original's
 within the recorded bound (integer outputs: ``lsb = bound``; float outputs: ``atol = bound``).
 
-Replacements are found through their provenance (:mod:`onnx_qrewrite.provenance`: contiguous
+Replacements are found through their provenance (:mod:`onnx_qrewrite.rewriter.provenance`: contiguous
 nodes, the first carrying the rule, the origin and the bound); their outputs are the values the
 original model also produces (replacements keep the replaced node's output names). A model
 rewritten with ``--provenance none`` records no bound, so nothing is checked here.
@@ -25,8 +25,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_qrewrite import provenance
-from onnx_qrewrite.builders import Emitter
+from onnx_qrewrite.rewriter import provenance
+from onnx_qrewrite.rewriter.builders import Emitter
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
@@ -60,7 +60,7 @@ def _meta(node: onnx.NodeProto) -> dict[str, str]:
 def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[BoundedRewrite]:
     """Every bounded replacement in the rewritten model's main graph. The bound is on a
     replacement's first node (every provenance mode but ``none``, which records no bound);
-    :func:`onnx_qrewrite.provenance.attribute_nodes` finds the replacement's other nodes."""
+    :func:`onnx_qrewrite.rewriter.provenance.attribute_nodes` finds the replacement's other nodes."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
     found: list[BoundedRewrite] = []
     nodes = list(rewritten.graph.node)

@@ -1,6 +1,6 @@
 """End-to-end drift of an approximate rewrite: how far the outputs moved, judged against thresholds.
 
-An approximate rule (``onnx_qrewrite.contract``) changes the model's numerics by design (weight-only
+An approximate rule (``onnx_qrewrite.rewriter.contract``) changes the model's numerics by design (weight-only
 dequantization, Q -> DQ pairs dropped): element-wise tolerances made for exact rewrites would fail
 it, and widened until it passes they would no longer catch a broken rewrite. So when the rewritten
 model carries approximate rewrites (its nodes' ``onnx_qrewrite.exactness`` metadata says so), each
@@ -280,10 +280,10 @@ class DriftDecision:
 def approximate_rules(model: object) -> dict[str, int]:
     """Rule id -> number of replacements the model's provenance marks approximate (every graph,
     subgraphs included; a replacement's first node carries the exactness, see
-    :mod:`onnx_qrewrite.provenance`)."""
+    :mod:`onnx_qrewrite.rewriter.provenance`)."""
     import onnx
 
-    from onnx_qrewrite.builders import Emitter
+    from onnx_qrewrite.rewriter.builders import Emitter
 
     found: dict[str, int] = {}
 
@@ -308,7 +308,7 @@ def approximate_rules(model: object) -> dict[str, int]:
 
 def decide(mode: str, model: object) -> DriftDecision:
     """Apply ``mode`` (:data:`DRIFT_MODES`) to the rewritten ``model``."""
-    from onnx_qrewrite import provenance
+    from onnx_qrewrite.rewriter import provenance
 
     rules = approximate_rules(model)
     note = None

@@ -562,7 +562,7 @@ def save_samples(path: str | os.PathLike[str], samples: Sequence[Sample]) -> Non
         arrays = {f"{s.name}{_SAMPLE_SEPARATOR}{name}": _encode(a) for s in samples for name, a in s.feeds.items()}
     import io
 
-    from onnx_qrewrite.outputs import write_atomic
+    from onnx_qrewrite.io.outputs import write_atomic
 
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

@@ -4,7 +4,7 @@ The rewrite keeps the output names of the nodes it replaces (the Cast or Quantiz
 produces ``y`` is compared with the vendor node that produced ``y``), and the nodes it creates are
 traceable to their rule and origin through ``metadata_props`` ``onnx_qrewrite.rule`` and
 ``onnx_qrewrite.origin`` (on every created node, or on the first of each replacement: see
-:mod:`onnx_qrewrite.provenance`). So: expose every value the
+:mod:`onnx_qrewrite.rewriter.provenance`). So: expose every value the
 two main graphs share as an extra graph output, run both models once on the failing sample, and
 walk the rewritten graph in topological order (the order ONNX requires nodes to be listed in); the
 first shared value that differs names the node and, through its provenance, the rule to blame.
@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 import onnx
 
-from onnx_qrewrite import provenance
 from onnx_qrewrite.errors import InvalidModelError, first_line
+from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
 from onnx_qrewrite.verify.drift import DriftThreshold, DriftThresholds
 from onnx_qrewrite.verify.inputs import Sample

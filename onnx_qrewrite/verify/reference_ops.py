@@ -39,7 +39,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import VERIFY_EXTRA, InvalidModelError, MissingDependencyError
-from onnx_qrewrite.graph import NameAllocator, iter_scopes, subgraphs
+from onnx_qrewrite.rewriter.graph import NameAllocator, iter_scopes, subgraphs
 from onnx_qrewrite.verify import kernels
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from onnx_qrewrite.report import write_report_file
+from onnx_qrewrite.rewriter.report import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
 from onnx_qrewrite.verify.drift import Drift, DriftDecision, DriftThresholds
 from onnx_qrewrite.verify.hazards import Hazard

@@ -120,7 +120,7 @@ def save_outputs(
     arrays[_META] = np.array(json.dumps(meta))
     import io
 
-    from onnx_qrewrite.outputs import write_atomic
+    from onnx_qrewrite.io.outputs import write_atomic
 
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

@@ -1,0 +1,147 @@
+"""Command-line interface: one module per subcommand under ``commands/``, registered here.
+
+Subcommands load lazily, so ``onnx-qrewrite rules`` does not pay for importing onnxruntime. Every
+error becomes one line on stderr and the exit code of the contract in :mod:`onnx_qrewrite.errors`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+
+import click
+
+from onnx_qrewrite import __version__
+from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
+
+__all__ = ["main"]
+
+#: name -> "module:attribute" of the click command
+SUBCOMMANDS = {
+    "rewrite": "onnx_qrewrite.cli.rewrite:rewrite_command",
+    "verify": "onnx_qrewrite.cli.verify:verify_command",
+    "inspect": "onnx_qrewrite.cli.inspect:inspect_command",
+    "rules": "onnx_qrewrite.cli.rules:rules_command",
+    "targets": "onnx_qrewrite.cli.targets:targets_command",
+}
+
+
+#: name -> the command's short help, so that ``--help`` lists the subcommands without importing
+#: them (each pulls in onnx and numpy: most of the start-up time). tests/test_startup.py checks
+#: that this table says what the commands themselves say.
+SHORT_HELP = {
+    "inspect": "List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each, "
+    "and the opset changes a rewrite needs.",
+    "rewrite": "Rewrite MODELS with the rules and write them to OUTPUT.",
+    "rules": "List the available rules: id, what it matches, what it emits.",
+    "targets": "List the targets (rules/targets/*.toml): id, runtime version, how verdicts are proven, "
+    "and the `verify --runtime` that runs it here.",
+    "verify": "Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.",
+}
+
+
+def _shortened(text: str, limit: int) -> str:
+    """``text`` cut at a word to fit ``limit`` characters, with "..." (as click shortens help; its
+    own helper for that is deprecated)."""
+    if len(text) <= limit:
+        return text
+    return text[: max(limit - 3, 0)].rsplit(" ", 1)[0] + "..."
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """click's layout, from :data:`SHORT_HELP` instead of the imported commands."""
+        names = self.list_commands(ctx)
+        if not names:
+            return
+        limit = formatter.width - 6 - max(len(n) for n in names)
+        rows = [(n, _shortened(SHORT_HELP.get(n, ""), limit)) for n in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = SUBCOMMANDS.get(name)
+        if target is None:
+            return None
+        module, attr = target.split(":")
+        try:
+            command = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            return None
+        if not any("--quiet" in p.opts for p in command.params):
+            # Every subcommand takes -v/-q after its name too, including ones added later.
+            from onnx_qrewrite.cli.options import global_options
+
+            global_options(command)
+        return command
+
+    def invoke(self, ctx: click.Context):
+        try:
+            result = super().invoke(ctx)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            return result
+        except QRewriteError as exc:
+            click.echo(f"onnx-qrewrite: error: {exc}", err=True)
+            ctx.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (signals.Terminated)
+            from onnx_qrewrite.io.outputs import remove_registered_temps
+            from onnx_qrewrite.io.signals import Terminated, interrupt_exit_code
+
+            remove_registered_temps()
+            click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}", err=True)
+            ctx.exit(interrupt_exit_code(exc))
+        except BrokenPipeError:
+            # stdout was closed early (``onnx-qrewrite rules | head -1``): stop quietly, as other
+            # command-line tools do, with the status of a process ended by SIGPIPE.
+            _silence_stdout()
+            ctx.exit(128 + 13)
+        except Exception as exc:
+            logging.getLogger("onnx_qrewrite").debug("internal error", exc_info=True)
+            click.echo(
+                f"onnx-qrewrite: internal error: {type(exc).__name__}: {exc} "
+                "(a bug; run with -v for the traceback and please report it)",
+                err=True,
+            )
+            ctx.exit(EXIT_INTERNAL)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=__version__, prog_name="onnx-qrewrite")
+@click.option("-v", "--verbose", count=True, help="More log output (repeat for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors; no summary, no progress.")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
+    """Rewrite quantized ONNX models into portable standard ONNX, and prove it.
+
+    Exit codes: 0 ok, 1 verification disagreed, 2 usage error, 3 invalid input model,
+    4 a rule could not be applied, 5 internal error, 6 verify compared nothing.
+    -v and -q are also accepted after the subcommand.
+    """
+    from onnx_qrewrite.cli.options import configure_logging
+
+    configure_logging(verbose, quiet)
+    ctx.obj = {"quiet": quiet, "verbose": verbose}
+    from onnx_qrewrite.io import signals
+
+    signals.install()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

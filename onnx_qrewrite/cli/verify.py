@@ -1,0 +1,525 @@
+"""``onnx-qrewrite verify``: run the original and the rewritten model and prove they agree.
+
+The options are one reusable group (:func:`verify_options`), so ``rewrite --verify`` takes the
+same ones; :func:`verify_kwargs` turns their values into keyword arguments of
+:func:`onnx_qrewrite.verify.verify` (validating them all before any inference runs) and
+:func:`emit_report` prints and writes the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from onnx_qrewrite.cli.options import (
+    MultiValueOption,
+    check_report_paths,
+    global_options,
+    looks_like_number_value,
+    looks_like_range,
+)
+from onnx_qrewrite.errors import UsageError, worst_exit_code
+from onnx_qrewrite.io.clash import check_writes, model_reads
+from onnx_qrewrite.rewriter.report import write_report_file
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.cli.batch import Outcome
+
+__all__ = ["combined_junit", "emit_report", "verify_command", "verify_kwargs", "verify_options"]
+
+logger = logging.getLogger(__name__)
+
+_OPT_LEVELS = ("disable", "basic", "extended", "all")  # checked again by SessionSettings
+
+
+def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Callable], Callable]:
+    """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
+    (which has its own ``--report`` and ``--junit``, hence the switches)."""
+    options = [
+        click.option(
+            "--inputs",
+            "inputs_file",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Run on these inputs (.npz keyed by input name) instead of generated ones.",
+        ),
+        click.option(
+            "--samples",
+            type=int,
+            default=2,
+            show_default=True,
+            help="Random samples to generate, at most 100000 (the quantization battery comes on top).",
+        ),
+        click.option(
+            "--seed", type=int, default=0, show_default=True, help="Seed of the generated inputs (0 to 2**64-1)."
+        ),
+        click.option(
+            "--int-range",
+            default=None,
+            metavar="LO,HI",
+            help="Range of every generated integer input, inclusive. Default: Gather indices within the "
+            "table, other integers {0, 1}.",
+        ),
+        click.option(
+            "--val-range",
+            "val_ranges",
+            cls=MultiValueOption,
+            looks_like=looks_like_range,
+            metavar="[NAME:][LO,HI]",
+            help="Range of generated values, as Polygraphy spells it: NAME:[LO,HI] for one input, "
+            "[LO,HI] for every input; several after one flag, or repeated.",
+        ),
+        click.option(
+            "--input-shape",
+            "input_shapes",
+            multiple=True,
+            metavar="NAME:D0,D1,...",
+            help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable.",
+        ),
+        click.option(
+            "--battery/--no-battery",
+            default=True,
+            show_default=True,
+            help="Add the quantization battery for float inputs: zeros, a constant, a wide range, negatives.",
+        ),
+        click.option(
+            "--atol",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Absolute tolerance for float outputs; NAME:VALUE for one output; several after one "
+            "flag (--atol 1e-5 out0:1e-4) or repeated. Default by dtype.",
+        ),
+        click.option(
+            "--rtol",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Relative tolerance for float outputs, in the same forms as --atol. Default by dtype.",
+        ),
+        click.option(
+            "--lsb",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(int),
+            metavar="[NAME:]N",
+            help="Allowed difference in units for integer/quantized outputs (default 0: exact).",
+        ),
+        click.option(
+            "--tolerance-rule",
+            type=click.Choice(["numpy", "polygraphy"]),
+            default="numpy",
+            show_default=True,
+            help="Float elements pass when |diff| <= atol + rtol*|original| (numpy), or when |diff| <= atol "
+            "OR |diff|/|rewritten| <= rtol (polygraphy: its default elemwise check).",
+        ),
+        click.option(
+            "--drift",
+            "drift_mode",
+            type=click.Choice(["auto", "always", "never"]),
+            default="auto",
+            show_default=True,
+            help="Judge the outputs by their drift (relative L2, cosine, argmax agreement) instead of element "
+            "by element: auto when the rewrite carries approximate rules (its provenance says so).",
+        ),
+        click.option(
+            "--drift-rel-l2",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: largest relative L2 error ||rewritten - original|| / ||original|| on any sample "
+            "(default 0.05), in the forms of --atol.",
+        ),
+        click.option(
+            "--drift-cosine",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: smallest cosine similarity on any sample (default 0.999).",
+        ),
+        click.option(
+            "--drift-argmax",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: smallest fraction of rows whose argmax agrees, for classifier-shaped outputs "
+            "(float, last dimension > 1; default 0.8).",
+        ),
+        click.option(
+            "--drift-atol",
+            cls=MultiValueOption,
+            looks_like=looks_like_number_value(float),
+            metavar="[NAME:]VALUE",
+            help="Drift: largest absolute error (default: reported, not judged: its scale is the output's).",
+        ),
+        click.option(
+            "--ort-opt-level",
+            type=click.Choice(_OPT_LEVELS),
+            default="disable",
+            show_default=True,
+            help="onnxruntime graph optimisation, the same for both models (it changes QDQ numerics).",
+        ),
+        click.option(
+            "--threads",
+            type=int,
+            default=1,
+            show_default=True,
+            help="onnxruntime intra-op threads for both models (0: onnxruntime's default; capped at the CPUs).",
+        ),
+        click.option(
+            "--custom-op-library",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Run the original's vendor ops with this library instead of the reference kernels.",
+        ),
+        click.option(
+            "--save-inputs",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Write the inputs used to this .npz file.",
+        ),
+        click.option(
+            "--save-outputs",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Write the inputs and the original's outputs to this .npz file (for --load-outputs).",
+        ),
+        click.option(
+            "--runtime",
+            type=click.Choice(["onnxruntime", "openvino", "tract", "qnn", "tflite"]),
+            default="onnxruntime",
+            show_default=True,
+            help="Run the rewritten model on this runtime (the original stays in onnxruntime); each is an "
+            "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn); tflite runs in a Python 3.12+ environment "
+            "of its own, named by $ONNX_QREWRITE_TFLITE_PYTHON.",
+        ),
+        click.option(
+            "--providers",
+            default=None,
+            metavar="EP[,EP...]",
+            help="onnxruntime execution providers for the rewritten model, e.g. CUDAExecutionProvider.",
+        ),
+        click.option(
+            "--localize/--no-localize",
+            default=True,
+            show_default=True,
+            help="On disagreement, name the first differing node of the rewritten model.",
+        ),
+    ]
+    if report:
+        options.append(
+            click.option(
+                "--report",
+                "report_path",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json).",
+            )
+        )
+    if junit:
+        options.append(
+            click.option(
+                "--junit",
+                "junit_path",
+                type=click.Path(dir_okay=False),
+                default=None,
+                help="Write a JUnit XML report: one test suite per model, one case per output.",
+            )
+        )
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def verify_kwargs(
+    *,
+    inputs_file: str | None,
+    samples: int,
+    seed: int,
+    int_range: str | None,
+    val_ranges: tuple[str, ...],
+    input_shapes: tuple[str, ...],
+    battery: bool,
+    atol: tuple[str, ...],
+    rtol: tuple[str, ...],
+    lsb: tuple[str, ...],
+    tolerance_rule: str,
+    ort_opt_level: str,
+    threads: int,
+    custom_op_library: str | None,
+    save_inputs: str | None,
+    save_outputs: str | None,
+    localize: bool,
+    runtime: str = "onnxruntime",
+    providers: str | None = None,
+    drift_mode: str = "auto",
+    drift_rel_l2: tuple[str, ...] = (),
+    drift_cosine: tuple[str, ...] = (),
+    drift_argmax: tuple[str, ...] = (),
+    drift_atol: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option.
+    Everything that can be checked without the models is checked here, before any work."""
+    from onnx_qrewrite.verify import DriftThresholds, GenerationOptions, SessionSettings, Tolerances
+    from onnx_qrewrite.verify.inputs import parse_input_shape, parse_int_range, parse_val_range
+
+    shapes = dict(parse_input_shape(text) for text in input_shapes)
+    ranges = dict(parse_val_range(text) for text in val_ranges)
+    generation = GenerationOptions(
+        samples=samples,
+        seed=seed,
+        int_range=None if int_range is None else parse_int_range(int_range),
+        shapes=shapes,
+        battery=battery,
+        value_ranges=ranges,
+    )
+    session = SessionSettings(opt_level=ort_opt_level, threads=threads)
+    return {
+        "inputs": inputs_file,
+        "samples": generation.samples,
+        "seed": generation.seed,
+        "int_range": generation.int_range,
+        "value_ranges": ranges,
+        "input_shapes": shapes,
+        "battery": battery,
+        "tolerances": Tolerances.from_options(atol, rtol, lsb, tolerance_rule),
+        "opt_level": ort_opt_level,
+        "threads": session.threads,
+        "custom_op_library": custom_op_library,
+        "save_inputs": save_inputs,
+        "save_outputs": save_outputs,
+        "localize_failures": localize,
+        "runtime": runtime,
+        "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
+        "drift": DriftThresholds.from_options(drift_mode, drift_rel_l2, drift_cosine, drift_argmax, drift_atol),
+    }
+
+
+def combined_junit(
+    documents: Sequence[str | None], labels: Sequence[str], errors: Sequence[str | None], path: str
+) -> None:
+    """One JUnit file for several models: their ``<testsuite>`` elements side by side; a model that
+    could not be verified at all becomes a suite with one errored case, so CI shows it too."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.Element("testsuites", name="onnx-qrewrite verify")
+    tests = failures = errored = 0
+    for document, label, error in zip(documents, labels, errors, strict=True):
+        if document is not None:
+            for suite in ET.fromstring(document).iter("testsuite"):
+                root.append(suite)
+                tests += int(suite.get("tests", 0))
+                failures += int(suite.get("failures", 0))
+        else:
+            suite = ET.SubElement(root, "testsuite", name=label, tests="1", failures="0", errors="1", skipped="0")
+            case = ET.SubElement(suite, "testcase", classname=Path(label).stem, name="verify")
+            ET.SubElement(case, "error", message=error or "not verified", type="error")
+            tests += 1
+            errored += 1
+    root.set("tests", str(tests))
+    root.set("failures", str(failures))
+    root.set("errors", str(errored))
+    tree = ET.ElementTree(root)
+    ET.indent(tree)
+    write_report_file(path, ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n", "--junit")
+
+
+def _verify_one(args: tuple[str | None, str, dict[str, Any]]) -> Outcome:
+    from onnx_qrewrite.cli.batch import Outcome
+    from onnx_qrewrite.verify import verify
+
+    original, rewritten, kwargs = args
+    report = verify(original, rewritten, **kwargs)
+    return Outcome(
+        0,
+        original or rewritten,
+        report.exit_code,
+        [report.to_table()],
+        payload={"report": report.to_dict(), "junit": report.junit_xml()},
+    )
+
+
+@click.command("verify")
+@global_options
+@click.argument("models", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--rewritten-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Verify each ORIGINAL against the model of the same name in this folder.",
+)
+@click.option(
+    "--load-outputs",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Compare one MODEL with the inputs and outputs stored by --save-outputs, instead of an original.",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes for several models.",
+)
+@verify_options()
+@click.pass_context
+def verify_command(
+    ctx: click.Context,
+    models: tuple[str, ...],
+    rewritten_dir: str | None,
+    load_outputs: str | None,
+    jobs: int,
+    report_path: str | None,
+    junit_path: str | None,
+    **options: Any,
+) -> None:
+    """Run ORIGINAL and REWRITTEN in onnxruntime on the same inputs and compare every output.
+
+    \b
+    onnx-qrewrite verify ORIGINAL REWRITTEN
+    onnx-qrewrite verify ORIGINAL... --rewritten-dir DIR [--jobs N]
+    onnx-qrewrite verify MODEL --load-outputs FILE   (FILE from --save-outputs)
+
+    Vendor ops in ORIGINAL run on numpy reference kernels of their measured semantics (or on
+    --custom-op-library); REWRITTEN runs in stock onnxruntime.
+
+    A rewrite that carries approximate rules (numerics changed by design) is judged by its drift
+    (--drift, --drift-*): relative L2 error, cosine similarity, argmax agreement.
+
+    \b
+    Exit codes: 0 they agree (approximate rewrites: drift within thresholds); 1 they differ, or
+    the drift is beyond a threshold (the first differing node is named with its rule);
+    6 nothing was compared (zero-size or no outputs, the same file twice, every sample
+    excluded); 2 usage, 3 invalid model, 5 internal error. With several models, the worst.
+    """
+    if load_outputs is not None:
+        if len(models) != 1 or rewritten_dir is not None:
+            raise UsageError("--load-outputs takes one MODEL (compared with the stored outputs)")
+        pairs: list[tuple[str | None, str]] = [(None, models[0])]
+    elif rewritten_dir is None:
+        if len(models) != 2:
+            raise UsageError("verify takes ORIGINAL REWRITTEN, or ORIGINAL... with --rewritten-dir")
+        pairs = [(models[0], models[1])]
+    else:
+        pairs = [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
+    for option in ("save_inputs", "save_outputs"):
+        if options.get(option) and len(pairs) > 1:
+            raise UsageError(f"--{option.replace('_', '-')} takes one model pair; verify the others separately")
+    check_report_paths(
+        report=report_path,
+        junit=junit_path,
+        save_inputs=options.get("save_inputs"),
+        save_outputs=options.get("save_outputs"),
+    )
+    _refuse_writing_what_is_read(
+        [m for pair in pairs for m in pair if m is not None]
+        + [p for p in (options.get("inputs_file"), load_outputs, options.get("custom_op_library")) if p],
+        report=report_path,
+        junit=junit_path,
+        save_inputs=options.get("save_inputs"),
+        save_outputs=options.get("save_outputs"),
+    )
+    # ... nor the external data those models reference, nor a FIFO or device (clash.check_writes).
+    reads: dict[tuple[int, int], Path] = {}
+    for pair in pairs:
+        for model in pair:
+            if model is not None:
+                reads.update(model_reads(model))
+    for option in ("inputs_file", "load_outputs"):
+        given = options.get(option) if option != "load_outputs" else load_outputs
+        if given:
+            reads.update(model_reads(given))
+    writes = [("--report", report_path), ("--junit", junit_path)]
+    writes += [("--save-inputs", options.get("save_inputs")), ("--save-outputs", options.get("save_outputs"))]
+    check_writes(writes, reads)
+    kwargs = verify_kwargs(**options)
+    if load_outputs is not None:
+        kwargs["load_outputs"] = load_outputs
+    quiet = bool((ctx.obj or {}).get("quiet"))
+    if len(pairs) == 1:
+        from onnx_qrewrite.progress import TerminalProgress
+        from onnx_qrewrite.verify import verify
+
+        progress = TerminalProgress(quiet=quiet)
+        try:
+            report = verify(pairs[0][0], pairs[0][1], progress=progress, **kwargs)
+        finally:
+            progress.close()
+        emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
+        if report.exit_code:
+            ctx.exit(report.exit_code)
+        return
+    from onnx_qrewrite.cli.batch import run_tasks  # worker processes: only for several models
+
+    outcomes = []
+    labels = [o or r for o, r in pairs]
+    for outcome in run_tasks(_verify_one, [(o, r, kwargs) for o, r in pairs], labels, jobs):
+        outcomes.append(outcome)
+        if not quiet:
+            click.echo("\n".join(outcome.lines))
+        if outcome.error:
+            click.echo(f"onnx-qrewrite: error: {outcome.label}: {outcome.error}", err=True)
+    outcomes.sort(key=lambda o: o.index)
+    if report_path:
+        body = {"models": [o.payload.get("report") or {"original": o.label, "error": o.error} for o in outcomes]}
+        write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
+    if junit_path:
+        combined_junit(
+            [o.payload.get("junit") for o in outcomes],
+            [o.label for o in outcomes],
+            [o.error for o in outcomes],
+            junit_path,
+        )
+    failed = [o for o in outcomes if o.exit_code]
+    worst = worst_exit_code(o.exit_code for o in outcomes)
+    if not quiet:
+        click.echo(
+            f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
+            + (f" (worst exit code {worst})" if failed else "")
+        )
+    if worst:
+        ctx.exit(worst)
+
+
+def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None:
+    """No file verify writes (reports, saved inputs or outputs) may be a file it reads (the models,
+    --inputs, --load-outputs), compared by inode, nor two of them one file: a usage error naming
+    both, before any work."""
+    from onnx_qrewrite.io import model_io, outputs
+
+    reads: dict[tuple[int, int], Path] = {}
+    for path in read:
+        try:
+            reads.setdefault(outputs.file_id(os.stat(path)), Path(path))
+        except OSError:
+            continue  # a missing input is reported when it is opened
+    seen: dict[str, str] = {}
+    for key, target in written.items():
+        if not target:
+            continue
+        option = "--" + key.replace("_", "-")
+        model_io.refuse_clash(Path(target), reads, option)
+        resolved = os.path.realpath(target)
+        if resolved in seen:
+            raise UsageError(f"{option} {target}: is also given to {seen[resolved]}; give each its own file")
+        seen[resolved] = option
+
+
+def emit_report(report: Any, *, report_path: str | None, junit_path: str | None, quiet: bool) -> None:
+    """Write the requested report files and, unless quiet, print the table."""
+    if report_path:
+        report.write_json(report_path)
+    if junit_path:
+        report.write_junit(junit_path)
+    if not quiet:
+        click.echo(report.to_table())

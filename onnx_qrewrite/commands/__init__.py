@@ -1,1 +1,0 @@
-"""One module per subcommand; ``onnx_qrewrite.cli`` registers them."""

@@ -1,0 +1,505 @@
+"""Reading and writing models built for real sizes.
+
+- Weights stored as external data stay on disk: models are loaded with
+  ``load_external_data=False`` (1 GiB of weights: 73 MiB RSS instead of 2.1 GiB, ENGINE_NOTES.md).
+- Writing streams each external tensor's bytes from the input's data file to the output's, in
+  bounded chunks (``os.copy_file_range`` where the kernel offers it), or, opt-in, references the
+  input's data file in place when the output sits in the same folder (zero copy).
+- Models whose protobuf would pass 2 GB are written with their large tensors as external data.
+- Everything is written to temporary files in the destination folder and renamed into place only
+  when complete: a failure never leaves a partial file, and the input is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
+from onnx_qrewrite.io import outputs
+from onnx_qrewrite.io.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
+from onnx_qrewrite.io.external_data import ExternalData, all_tensors, external_tensors
+from onnx_qrewrite.io.toposort import sort_model
+from onnx_qrewrite.progress import ProgressSink
+
+__all__ = [
+    "LoadedModel",
+    "SaveInfo",
+    "check_input_model",
+    "check_model",
+    "external_tensors",
+    "load_model",
+    "open_model",
+    "parse_model",
+    "save_model",
+]
+
+_PROTOBUF_LIMIT = 2**31 - 1
+#: Headroom for fields other than tensor payloads when deciding whether to externalize.
+_LIMIT_MARGIN = 64 * 2**20
+#: Tensors at least this large move to external data when a model must be split.
+_EXTERNALIZE_THRESHOLD = 1024
+_ALIGN = 64
+_CHUNK = 64 * 2**20
+
+
+#: Refuse model files whose protobuf could not be parsed anyway (protobuf's 2 GB limit).
+_MAX_MODEL_FILE = _PROTOBUF_LIMIT
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model parsed from the bytes of one read, with its external data opened and checked."""
+
+    proto: onnx.ModelProto
+    path: Path
+    file_id: tuple[int, int]
+    external: ExternalData | None
+    #: Nodes moved to put the graphs into topological order (0: they were in it), see toposort.py.
+    reordered: int = 0
+
+    def reads(self) -> dict[tuple[int, int], Path]:
+        """Every file this model was read from (model file and external data), by (st_dev, st_ino)."""
+        found = {self.file_id: self.path}
+        if self.external is not None:
+            found.update(self.external.reads())
+        return found
+
+
+def _read_once(p: Path) -> tuple[bytes, tuple[int, int]]:
+    """The bytes of the model file, from one descriptor that fstat says is a regular file."""
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise InvalidModelError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise InvalidModelError(f"{p}: is a directory, not an ONNX model file") from None
+    except OSError as exc:
+        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InvalidModelError(f"{p}: is a directory, not an ONNX model file")
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModelError(f"{p}: is not a regular file (a FIFO or device); give an ONNX model file")
+        if st.st_size == 0:
+            raise InvalidModelError(f"{p}: the file is empty")
+        if st.st_size > _MAX_MODEL_FILE:
+            raise InvalidModelError(
+                f"{p}: {st.st_size} bytes, more than protobuf can parse (2 GiB); is it an ONNX model?"
+            )
+        os.set_blocking(fd, True)
+        chunks = []
+        remaining = st.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, _CHUNK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks), (st.st_dev, st.st_ino)
+    except OSError as exc:
+        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def parse_model(data: bytes, label: str) -> onnx.ModelProto:
+    """Parse model bytes; anything protobuf or onnx refuses is an InvalidModelError naming ``label``."""
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise InvalidModelError(
+            f"{label}: not a valid ONNX model (cannot parse the protobuf: {first_line(exc)}); "
+            "is the file truncated or corrupt?"
+        ) from None
+    if model.ir_version == 0 or not model.HasField("graph"):
+        raise InvalidModelError(
+            f"{label}: not a valid ONNX model (no IR version or graph); is the file truncated or corrupt?"
+        )
+    return model
+
+
+def open_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedModel:
+    """Read ``path`` once, parse those bytes, open and check its external data (left on disk).
+
+    With ``check``, nodes out of topological order are sorted first (onnxruntime runs such models;
+    :mod:`onnx_qrewrite.io.toposort`), then onnx's checker runs.
+
+    The checker sees the bytes that were parsed (never the path again), and every external data
+    file is opened once, inside the model's folder (:mod:`onnx_qrewrite.io.external_data`).
+    """
+    p = Path(path)
+    data, fid = _read_once(p)
+    model = parse_model(data, str(p))
+    external = ExternalData.for_model(model, p.parent if str(p.parent) else Path("."), str(p))
+    reordered = 0
+    try:
+        if check:
+            reordered = check_input_model(model, what=str(p), serialized=None if external else data)
+    except BaseException:
+        if external is not None:
+            external.close()
+        raise
+    return LoadedModel(model, p, fid, external, reordered)
+
+
+def load_model(path: str | os.PathLike[str], *, check: bool = True) -> onnx.ModelProto:
+    """Parse ``path`` without loading external weights; every failure is an InvalidModelError."""
+    loaded = open_model(path, check=check)
+    if loaded.external is not None:
+        loaded.external.close()
+    return loaded.proto
+
+
+@contextlib.contextmanager
+def _external_data_hidden(model: onnx.ModelProto) -> Iterator[None]:
+    """Each external tensor shown to the checker as an empty tensor of the same type, then restored.
+
+    onnx's in-memory checker resolves external data against the *working directory* and takes
+    no model folder; changing the working directory is process-wide (not thread-safe). Our own
+    checks (:class:`ExternalData`) already cover what it would check of those files, through the
+    descriptors the bytes are read from, so the checker is shown the model without them.
+    """
+    saved = []
+    for t in external_tensors(model):
+        saved.append((t, list(t.dims), [(e.key, e.value) for e in t.external_data]))
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.dims[:]
+        t.dims.append(0)
+    try:
+        yield
+    finally:
+        for t, dims, entries in saved:
+            del t.dims[:]
+            t.dims.extend(dims)
+            for key, value in entries:
+                e = t.external_data.add()
+                e.key, e.value = key, value
+            t.data_location = onnx.TensorProto.EXTERNAL
+
+
+def check_model(
+    model: onnx.ModelProto | EncodedModel,
+    *,
+    what: str,
+    error: type[QRewriteError] = InvalidModelError,
+    serialized: bytes | None = None,
+) -> None:
+    """Run onnx's checker on the model in memory (``serialized``: its bytes, when already at hand).
+
+    External data is not looked at here: it is checked where it is opened, see
+    :func:`_external_data_hidden`. Thread-safe: nothing process-wide is touched.
+    """
+    if serialized is None:
+        if byte_size(model) > _PROTOBUF_LIMIT:
+            return  # cannot be checked in memory; the input was checked from its bytes
+        skeleton = skeleton_of(model)
+        with _external_data_hidden(skeleton):
+            serialized = to_bytes(model)
+    try:
+        onnx.checker.check_model(serialized)
+    except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as exc:
+        hidden = _without_ort_onnx_domain_ops(serialized) if _is_ort_onnx_domain_op_error(exc) else None
+        if hidden is not None:
+            try:
+                onnx.checker.check_model(hidden)
+                return
+            except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as again:
+                exc = again
+        raise error(f"{what}: fails the ONNX checker: {first_line(exc)}") from None
+
+
+def check_input_model(model: onnx.ModelProto, *, what: str, serialized: bytes | None = None) -> int:
+    """:func:`check_model` for an input: nodes out of topological order, which onnxruntime sorts
+    and runs, are sorted (:mod:`onnx_qrewrite.io.toposort`) and the model checked again; the number of
+    nodes moved. Only when the checker says the order is broken: a sorted model pays nothing more.
+    A name nothing provides, or a cycle, is an InvalidModelError naming the node."""
+    try:
+        check_model(model, what=what, serialized=serialized)
+        return 0
+    except InvalidModelError as exc:
+        if "topologically sorted" not in str(exc):
+            raise
+        moved = sort_model(model, what)
+        if not moved:
+            raise
+    check_model(model, what=what)
+    return moved
+
+
+#: Ops onnxruntime defines in the ONNX domain itself: its optimizer writes SimplifiedLayerNormalization
+#: (RMS norms) there, and onnx's checker has no schema for it. Such models are valid for onnxruntime,
+#: and a rule lowers the op; the checker checks everything else.
+ORT_ONNX_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+_ORT_EXTENSION_DOMAIN = "com.microsoft"
+
+
+def _is_ort_onnx_domain_op_error(exc: Exception) -> bool:
+    return any(f"No Op registered for {op} with domain_version" in str(exc) for op in ORT_ONNX_DOMAIN_OPS)
+
+
+def _without_ort_onnx_domain_ops(serialized: bytes) -> bytes | None:
+    """The model with those nodes moved to onnxruntime's own domain (whose ops the checker does not
+    look up), or None when there is none. Only on the failure path: a parse and a serialization."""
+    model = onnx.ModelProto()
+    model.ParseFromString(serialized)
+    moved = False
+    graphs: list[onnx.GraphProto | onnx.FunctionProto] = [model.graph, *model.functions]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and node.op_type in ORT_ONNX_DOMAIN_OPS:
+                node.domain = _ORT_EXTENSION_DOMAIN
+                moved = True
+            for attr in node.attribute:
+                graphs.extend([attr.g] if attr.HasField("g") else [])
+                graphs.extend(attr.graphs)
+    if not moved:
+        return None
+    if all(o.domain != _ORT_EXTENSION_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(_ORT_EXTENSION_DOMAIN, 1))
+    return model.SerializeToString()
+
+
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _copy_range(src_fd: int, dst, offset: int, length: int) -> None:
+    """Append ``length`` bytes at ``offset`` of ``src_fd`` to ``dst`` (in the kernel when it can).
+
+    Chunks of 64 MiB keep a SIGTERM/SIGINT waiting at most one chunk."""
+    dst_fd = dst.fileno()
+    remaining = length
+    if hasattr(os, "copy_file_range"):
+        try:
+            while remaining:
+                n = os.copy_file_range(src_fd, dst_fd, min(remaining, _CHUNK), offset + length - remaining)
+                if n == 0:
+                    break
+                remaining -= n
+        except OSError:
+            pass  # e.g. across file systems on old kernels: fall back to plain reads
+    dst.seek(0, os.SEEK_END)
+    while remaining:
+        chunk = os.pread(src_fd, min(remaining, _CHUNK), offset + length - remaining)
+        if not chunk:
+            raise InvalidModelError(f"external data ends before offset {offset + length}")
+        dst.write(chunk)
+        remaining -= len(chunk)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveInfo:
+    path: Path
+    data_path: Path | None  # the external data file written, if any
+    referenced: tuple[str, ...]  # input data files referenced in place (zero copy)
+    external_bytes: int  # bytes of external data written (or referenced)
+
+
+def byte_size(model: onnx.ModelProto | EncodedModel) -> int:
+    return model.byte_size() if isinstance(model, EncodedModel) else model.ByteSize()
+
+
+def check_output_folder(out: Path, option: str = "-o") -> Path:
+    """The folder ``out`` goes to, after checking it exists and is writable and ``out`` is usable."""
+    folder = out.parent if str(out.parent) else Path(".")
+    outputs.check_target(out, option)
+    if not folder.is_dir():
+        raise UsageError(f"{option} {out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{option} {out}: cannot write to the folder {folder} (permission denied)")
+    return folder
+
+
+def refuse_clash(out: Path, reads: dict[tuple[int, int], Path], option: str = "-o") -> None:
+    """``out`` must not be (a link to) a file the invocation reads: compared by inode."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return
+    hit = reads.get(outputs.file_id(st))
+    if hit is not None:
+        raise UsageError(
+            f"{option} {out}: refusing to overwrite the input file {hit} (the same file), which this invocation "
+            "reads; choose another path"
+        )
+
+
+def save_model(
+    model: onnx.ModelProto | EncodedModel,
+    path: str | os.PathLike[str],
+    *,
+    external: ExternalData | None = None,
+    reference_external_data: bool = False,
+    progress: ProgressSink | None = None,
+    reads: dict[tuple[int, int], Path] | None = None,
+) -> SaveInfo:
+    """Write ``model`` and its weights all or nothing (see :mod:`onnx_qrewrite.io.outputs`).
+
+    External weights are streamed from the descriptors of ``external`` (opened and checked when the
+    input was read) or, with ``reference_external_data``, referenced in place. ``reads``: every
+    file the invocation reads, by (st_dev, st_ino): never written, replaced or removed. ``model`` is
+    left pointing at its input's data, so it can be saved again.
+    """
+    out = Path(path)
+    folder = check_output_folder(out)
+    protected = dict(reads or {})
+    if external is not None:
+        protected.update(external.reads())
+    refuse_clash(out, protected)
+
+    skeleton = skeleton_of(model)
+    ext = list(external_tensors(skeleton))
+    saved = [(t, [(e.key, e.value) for e in t.external_data]) for t in ext]
+    moved: list[tuple[onnx.TensorProto, bytes]] = []
+    if ext and external is None:
+        raise UsageError(f"{out}: the model references external data but its source folder is unknown")
+    if reference_external_data and ext:
+        assert external is not None
+        if folder.resolve() != external.base_dir.resolve():
+            raise UsageError(
+                f"{out}: --reference-external-data needs the output in the input's folder ({external.base_dir}); "
+                "elsewhere the weights are copied"
+            )
+    outputs.clean_leftovers(folder)
+    old_data = [p for p in outputs.previous_data_files(out) if _id_of(p) not in protected]
+
+    data_tmp: Path | None = None
+    model_tmp: Path | None = None
+    journal: Path | None = None
+    renamed: Path | None = None
+    committed = False
+    try:
+        written = 0
+        referenced: set[str] = set()
+        data_name: str | None = None
+        too_big = byte_size(model) > _PROTOBUF_LIMIT - _LIMIT_MARGIN
+        if reference_external_data and ext:
+            assert external is not None
+            for t in ext:
+                _fd, _offset, length = external.span(t)
+                referenced.add(next(e.value for e in t.external_data if e.key == "location"))
+                written += length
+        if (ext and not reference_external_data) or too_big:
+            data_name = outputs.free_data_name(out)
+            fd, data_tmp = outputs.new_temp(folder, out.name, "data")
+            spans = [external.span(t) for t in ext] if ext and external is not None else []
+            total_external = sum(length for _, _, length in spans)
+            copied = 0
+            with os.fdopen(fd, "wb") as dst:
+                for t, (src_fd, offset, length) in zip(ext, spans, strict=True):
+                    pad = (-written) % _ALIGN
+                    dst.write(b"\0" * pad)
+                    written += pad
+                    dst.flush()
+                    _copy_range(src_fd, dst, offset, length)
+                    _set_external(t, data_name, written, length)
+                    written += length
+                    copied += length
+                    if progress is not None:
+                        progress("writing weights bytes", copied, total_external)
+                if too_big:
+                    written = _externalize_large(skeleton, dst, data_name, written, moved)
+                dst.flush()
+                os.fsync(dst.fileno())
+                os.fchmod(dst.fileno(), outputs.FILE_MODE)
+        fd, model_tmp = outputs.new_temp(folder, out.name, "model")
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(to_chunks(model))  # pieces, not one joined copy of the whole output
+            f.flush()
+            os.fsync(f.fileno())
+            os.fchmod(f.fileno(), outputs.FILE_MODE)
+        data_path = folder / data_name if data_name is not None else None
+        keep = {data_name, *referenced}
+        old_data = [p for p in old_data if p.name not in keep]
+        # The journal names the data file about to appear and the ones about to go, so that the
+        # leftovers of a kill between the renames below are found (outputs.clean_leftovers).
+        journal = outputs.write_journal(folder, out.name, data_name, [p.name for p in old_data])
+        with outputs.signals_blocked():
+            if data_tmp is not None and data_name is not None:
+                outputs.rename_new(data_tmp, folder / data_name)
+                renamed = folder / data_name
+                data_tmp = None
+            os.replace(model_tmp, out)  # the commit point
+            committed = True
+            outputs.forget(model_tmp)
+            model_tmp = None
+            for old in old_data:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
+            outputs.discard(journal)
+            journal = None
+        outputs.fsync_folder(folder)
+    except OSError as exc:
+        raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        _restore(saved, moved)
+        if not committed and renamed is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(renamed)
+        for leftover in (data_tmp, model_tmp, journal):
+            outputs.discard(leftover)
+    return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
+
+
+def _id_of(path: Path) -> tuple[int, int] | None:
+    try:
+        return outputs.file_id(os.stat(path))
+    except OSError:
+        return None
+
+
+def _externalize_large(
+    model: onnx.ModelProto, dst, data_name: str, written: int, moved: list[tuple[onnx.TensorProto, bytes]]
+) -> int:
+    """Move in-memory tensors of at least 1 KiB into the data file: the model passes 2 GB.
+    Each moved tensor and its bytes go to ``moved`` (put back once the model is written)."""
+    for t in all_tensors(model):
+        if (
+            t.data_location == onnx.TensorProto.EXTERNAL
+            or not t.HasField("raw_data")
+            or len(t.raw_data) < _EXTERNALIZE_THRESHOLD
+        ):
+            continue
+        pad = (-written) % _ALIGN
+        dst.write(b"\0" * pad)
+        written += pad
+        raw = t.raw_data
+        dst.write(raw)
+        moved.append((t, raw))
+        _set_external(t, data_name, written, len(raw))
+        written += len(raw)
+        t.ClearField("raw_data")
+    return written
+
+
+def _restore(
+    saved: list[tuple[onnx.TensorProto, list[tuple[str, str]]]], moved: list[tuple[onnx.TensorProto, bytes]]
+) -> None:
+    """Point the model back at its input's external data (and in-memory bytes) after writing it, so
+    that the result can be saved again and still describes where its data is read from."""
+    for t, entries in saved:
+        del t.external_data[:]
+        for key, value in entries:
+            e = t.external_data.add()
+            e.key, e.value = key, value
+        t.data_location = onnx.TensorProto.EXTERNAL
+    for t, raw in moved:
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.DEFAULT
+        t.raw_data = raw

@@ -1,0 +1,291 @@
+"""The objects a builder works with when it rewrites one node: the :class:`Site` (the node in its
+scope), the :class:`Emitter` (creates the replacement nodes) and the :class:`ConstantPool` (shared
+constants). Re-exported by :mod:`onnx_qrewrite.rewriter.builders`; here, apart from the registry and the
+contracts, because they need onnx and numpy, which loading the rule catalogue does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from onnx_qrewrite.errors import InternalError
+from onnx_qrewrite.io import _protowire
+from onnx_qrewrite.rewriter import provenance
+from onnx_qrewrite.rewriter.builders import NoMatch
+from onnx_qrewrite.rewriter.graph import NameAllocator, Scope
+
+__all__ = ["ConstantPool", "Emitter", "Site"]
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+@dataclasses.dataclass
+class Site:
+    """A node in its scope: everything a builder may look at.
+
+    The engine makes one Site per node and hands it to every candidate rule in turn, so work
+    several rules need (reading the node, resolving its dtype) is done once, through :meth:`memo`.
+    """
+
+    node: onnx.NodeProto
+    scope: Scope
+    #: Op types whose output 0 has input 0's shape (from the catalogue's builder contracts, plus
+    #: the standard ones): shape look-ups see through them.
+    same_shape_ops: frozenset[str] = dataclasses.field(default=frozenset(), repr=False)
+    _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()`` once per node and key; a :class:`NoMatch` is remembered and raised again."""
+        found = self._memo.get(key, _MISSING)
+        if found is _MISSING:
+            try:
+                found = compute()
+            except NoMatch as why:
+                found = why
+            self._memo[key] = found
+        if isinstance(found, NoMatch):
+            raise type(found)(str(found))
+        return found
+
+    @property
+    def label(self) -> str:
+        """How reports and errors name the node."""
+        n = self.node
+        name = n.name or (f"<unnamed {n.op_type} -> {n.output[0]}>" if n.output else f"<unnamed {n.op_type}>")
+        return name if self.scope.path == "main" else f"{name} (in {self.scope.path})"
+
+    def input(self, i: int) -> str:
+        """Name of input ``i``; '' when absent (optional inputs may be missing or empty)."""
+        return self.node.input[i] if i < len(self.node.input) else ""
+
+    def attribute(self, name: str, default: Any = None) -> Any:
+        for attr in self.node.attribute:
+            if attr.name == name:
+                return helper.get_attribute_value(attr)
+        return default
+
+    def has_attribute(self, name: str) -> bool:
+        return any(a.name == name for a in self.node.attribute)
+
+    def elem_type(self, value: str) -> int | None:
+        return self.scope.elem_type(value) if value else None
+
+    def constant(self, value: str) -> np.ndarray | None:
+        return self.scope.constant(value) if value else None
+
+
+#: Constant names say their dtype briefly (they are read by every node that uses them).
+_SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "int64": "i64", "int32": "i32", "uint8": "u8"}
+
+
+class ConstantPool:
+    """Shared constants for one root scope (the main graph, or one local function).
+
+    The main graph gets initializers (visible to every subgraph through outer scope); a function
+    gets Constant nodes at the top of its body, since functions have no initializers. Equal values
+    share one name, so a model with 20k rewrites still adds only a handful of constants.
+    """
+
+    def __init__(self, root: Scope, names: NameAllocator):
+        self._root = root
+        self._names = names
+        self._by_value: dict[tuple[str, str, tuple[int, ...], bytes], str] = {}
+        self.constant_nodes: list[bytes] = []
+
+    def get(self, array: np.ndarray) -> str:
+        array = np.asarray(array)
+        # The name too: ml_dtypes' int4 and uint4 share dtype.str ('<V1').
+        key = (array.dtype.str, array.dtype.name, array.shape, array.tobytes())
+        name = self._by_value.get(key)
+        if name is not None:
+            return name
+        tensor = numpy_helper.from_array(array)
+        flat = np.asarray(array).ravel()
+        hint = "_".join(f"{v:g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:4])
+        dtype = _SHORT_DTYPES.get(array.dtype.name, array.dtype.name)
+        name = self._names.fresh(f"qrw_const_{dtype}_{hint}".replace("-", "m"))
+        tensor.name = name
+        container = self._root.container
+        if isinstance(container, onnx.GraphProto):
+            container.initializer.append(tensor)
+        else:
+            attr = helper.make_attribute("value", tensor)
+            self.constant_nodes.append(
+                _protowire.encode_node(
+                    "Constant",
+                    (),
+                    (name,),
+                    self._names.fresh(f"{name}_node"),
+                    attributes=_protowire.encode_attribute(attr),
+                )
+            )
+        self._root.invalidate()
+        self._by_value[key] = name
+        return name
+
+
+def op_key_of(domain: str, op_type: str) -> str:
+    """How reports name an op: ``Op`` in the standard domain, ``domain::Op`` elsewhere."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
+
+
+_ATTR_CACHE: dict[tuple[str, Any], bytes] = {}
+
+
+def _encode_attributes(attrs: Mapping[str, Any]) -> bytes:
+    if not attrs:
+        return b""
+    parts = []
+    for name, value in attrs.items():
+        if isinstance(value, onnx.AttributeProto):
+            parts.append(_protowire.encode_attribute(value))
+            continue
+        key = (name, value) if isinstance(value, (int, float, str, bytes)) else None
+        encoded = _ATTR_CACHE.get(key) if key is not None else None
+        if encoded is None:
+            encoded = _protowire.encode_attribute(helper.make_attribute(name, value))
+            if key is not None:
+                _ATTR_CACHE[key] = encoded
+        parts.append(encoded)
+    return b"".join(parts)
+
+
+class Emitter:
+    """Creates the replacement nodes of one rewrite, with model-wide unique, deterministic names.
+
+    Created nodes carry metadata ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin`` so a
+    verifier (or a person) can trace them back to the rule and the node they replace: on the first
+    node only (``compact``, the default), on every node (``full``) or on none (``none``); see
+    :mod:`onnx_qrewrite.rewriter.provenance`. Created names always start with ``<prefix>/``.
+    """
+
+    RULE_KEY = provenance.RULE_KEY
+    ORIGIN_KEY = provenance.ORIGIN_KEY
+    #: Only on nodes of non-exact rewrites: the rule's exactness, and the bound at the replaced
+    #: node's outputs (``Plan.bound``, as ``repr(float)``) that ``verify`` checks there.
+    EXACTNESS_KEY = "onnx_qrewrite.exactness"
+    BOUND_KEY = "onnx_qrewrite.bound"
+
+    def __init__(
+        self,
+        site: Site,
+        rule_id: str,
+        names: NameAllocator,
+        constants: ConstantPool,
+        *,
+        emits: frozenset[str] | None = None,
+        metadata: tuple[bytes, bytes] | None = None,
+    ):
+        self.site = site
+        self._names = names
+        self._constants = constants
+        self._emits = emits
+        self._rule_id = rule_id
+        node = site.node
+        self._prefix = self.prefix_for(node)
+        self._meta_first, self._meta_rest = metadata if metadata is not None else self.metadata_for(rule_id, node)
+        self.nodes: list[bytes] = []
+        self.created: list[tuple[str, str]] = []  # (node name, op key as in reports)
+        # What a template (builders/_stamp.py) needs to replay this build:
+        self.records: list[tuple[str, str, list[str], list[str], str, bytes]] = []
+        self.fresh_names: list[str] = []
+        self.fresh_hints: list[str] = []
+        self.constant_names: set[str] = set()
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @staticmethod
+    def prefix_for(node: onnx.NodeProto) -> str:
+        """Created names start with the replaced node's name (or its first output)."""
+        return node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
+
+    @classmethod
+    def metadata_for(
+        cls,
+        rule_id: str,
+        node: onnx.NodeProto,
+        exactness: str = "exact",
+        bound: float | None = None,
+        mode: str = provenance.DEFAULT_MODE,
+    ) -> tuple[bytes, bytes]:
+        """Encoded metadata of a replacement's first node and of its other nodes, for provenance
+        ``mode`` (compact: the first node only; full: every node; none: no node)."""
+        if mode == "none":
+            return b"", b""
+        entries = [(cls.RULE_KEY, rule_id), (cls.ORIGIN_KEY, node.name)]
+        if exactness != "exact":
+            entries.append((cls.EXACTNESS_KEY, exactness))
+        if bound is not None:
+            entries.append((cls.BOUND_KEY, repr(float(bound))))
+        encoded = _protowire.encode_metadata(entries)
+        return encoded, (encoded if mode == "full" else b"")
+
+    def _fresh(self, hint: str) -> str:
+        name = self._names.fresh(self._prefix + hint)
+        self.fresh_names.append(name)
+        self.fresh_hints.append(hint)
+        return name
+
+    @property
+    def opset(self) -> int:
+        return self.site.scope.default_opset
+
+    def fresh(self, hint: str) -> str:
+        return self._fresh(f"/{hint}")
+
+    def const(self, value: Any, dtype: Any = None) -> str:
+        """Name of a shared constant holding ``value``."""
+        name = self._constants.get(np.asarray(value, dtype=dtype))
+        self.constant_names.add(name)
+        return name
+
+    def op(
+        self,
+        op_type: str,
+        inputs: Sequence[str],
+        outputs: Sequence[str] | int = 1,
+        *,
+        domain: str = "",
+        hint: str | None = None,
+        **attrs: Any,
+    ) -> list[str]:
+        """Append one node; ``outputs`` is a list of names to write, or how many fresh ones.
+
+        A node and its fresh single output share one name (``<origin>/<hint>``): node names and
+        value names are separate namespaces in ONNX, and one unique name per node is cheaper and
+        easier to read in a viewer.
+        """
+        if self._emits is not None and (domain or op_type not in self._emits):
+            raise InternalError(
+                f"rule {self._rule_id}: its builder emitted {op_key_of(domain, op_type)}, which its contract "
+                f"does not declare (emits: {', '.join(sorted(self._emits))})"
+            )
+        base = f"/{hint or op_type}"
+        name = self._fresh(base)
+        if isinstance(outputs, int):
+            outputs = [name] if outputs == 1 else [self._fresh(f"{base}_{i}") for i in range(outputs)]
+        else:
+            outputs = [o if o else self._fresh(f"{base}_unused") for o in outputs]
+        tail = _protowire.node_tail(op_type, domain, _encode_attributes(attrs))
+        self.records.append((op_type, domain, list(inputs), list(outputs), name, tail))
+        metadata = self._meta_rest if self.nodes else self._meta_first
+        self.nodes.append(_protowire.encode_node_fields(inputs, outputs, name, tail + metadata))
+        self.created.append((name, op_type if not domain else f"{domain}::{op_type}"))
+        return list(outputs)
+
+    def names_read(self) -> set[str]:
+        """Every name the emitted nodes take as input."""
+        return {name for record in self.records for name in record[2]}
+
+    def op1(self, op_type: str, inputs: Sequence[str], output: str | None = None, **kw: Any) -> str:
+        """Single-output convenience form of :meth:`op`."""
+        return self.op(op_type, inputs, [output] if output else 1, **kw)[0]

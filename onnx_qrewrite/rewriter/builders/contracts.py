@@ -1,0 +1,571 @@
+"""The contract of every built-in builder, declared here and nowhere else, with the module that
+implements it.
+
+Why a module of its own: loading the rule catalogue validates every rule against its builder's
+contract (:mod:`onnx_qrewrite.rewriter.catalogue`), and ``onnx-qrewrite rules`` shows the contracts, but
+neither runs a builder. The builders' code imports onnx and numpy, most of a command's start-up
+time; this module imports neither, so the catalogue loads without them and a builder's module is
+imported only when a rule is applied (:func:`onnx_qrewrite.rewriter.builders.get_builder`).
+
+Each builder class says ``contract = CONTRACTS[name]``: one declaration, read by both sides
+(``tests/test_contract.py`` checks that every built-in builder registers with the contract declared
+here, and that every module under ``builders/`` that registers a builder is declared here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option, always
+
+__all__ = [
+    "ATTENTION_EMITS",
+    "AXIS_DEFAULT",
+    "CONTRACTS",
+    "DIRECTION",
+    "FLOAT16",
+    "FLOAT_EMULATION_MIN_OPSET",
+    "FUSED_ACTIVATIONS",
+    "GELU_FORMS",
+    "INTEGER_MATMUL_FLOAT_PARTS",
+    "INTEGER_MATMUL_FORMS",
+    "MODULES",
+    "NBITS_BLOCKED",
+    "NBITS_UNPACKED",
+    "NORM_FORMS",
+    "QDQ_TO_FLOAT_FORMS",
+    "QOPERATOR_EXACTNESS",
+    "REQUIRE_ZERO_POINT",
+    "SEMANTICS",
+    "WEIGHT_ONLY_ROLES",
+    "WEIGHT_ONLY_WEIGHTS",
+]
+
+# --- options several builders share (the vendor and standard Q/DQ builders) --------------------
+
+DIRECTION = Option("direction", str, allowed=("quantize", "dequantize"), doc="which op the rule replaces")
+AXIS_DEFAULT = Option(
+    "axis_default", int, 1, doc="the axis the vendor kernel uses when the node has no axis attribute (written out)"
+)
+REQUIRE_ZERO_POINT = Option(
+    "require_zero_point", bool, False, doc="the vendor kernel takes exactly three inputs (x, scale, zero point)"
+)
+FLOAT16 = Option(
+    "float16",
+    bool,
+    False,
+    doc="also x (quantize), scale and y (dequantize) in float16: onnxruntime's contrib kernels compute those "
+    "in float32 (measured), the emitted ops then do too",
+)
+
+# --- the forms each builder's options choose between --------------------------------------------
+
+#: dynamic_quantize_linear: onnxruntime's kernel or the ONNX spec's function body.
+SEMANTICS = ("onnxruntime", "spec")
+#: unfuse_activation
+GELU_FORMS = ("gelu", "bias_gelu", "quick_gelu", "fast_gelu_standard", "fast_gelu_decomposed")
+#: unfuse_normalization
+NORM_FORMS = ("skip_layer_norm", "skip_simplified", "simplified_standard", "simplified_decomposed")
+#: unfuse_gemm_conv: activation name -> (standard op, its attribute names in the order of the fused
+#: op's parameters).
+FUSED_ACTIVATIONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "Relu": ("Relu", ()),
+    "LeakyRelu": ("LeakyRelu", ("alpha",)),
+    "Sigmoid": ("Sigmoid", ()),
+    "Tanh": ("Tanh", ()),
+    "HardSigmoid": ("HardSigmoid", ("alpha", "beta")),
+    "Clip": ("Clip", ()),  # min and max become inputs
+}
+#: unfuse_attention, unfuse_qattention, unfuse_multi_head_attention: what the attention ops become.
+ATTENTION_EMITS = frozenset(
+    {"MatMul", "Add", "Mul", "Slice", "Reshape", "Transpose", "Softmax", "Where", "Greater", "Less", "Not", "And"}
+    | {"Range", "Shape", "Gather", "Unsqueeze", "Cast", "Concat"}
+)
+#: integer_matmul_float_output: which node of the MatMulInteger/ConvInteger -> Cast pair a rule rewrites.
+INTEGER_MATMUL_FLOAT_PARTS = ("producer", "cast")
+#: integer_matmul
+INTEGER_MATMUL_FORMS = ("float-exact", "int32", "float")
+#: matmul_nbits
+NBITS_BLOCKED = "blocked_dequantize"
+NBITS_UNPACKED = "unpacked"
+#: qdq_float_emulation's emitted ops: Round 11, Clip with bound inputs 11, bfloat16 Cast 13.
+FLOAT_EMULATION_MIN_OPSET = 13
+#: qdq_to_float
+QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
+#: weight_only: the role of a rule in the pattern, and how the weights are written.
+WEIGHT_ONLY_ROLES = ("rewrite", "remove_dead")
+WEIGHT_ONLY_WEIGHTS = ("dequantize", "float")
+#: qoperator_to_qdq: the ops it replaces, and the exactness of each (unless ``u8s8_saturation`` is
+#: "ignore"): exact where the float op cannot round (Concat, and the lookup-table ops whose
+#: onnxruntime kernel is the float op then QuantizeLinear), one step otherwise.
+QOPERATOR_EXACTNESS: dict[str, str] = {
+    "QLinearConv": BOUNDED,
+    "QLinearMatMul": BOUNDED,
+    "QGemm": BOUNDED,
+    "QLinearAdd": BOUNDED,
+    "QLinearMul": BOUNDED,
+    "QLinearConcat": EXACT,
+    "QLinearAveragePool": BOUNDED,
+    "QLinearGlobalAveragePool": BOUNDED,
+    "QLinearLeakyRelu": EXACT,
+    "QLinearSigmoid": EXACT,
+    "QLinearSoftmax": BOUNDED,
+}
+
+# --- the contracts ------------------------------------------------------------------------------
+
+_DQL_EMITS = frozenset(
+    {
+        "ReduceMin",
+        "ReduceMax",
+        "Min",
+        "Max",
+        "Sub",
+        "Div",
+        "Equal",
+        "Where",
+        "IsNaN",
+        "Clip",
+        "Round",
+        "Cast",
+        "QuantizeLinear",
+        "Constant",
+        "Identity",
+    }
+)
+
+
+def _qoperator_exactness(options: Mapping[str, Any]) -> str:
+    if options["u8s8_saturation"] == "ignore":
+        return APPROXIMATE
+    return QOPERATOR_EXACTNESS[options["op"]]
+
+
+def _qoperator_opset(options: Mapping[str, Any], dtypes: Collection[str] | None) -> str:
+    if options["op"] in ("QLinearConv", "QLinearMatMul", "QGemm", "QLinearSoftmax"):
+        return f"{kernel_opsets.PER_AXIS} (per-channel DequantizeLinear; Softmax's single-axis form)"
+    return "10"
+
+
+def _qdq_decompose_opset(options: Mapping[str, Any], dtypes: Collection[str] | None) -> str:
+    minimum = kernel_opsets.FORMS["qdq-decompose"]
+    if options["direction"] == "dequantize":
+        return f"{kernel_opsets.DECOMPOSE_DEQUANTIZE_INTEGER} (integer types; bfloat16/float16: {minimum})"
+    return str(minimum)
+
+
+#: builder name -> (module under ``onnx_qrewrite.rewriter.builders`` that registers it, its contract)
+_DECLARED: dict[str, tuple[str, Contract]] = {
+    "dynamic_quantize_linear": (
+        "dynamic_quantize",
+        Contract(
+            options=(
+                Option(
+                    "semantics",
+                    str,
+                    "onnxruntime",
+                    SEMANTICS,
+                    doc="onnxruntime's kernel, bit for bit (degenerate cases included), or the ONNX spec's "
+                    "function body",
+                ),
+            ),
+            # The spec body (onnx's own schema) uses a subset of these at every opset 11-26.
+            emits=_DQL_EMITS,
+            outputs=3,
+            opset=lambda options, dtypes: "11",
+        ),
+    ),
+    "dynamic_dequantize": (
+        "dynamic_dequantize",
+        Contract(
+            options=(
+                Option(
+                    "form",
+                    str,
+                    "dequantize_linear",
+                    ("dequantize_linear", "arithmetic"),
+                    doc="DequantizeLinear (gives way for a zero point of another type than src, or a "
+                    "non-float32 scale) or the Cast/Sub/Mul form",
+                ),
+                AXIS_DEFAULT,
+            ),
+            emits=frozenset({"DequantizeLinear", "Cast", "Sub", "Mul", "Reshape"}),
+            preserves_shape=True,
+            opset=lambda options, dtypes: "10 (per_channel 13)" if options["form"] == "dequantize_linear" else "13",
+        ),
+    ),
+    "unfuse_activation": (
+        "contrib_fusions",
+        Contract(
+            options=(Option("form", str, allowed=GELU_FORMS, doc="which op, and for FastGelu which decomposition"),),
+            emits=frozenset({"Mul", "Add", "Erf", "Sigmoid", "Tanh", "Gelu"}),
+            exactness=lambda options: BOUNDED if options["form"] == "fast_gelu_decomposed" else EXACT,
+            bound="the tanh approximation in other float32 roundings: within 2^-21·(|x| + 1) "
+            "(measured: 4.8e-7 at |x| ~ 10)",
+            preserves_shape=True,
+            opset=lambda options, dtypes: {"fast_gelu_standard": "20", "quick_gelu": "6"}.get(options["form"], "9"),
+        ),
+    ),
+    "unfuse_gemm_conv": (
+        "contrib_fusions",
+        Contract(
+            options=(Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),),
+            emits=frozenset({"Gemm", "Conv", "Add", "Reshape", *(op for op, _ in FUSED_ACTIVATIONS.values())}),
+            opset=lambda options, dtypes: "11 (Clip with inputs)",
+        ),
+    ),
+    "unfuse_matmul": (
+        "contrib_fusions",
+        Contract(
+            options=(
+                Option(
+                    "any_alpha",
+                    bool,
+                    False,
+                    doc="also nodes with alpha != 1 or transA (bounded: MLAS applies alpha per K panel and "
+                    "transposes A while packing, which changes the float32 summation)",
+                ),
+            ),
+            emits=frozenset({"Transpose", "MatMul", "Mul"}),
+            exactness=lambda options: BOUNDED if options["any_alpha"] else EXACT,
+            bound="the same products summed in another order, times alpha: at most 2·γ(K)·|alpha|·Σ|a·b| + one "
+            "rounding of the result",
+            opset=lambda options, dtypes: "any",
+        ),
+    ),
+    "unfuse_normalization": (
+        "contrib_fusions",
+        Contract(
+            options=(
+                Option(
+                    "form",
+                    str,
+                    allowed=NORM_FORMS,
+                    doc="which op, and for RMS norms the standard op or a decomposition",
+                ),
+            ),
+            emits=frozenset({"Add", "LayerNormalization", "RMSNormalization", "Mul", "ReduceMean", "Sqrt", "Div"}),
+            exactness=lambda options: EXACT if options["form"] == "simplified_standard" else BOUNDED,
+            bound="the mean and mean square summed in float32 in another order than the kernel's sequential loop: "
+            "at most 16·2^-24·(|y| + 1) at each output y (asserted on the tests' battery)",
+            opset=lambda options, dtypes: {"skip_layer_norm": "17", "simplified_decomposed": "13"}.get(
+                options["form"], "23"
+            ),
+        ),
+    ),
+    "unfuse_qattention": (
+        "contrib_attention",
+        Contract(
+            options=(
+                Option(
+                    "u8s8_saturation",
+                    str,
+                    "decline",
+                    ("decline", "ignore"),
+                    doc="uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
+                    "products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the unsaturated "
+                    "value, the ONNX definition (approximate)",
+                ),
+            ),
+            emits=ATTENTION_EMITS | {"Sub"},
+            exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
+            bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
+            "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
+            "(bit-exact on the tests' battery, hidden 32 to 768)",
+            opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+        ),
+    ),
+    "unfuse_attention": (
+        "contrib_attention",
+        Contract(
+            options=(),
+            emits=ATTENTION_EMITS,
+            exactness=lambda options: BOUNDED,
+            bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
+            "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
+            "at each output, score = scale·Q·Kᵀ (asserted on the tests' battery; worst measured 2^-22.6)",
+            opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+        ),
+    ),
+    "unfuse_multi_head_attention": (
+        "contrib_attention",
+        Contract(
+            options=(),
+            emits=ATTENTION_EMITS,
+            exactness=lambda options: BOUNDED,
+            bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
+            "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
+            "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
+            opset=lambda options, dtypes: "13 (11 without key_padding_mask and unidirectional)",
+        ),
+    ),
+    "unfuse_embed_layer_norm": (
+        "contrib_embed",
+        Contract(
+            options=(
+                Option(
+                    "form",
+                    str,
+                    "float",
+                    ("float", "quantized"),
+                    doc="EmbedLayerNormalization, or QEmbedLayerNormalization (8-bit tables and gamma/beta, each "
+                    "with a per-tensor scale and zero point: the rows are gathered, then dequantized)",
+                ),
+            ),
+            emits=frozenset(
+                {
+                    "Gather",
+                    "Add",
+                    "LayerNormalization",
+                    "Range",
+                    "Shape",
+                    "Equal",
+                    "Cast",
+                    "ReduceSum",
+                    "ConstantOfShape",
+                }
+                | {"Slice", "DequantizeLinear"}
+            ),
+            exactness=lambda options: BOUNDED,
+            bound="output 0: the mean and variance summed in float32 in another order than the kernel's sequential "
+            "loop, at most 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (asserted on the tests' "
+            "battery); the mask index and the embedding sum are bit-exact",
+            outputs=2,
+            opset=lambda options, dtypes: "17",
+        ),
+    ),
+    "integer_matmul_float_output": (
+        "integer_matmul_float",
+        Contract(
+            options=(
+                Option(
+                    "part",
+                    str,
+                    "cast",
+                    INTEGER_MATMUL_FLOAT_PARTS,
+                    doc="producer: the MatMulInteger/ConvInteger (removed); cast: the Cast to float reading it "
+                    "(computes the product in float)",
+                ),
+            ),
+            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Reshape"}),
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["integer-matmul"]),
+        ),
+    ),
+    "qdq_float_emulation": (
+        "float_emulation",
+        Contract(
+            options=(DIRECTION,),
+            emits=frozenset(
+                {"Div", "Round", "Add", "Clip", "IsNaN", "Where", "Cast", "Sub", "Mul", "Reshape"}
+                | {"GreaterOrEqual", "Less", "And"}
+            ),
+            preserves_shape=True,
+            opset=lambda options, dtypes: str(FLOAT_EMULATION_MIN_OPSET),
+        ),
+    ),
+    "gather_block_quantized": (
+        "gather_block_quantized",
+        Contract(
+            options=(),
+            emits=frozenset({"Gather", "DequantizeLinear"}),
+            opset=lambda options, dtypes: str(kernel_opsets.BLOCKED),
+        ),
+    ),
+    "integer_matmul": (
+        "integer_matmul",
+        Contract(
+            options=(
+                Option(
+                    "accumulate",
+                    str,
+                    "float-exact",
+                    INTEGER_MATMUL_FORMS,
+                    doc="float-exact: float MatMul/Conv where sums provably stay below 2^24 (declines otherwise); "
+                    "int32: int32 MatMul (MatMul only); float: float MatMul/Conv within a computed bound",
+                ),
+            ),
+            # DynamicQuantizeMatMul expands its DynamicQuantizeLinear as that builder does.
+            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Mul", "Add", "Reshape"}) | _DQL_EMITS,
+            exactness=lambda options: BOUNDED if options["accumulate"] == "float" else EXACT,
+            bound="float32 accumulation of the exact integer products: at most gamma(K-1) * sum |products| "
+            "(computed per node from K, the dtype ranges, the zero points and constant weights)",
+            opset=lambda options, dtypes: (
+                str(kernel_opsets.FORMS["integer-matmul"])
+                + f" ({kernel_opsets.FORMS['dynamic-quantize-linear']} with DynamicQuantizeMatMul)"
+            ),
+        ),
+    ),
+    "matmul_nbits": (
+        "matmul_nbits",
+        Contract(
+            options=(
+                Option(
+                    "form",
+                    str,
+                    allowed=(NBITS_BLOCKED, NBITS_UNPACKED),
+                    doc="blocked_dequantize: DequantizeLinear with block_size (opset 21, 4/8-bit types); "
+                    "unpacked: one uint8 per weight and Cast/Sub/Mul per block (any opset from 10)",
+                ),
+                Option(
+                    "int8_activations",
+                    bool,
+                    False,
+                    doc="rewrite only nodes with accuracy_level 4, where onnxruntime may quantize A to int8 per "
+                    "block (approximate: the rewrite computes in float32)",
+                ),
+            ),
+            emits=frozenset({"DequantizeLinear", "MatMul", "Add", "Cast", "Sub", "Mul", "Reshape", "Slice"}),
+            exactness=lambda options: APPROXIMATE if options["int8_activations"] else BOUNDED,
+            bound="bit-identical dequantized weights; the float32 sum over K in another order: at most "
+            "2·γ(K)·Σ|a·w| per output (γ(K) = K·2^-24/(1 - K·2^-24))",
+            opset=lambda options, dtypes: str(
+                kernel_opsets.BLOCKED if options["form"] == NBITS_BLOCKED else kernel_opsets.NBITS_UNPACKED
+            ),
+        ),
+    ),
+    "qdq_to_float": (
+        "qdq_to_float",
+        Contract(
+            options=(
+                Option("form", str, allowed=QDQ_TO_FLOAT_FORMS, doc="which part of the QDQ form the rule removes"),
+            ),
+            emits=frozenset({"Identity"}),
+            exactness=lambda options: EXACT if options["form"] == "fold_constant" else APPROXIMATE,
+            preserves_shape=True,
+            opset=lambda options, dtypes: "any",
+        ),
+    ),
+    "weight_only": (
+        "weight_only",
+        Contract(
+            options=(
+                Option(
+                    "role",
+                    str,
+                    allowed=WEIGHT_ONLY_ROLES,
+                    doc="rewrite: the pattern's last node becomes the float MatMul/Conv; remove_dead: the "
+                    "pattern's other nodes, removed once nothing reads them",
+                ),
+                Option(
+                    "weights",
+                    str,
+                    "dequantize",
+                    WEIGHT_ONLY_WEIGHTS,
+                    doc="dequantize: DequantizeLinear of the integer weights (opset 13 for per-channel); "
+                    "float: folded to float initializers (no Q/DQ op left)",
+                ),
+            ),
+            emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "Gather"}),
+            exactness=always(APPROXIMATE),
+            opset=lambda options, dtypes: (
+                "any"
+                if options.get("role") == "remove_dead" or options.get("weights") == "float"
+                else kernel_opsets.describe(False, ["uint8", "int8"])
+            ),
+        ),
+    ),
+    "qoperator_to_qdq": (
+        "qoperator",
+        Contract(
+            options=(
+                Option("op", str, allowed=tuple(QOPERATOR_EXACTNESS), doc="which QOperator op the rule replaces"),
+                Option(
+                    "u8s8_saturation",
+                    str,
+                    "decline",
+                    ("decline", "ignore"),
+                    doc="uint8 activations x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates "
+                    "pairs of products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the "
+                    "unsaturated value (approximate)",
+                ),
+            ),
+            emits=frozenset(
+                {
+                    "DequantizeLinear",
+                    "QuantizeLinear",
+                    "Conv",
+                    "MatMul",
+                    "Gemm",
+                    "Add",
+                    "Mul",
+                    "Concat",
+                    "AveragePool",
+                    "GlobalAveragePool",
+                    "LeakyRelu",
+                    "Sigmoid",
+                    "Softmax",
+                    "Transpose",
+                    "Flatten",
+                    "Shape",
+                    "Reshape",
+                }
+            ),
+            exactness=_qoperator_exactness,
+            bound="one quantization step at the node's output for every op but QLinearSoftmax with a non-integral "
+            "1/y_scale (two); more only where float32 accumulation of the dot products cannot be bounded below "
+            "one step (computed per node from the weights: floor(d) + 1 steps)",
+            opset=_qoperator_opset,
+        ),
+    ),
+    "standard_qdq": (
+        "vendor_qdq",
+        Contract(
+            options=(
+                DIRECTION,
+                AXIS_DEFAULT,
+                REQUIRE_ZERO_POINT,
+                FLOAT16,
+                Option(
+                    "int32_in_int64",
+                    bool,
+                    False,
+                    doc="the vendor kernel dequantizes int32 as (int64)x - zp: use DequantizeLinear only for a "
+                    "constant zero point of 0",
+                ),
+            ),
+            emits=frozenset({"QuantizeLinear", "DequantizeLinear", "Reshape"}),
+            preserves_shape=True,
+            opset=lambda options, dtypes: kernel_opsets.describe(
+                options["direction"] == "quantize", sorted(dtypes) if dtypes is not None else None
+            ),
+        ),
+    ),
+    "qdq_decompose": (
+        "vendor_qdq",
+        Contract(
+            options=(
+                DIRECTION,
+                AXIS_DEFAULT,
+                REQUIRE_ZERO_POINT,
+                FLOAT16,
+                Option(
+                    "overflow",
+                    str,
+                    "int64-wrap",
+                    ("int64-wrap", "saturate"),
+                    doc="integer quantize where x / scale is NaN, infinite or >= 2^63: Quark's x86 kernel "
+                    "(int64-wrap) or onnxruntime's QuantizeLinear (saturate)",
+                ),
+                Option(
+                    "float16_semantics",
+                    str,
+                    "strict",
+                    ("strict", "kernel", "documented"),
+                    doc="float16, where Quark's CPU kernel and its documentation disagree",
+                ),
+            ),
+            emits=frozenset(
+                {"Div", "Round", "Cast", "Add", "Clip", "Abs", "Less", "Where", "IsNaN", "Not", "Sub", "Mul", "Reshape"}
+            ),
+            preserves_shape=True,
+            opset=_qdq_decompose_opset,
+        ),
+    ),
+}
+
+#: builder name -> its contract.
+CONTRACTS: dict[str, Contract] = {name: contract for name, (_, contract) in _DECLARED.items()}
+#: builder name -> the module under ``onnx_qrewrite.rewriter.builders`` whose import registers it.
+MODULES: dict[str, str] = {name: module for name, (module, _) in _DECLARED.items()}

@@ -1,0 +1,452 @@
+"""onnxruntime's ``com.microsoft`` attention fusions -> the standard ops they fuse (what
+onnxruntime.transformers' optimizer writes into BERT-like models)::
+
+    Attention(x, W, bias, mask_index)  -> MatMul(x, W) + bias, Slice into Q, K, V,
+                                          Reshape/Transpose to heads, MatMul(Q, Kᵀ) · scale
+                                          [+ Where(keep, 0, mask_filter_value)], Softmax,
+                                          MatMul(·, V), Transpose/Reshape back
+
+in the kernel's order of operations (onnxruntime 1.31.1's CPU kernel, ``attention_cpu_base.h``):
+scores are ``scale · Q·Kᵀ + mask`` with the mask the kernel builds (0 where a key is attended,
+``mask_filter_value``, default -10000, where not; keys after the query under ``unidirectional``
+get -inf whatever the padding mask says), then onnxruntime's own Softmax, then the probabilities times V.
+
+Masks (``mask_index``): absent; 1-D key lengths (B: keys at or after the length are masked; 2B: also
+those before the start positions in the second half); 2-D raw 0/1 mask (B, T) and 3-D (B, S, T)
+(a key is attended where the value is > 0); ``unidirectional`` adds the causal mask. Not lowered
+(the node stays, with the reason): past / present state, ``attention_bias``, rotary embeddings,
+4-D (Megatron) masks, float16, a missing bias (the CPU kernel crashes without one).
+
+Why bounded, not exact: the kernel computes each head's projection as its own GEMM whose output
+starts from the bias (C = bias, then C += x·W per K block), the standard form adds the bias after the
+whole MatMul. The float32 sums agree bit for bit while the input hidden size fits one MLAS K block
+(<= 128) and batch · sequence > 1 (measured, and asserted in tests/test_unfuse_attention.py); beyond
+that the bias joins the sum in another place, and at batch · sequence 1 MLAS takes its GEMV path for
+the MatMul, not for the kernel's GEMMs. The rest (scores, mask, Softmax, probabilities · V) is
+bit-exact in every measured case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._qdq import value_shape
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.graph import dtype_name
+
+__all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder", "QAttentionBuilder"]
+
+_T = onnx.TensorProto
+_DEFAULT_FILTER = -10000.0
+
+
+def _float32(site: Site, *names: str) -> None:
+    for name in names:
+        elem = site.elem_type(name) if name else None
+        if elem is not None and elem != _T.FLOAT:
+            raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
+
+
+def _unsqueeze(emit: Emitter, x: str, axes: list[int]) -> str:
+    if emit.opset >= 13:
+        return emit.op1("Unsqueeze", [x, emit.const(np.array(axes, np.int64))])
+    return emit.op1("Unsqueeze", [x], axes=axes)
+
+
+def _dim(emit: Emitter, x: str, axis: int) -> str:
+    """Dimension ``axis`` of ``x`` at run time, as an int64 scalar."""
+    return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
+
+
+#: Pairs of adjacent uint8 x int8 products must stay in int16 (onnxruntime's AVX2 u8s8 kernel).
+_INT16 = (-32768, 32767)
+#: Sums of integer products stay exact in float32 up to this magnitude.
+_EXACT_FLOAT_INTEGERS = 2**24
+
+
+def _may_saturate(weights: np.ndarray) -> bool:
+    """Whether onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI: vpmaddubsw sums adjacent pairs
+    of products into int16 with saturation) can saturate for these int8 weights (K, N) and any uint8 input."""
+    w = weights.astype(np.int32)
+    most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
+    return bool(
+        (most[:-1] + most[1:]).max(initial=0) > _INT16[1] or (least[:-1] + least[1:]).min(initial=0) < _INT16[0]
+    )
+
+
+class QAttentionBuilder:
+    """Replaces com.microsoft QAttention with float arithmetic on the integer values and Attention's form.
+
+    ``(Cast(x) - x_zp) @ (Cast(W) - W_zp) · (x_scale · W_scale) + bias``, then the heads, mask and
+    Softmax as for Attention. The integer products are exact in float32 and so is their sum while it
+    stays within 2^24, which is checked per column from the constant weights."""
+
+    name = "unfuse_qattention"
+    contract = CONTRACTS["unfuse_qattention"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(1))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        known = {"num_heads", "unidirectional", "mask_filter_value", "scale", "do_rotary", "past_present_share_buffer"}
+        unknown = sorted({a.name for a in site.node.attribute} - known)
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for attr in ("do_rotary", "past_present_share_buffer"):
+            if site.attribute(attr, 0):
+                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        if site.input(8):
+            raise NoMatch("input 8 (past) is given; not lowered")
+        if any(site.node.output[1:]):
+            raise NoMatch("output 1 (present) is used; not lowered")
+        for index in range(5):
+            if not site.input(index):
+                raise NoMatch(f"malformed node: input {index} is required")
+        _float32(site, site.input(2), site.input(3), site.input(4))
+        heads = int(site.attribute("num_heads", 0))
+        if heads <= 0:
+            raise NoMatch(f"num_heads={heads}")
+        weights = site.constant(site.input(1))
+        if weights is None or weights.ndim != 2 or weights.shape[1] % 3:
+            raise NoMatch("weights are not a constant (K, 3·hidden) tensor")
+        hidden = weights.shape[1] // 3
+        if hidden % heads:
+            raise NoMatch(f"hidden size {hidden} does not split into {heads} heads")
+        x_type = site.elem_type(site.input(0))
+        if x_type is not None and x_type != _T.UINT8:
+            raise NoMatch(
+                f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
+            )
+        notes: tuple[str, ...] = ()
+        if weights.dtype == np.int8 and _may_saturate(weights):  # the input is uint8 (the only kernel)
+            if options["u8s8_saturation"] == "decline":
+                raise NoMatch(
+                    "uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
+                    "products to int16 here, which no standard op does (the approximate rule rewrites to the "
+                    "unsaturated value; quantizing with reduce_range=True or uint8 weights avoids it)"
+                )
+            notes = ("onnxruntime's AVX2 kernel can saturate pairs of products here; rewritten to the ONNX value",)
+        zp = site.constant(site.input(7)) if site.input(7) else np.zeros(1, np.int64)
+        if zp is None:
+            raise NoMatch("weight_zero_point is not constant")
+        shift = np.abs(weights.astype(np.int64) - zp.astype(np.int64).reshape(1, -1)).sum(axis=0).max()
+        if 255 * int(shift) > _EXACT_FLOAT_INTEGERS:
+            notes += ("integer sums may exceed 2^24: float32 rounds them (bounded)",)
+        mask_rank = None
+        if site.input(5):
+            shape = value_shape(site.scope, site.input(5), site.same_shape_ops)
+            if shape is None and _is_embed_mask_index(site, site.input(5)):
+                shape = (None,)
+            if shape is None:
+                raise NoMatch(
+                    f"the rank of mask_index {site.input(5)!r} is not recorded; run onnx shape inference on the "
+                    "model first (onnx.shape_inference.infer_shapes)"
+                )
+            mask_rank = len(shape)
+            if mask_rank not in (1, 2, 3):
+                raise NoMatch(f"a {mask_rank}-D mask_index is not lowered (1-D, 2-D and 3-D are)")
+        causal = bool(site.attribute("unidirectional", 0))
+        need = 13 if mask_rank is not None or causal else 11
+        data = {"sizes": [hidden] * 3, "heads": heads, "mask_rank": mask_rank, "causal": causal}
+        return Plan(min_opset=need, notes=notes, data=data)
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        sizes, heads = plan.data["sizes"], plan.data["heads"]
+
+        def shifted(value: str, zero_point: str) -> str:
+            as_float = emit.op1("Cast", [value], to=_T.FLOAT)
+            if not zero_point:
+                return as_float
+            return emit.op1("Sub", [as_float, emit.op1("Cast", [zero_point], to=_T.FLOAT)])
+
+        x = site.input(0)
+        products = emit.op1("MatMul", [shifted(x, site.input(6)), shifted(site.input(1), site.input(7))])
+        scale = emit.op1("Mul", [site.input(3), site.input(4)], hint="ScaleProduct")
+        qkv = emit.op1("Add", [emit.op1("Mul", [products, scale]), site.input(2)], hint="AddBias")
+        bounds = np.cumsum([0, *sizes])
+        q, k, v = (_slice(emit, qkv, int(bounds[i]), int(bounds[i + 1]), -1) for i in range(3))
+        keep, causal = emit_masks(emit, site.input(5), plan.data["mask_rank"], x, x, plan.data["causal"])
+        scale_attr = float(site.attribute("scale", 0.0))
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0])
+
+
+register(QAttentionBuilder())
+
+
+def _is_embed_mask_index(site: Site, name: str) -> bool:
+    producer = site.scope.producer(name)
+    return (
+        producer is not None
+        and producer.domain == "com.microsoft"
+        and producer.op_type in ("EmbedLayerNormalization", "QEmbedLayerNormalization")
+        and len(producer.output) > 1
+        and producer.output[1] == name
+    )
+
+
+def _slice(emit: Emitter, x: str, start: int, end: int, axis: int) -> str:
+    i64 = np.int64
+    return emit.op1(
+        "Slice",
+        [x, emit.const(np.array([start], i64)), emit.const(np.array([end], i64)), emit.const(np.array([axis], i64))],
+    )
+
+
+def _positions(emit: Emitter, length: str) -> str:
+    """0, 1, ..., length - 1 (int64)."""
+    return emit.op1("Range", [emit.const(np.int64(0)), length, emit.const(np.int64(1))])
+
+
+class AttentionBuilder:
+    """Replaces com.microsoft Attention with MatMul, Softmax and the mask arithmetic of onnxruntime's kernel.
+
+    Projection MatMul + bias, Slice into Q, K, V, heads by Reshape/Transpose, scaled scores plus the
+    mask the kernel builds, Softmax, probabilities times V, heads merged back."""
+
+    name = "unfuse_attention"
+    contract = CONTRACTS["unfuse_attention"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(0))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        known = {"num_heads", "unidirectional", "qkv_hidden_sizes", "mask_filter_value", "scale"}
+        known |= {"do_rotary", "rotary_embedding_dim", "past_present_share_buffer"}
+        unknown = sorted({a.name for a in site.node.attribute} - known)
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for attr in ("do_rotary", "past_present_share_buffer"):
+            if site.attribute(attr, 0):
+                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        for index, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
+            if site.input(index):
+                raise NoMatch(f"input {index} ({what}) is given; not lowered")
+        if any(site.node.output[1:]):
+            raise NoMatch("output 1 (present) is used; not lowered")
+        if not site.input(0) or not site.input(1):
+            raise NoMatch("malformed node: input and weights are required")
+        if not site.input(2):
+            raise NoMatch("no bias: onnxruntime 1.31's CPU kernel crashes on that, nothing to measure against")
+        _float32(site, site.input(0), site.input(1), site.input(2))
+        heads = int(site.attribute("num_heads", 0))
+        if heads <= 0:
+            raise NoMatch(f"num_heads={heads}")
+        sizes = [int(s) for s in site.attribute("qkv_hidden_sizes", [])]
+        if not sizes:
+            w_shape = value_shape(site.scope, site.input(1), site.same_shape_ops)
+            if w_shape is None or len(w_shape) != 2 or w_shape[1] is None:
+                raise NoMatch(
+                    f"the shape of weights {site.input(1)!r} is not recorded (needed to split Q, K, V); run onnx "
+                    "shape inference on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            if w_shape[1] % 3:
+                raise NoMatch(f"weights have {w_shape[1]} columns, not 3 · hidden size")
+            sizes = [w_shape[1] // 3] * 3
+        if len(sizes) != 3 or sizes[0] != sizes[1] or any(s <= 0 or s % heads for s in sizes):
+            raise NoMatch(f"qkv_hidden_sizes {sizes} do not split into {heads} heads with Q and K alike")
+        mask_rank = None
+        if site.input(3):
+            elem = site.elem_type(site.input(3))
+            if elem is not None and elem != _T.INT32:
+                raise NoMatch(f"mask_index is {dtype_name(elem)}, not int32")
+            shape = value_shape(site.scope, site.input(3), site.same_shape_ops)
+            if shape is None and _is_embed_mask_index(site, site.input(3)):
+                shape = (None,)  # EmbedLayerNormalization's mask index is (batch,)
+            if shape is None:
+                raise NoMatch(
+                    f"the rank of mask_index {site.input(3)!r} is not recorded; run onnx shape inference on the "
+                    "model first (onnx.shape_inference.infer_shapes)"
+                )
+            mask_rank = len(shape)
+            if mask_rank not in (1, 2, 3):
+                raise NoMatch(f"a {mask_rank}-D mask_index is not lowered (1-D, 2-D and 3-D are)")
+        causal = bool(site.attribute("unidirectional", 0))
+        need = 13 if mask_rank is not None or causal else 11
+        return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        sizes, heads = plan.data["sizes"], plan.data["heads"]
+        x = site.input(0)
+        qkv = emit.op1("Add", [emit.op1("MatMul", [x, site.input(1)]), site.input(2)], hint="AddBias")
+        bounds = np.cumsum([0, *sizes])
+        q, k, v = (
+            emit.op1(
+                "Slice",
+                [
+                    qkv,
+                    emit.const(np.array([bounds[i]], np.int64)),
+                    emit.const(np.array([bounds[i + 1]], np.int64)),
+                    emit.const(np.array([-1], np.int64)),
+                ],
+                hint=f"Slice{'QKV'[i]}",
+            )
+            for i in range(3)
+        )
+        scale = float(site.attribute("scale", 0.0))
+        keep, causal = emit_masks(emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"])
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
+
+
+class MultiHeadAttentionBuilder:
+    """Replaces com.microsoft MultiHeadAttention (separate Q, K, V) with Add, MatMul and Softmax.
+
+    Q, K and V plus their slices of the optional bias, heads by Reshape/Transpose, scaled scores plus
+    the mask the kernel builds from ``key_padding_mask``, Softmax, probabilities times V."""
+
+    name = "unfuse_multi_head_attention"
+    contract = CONTRACTS["unfuse_multi_head_attention"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(0))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        unknown = sorted(
+            {a.name for a in site.node.attribute} - {"num_heads", "unidirectional", "mask_filter_value", "scale"}
+        )
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for index, what in (
+            (5, "attention_bias"),
+            (6, "past_key"),
+            (7, "past_value"),
+            (8, "past_sequence_length"),
+            (9, "cache_indirection"),
+        ):
+            if site.input(index):
+                raise NoMatch(f"input {index} ({what}) is given; not lowered")
+        if any(site.node.output[1:]):
+            raise NoMatch("present_key / present_value / qk outputs are used; not lowered")
+        if not (site.input(0) and site.input(1) and site.input(2)):
+            raise NoMatch("packed QKV or KV (no separate key and value) is not lowered")
+        _float32(site, *[site.input(i) for i in range(4)])
+        heads = int(site.attribute("num_heads", 0))
+        if heads <= 0:
+            raise NoMatch(f"num_heads={heads}")
+        sizes = []
+        for index, what in ((0, "query"), (1, "key"), (2, "value")):
+            shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+            if shape is None or len(shape) != 3 or shape[2] is None:
+                if shape is not None and len(shape) != 3:
+                    raise NoMatch(f"{what} is {len(shape)}-D; only (batch, sequence, hidden) is lowered")
+                raise NoMatch(
+                    f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
+                    "on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            sizes.append(int(shape[2]))
+        if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+            raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
+        mask_rank = None
+        if site.input(4):
+            elem = site.elem_type(site.input(4))
+            if elem is not None and elem != _T.INT32:
+                raise NoMatch(f"key_padding_mask is {dtype_name(elem)}, not int32")
+            shape = value_shape(site.scope, site.input(4), site.same_shape_ops)
+            if shape is None:
+                raise NoMatch(
+                    f"the rank of key_padding_mask {site.input(4)!r} is not recorded; run onnx shape inference "
+                    "on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            mask_rank = len(shape)
+            if mask_rank not in (1, 2, 3):
+                raise NoMatch(f"a {mask_rank}-D key_padding_mask is not lowered (1-D, 2-D and 3-D are)")
+        causal = bool(site.attribute("unidirectional", 0))
+        need = 13 if mask_rank is not None or causal else 11
+        return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        sizes, heads = plan.data["sizes"], plan.data["heads"]
+        q, k, v = site.input(0), site.input(1), site.input(2)
+        if site.input(3):  # the kernel adds each slice of the bias to its input before the heads split
+            bounds = np.cumsum([0, *sizes])
+            q, k, v = (
+                emit.op1(
+                    "Add",
+                    [t, _slice(emit, site.input(3), int(bounds[i]), int(bounds[i + 1]), 0)],
+                    hint=f"AddBias{'QKV'[i]}",
+                )
+                for i, t in enumerate((q, k, v))
+            )
+        keep, causal = emit_masks(
+            emit, site.input(4), plan.data["mask_rank"], site.input(0), site.input(1), plan.data["causal"]
+        )
+        scale = float(site.attribute("scale", 0.0))
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
+
+
+register(MultiHeadAttentionBuilder())
+
+
+def emit_masks(
+    emit: Emitter, mask: str, rank: int | None, query: str, key: str, causal: bool
+) -> tuple[str | None, str | None]:
+    """Where the mask input lets a key be attended, and where the causal mask does (bool,
+    broadcastable to B x N x S x T; None: everywhere). ``query`` (B, S, ...) and ``key`` (B, T, ...)
+    give the lengths at run time."""
+    keep = None
+    if rank == 1:
+        # B key lengths, or 2B: lengths then start positions. Concatenating B zeros and taking
+        # [B, 2B) gives the starts in both cases (0 when absent), without knowing B statically.
+        batch = _unsqueeze(emit, _dim(emit, query, 0), [0])
+        mask64 = emit.op1("Cast", [mask], to=_T.INT64)
+        ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
+        padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
+        starts = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
+        keys = _positions(emit, _dim(emit, key, 1))
+        inside = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
+        before = emit.op1("Less", [keys, _unsqueeze(emit, starts, [1])])
+        keep = _unsqueeze(emit, emit.op1("And", [inside, emit.op1("Not", [before])]), [1, 2])
+    elif rank in (2, 3):
+        attended = emit.op1("Greater", [mask, emit.const(np.int32(0))])
+        keep = _unsqueeze(emit, attended, [1, 2] if rank == 2 else [1])
+    allowed = None
+    if causal:
+        rows = _unsqueeze(emit, _positions(emit, _dim(emit, query, 1)), [1])
+        allowed = emit.op1("Not", [emit.op1("Greater", [_positions(emit, _dim(emit, key, 1)), rows])])
+    return keep, allowed
+
+
+def emit_heads_attention(
+    emit: Emitter,
+    q: str,
+    k: str,
+    v: str,
+    heads: int,
+    sizes: list[int],
+    scale: float,
+    keep: str | None,
+    causal: str | None,
+    site: Site,
+    output: str,
+) -> None:
+    """Scaled dot-product attention over ``heads`` heads of Q (B, S, Hq), K (B, T, Hk), V (B, T, Hv),
+    as onnxruntime's CPU kernel computes it; writes (B, S, Hv) to ``output``."""
+    head_qk, head_v = sizes[0] // heads, sizes[2] // heads
+    if scale == 0.0:  # the kernel: 1.0f / sqrt(static_cast<float>(head_size))
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(head_qk)))
+
+    def split(t: str, size: int, perm: list[int]) -> str:
+        shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size], np.int64))])
+        return emit.op1("Transpose", [shaped], perm=perm)
+
+    qh, kh, vh = split(q, head_qk, [0, 2, 1, 3]), split(k, head_qk, [0, 2, 3, 1]), split(v, head_v, [0, 2, 1, 3])
+    scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kh]), emit.const(np.float32(scale))], hint="Scale")
+    if keep is not None:
+        fill = np.float32(site.attribute("mask_filter_value", _DEFAULT_FILTER))
+        additive = emit.op1("Where", [keep, emit.const(np.float32(0.0)), emit.const(fill)], hint="Mask")
+        scores = emit.op1("Add", [scores, additive], hint="AddMask")
+    if causal is not None:  # the kernel's causal mask is -inf (probability exactly 0), not the filter value
+        scores = emit.op1("Where", [causal, scores, emit.const(np.float32(-np.inf))], hint="Causal")
+    probs = emit.op1("Softmax", [scores], axis=-1 if emit.opset >= 13 else 3)
+    context = emit.op1("Transpose", [emit.op1("MatMul", [probs, vh])], perm=[0, 2, 1, 3])
+    emit.op1("Reshape", [context, emit.const(np.array([0, 0, sizes[2]], np.int64))], output)
+
+
+register(AttentionBuilder())

@@ -1,0 +1,327 @@
+"""onnxruntime's ``com.microsoft`` fusions -> the standard ops they fuse, so that ORT-optimized and
+neural-compressor models run elsewhere. Each form was measured bit for bit against onnxruntime
+1.31.1's CPU kernel (tests/test_unfuse_contrib.py)::
+
+    Gelu(x)            -> Mul(Mul(x, 0.5), Add(Erf(Mul(x, 1/sqrt(2))), 1))                exact
+    BiasGelu(x, b)     -> the same on Add(x, b)                                             exact
+    QuickGelu(x)       -> Mul(x, Sigmoid(Mul(x, alpha)))                                    exact
+    FastGelu(x[, b])   -> Gelu(Add(x, b), approximate="tanh")            (opset 20)         exact
+                       -> Mul(Mul(x, 0.5), Add(Tanh(Mul(x, x*x*kC + kB)), 1))  (below 20)   bounded
+    FusedGemm          -> Gemm + the activation op                                          exact
+    FusedConv(x, w, b[, z]) -> Conv(x, w[, b]) [+ z + b] + the activation op                exact
+    FusedMatMul        -> [Transpose] + MatMul [+ Mul(alpha)]            exact when alpha = 1 and not transA
+    SkipLayerNormalization(x, s, g[, beta, bias]) -> Add(Add(x, s), bias) + LayerNormalization   bounded
+    SkipSimplifiedLayerNormalization -> Add + RMSNormalization (opset 23)                   bounded
+    SimplifiedLayerNormalization     -> RMSNormalization (opset 23)                         exact
+                                     -> Mul/ReduceMean/Add/Sqrt/Div/Mul (below 23)          bounded
+
+Where not exact, and why: FastGelu's kernel evaluates the tanh polynomial with roundings no
+sequence of standard float ops reproduces below opset 20 (within a few ulp); the Skip*
+normalizations sum the mean and the mean square sequentially in float32 inside the kernel,
+LayerNormalization/RMSNormalization with vectorised reductions; FusedMatMul with transA or alpha != 1
+lets MLAS transpose A while packing and apply alpha per K panel, a MatMul on a transposed copy
+followed by Mul does not. All of these differ only in float32 rounding of the same computation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._qdq import value_shape
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS
+from onnx_qrewrite.rewriter.graph import dtype_name
+
+__all__ = ["ActivationBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
+
+_T = onnx.TensorProto
+#: What onnxruntime's CPU kernels for these ops take (float16 kernels run in float32 and round).
+_FLOAT = (_T.FLOAT,)
+
+
+def _float_only(site: Site, *names: str) -> None:
+    for name in names:
+        elem = site.elem_type(name) if name else None
+        if elem is not None and elem not in _FLOAT:
+            raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
+
+
+def _no_unknown_attributes(site: Site, known: set[str]) -> None:
+    unknown = sorted({a.name for a in site.node.attribute} - known)
+    if unknown:
+        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+
+
+def _float_type(site: Site) -> str | None:
+    elem = site.elem_type(site.input(0))
+    return dtype_name(elem) if elem else None
+
+
+# --- Gelu family ---------------------------------------------------------------------------------
+
+#: FastGelu's constants, as the kernel has them: sqrt(2 / pi) and 0.044715 * sqrt(2 / pi).
+_KB = np.float32(0.7978845608028654)
+_KC = np.float32(0.044715 * 0.7978845608028654)
+
+
+class ActivationBuilder:
+    """Replaces com.microsoft Gelu, BiasGelu, QuickGelu and FastGelu with standard elementwise ops."""
+
+    name = "unfuse_activation"
+    contract = CONTRACTS["unfuse_activation"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return _float_type(site)
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        form = options["form"]
+        _no_unknown_attributes(site, {"alpha"} if form == "quick_gelu" else set())
+        _float_only(site, *site.node.input)
+        if len(site.node.output) != 1:
+            raise NoMatch("malformed node: one output expected")
+        inputs = [i for i in site.node.input if i]
+        wanted = {"gelu": 1, "bias_gelu": 2, "quick_gelu": 1}.get(form)
+        if (wanted is not None and len(inputs) != wanted) or not 1 <= len(inputs) <= 2:
+            raise NoMatch(f"malformed node: {len(inputs)} inputs")
+        if form == "fast_gelu_standard":
+            return Plan(min_opset=20, bound=None)
+        # A decomposed FastGelu carries its bound for the largest |x| verify may see; none is
+        # known statically, so the node records none and the rule's words state it.
+        return Plan(min_opset=9 if form != "quick_gelu" else 6)
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        form, y = options["form"], site.node.output[0]
+        x = site.input(0)
+        if site.input(1):
+            x = emit.op1("Add", [x, site.input(1)], hint="AddBias")
+        if form == "quick_gelu":
+            alpha = np.float32(site.attribute("alpha", 1.702))
+            emit.op1("Mul", [x, emit.op1("Sigmoid", [emit.op1("Mul", [x, emit.const(alpha)])])], y)
+            return
+        if form == "fast_gelu_standard":
+            emit.op1("Gelu", [x], y, approximate="tanh")
+            return
+        if form == "fast_gelu_decomposed":
+            poly = emit.op1("Add", [emit.op1("Mul", [emit.op1("Mul", [x, x]), emit.const(_KC)]), emit.const(_KB)])
+            inner = emit.op1("Tanh", [emit.op1("Mul", [x, poly])])
+        else:  # erf GELU, as the kernel: x * M_SQRT1_2, erf, 0.5 * x * (erf + 1)
+            inner = emit.op1("Erf", [emit.op1("Mul", [x, emit.const(np.float32(math.sqrt(0.5)))])])
+        half_x = emit.op1("Mul", [x, emit.const(np.float32(0.5))])
+        emit.op1("Mul", [half_x, emit.op1("Add", [inner, emit.const(np.float32(1.0))])], y)
+
+
+register(ActivationBuilder())
+
+
+# --- FusedGemm / FusedConv -----------------------------------------------------------------------
+
+#: Activation name -> (standard op, its attribute names), declared with the contract.
+_ACTIVATIONS = FUSED_ACTIVATIONS
+_CONV_ATTRS = {"auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"}
+
+
+class FusedGemmConvBuilder:
+    """Replaces com.microsoft FusedGemm / FusedConv with Gemm / Conv and the activation op."""
+
+    name = "unfuse_gemm_conv"
+    contract = CONTRACTS["unfuse_gemm_conv"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return _float_type(site)
+
+    def _activation(self, site: Site, conv: bool) -> tuple[str, dict[str, float], list[float]]:
+        name = site.attribute("activation")
+        if isinstance(name, bytes):
+            name = name.decode()
+        if name not in _ACTIVATIONS:
+            raise NoMatch(f"activation {name!r} is not one of {', '.join(_ACTIVATIONS)}")
+        op, attr_names = _ACTIVATIONS[name]
+        if conv:
+            params = [float(p) for p in site.attribute("activation_params", [])]
+        else:
+            params = [
+                float(site.attribute(f"activation_{k}"))
+                for k in ("alpha", "beta", "gamma")
+                if site.has_attribute(f"activation_{k}")
+            ]
+        if op == "Clip":
+            if len(params) != 2:
+                raise NoMatch("Clip needs two activation parameters (min, max)")
+            return op, {}, params
+        if len(params) < len(attr_names):
+            return op, {}, []  # the standard op's defaults are the kernel's
+        return op, dict(zip(attr_names, params, strict=False)), []
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        conv = options["op"] == "conv"
+        gemm_attrs = {"alpha", "beta", "transA", "transB"}
+        act_attrs = (
+            {"activation", "activation_params"}
+            if conv
+            else {"activation", "activation_alpha", "activation_beta", "activation_gamma"}
+        )
+        _no_unknown_attributes(site, (_CONV_ATTRS if conv else gemm_attrs) | act_attrs)
+        _float_only(site, *site.node.input)
+        op, attrs, clip = self._activation(site, conv)
+        data: dict[str, Any] = {"activation": (op, attrs, clip)}
+        if conv and site.input(3):
+            if not site.input(2):
+                raise NoMatch("a sum input Z without a bias is not lowered")
+            rank = None
+            shape = value_shape(site.scope, site.input(1), site.same_shape_ops)
+            if shape is not None:
+                rank = len(shape)
+            if rank is None:
+                raise NoMatch(f"the rank of W {site.input(1)!r} is not recorded (needed to broadcast the bias)")
+            data["rank"] = rank
+        return Plan(min_opset=11 if op == "Clip" else 0, data=data)
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        op, attrs, clip = plan.data["activation"]
+        y = site.node.output[0]
+        node_attrs: dict[str, Any] = {a.name: a for a in site.node.attribute if not a.name.startswith("activation")}
+        inputs = list(site.node.input)
+        if options["op"] == "gemm":
+            value = emit.op1("Gemm", inputs[:3], **node_attrs)
+        elif len(inputs) > 3 and inputs[3]:
+            # The kernel accumulates Z into the convolution, then adds the bias: (conv + z) + b.
+            value = emit.op1("Conv", inputs[:2], **node_attrs)
+            value = emit.op1("Add", [value, inputs[3]], hint="AddSum")
+            bias = emit.op1(
+                "Reshape", [inputs[2], emit.const(np.array([-1] + [1] * (plan.data["rank"] - 2), np.int64))]
+            )
+            value = emit.op1("Add", [value, bias], hint="AddBias")
+        else:
+            value = emit.op1("Conv", inputs[:3], **node_attrs)
+        extra = [emit.const(np.float32(v)) for v in clip]
+        emit.op1(op, [value, *extra], y, **attrs)
+
+
+register(FusedGemmConvBuilder())
+
+
+# --- FusedMatMul ---------------------------------------------------------------------------------
+
+
+class FusedMatMulBuilder:
+    """Replaces com.microsoft FusedMatMul with Transpose, MatMul and Mul."""
+
+    name = "unfuse_matmul"
+    contract = CONTRACTS["unfuse_matmul"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return _float_type(site)
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        _no_unknown_attributes(site, {"alpha", "transA", "transB", "transBatchA", "transBatchB"})
+        _float_only(site, *site.node.input)
+        if site.attribute("transBatchA", 0) or site.attribute("transBatchB", 0):
+            raise NoMatch("transBatchA/transBatchB are not lowered")
+        alpha = float(site.attribute("alpha", 1.0))
+        trans = [bool(site.attribute("transA", 0)), bool(site.attribute("transB", 0))]
+        if not options["any_alpha"] and (alpha != 1.0 or trans[0]):
+            raise NoMatch(
+                f"alpha={alpha:g}, transA={int(trans[0])}: not bit-exact as MatMul (the bounded rule applies)"
+            )
+        ranks = []
+        for i, t in enumerate(trans):
+            shape = value_shape(site.scope, site.input(i), site.same_shape_ops)
+            if t and (shape is None or len(shape) < 2):
+                raise NoMatch(
+                    f"the rank of input {site.input(i)!r} is not recorded (needed to transpose it); run onnx "
+                    "shape inference on the model first (onnx.shape_inference.infer_shapes)"
+                )
+            ranks.append(len(shape) if shape is not None else 0)
+        return Plan(data={"alpha": alpha, "trans": trans, "ranks": ranks})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        operands = []
+        for i, (t, rank) in enumerate(zip(plan.data["trans"], plan.data["ranks"], strict=True)):
+            name = site.input(i)
+            if t:
+                perm = [*range(rank - 2), rank - 1, rank - 2]
+                name = emit.op1("Transpose", [name], perm=perm)
+            operands.append(name)
+        y = site.node.output[0]
+        if plan.data["alpha"] == 1.0:
+            emit.op1("MatMul", operands, y)
+        else:
+            emit.op1("Mul", [emit.op1("MatMul", operands), emit.const(np.float32(plan.data["alpha"]))], y)
+
+
+register(FusedMatMulBuilder())
+
+
+# --- Skip/Simplified layer normalization ---------------------------------------------------------
+
+
+class NormalizationBuilder:
+    """Replaces SkipLayerNormalization, SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization
+    with Add, LayerNormalization / RMSNormalization or their elementwise form."""
+
+    name = "unfuse_normalization"
+    contract = CONTRACTS["unfuse_normalization"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return _float_type(site)
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        form = options["form"]
+        skip = form.startswith("skip")
+        _no_unknown_attributes(site, {"epsilon"} if skip else {"epsilon", "axis", "stash_type"})
+        _float_only(site, *site.node.input)
+        outputs = list(site.node.output)
+        if skip:
+            if any(outputs[1:3]):
+                raise NoMatch("the mean / inv_std_var outputs are used; not lowered")
+        elif len(outputs) > 1 and outputs[1]:
+            raise NoMatch("the inv_std_var output is used; not lowered")
+        axis = int(site.attribute("axis", -1))
+        if axis != -1:
+            shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
+            if shape is None or axis != len(shape) - 1:
+                raise NoMatch(f"axis {axis} is not the last axis (or the rank is not recorded)")
+        stash = int(site.attribute("stash_type", 1))
+        if stash != 1:
+            raise NoMatch(f"stash_type {stash} is not lowered")
+        decomposed = form == "simplified_decomposed" or (form == "skip_simplified" and site.scope.default_opset < 23)
+        need = {"skip_layer_norm": 17}.get(form, 13 if decomposed else 23)
+        return Plan(min_opset=need, data={"decomposed": decomposed})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        form = options["form"]
+        default_eps = 1e-12 if form.startswith("skip") else 1e-5
+        eps = float(site.attribute("epsilon", default_eps))
+        outputs = [*list(site.node.output), "", "", "", ""]
+        x = site.input(0)
+        gamma = site.input(2) if form.startswith("skip") else site.input(1)
+        if form.startswith("skip"):
+            bias = site.input(4) if form == "skip_layer_norm" else site.input(3)
+            # (input + skip) + bias, as the kernel; output 3 is that sum when asked for.
+            total = emit.op1("Add", [x, site.input(1)], None if bias else outputs[3] or None, hint="AddSkip")
+            if bias:
+                total = emit.op1("Add", [total, bias], outputs[3] or None, hint="AddBias")
+            x = total
+        y = outputs[0]
+        if form == "skip_layer_norm":
+            beta = [site.input(3)] if site.input(3) else []
+            emit.op1("LayerNormalization", [x, gamma, *beta], y, axis=-1, epsilon=eps)
+        elif not plan.data["decomposed"]:
+            emit.op1("RMSNormalization", [x, gamma], y, axis=-1, epsilon=eps)
+        else:
+            # As the kernel: x / sqrt(mean(x * x) + eps) * gamma.
+            square = emit.op1("Mul", [x, x])
+            if emit.opset >= 18:
+                mean = emit.op1("ReduceMean", [square, emit.const(np.array([-1], np.int64))], keepdims=1)
+            else:
+                mean = emit.op1("ReduceMean", [square], axes=[-1], keepdims=1)
+            root = emit.op1("Sqrt", [emit.op1("Add", [mean, emit.const(np.float32(eps))])])
+            emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y)
+
+
+register(NormalizationBuilder())

@@ -1,0 +1,451 @@
+"""Integer matmul and convolution -> float (or int32) MatMul/Conv on zero-point-shifted values.
+
+Matched ops (onnxruntime's CPU kernels measured, see the rule file ``rules/50-integer-matmul.toml``)::
+
+    MatMulInteger(A, B, a_zp, b_zp)                     -> int32 A'B'
+    ConvInteger(x, w, x_zp, w_zp)                        -> int32 conv(x', w')
+    com.microsoft MatMulIntegerToFloat(A, B, a_s, b_s, a_zp, b_zp, bias)
+                                                         -> float(A'B') * (a_s * b_s) [+ bias]
+    com.microsoft DynamicQuantizeMatMul(A, B, b_s, b_zp, bias)
+                                                         -> DynamicQuantizeLinear(A), then as above
+
+where X' = X - zero point. The last two equal, bit for bit in onnxruntime, MatMulInteger -> Cast ->
+Mul by ``a_s * b_s`` -> Add bias (measured on every dtype pair, per-tensor and per-column scales).
+
+Forms (option ``accumulate``):
+
+``float-exact`` (exact)   ``Cast<f32>`` and ``Sub`` the zero points, float ``MatMul``/``Conv``,
+                          ``Cast<i32>`` (or the scale ``Mul``). Every product of 8-bit values is
+                          exact in float32 (|p| <= 65025); every partial sum, in any order, is an
+                          integer of magnitude at most S = sum |products|, exact while S <= 2^24.
+                          S is bounded at match time from the dtype ranges and the zero points,
+                          and from the weights' values when they are constant (per output column
+                          or channel); the rule declines when the bound cannot be shown.
+                          Conv pads with 0.0 after the shift, which is padding with the zero
+                          point: what the kernel does.
+``int32`` (exact)         ``Cast<i32>``, ``Sub``, int32 ``MatMul``: exact always (MatMul only; not
+                          every target runs int32 MatMul).
+``float`` (bounded)       the float form without the 2^24 proof. Recursive summation in float32,
+                          in any order, errs by at most gamma(K-1) * S with gamma(n) = n*u/(1-n*u),
+                          u = 2^-24 (Higham, Accuracy and Stability, 4.2); every partial sum stays
+                          an integer, so the Cast is exact. ``Plan.bound`` is that number, in the
+                          int32 output's units, and ``verify`` checks it at the node.
+
+onnxruntime's uint8 x int8 kernels (MatMulInteger with uint8 A and int8 B, ConvInteger with int8 x
+and uint8 w) saturate the sum of each adjacent pair of products to int16 on x86 CPUs without
+AVX-VNNI (measured on an AVX2 CPU: ``[255, 255] . [127, 127]`` gives 32767); their result then
+depends on the CPU. The rewrite computes the ONNX definition, which is onnxruntime's result on every
+CPU wherever no pair can saturate. When the weights are constant that is checked, and a node where
+saturation is possible gets a note saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
+from onnx_qrewrite.rewriter.graph import dtype_name
+
+__all__ = ["IntegerMatMulBuilder", "float32_sum_bound"]
+
+_T = onnx.TensorProto
+_U = 2.0**-24
+#: Largest magnitude up to which every integer is a float32.
+_EXACT_FLOAT_INTEGERS = 2**24
+_INT16 = (-32768, 32767)
+_TYPES = ("uint8", "int8")
+#: An operand whose type the model does not record (no value_info); the op's schema says 8-bit.
+_UNKNOWN = "8-bit"
+
+
+def float32_sum_bound(k: int, total: float) -> float:
+    """Largest error of a float32 sum of ``k`` exact terms whose magnitudes add up to ``total``,
+    in any summation order: gamma(k-1) * total (0 when every partial sum is an exact integer)."""
+    if total <= _EXACT_FLOAT_INTEGERS or k <= 1:
+        return 0.0
+    n = (k - 1) * _U
+    return math.ldexp(math.ceil(math.ldexp(n / (1 - n) * total, 8)), -8)  # rounded up, 1/256 steps
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """One integer operand of the product: its value, zero point and what is known about them."""
+
+    name: str
+    zero_point: str  # '' when absent
+    dtype: str
+    zp_value: np.ndarray | None
+    zp_size: int | None
+    zp_scalar: bool = False  # a rank-0 zero point (used as it is)
+
+    def largest_shift(self) -> int:
+        """max |x - zp| over every x of the type (and every zero point when it is not constant)."""
+        if self.dtype == _UNKNOWN:
+            return 255  # uint8 or int8, with a zero point of the same type
+        lo, hi = INTEGER_RANGES[self.dtype]
+        if not self.zero_point:
+            return max(-lo, hi)
+        if self.zp_value is None:
+            return hi - lo
+        zps = self.zp_value.astype(np.int64).ravel()
+        return int(max(np.max(np.abs(lo - zps)), np.max(np.abs(hi - zps))))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    conv: bool
+    a: _Operand
+    b: _Operand
+    k: int | None  # terms per output element
+    b_rank: int | None
+    a_rank: int | None = None
+    a_scale: str = ""
+    b_scale: str = ""
+    bias: str = ""
+    dynamic: bool = False  # DynamicQuantizeMatMul: A is float, quantized first
+    to_float: bool = False
+    #: max over output columns/channels of sum_k |b - b_zp| (None: unknown), from constant weights.
+    columns: float | None = None
+    #: Whether onnxruntime's u8 x s8 kernel can saturate an int16 pair here (None: cannot tell).
+    saturates: bool | None = False
+
+
+def _recorded_or_implied_type(site: Site, name: str, zero_point: str) -> str | None:
+    """The recorded type of ``name``, else its zero point's (they are one type), else what its
+    producer implies: DynamicQuantizeLinear makes uint8, QuantizeLinear its zero point's type."""
+    for value in (name, zero_point):
+        elem = site.elem_type(value) if value else None
+        if elem:
+            return dtype_name(elem)
+    producer = site.scope.producer(name)
+    if producer is not None and producer.domain in ("", "ai.onnx"):
+        if producer.op_type == "DynamicQuantizeLinear":
+            return "uint8"
+        if producer.op_type == "QuantizeLinear":
+            zp = producer.input[2] if len(producer.input) > 2 else ""
+            elem = site.elem_type(zp) if zp else None
+            return dtype_name(elem) if elem else ("uint8" if not zp else None)
+    return None
+
+
+def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
+    """The weights as [output column or channel, K] (a view where possible)."""
+    if conv:
+        return weights.reshape(weights.shape[0], -1)
+    if weights.ndim < 2:
+        return weights.reshape(1, -1)
+    return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
+
+
+_CHUNK = 1 << 20  # elements per step: statistics of large weights in bounded memory
+
+
+def _column_sums(weights: np.ndarray, b: _Operand, conv: bool) -> float | None:
+    """max over output columns/channels of sum_k |b - b_zp| (None: the zero point is not constant)."""
+    if b.zero_point and b.zp_value is None:
+        return None
+    rows = _rows(weights, conv)
+    zp = np.zeros(1, np.int16) if b.zp_value is None else b.zp_value.astype(np.int16).reshape(-1)
+    if zp.size > 1:  # per column (MatMul: repeated over batch matrices) or per output channel
+        zp = np.tile(zp, rows.shape[0] // zp.size)
+    per_step = max(1, _CHUNK // max(1, rows.shape[1]))
+    best = 0
+    for start in range(0, rows.shape[0], per_step):
+        part = rows[start : start + per_step].astype(np.int16)
+        part -= zp[start : start + per_step, None] if zp.size > 1 else zp[0]
+        best = max(best, int(np.abs(part).sum(axis=1, dtype=np.int64).max(initial=0)))
+    return float(best)
+
+
+def _may_saturate_in_onnxruntime(weights: np.ndarray | None, read: _Read) -> bool | None:
+    """Whether onnxruntime's uint8 x int8 kernel (int16 pairs, x86 without VNNI) can saturate here:
+    some adjacent pair of constant weights, times the other operand's extremes, leaves int16.
+    None: cannot tell (weights not constant, or the other operand's type unknown)."""
+    u8, s8 = (read.a.dtype, read.b.dtype) if not read.conv else (read.b.dtype, read.a.dtype)
+    if u8 == "int8" or s8 == "uint8":  # the kernel's pair is (uint8 operand, int8 operand)
+        return False
+    if weights is None or _UNKNOWN in (u8, s8):
+        return None
+    lo, hi = INTEGER_RANGES[read.a.dtype]
+    rows = _rows(weights, read.conv)
+    if rows.shape[1] < 2:
+        return False
+    per_step = max(1, _CHUNK // rows.shape[1])
+    for start in range(0, rows.shape[0], per_step):
+        w = rows[start : start + per_step].astype(np.int32)
+        most, least = np.maximum(w * lo, w * hi), np.minimum(w * lo, w * hi)
+        if (most[:, :-1] + most[:, 1:]).max() > _INT16[1] or (least[:, :-1] + least[:, 1:]).min() < _INT16[0]:
+            return True
+    return False
+
+
+class IntegerMatMulBuilder:
+    """Integer MatMul/Conv (and onnxruntime's fused forms) as float or int32 arithmetic."""
+
+    name = "integer_matmul"
+    contract = CONTRACTS["integer_matmul"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        types = []
+        for name in (site.input(0), site.input(1)):
+            elem = site.elem_type(name)
+            types.append(dtype_name(elem) if elem else "unknown")
+        if site.node.op_type == "DynamicQuantizeMatMul":
+            types[0] = "uint8"
+        return "/".join(types)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _operand(self, site: Site, name: str, zp: str, what: str, *, dtype: str | None = None) -> _Operand:
+        """The operand's type and zero point (the weights' values are read once, in ``_read``)."""
+        if not name:
+            raise NoMatch(f"malformed node: {site.node.op_type} has no {what}")
+        if dtype is None:
+            dtype = _recorded_or_implied_type(site, name, zp)
+        if dtype is None:
+            # Both operand types are 8-bit (the op's schema): the forms and the bounds hold for
+            # either, with |x - zp| <= 255; only the saturation check needs the type.
+            dtype = _UNKNOWN
+        elif dtype not in _TYPES:
+            raise NoMatch(f"{what} {name!r} is {dtype}; only uint8 and int8 are supported")
+        if zp:
+            zp_elem = site.elem_type(zp)
+            if zp_elem is not None and dtype_name(zp_elem) != dtype:
+                raise NoMatch(f"malformed node: zero point {zp!r} is {dtype_name(zp_elem)}, {what} is {dtype}")
+        zp_value = site.constant(zp) if zp else None
+        zp_shape = tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zp, site.same_shape_ops)
+        known = [d for d in zp_shape or () if d is not None]  # every dimension known: the size is too
+        zp_size = math.prod(known) if zp_shape is not None and len(known) == len(zp_shape) else None
+        scalar = zp_shape == ()
+        producer = site.scope.producer(zp) if zp and zp_shape is None else None
+        if producer is not None and producer.op_type == "DynamicQuantizeLinear" and producer.domain in ("", "ai.onnx"):
+            zp_size, scalar = 1, True  # its zero point output is a scalar
+        return _Operand(name, zp, dtype, zp_value, zp_size, scalar)
+
+    def _read(self, site: Site) -> _Read:
+        node = site.node
+        op = node.op_type
+        if len(node.output) != 1 or not node.output[0]:
+            raise NoMatch(f"malformed node: {op} has one output, it has {len(node.output)}")
+        if op == "MatMulInteger":
+            a = self._operand(site, site.input(0), site.input(2), "A")
+            b = self._operand(site, site.input(1), site.input(3), "B")
+            read = _Read(False, a, b, None, None)
+        elif op == "ConvInteger":
+            a = self._operand(site, site.input(0), site.input(2), "x")
+            b = self._operand(site, site.input(1), site.input(3), "w")
+            read = _Read(True, a, b, None, None)
+        elif op == "MatMulIntegerToFloat":
+            a = self._operand(site, site.input(0), site.input(4), "A")
+            b = self._operand(site, site.input(1), site.input(5), "B")
+            read = _Read(
+                False, a, b, None, None, a_scale=site.input(2), b_scale=site.input(3), bias=site.input(6), to_float=True
+            )
+            if not read.a_scale or not read.b_scale:
+                raise NoMatch("malformed node: MatMulIntegerToFloat needs a_scale and b_scale")
+        elif op == "DynamicQuantizeMatMul":
+            elem = site.elem_type(site.input(0))
+            if elem is not None and elem != _T.FLOAT:
+                raise NoMatch(f"A {site.input(0)!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
+            a = _Operand(site.input(0), "<dynamic>", "uint8", None, 1, True)
+            b = self._operand(site, site.input(1), site.input(3), "B")
+            read = _Read(
+                False, a, b, None, None, b_scale=site.input(2), bias=site.input(4), dynamic=True, to_float=True
+            )
+            if not read.b_scale:
+                raise NoMatch("malformed node: DynamicQuantizeMatMul needs b_scale")
+        else:
+            raise NoMatch(f"{op} is not an integer matmul or convolution")
+        # One weight often feeds many nodes (every block of a chain; a layer's weight under several
+        # quantizers): its statistics are worked out once per scope, from everything they depend on.
+        weight_key = ("integer-matmul-weights", b.name, b.zero_point, read.conv, a.dtype, b.dtype)
+        b_shape, columns, saturates = site.scope.memo(weight_key, lambda: self._weight_facts(site, read))
+        k = None
+        if b_shape is not None:
+            dims = b_shape[1:] if read.conv else b_shape[-2:-1]
+            if dims and None not in dims:
+                k = math.prod(dims)  # type: ignore[arg-type]
+        a_shape = value_shape(site.scope, read.a.name, site.same_shape_ops) if not read.dynamic else None
+        return dataclasses.replace(
+            read,
+            columns=columns,
+            saturates=saturates,
+            k=k,
+            b_rank=None if b_shape is None else len(b_shape),
+            a_rank=None if a_shape is None else len(a_shape),
+        )
+
+    def _weight_facts(self, site: Site, read: _Read) -> tuple[tuple[int | None, ...] | None, float | None, bool | None]:
+        """B's shape, column sums and whether onnxruntime's kernel may saturate on it; the
+        weights' values are read here and only these statistics of them are kept."""
+        b = read.b
+        weights = site.constant(b.name)
+        if weights is None:
+            return value_shape(site.scope, b.name, site.same_shape_ops), None, _may_saturate_in_onnxruntime(None, read)
+        return tuple(weights.shape), _column_sums(weights, b, read.conv), _may_saturate_in_onnxruntime(weights, read)
+
+    # -- deciding -----------------------------------------------------------------------------
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        read = site.memo("integer-matmul", lambda: self._read(site))
+        form = options["accumulate"]
+        notes = [f"{read.a.dtype} x {read.b.dtype}"]
+        if read.a.zero_point and read.a.zp_size not in (None, 1):
+            if read.conv:
+                raise NoMatch(
+                    f"x zero point {read.a.zero_point!r} has {read.a.zp_size} elements; only one is supported"
+                )
+            notes.append("per-row A zero point (onnxruntime's kernel rejects it; computed by the ONNX definition)")
+        if read.b.zero_point and read.b.zp_size not in (None, 1):
+            notes.append(
+                "per-channel w zero point (onnxruntime's kernel rejects it; computed by the ONNX definition)"
+                if read.conv
+                else "per-column B zero point"
+            )
+        if read.conv and read.b.zero_point and read.b.zp_size != 1 and read.b_rank is None:
+            raise NoMatch(
+                f"w zero point {read.b.zero_point!r} may be per channel and the rank of w {read.b.name!r} is not "
+                "recorded; run shape inference first"
+            )
+        saturates = read.saturates
+        if saturates is not False:
+            notes.append(
+                "onnxruntime's uint8 x int8 kernel on x86 CPUs without AVX-VNNI saturates pairs of products to int16"
+                + (" and can here" if saturates else " (weights not constant: cannot rule it out)")
+                + ": the original's result is CPU-dependent; the rewrite computes the ONNX definition"
+            )
+        opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
+        if form == "int32":
+            if read.conv:
+                raise NoMatch("ONNX Conv has no int32 form")
+            notes.append("int32 MatMul")
+            return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form})
+        if read.k is None:
+            raise NoMatch(
+                f"the reduction length K is unknown (the shape of {read.b.name!r} is not recorded), so no bound "
+                "on the float32 sums can be shown; run shape inference first"
+            )
+        columns = read.columns
+        worst = read.a.largest_shift() * (
+            columns if columns is not None else read.k * read.b.largest_shift()
+        )  # S: the largest sum of |products| any output element can have
+        if not read.to_float and worst > 2**31 - 1:
+            raise NoMatch(f"sums may reach {worst:.0f}, beyond int32: the kernel wraps, a float Cast does not")
+        if form == "float-exact":
+            if worst > _EXACT_FLOAT_INTEGERS:
+                raise NoMatch(
+                    f"sums of |products| may reach {worst:.0f} > 2^24 (K={read.k}"
+                    + (", from the constant weights" if columns is not None else ", from the dtype ranges")
+                    + "): float32 accumulation is not provably exact"
+                )
+            notes.append(f"float32 sums provably exact: |sum| <= {worst:.0f} <= 2^24 (K={read.k})")
+            return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form})
+        if read.to_float:
+            raise NoMatch("the bounded form covers int32 outputs only")
+        bound = float32_sum_bound(read.k, worst)
+        notes.append(f"float32 sums within {bound:g} of the exact integers (K={read.k}, |sum| <= {worst:.0f})")
+        return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form}, bound=bound)
+
+    def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple | None:
+        """Equal keys build the same nodes (builders/_stamp.py): everything ``build`` branches on,
+        and the constants it emits (scalar zero points). The bound goes into the metadata."""
+        read: _Read = plan.data["read"]
+
+        def operand_key(o: _Operand) -> tuple:
+            zp = o.zp_value
+            constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
+            return (o.dtype, bool(o.zero_point), constant, o.zp_size, o.zp_scalar)
+
+        inputs = list(site.node.input)
+        wiring = tuple(inputs.index(name) if name else -1 for name in inputs)
+        attributes = tuple(a.SerializeToString() for a in site.node.attribute)
+        return (
+            site.node.op_type,
+            plan.data["form"],
+            operand_key(read.a),
+            operand_key(read.b),
+            read.a_rank,
+            read.b_rank,
+            read.to_float,
+            bool(read.bias),
+            read.dynamic,
+            wiring,
+            attributes,
+        )
+
+    # -- building -----------------------------------------------------------------------------
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        read: _Read = plan.data["read"]
+        compute = _T.INT32 if plan.data["form"] == "int32" else _T.FLOAT
+        a = read.a
+        if read.dynamic:
+            names = [emit.fresh("A_quantized"), emit.fresh("A_scale"), emit.fresh("A_zero_point")]
+            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names)
+            a = dataclasses.replace(a, name=names[0], zero_point=names[2])
+            a_scale = names[1]
+        else:
+            a_scale = read.a_scale
+        a_shifted = self._shifted(emit, a, compute, per_row=True, rank=read.a_rank)
+        b_shifted = self._shifted(emit, read.b, compute, per_row=False, rank=read.b_rank, conv=read.conv)
+        y = site.node.output[0]
+        direct = not read.to_float and compute == _T.INT32  # int32 MatMul writes the output itself
+        target = y if direct else None
+        if read.conv:
+            attrs = {a.name: a for a in site.node.attribute}
+            acc = emit.op1("Conv", [a_shifted, b_shifted], target, **attrs)
+        else:
+            acc = emit.op1("MatMul", [a_shifted, b_shifted], target)
+        if direct:
+            return
+        if not read.to_float:
+            emit.op1("Cast", [acc], y, to=_T.INT32)
+            return
+        if compute == _T.INT32:
+            acc = emit.op1("Cast", [acc], to=_T.FLOAT)
+        scale = emit.op1("Mul", [a_scale, read.b_scale], hint="ScaleProduct")
+        if read.bias:
+            scaled = emit.op1("Mul", [acc, scale])
+            emit.op1("Add", [scaled, read.bias], y)
+        else:
+            emit.op1("Mul", [acc, scale], y)
+
+    @staticmethod
+    def _shifted(
+        emit: Emitter, operand: _Operand, compute: int, *, per_row: bool, rank: int | None, conv: bool = False
+    ) -> str:
+        value = emit.op1("Cast", [operand.name], to=compute)
+        zp = operand.zero_point
+        if not zp or (operand.zp_value is not None and not np.any(operand.zp_value)):
+            return value
+        if operand.zp_size == 1 or (per_row and operand.zp_size is None and (rank is None or rank < 2)):
+            # (A's zero point of unknown shape and A of unknown rank: onnxruntime needs one element.)
+            if operand.zp_value is not None:
+                zp_name = emit.const(operand.zp_value.reshape(()))
+            elif operand.zp_scalar:
+                zp_name = zp
+            else:
+                zp_name = emit.op1("Reshape", [zp, emit.const(np.zeros(0, np.int64))], hint="ToScalar")
+        elif per_row:  # A's zero point per row: [M] -> [M, 1] (a 1-element one of unknown shape too)
+            zp_name = emit.op1("Reshape", [zp, emit.const(np.asarray([-1, 1], np.int64))], hint="PerRow")
+        elif conv:  # w's per output channel: [M] -> [M, 1, ..., 1]
+            assert rank is not None
+            zp_name = emit.op1(
+                "Reshape", [zp, emit.const(np.asarray([-1] + [1] * (rank - 1), np.int64))], hint="PerChannel"
+            )
+        else:  # B's per column: [N] broadcasts along the last axis
+            zp_name = emit.op1("Reshape", [zp, emit.const(np.asarray([-1], np.int64))], hint="PerColumn")
+        return emit.op1("Sub", [value, emit.op1("Cast", [zp_name], to=compute)])
+
+
+register(IntegerMatMulBuilder())

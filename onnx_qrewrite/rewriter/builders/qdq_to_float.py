@@ -1,0 +1,144 @@
+"""The "qdq-to-float" form: a QDQ model back to float, for debugging accuracy and for runtimes that
+run only float. Applied only when asked for (``named_form("qdq-to-float")``)::
+
+    DequantizeLinear(W: constant, s, zp)  -> Identity(W_float)       # folded at rewrite time
+    DequantizeLinear(QuantizeLinear(x))   -> Identity(x)             # activation pair removed
+    QuantizeLinear(x) read only by such DequantizeLinear nodes -> nothing (dead after the above)
+
+Folding a constant's DequantizeLinear is **exact**: ``(float)(w - zp) * s`` in float32, per-tensor,
+per-axis or blocked, the very arithmetic of onnxruntime's kernel (tested bit for bit). Removing a
+Q -> DQ pair drops the rounding and saturation of the activation: **approximate** by design (the
+model's float reference, not the quantized model), so those rules also need ``--allow-approximate``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, register
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.graph import Scope, dtype_name
+
+__all__ = ["QDQToFloatBuilder", "dequantize_constant"]
+
+_CONSUMERS: weakref.WeakKeyDictionary[Scope, dict[str, list[onnx.NodeProto]]] = weakref.WeakKeyDictionary()
+
+
+def _consumers(scope: Scope) -> dict[str, list[onnx.NodeProto]] | None:
+    """Readers of each value in the scope; None when a node has subgraphs (which may read too)."""
+    found = _CONSUMERS.get(scope)
+    if found is None:
+        found = {}
+        for node in scope.container.node:
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                found = {"": []}  # marker: not analysable
+                break
+            for name in node.input:
+                found.setdefault(name, []).append(node)
+        _CONSUMERS[scope] = found
+    return None if "" in found else found
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def dequantize_constant(
+    x: np.ndarray, scale: np.ndarray, zp: np.ndarray | None, axis: int, block_size: int
+) -> np.ndarray:
+    """``(float)(x - zp) * scale`` in float32, as onnxruntime's DequantizeLinear computes it."""
+    wide = x.astype(np.int64)
+    scale = np.asarray(scale, np.float32)
+    zp_wide = np.zeros((), np.int64) if zp is None else np.asarray(zp).astype(np.int64)
+    if scale.size > 1 or block_size:
+        axis %= x.ndim
+        if block_size:
+            scale = np.repeat(scale, block_size, axis=axis).take(range(x.shape[axis]), axis=axis)
+            if zp is not None:
+                zp_wide = np.repeat(zp_wide, block_size, axis=axis).take(range(x.shape[axis]), axis=axis)
+        else:
+            shape = [1] * x.ndim
+            shape[axis] = -1
+            scale = scale.reshape(shape)
+            zp_wide = zp_wide.reshape(shape) if zp_wide.size > 1 else zp_wide.reshape(())
+    else:
+        scale = scale.reshape(())
+        zp_wide = zp_wide.reshape(())
+    difference = (wide - zp_wide).astype(np.float32)  # exact for every type up to 16 bits
+    return (difference * scale).astype(np.float32)
+
+
+class QDQToFloatBuilder:
+    """Folds constant DequantizeLinear into float initializers; removes activation Q -> DQ pairs."""
+
+    name = "qdq_to_float"
+    contract = CONTRACTS["qdq_to_float"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        name = site.node.output[0] if site.node.op_type == "QuantizeLinear" else site.input(0)
+        elem = site.elem_type(name)
+        if elem is None and site.node.op_type == "DequantizeLinear":
+            value = site.constant(site.input(0))
+            return None if value is None else str(value.dtype)
+        return dtype_name(elem) if elem is not None else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        form = options["form"]
+        node = site.node
+        if form == "fold_constant":
+            return self._check_fold(site)
+        if form == "drop_pair_dq":
+            producer = site.scope.producer(site.input(0))
+            if producer is None or producer.op_type != "QuantizeLinear" or producer.domain not in ("", "ai.onnx"):
+                raise NotApplicable("its input is not produced by a QuantizeLinear")
+            return Plan(data={"x": producer.input[0]})
+        # drop_pair_q: only when every reader is a DequantizeLinear the pair rule removes.
+        consumers = _consumers(site.scope)
+        if consumers is None:
+            raise NotApplicable("the graph has subgraphs that may read the quantized value")
+        y = node.output[0]
+        container = site.scope.container
+        is_output = isinstance(container, onnx.GraphProto) and any(o.name == y for o in container.output)
+        if site.scope.is_function or is_output:
+            raise NotApplicable("the quantized value is an output of the graph")
+        readers = consumers.get(y, [])
+        if not readers or any(r.op_type != "DequantizeLinear" or r.domain not in ("", "ai.onnx") for r in readers):
+            raise NotApplicable("the quantized value is read by something other than DequantizeLinear")
+        return Plan()
+
+    @staticmethod
+    def _check_fold(site: Site) -> Plan:
+        x = site.constant(site.input(0))
+        if x is None:
+            raise NotApplicable("x is computed at run time (only constant weights are folded)")
+        scale = site.constant(site.input(1))
+        if scale is None:
+            raise NotApplicable("the scale is computed at run time")
+        if scale.dtype != np.float32:
+            raise NotApplicable(f"the scale is {scale.dtype}; only float32 scales are folded")
+        zp = site.constant(site.input(2)) if site.input(2) else None
+        if site.input(2) and zp is None:
+            raise NotApplicable("the zero point is computed at run time")
+        if x.dtype.kind not in "iu" or x.dtype.itemsize > 2:
+            raise NotApplicable(f"x is {x.dtype}; 8- and 16-bit integer weights are folded")
+        attrs = _attrs(site.node)
+        if set(attrs) - {"axis", "block_size"}:
+            raise NotApplicable(f"attribute(s) {sorted(set(attrs) - {'axis', 'block_size'})} are not folded")
+        value = dequantize_constant(x, scale, zp, int(attrs.get("axis", 1)), int(attrs.get("block_size", 0)))
+        return Plan(data={"value": value})
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        form = options["form"]
+        if form == "fold_constant":
+            emit.op1("Identity", [emit.const(plan.data["value"])], site.node.output[0])
+        elif form == "drop_pair_dq":
+            emit.op1("Identity", [plan.data["x"]], site.node.output[0])
+        # drop_pair_q: nothing; every reader of the output is replaced by the pair rule.
+
+
+register(QDQToFloatBuilder())

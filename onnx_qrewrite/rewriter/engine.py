@@ -1,0 +1,614 @@
+"""Match rules against nodes and apply them: the heart of ``rewrite``.
+
+Works on ``onnx.ModelProto`` directly. Why not onnx_ir or onnxscript's rewriter: measured on a
+20k-block chain (ENGINE_NOTES.md), onnx load+save takes 0.44 s, onnx_ir load+save 3.3 s and
+onnxscript's rewriter 14.5 s just to apply; our target is 1.5x the onnx floor. Rules are one-node
+patterns, so an op-indexed lookup per node is all the matching we need; replacements are encoded
+as wire bytes and spliced into each node list in one parse (see ``_protowire``).
+
+Two phases: *match* decides, for every node, which rule rewrites it and what that needs (reading
+only); *apply* builds the replacements. If some rewrite needs a higher default-domain opset, the
+model is converted between the two phases and matched again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+import logging
+from collections.abc import Iterator, Mapping
+
+import onnx
+
+from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
+from onnx_qrewrite.io._protowire import encode_node_chunks, frame_nodes, replace_nodes
+from onnx_qrewrite.io.encoded import EncodedModel
+from onnx_qrewrite.io.external_data import ExternalData
+from onnx_qrewrite.progress import ProgressSink, stage
+from onnx_qrewrite.rewriter import opset as opset_mod
+from onnx_qrewrite.rewriter import provenance as provenance_mod
+from onnx_qrewrite.rewriter.builders import ConstantPool, Emitter, NoMatch, NotApplicable, Plan, Site
+from onnx_qrewrite.rewriter.builders._stamp import Template
+from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
+from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
+from onnx_qrewrite.rewriter.graph import NameAllocator, Scope, iter_scopes, subgraphs
+from onnx_qrewrite.rewriter.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
+
+__all__ = ["DEFAULT_ALLOW", "EngineOptions", "run"]
+
+logger = logging.getLogger(__name__)
+
+
+#: Exactness levels a rewrite may use unless asked otherwise.
+DEFAULT_ALLOW: frozenset[str] = frozenset({EXACT, BOUNDED})
+#: Standard ops that hold subgraphs (nodes of other domains may too).
+_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    #: Raise the model's default-domain opset to this before rewriting (never lowers it).
+    target_opset: int | None = None
+    #: Never change the model's opset; rules that would need it give way to the next rule.
+    keep_opset: bool = False
+    #: Leave nodes that no rule can lower in place (with a warning) instead of failing.
+    allow_unlowered: bool = False
+    #: Highest default-domain opset a rewrite may raise to: what onnxruntime 1.31 loads.
+    max_opset: int = opset_mod.MAX_RUNTIME_OPSET
+    #: Stamp repeated replacements from a recorded template (builders/_stamp.py); off only to
+    #: prove that stamping and building give the same bytes.
+    stamp_templates: bool = True
+    #: Exactness levels rules may have (onnx_qrewrite.rewriter.contract). Exact rules are always tried
+    #: first and bounded ones only where no exact rule applies; approximate rules run only when
+    #: listed here (``--allow-approximate``; a target profile may ask too), and then first.
+    allow: frozenset[str] = DEFAULT_ALLOW
+
+    def __post_init__(self) -> None:
+        unknown = set(self.allow) - set(EXACTNESS)
+        if unknown or EXACT not in self.allow:
+            raise UsageError(
+                f"allow={sorted(self.allow)!r}: must include 'exact' and may add {', '.join(EXACTNESS[1:])}"
+            )
+
+    #: Which created nodes carry rule/origin metadata: "compact", "full" or "none" (provenance.py).
+    provenance: str = provenance_mod.DEFAULT_MODE
+    #: Per-node rule choice, keyed by (scope path, index of the node in its scope): the only rules
+    #: tried for that node, in order (empty: leave it as it is). Nodes not listed get the usual
+    #: candidates. ``rewrite --target`` uses it to rewrite each node with the rule its plan chose
+    #: (targets/plan.py); the rules still have to be in the catalogue and in ``allow``.
+    node_rules: Mapping[tuple[str, int], tuple[str, ...]] | None = None
+
+
+@dataclasses.dataclass
+class _Match:
+    site: Site
+    index: int
+    rule: Rule
+    plan: Plan
+
+
+def _in_order(rules: list[Rule]) -> list[Rule]:
+    """A node's candidate rules in the order they are tried: approximate ones first when allowed
+    (they were asked for), then exact, then bounded; catalogue order within each group."""
+    rank = {APPROXIMATE: 0, EXACT: 1, BOUNDED: 2}
+    return sorted(rules, key=lambda r: rank[r.exactness])
+
+
+def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
+    if rule.exactness not in options.allow:
+        flag = " (--allow-approximate)" if rule.exactness == APPROXIMATE else ""
+        raise NotApplicable(f"{rule.exactness} rule: runs only when asked{flag}")
+    builder = rule.implementation
+    current = site.scope.default_opset
+    if rule.min_opset is not None and current < rule.min_opset:
+        raise NoMatch(f"model opset {current} is below the rule's min_opset {rule.min_opset}")
+    if rule.max_opset is not None and current > rule.max_opset:
+        raise NoMatch(f"model opset {current} is above the rule's max_opset {rule.max_opset}")
+    dtype = builder.quantized_dtype(site)
+    if rule.dtypes is not None and dtype not in rule.dtypes:
+        raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")
+    plan = builder.check(site, rule.options)
+    needed = plan.min_opset
+    if needed > current:
+        if options.keep_opset:
+            raise NoMatch(f"needs opset {needed}, model has {current} and the opset is kept")
+        if needed > options.max_opset:
+            raise NoMatch(f"needs opset {needed}, above the highest allowed ({options.max_opset})")
+        if site.scope.is_function:
+            raise NoMatch(f"needs opset {needed}; raising the opset of a local function is not supported")
+    return plan
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A node whose first applicable rule removes it if it is dead (``Plan.remove_if_dead``): decided
+    once the whole scope is matched; if something still reads it, its remaining rules are tried."""
+
+    site: Site
+    index: int
+    rule: Rule
+    plan: Plan
+    rest: list[Rule]
+    reasons: list[str]
+    quiet: bool
+
+
+def _first_applicable(
+    site: Site, rules: list[Rule], options: EngineOptions, reasons: list[str], quiet: bool, *, removal: bool
+) -> tuple[Rule | None, Plan | None, int, bool]:
+    """The first of ``rules`` that applies to ``site``, its plan and its position (reasons of the
+    others appended to ``reasons``), and whether every decline was "not applicable". Removal rules
+    (``Plan.remove_if_dead``) count only when ``removal`` (a node is considered for removal once)."""
+    for position, rule in enumerate(rules):
+        try:
+            plan = _try_rule(rule, site, options)
+        except NoMatch as why:
+            # Approximate rules are extras asked for: their declining never makes a node an error.
+            quiet = quiet and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
+            reasons.append(f"{rule.id}: {why}")
+            logger.debug("rule %s does not apply to %s: %s", rule.id, site.label, why)
+            continue
+        if plan.remove_if_dead and not removal:
+            reasons.append(f"{rule.id}: its outputs are still read once the other rewrites are applied")
+            continue
+        return rule, plan, position, quiet
+    return None, None, len(rules), quiet
+
+
+def _match(
+    model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, external: ExternalData | None
+) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered], collections.Counter[str]]:
+    """Which rule rewrites which node; also counts ops on the way (one walk over the model)."""
+    scopes = iter_scopes(model, external)
+    matches: dict[int, list[_Match]] = {}
+    unlowered: list[Unlowered] = []
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    candidates_of: dict[tuple[str, str], list[Rule]] = {}
+    same_shape_ops = catalogue.same_shape_ops
+    chosen = options.node_rules
+    by_id = {r.id: r for r in catalogue} if chosen is not None else {}
+
+    def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
+        if rule is not None and plan is not None:
+            matches.setdefault(s, []).append(_Match(site, index, rule, plan))
+        elif not quiet:
+            node = site.node
+            unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
+
+    for s, scope in enumerate(scopes):
+        pending: list[_Pending] = []
+        for index, node in enumerate(scope.container.node):
+            key = (node.domain, node.op_type)
+            counts[key] += 1
+            picked = chosen.get((scope.path, index)) if chosen is not None else None
+            candidates: list[Rule] | None
+            if picked is not None:
+                candidates = [by_id[rule_id] for rule_id in picked if rule_id in by_id]
+                if not candidates:
+                    continue
+            else:
+                candidates = candidates_of.get(key)
+                if candidates is None:
+                    candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
+            if not candidates:
+                continue
+            site = Site(node, scope, same_shape_ops)
+            reasons: list[str] = []
+            # A standard-domain node every candidate declines as "not applicable" is fine as it is.
+            quiet = node.domain in ("", "ai.onnx")
+            rule, plan, position, quiet = _first_applicable(site, candidates, options, reasons, quiet, removal=True)
+            if plan is not None and plan.remove_if_dead:
+                assert rule is not None
+                pending.append(_Pending(site, index, rule, plan, candidates[position + 1 :], reasons, quiet))
+                continue
+            decide(s, site, index, rule, plan, reasons, quiet)
+        if pending:
+            dead = _dead(scope, matches.get(s, []), pending)
+            for p in pending:
+                if p.index in dead:
+                    matches.setdefault(s, []).append(_Match(p.site, p.index, p.rule, p.plan))
+                    continue
+                p.reasons.append(f"{p.rule.id}: its outputs are still read once the other rewrites are applied")
+                rule, plan, _, quiet = _first_applicable(p.site, p.rest, options, p.reasons, p.quiet, removal=False)
+                decide(s, p.site, p.index, rule, plan, p.reasons, quiet)
+            matches.get(s, []).sort(key=lambda m: m.index)
+    return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
+
+
+def _names_read_inside(node: onnx.NodeProto) -> Iterator[str]:
+    """Every name the node's subgraphs (at any depth) take as input or give as output: a superset
+    of the outer-scope values they read."""
+    for _, graph in subgraphs(node):
+        for inner in graph.node:
+            yield from inner.input
+            yield from _names_read_inside(inner)
+        yield from (o.name for o in graph.output)
+
+
+def _dead(scope: Scope, matched: list[_Match], pending: list[_Pending]) -> set[int]:
+    """Indices of the pending removals that nothing reads once the scope's rewrites are applied
+    (rewritten nodes read what their plans say; removed nodes read nothing; subgraphs and the
+    scope's outputs read what they name). Worklist over reader counts: linear in the scope."""
+    container = scope.container
+    reads_of = {m.index: m.plan.reads for m in matched if m.plan.reads is not None}
+    count: collections.Counter[str] = collections.Counter()
+    for index, node in enumerate(container.node):
+        count.update(reads_of.get(index, node.input))
+        if node.domain not in ("", "ai.onnx") or node.op_type in _CONTROL_FLOW:
+            count.update(_names_read_inside(node))
+    if isinstance(container, onnx.GraphProto):
+        count.update(o.name for o in container.output)
+    else:
+        count.update(container.output)
+    by_index = {p.index: p for p in pending}
+    producer = {out: p.index for p in pending for out in p.site.node.output if out}
+    dead: set[int] = set()
+    work = list(by_index)
+    while work:
+        index = work.pop()
+        node = by_index[index].site.node
+        if index in dead or any(count[o] for o in node.output if o):
+            continue
+        dead.add(index)
+        for name in node.input:
+            if not name:
+                continue
+            count[name] -= 1
+            upstream = producer.get(name)
+            if upstream is not None and upstream not in dead and count[name] <= 0:
+                work.append(upstream)
+    return dead
+
+
+def _main_graph_has_external_constants(model: onnx.ModelProto) -> bool:
+    return any(
+        n.op_type == "Constant" and any(a.t.data_location == onnx.TensorProto.EXTERNAL for a in n.attribute)
+        for n in model.graph.node
+    )
+
+
+def _apply(
+    model: onnx.ModelProto,
+    scopes: list[Scope],
+    matches: dict[int, list[_Match]],
+    report: RewriteReport,
+    stamp_templates: bool = True,
+    progress: ProgressSink | None = None,
+    provenance: str = provenance_mod.DEFAULT_MODE,
+) -> tuple[collections.Counter[str], list[bytes] | None]:
+    """Build every replacement, drop initializers only replaced nodes read, then splice.
+
+    Returns the change in op counts and, when the main graph changed, its encoded node list (the
+    main graph itself is then left without nodes; see ``encoded``). ``matches`` is consumed: each
+    match is let go once its replacement is built, and each replacement is kept as one piece (its
+    node fields framed and joined), so that what the matches held is reused for what the
+    replacements hold instead of adding to it (a bytes object and three list slots per created
+    node were ~60 bytes on top of its ~120 bytes of body).
+    """
+    delta: collections.Counter[str] = collections.Counter()
+    templates: dict[tuple, Template | None] = {}
+    total = sum(len(ms) for ms in matches.values())
+    done = 0
+    if progress is not None:
+        progress("rewriting nodes", 0, total)
+    names = NameAllocator(model)
+    pools: dict[int, ConstantPool] = {}
+    built: dict[int, dict[int, bytes]] = {}
+    #: Initializers some replaced node read and its replacement does not: removal candidates.
+    dropped: set[str] = set()
+    #: Inputs of replaced nodes that their replacements still read (and everything replacements
+    #: read whose plans say they read more than their node's inputs).
+    still_read: set[str] = set()
+    #: Per root scope: outputs of nodes removed as dead, and what the other replacements read
+    #: (checked against each other before splicing; collected only when something is removed).
+    removed: dict[int, set[str]] = {}
+    read_by_rewrites: dict[int, set[str]] = {}
+    guard = any(m.plan.remove_if_dead for ms in matches.values() for m in ms)
+    for s, scope in enumerate(scopes):
+        root = scope.root
+        pool = pools.get(id(root))
+        if pool is None:
+            pool = pools[id(root)] = ConstantPool(root, names)
+        replacements: dict[int, bytes] = {}
+        pending = matches.pop(s, [])
+        pending.reverse()
+        while pending:
+            m = pending.pop()
+            builder = m.rule.implementation
+            metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance)
+            key = None
+            if stamp_templates and hasattr(builder, "template_key"):
+                key = builder.template_key(m.site, m.rule.options, m.plan)
+                key = None if key is None else (m.rule.id, id(pool), key)
+            template = templates.get(key) if key is not None else None
+            if template is not None:
+                nodes, created_nodes = template.stamp(m.site, names, Emitter.prefix_for(m.site.node), metadata)
+                created_ops = template.ops
+                reads = template.site_inputs_read(m.site)
+            else:
+                emit = Emitter(m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata)
+                builder.build(m.site, emit, m.rule.options, m.plan)
+                nodes = emit.nodes
+                created_nodes = tuple(n for n, _ in emit.created)
+                created_ops = tuple(op for _, op in emit.created)
+                reads = emit.names_read()
+                if key is not None:
+                    templates[key] = Template.record(emit)
+            replacements[m.index] = frame_nodes(scope.container, nodes)
+            del nodes
+            for name in m.site.node.input:
+                if not name:
+                    continue
+                if name in reads:
+                    still_read.add(name)
+                elif scope.initializer(name) is not None:
+                    dropped.add(name)
+            if m.plan.reads is not None:  # it reads more than its node's inputs: all of it stays
+                still_read.update(reads)
+            if m.plan.remove_if_dead:
+                removed.setdefault(id(root), set()).update(o for o in m.site.node.output if o)
+            elif guard:
+                read_by_rewrites.setdefault(id(root), set()).update(reads)
+            done += 1
+            if progress is not None and (done % 1024 == 0 or done == total):
+                progress("rewriting nodes", done, total)
+            delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
+            for op in created_ops:
+                delta[op] += 1
+            report.rewrites.append(
+                AppliedRewrite(
+                    rule=m.rule.id,
+                    node=m.site.label,
+                    op_type=m.site.node.op_type,
+                    domain=m.site.node.domain,
+                    scope=scope.path,
+                    created_nodes=created_nodes,
+                    created_ops=created_ops,
+                    notes=m.plan.notes,
+                    exactness=m.rule.exactness,
+                    bound=m.plan.bound,
+                )
+            )
+        built[s] = replacements
+    delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
+    with stage(progress, "assembling the graph"):
+        if removed:
+            _check_removed_are_unread(scopes, built, removed, read_by_rewrites)
+        if dropped - still_read:
+            _remove_unread_initializers(scopes, built, dropped - still_read, report)
+        names.release()  # every name is drawn; the set of them is a large part of the peak memory
+        _return_freed_memory()
+        return delta, _splice(model, scopes, built, pools)
+
+
+def _check_removed_are_unread(
+    scopes: list[Scope],
+    built: dict[int, dict[int, bytes]],
+    removed: dict[int, set[str]],
+    read_by_rewrites: dict[int, set[str]],
+) -> None:
+    """Never remove a node something still reads: the nodes removed as dead (``Plan.remove_if_dead``)
+    were decided from the plans; this checks the built result, so a builder whose replacement reads
+    more than its plan said is a clear error instead of a broken model."""
+    for s, scope in enumerate(scopes):
+        gone = removed.get(id(scope.root))
+        if not gone:
+            continue
+        replaced = built.get(s, {})
+        c = scope.container
+        read = set(read_by_rewrites.get(id(scope.root), ()))
+        for index, node in enumerate(c.node):
+            if index not in replaced:
+                read.update(node.input)
+        if isinstance(c, onnx.GraphProto):
+            read.update(o.name for o in c.output)
+        else:
+            read.update(c.output)
+        still = sorted(gone & read)
+        if still:
+            raise InternalError(f"{scope.path}: a rewrite removed the node writing {still[0]!r}, which is still read")
+
+
+def _remove_unread_initializers(
+    scopes: list[Scope], built: dict[int, dict[int, bytes]], candidates: set[str], report: RewriteReport
+) -> None:
+    """Remove initializers that only replaced nodes read (a zero point of 0 a lowering left out,
+    float16 scales the kernel ignores): onnxruntime warns about unused initializers, and they are
+    dead weight. Only called when there are candidates, since it reads every node's inputs."""
+    read: set[str] = set()
+    for s, scope in enumerate(scopes):
+        replaced = built.get(s, {})
+        c = scope.container
+        for index, node in enumerate(c.node):
+            if index not in replaced:
+                read.update(node.input)
+        if isinstance(c, onnx.GraphProto):
+            read.update(o.name for o in c.output)
+            read.update(i.name for i in c.input)  # an initializer that is also an input stays
+        else:
+            read.update(c.output)
+    unread = candidates - read
+    for scope in scopes:
+        c = scope.container
+        if not isinstance(c, onnx.GraphProto) or not unread.intersection(t.name for t in c.initializer):
+            continue
+        kept = [t for t in c.initializer if t.name not in unread]
+        removed = sorted(t.name for t in c.initializer if t.name in unread)
+        del c.initializer[:]
+        c.initializer.extend(kept)
+        scope.invalidate()
+        report.removed_initializers.extend(removed)
+
+
+def _splice(
+    model: onnx.ModelProto,
+    scopes: list[Scope],
+    built: dict[int, dict[int, bytes]],
+    pools: dict[int, ConstantPool],
+) -> list[bytes] | None:
+    """Put the replacements in place, innermost scope first (a parent node is serialized with its
+    bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back,
+    unless a Constant there holds external data (model_io must then see it as an object)."""
+    keep_main_encoded = not _main_graph_has_external_constants(model)
+    main_nodes: list[bytes] | None = None
+    for s, scope in enumerate(scopes):
+        replacements = built.get(s, {})
+        root = scope.root
+        pool = pools.get(id(root))
+        prepend = pool.constant_nodes if pool is not None and scope is root else []
+        if scope.container is model.graph and replacements and keep_main_encoded:
+            main_nodes = encode_node_chunks(scope.container, replacements, prepend)
+            scope.container.ClearField("node")
+            scope.invalidate()
+        elif replacements or prepend:
+            replace_nodes(scope.container, replacements, prepend)
+            scope.invalidate()
+    return main_nodes
+
+
+def _return_freed_memory() -> None:
+    """Hand memory that has been freed back to the operating system (glibc keeps it otherwise).
+
+    Loading and checking a model, and matching it, free large temporary allocations (onnx's
+    checker alone: ~80 MB on a 100k-node model); glibc keeps them mapped, so everything allocated
+    afterwards comes on top of them in the process's peak RSS. A no-op where glibc is absent.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def _record_provenance_mode(model: onnx.ModelProto, mode: str) -> None:
+    """Say in the model how its created nodes carry provenance (provenance.py), replacing what an
+    earlier rewrite said."""
+    kept = [e for e in model.metadata_props if e.key != provenance_mod.MODE_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=provenance_mod.MODE_KEY, value=mode)
+
+
+#: The first IR version in which an initializer need not be a graph input.
+_IR_INITIALIZERS_NOT_INPUTS = 4
+
+
+def run(
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    options: EngineOptions = EngineOptions(),
+    external: ExternalData | None = None,
+    progress: ProgressSink | None = None,
+) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
+    """Rewrite ``model`` in place (callers pass a copy) and report what changed.
+
+    Returns an :class:`EncodedModel` when the main graph changed (see ``encoded``), else the model.
+    Python's cyclic garbage collector is paused meanwhile: the pass allocates hundreds of
+    thousands of small containers and creates no cycles, and collections triggered by those
+    allocations cost up to 30% of the pass (measured on a 20k-block chain; ENGINE_NOTES.md too).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _run(model, catalogue, options, external, progress)
+    except (AttributeError, TypeError, UnicodeError):
+        # protobuf hands a name that is not valid UTF-8 to Python as bytes, not str; finding
+        # such a name costs a walk over the whole model, so it is only looked for on failure.
+        bad = first_non_utf8_name(model)
+        if bad is not None:
+            raise InvalidModelError(f"{bad} is not valid UTF-8; ONNX names are UTF-8 strings") from None
+        raise
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def first_non_utf8_name(model: onnx.ModelProto) -> str | None:
+    """The first name (node, value, initializer, op type, domain) that is not valid UTF-8, described."""
+    for scope in iter_scopes(model):
+        container = scope.container
+        values: list[onnx.ValueInfoProto | onnx.TensorProto] = []
+        if isinstance(container, onnx.GraphProto):
+            values = [*container.input, *container.output, *container.value_info, *container.initializer]
+        for v in values:
+            if isinstance(v.name, bytes):
+                return f"{scope.path}: value name {v.name!r}"
+        for node in container.node:
+            for field in ("name", "op_type", "domain"):
+                if isinstance(getattr(node, field), bytes):
+                    return f"{scope.path}: node {field} {getattr(node, field)!r}"
+            for name in (*node.input, *node.output):
+                if isinstance(name, bytes):
+                    return f"{scope.path}: node {node.name!r}: value name {name!r}"
+            for attr in node.attribute:
+                if isinstance(attr.name, bytes):
+                    return f"{scope.path}: node {node.name!r}: attribute name {attr.name!r}"
+    for entry in model.metadata_props:
+        if isinstance(entry.key, bytes) or isinstance(entry.value, bytes):
+            return f"metadata entry {entry.key!r}"
+    return None
+
+
+def _run(
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    options: EngineOptions,
+    external: ExternalData | None,
+    progress: ProgressSink | None,
+) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
+    report = RewriteReport()
+    _return_freed_memory()  # what loading and checking the input freed
+    if options.target_opset is not None:
+        report.ops_before = count_ops(model)
+        model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
+    with stage(progress, "matching rules"):
+        scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+    if not report.ops_before:
+        report.ops_before = collections.Counter(counts)
+    needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
+    if needed > (opset_mod.model_default_opset(model) or 0):
+        why_rule = next(m for ms in matches.values() for m in ms if m.plan.min_opset == needed)
+        model = opset_mod.raise_default_opset(
+            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
+        )
+        with stage(progress, "matching rules"):
+            scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+    if unlowered and not options.allow_unlowered:
+        first = unlowered[0]
+        more = f" (and {len(unlowered) - 1} more node(s))" if len(unlowered) > 1 else ""
+        raise LoweringError(
+            f"node {first.node} ({first.domain or 'ai.onnx'}::{first.op_type}) cannot be lowered: "
+            f"{'; '.join(first.reasons)}{more}",
+            node=first.node,
+        )
+    for u in unlowered:
+        report.unlowered.append(u)
+        report.warnings.append(f"left {u.node} ({u.op_type}) in place: {'; '.join(u.reasons)}")
+    result: onnx.ModelProto | EncodedModel = model
+    rewrote = bool(matches)  # _apply consumes the matches
+    if rewrote:
+        _record_provenance_mode(model, options.provenance)
+        delta, main_nodes = _apply(
+            model, scopes, matches, report, options.stamp_templates, progress, options.provenance
+        )
+        counts.update(delta)
+        if main_nodes is not None:
+            result = EncodedModel(model, main_nodes)
+    report.ops_after = collections.Counter({k: n for k, n in counts.items() if n > 0})
+    if rewrote:
+        used = {key.split("::")[0] if "::" in key else "" for key in report.ops_after}
+        opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, used, report)
+    if report.changed and model.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
+        # Before IR 4 every initializer had to be a graph input: the constants a rewrite adds are
+        # not. IR 4 only lifts that rule, so the model means the same under it.
+        report.warnings.append(
+            f"IR version raised from {model.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
+            "initializer had to be a graph input, and the constants this rewrite adds are not"
+        )
+        model.ir_version = _IR_INITIALIZERS_NOT_INPUTS
+    return result, report

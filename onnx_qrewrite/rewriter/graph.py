@@ -1,0 +1,372 @@
+"""Where nodes live in a model: scopes (main graph, subgraphs, local functions), names, types.
+
+A rewrite must see every node a runtime will execute: the main graph, the bodies of If/Loop/Scan
+(at any depth) and model-local functions (onnx_ir's ``all_nodes()`` skips the latter). A *scope* is
+one node list plus what it can see: its own values, its outer scopes' values, and its opsets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnx_qrewrite.errors import InvalidModelError
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.io.external_data import ExternalData
+
+_T = TypeVar("_T")
+__all__ = [
+    "NameAllocator",
+    "Scope",
+    "default_opset",
+    "dtype_name",
+    "iter_scopes",
+    "known_shape",
+    "subgraphs",
+]
+
+_DTYPE_NAMES: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.DOUBLE: "float64",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT16: "uint16",
+    onnx.TensorProto.INT16: "int16",
+    onnx.TensorProto.UINT32: "uint32",
+    onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.UINT64: "uint64",
+    onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.UINT4: "uint4",
+    onnx.TensorProto.INT4: "int4",
+    onnx.TensorProto.FLOAT8E4M3FN: "float8e4m3fn",
+    onnx.TensorProto.FLOAT8E4M3FNUZ: "float8e4m3fnuz",
+    onnx.TensorProto.FLOAT8E5M2: "float8e5m2",
+    onnx.TensorProto.FLOAT8E5M2FNUZ: "float8e5m2fnuz",
+}
+
+
+def dtype_name(elem_type: int) -> str:
+    """Readable name of an ONNX element type, as used in rule files and reports."""
+    return _DTYPE_NAMES.get(elem_type, onnx.TensorProto.DataType.Name(elem_type).lower())
+
+
+def known_shape(shape: Sequence[int | None] | None) -> tuple[int, ...] | None:
+    """``shape`` when the model records it with every dimension known; None otherwise."""
+    if shape is None or any(d is None for d in shape):
+        return None
+    return tuple(d for d in shape if d is not None)
+
+
+def default_opset(opset_imports) -> int | None:
+    """The default-domain (``""`` or ``ai.onnx``) version among ``opset_imports``, or None if absent."""
+    for entry in opset_imports:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return None
+
+
+class _Records(NamedTuple):
+    """What a scope's own records say about its values (indexed together: one pass over them)."""
+
+    types: dict[str, int]
+    shapes: dict[str, tuple[int | None, ...] | None]
+    initializers: dict[str, onnx.TensorProto]
+
+
+@dataclasses.dataclass(eq=False)
+class Scope:
+    """One node list and the values visible from it.
+
+    ``path`` names the scope in reports: ``main``, ``main/<node>.<attr>`` for a subgraph,
+    ``function:<domain>.<name>`` for a model-local function.
+    """
+
+    container: onnx.GraphProto | onnx.FunctionProto
+    path: str
+    opsets: dict[str, int]
+    parent: Scope | None
+    #: The model's external data (opened and checked), for constants stored there.
+    external: ExternalData | None = None
+    _records: _Records | None = dataclasses.field(default=None, repr=False)
+    _producers: dict[str, onnx.NodeProto] | None = dataclasses.field(default=None, repr=False)
+    _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def is_function(self) -> bool:
+        return isinstance(self.root.container, onnx.FunctionProto)
+
+    @property
+    def root(self) -> Scope:
+        scope = self
+        while scope.parent is not None:
+            scope = scope.parent
+        return scope
+
+    @property
+    def default_opset(self) -> int:
+        return self.opsets.get("", self.opsets.get("ai.onnx", 0))
+
+    # -- values --------------------------------------------------------------------------------
+
+    def _own(self) -> _Records:
+        """This scope's own records, indexed on first use (and again after :meth:`invalidate`)."""
+        if self._records is None:
+            self._records = self._index_records()
+        return self._records
+
+    def _index_records(self) -> _Records:
+        types: dict[str, int] = {}
+        shapes: dict[str, tuple[int | None, ...] | None] = {}
+        inits: dict[str, onnx.TensorProto] = {}
+        c = self.container
+        value_infos = (*c.input, *c.output, *c.value_info) if isinstance(c, onnx.GraphProto) else c.value_info
+        for vi in value_infos:
+            tensor_type = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
+            if tensor_type is not None and tensor_type.elem_type:
+                types[vi.name] = tensor_type.elem_type
+            if tensor_type is not None and tensor_type.HasField("shape"):
+                shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+            else:
+                shapes.setdefault(vi.name, None)
+        if isinstance(c, onnx.GraphProto):
+            for t in c.initializer:
+                types[t.name] = t.data_type
+                shapes[t.name] = tuple(t.dims)
+                inits[t.name] = t
+            for sparse in c.sparse_initializer:
+                types[sparse.values.name] = sparse.values.data_type
+        for node in c.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        types[node.output[0]] = attr.t.data_type
+        return _Records(types, shapes, inits)
+
+    def _producer_index(self) -> dict[str, onnx.NodeProto]:
+        # Separate from the records: only constant look-ups need it, and it is the costly one.
+        if self._producers is None:
+            self._producers = {out: node for node in self.container.node for out in node.output if out}
+        return self._producers
+
+    def invalidate(self) -> None:
+        """Forget cached indexes after the node list or value_info changed."""
+        self._records = None
+        self._producers = None
+        self._memo.clear()
+
+    def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
+        """``compute()`` once per scope and key, for facts many nodes share (statistics of one
+        weight that 20k MatMulIntegers read: computed per node, they were a third of a rewrite).
+        ``key`` must name everything the fact depends on; names resolve the same way anywhere
+        in one scope. Forgotten by :meth:`invalidate`."""
+        if key in self._memo:
+            return self._memo[key]
+        found = self._memo[key] = compute()
+        return found
+
+    def _outward(self) -> Iterator[Scope]:
+        """This scope, then each enclosing one: the order ONNX resolves names in."""
+        scope: Scope | None = self
+        while scope is not None:
+            yield scope
+            scope = scope.parent
+
+    def elem_type(self, name: str) -> int | None:
+        """Element type of a value visible here, or None when the model does not say."""
+        for scope in self._outward():
+            types = scope._own().types
+            if name in types:
+                return types[name]
+        return None
+
+    @property
+    def declared_types(self) -> dict[str, int]:
+        """Element types this scope's own records give (value_info, initializers, Constants)."""
+        return self._own().types
+
+    @property
+    def recorded_shapes(self) -> dict[str, tuple[int | None, ...] | None]:
+        """Static shapes this scope's own records give (inputs, outputs, value_info, initializers;
+        None dims unknown). A name mapped to None is declared here with no shape."""
+        return self._own().shapes
+
+    def producer(self, name: str) -> onnx.NodeProto | None:
+        return self._producer_index().get(name)
+
+    def initializer(self, name: str) -> onnx.TensorProto | None:
+        """The initializer ``name`` visible here (own graph or an outer one), if any."""
+        for scope in self._outward():
+            initializers = scope._own().initializers
+            if name in initializers:
+                return initializers[name]
+        return None
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """Value of an initializer or Constant output visible here; None when computed at run time.
+
+        Only small tensors (scales, zero points) are asked for, so reading one external tensor
+        here does not defeat lazy loading of the weights.
+        """
+        for scope in self._outward():
+            tensor = scope._own().initializers.get(name)
+            if tensor is not None:
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    external = self.root.external
+                    if external is None:
+                        raise InvalidModelError(
+                            f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
+                        )
+                    return external.to_array(tensor)
+                return numpy_helper.to_array(tensor)
+            node = scope.producer(name)
+            if node is not None:
+                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    for attr in node.attribute:
+                        if attr.name == "value":
+                            return numpy_helper.to_array(attr.t)
+                return None
+            if isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input):
+                return None  # a graph input shadows outer names
+        return None
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
+    """The graphs a node holds (If branches, Loop/Scan bodies, ...), each with its attribute label."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.name, attr.g
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for i, g in enumerate(attr.graphs):
+                yield f"{attr.name}[{i}]", g
+
+
+#: Standard ops that hold subgraphs; every other standard op is skipped without looking at its
+#: attributes (that look costs ~1 us a node from Python). Nodes of other domains are all looked at.
+_STANDARD_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+def _walk(scope: Scope) -> Iterator[Scope]:
+    """Post-order: a subgraph is visited before the scope that holds it, so that a parent node is
+    serialized only after its bodies were rewritten."""
+    for node in scope.container.node:
+        if node.op_type not in _STANDARD_CONTROL_FLOW and node.domain in ("", "ai.onnx"):
+            continue
+        for attr_name, g in subgraphs(node):
+            label = node.name or (node.output[0] if node.output else node.op_type)
+            child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.external)
+            yield from _walk(child)
+    yield scope
+
+
+def iter_scopes(model: onnx.ModelProto, external: ExternalData | None = None) -> list[Scope]:
+    """Every node list of the model, innermost first, local functions included."""
+    opsets = {o.domain: o.version for o in model.opset_import}
+    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external)))
+    for fn in model.functions:
+        fn_opsets = {o.domain: o.version for o in fn.opset_import} or opsets
+        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, external)))
+    return scopes
+
+
+class NameAllocator:
+    """Fresh names, unique across the whole model (ONNX requires uniqueness across nested scopes;
+    onnx_ir's ``val_N`` names are unique only per graph) and deterministic for a given input.
+
+    The names a stamped replacement draws (``<prefix>/<hint>`` for each of a template's hints,
+    none taken yet) are kept as one *family*: the prefix and the template's shared set of hints,
+    instead of one string each. On a 20k-block chain those strings and their set slots were about
+    50 MB, a sixth of the rewrite's peak memory. Which names are taken does not change: a name is
+    taken when the plain set holds it, or when it splits at its last ``/`` into a prefix whose
+    family holds ``/<tail>``.
+    """
+
+    def __init__(self, model: onnx.ModelProto):
+        used: set[str] = set()
+        chain = itertools.chain.from_iterable
+        for scope in iter_scopes(model):
+            c = scope.container
+            if isinstance(c, onnx.GraphProto):
+                used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info))
+                used.update(t.name for t in c.initializer)
+            else:
+                used.update(c.input)
+                used.update(c.output)
+            nodes = c.node
+            # Every value is some node's output or a graph input (added above), so outputs suffice.
+            used.update(chain(n.output for n in nodes))
+            used.update(n.name for n in nodes)
+        used.discard("")
+        self._used = used
+        #: prefix -> the hints (each ``/`` then no other ``/``) drawn under it as one family.
+        self._families: dict[str, frozenset[str]] = {}
+        #: A template's hints -> their set when they can form a family (None: they cannot).
+        self._family_hints: dict[tuple[str, ...], frozenset[str] | None] = {}
+
+    def release(self) -> None:
+        """Forget the names (when no more will be drawn): frees the set of every name in the model."""
+        self._used = set()
+        self._families = {}
+
+    def _taken(self, name: str) -> bool:
+        if name in self._used:
+            return True
+        if not self._families:
+            return False
+        head, sep, tail = name.rpartition("/")
+        family = self._families.get(head) if sep else None
+        return family is not None and sep + tail in family
+
+    def _family_of(self, hints: Sequence[str]) -> frozenset[str] | None:
+        key = tuple(hints)
+        found = self._family_hints.get(key, _NOT_SEEN)
+        if found is _NOT_SEEN:
+            # Each name must split back into (prefix, hint) at its last "/", and no two be equal.
+            ok = len(set(key)) == len(key) and all(h.startswith("/") and h.count("/") == 1 for h in key)
+            found = self._family_hints[key] = frozenset(key) if ok else None
+        return found  # type: ignore[return-value]
+
+    def fresh_all(self, prefix: str, hints: Sequence[str]) -> tuple[list[str], bool]:
+        """``fresh(prefix + hint)`` for each hint, and whether any name had to differ from that
+        (the common case, no clash, without a call per name: this runs once per created node)."""
+        names = [prefix + hint for hint in hints]
+        family = self._family_of(hints)
+        if family is not None and prefix not in self._families:
+            used = self._used
+            if not any(name in used for name in names):
+                # No family has this prefix, and a family name of another prefix splits into that
+                # prefix: none of these names is taken, and they are recorded as one entry.
+                self._families[prefix] = family
+                return names, False
+        add = self._used.add
+        out = []
+        clashed = False
+        for wanted in names:
+            if self._taken(wanted):
+                out.append(self.fresh(wanted))
+                clashed = True
+            else:
+                add(wanted)
+                out.append(wanted)
+        return out, clashed
+
+    def fresh(self, base: str) -> str:
+        name = base
+        n = 0
+        while self._taken(name):
+            n += 1
+            name = f"{base}_{n}"
+        self._used.add(name)
+        return name
+
+
+_NOT_SEEN = object()

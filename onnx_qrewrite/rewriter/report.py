@@ -1,0 +1,233 @@
+"""What a rewrite did, as data: for the CLI's summary, JSON reports and pipelines that assert on it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import onnx
+
+__all__ = ["AppliedRewrite", "OpsetChange", "RewriteReport", "Unlowered", "count_ops", "op_key", "write_report_file"]
+
+
+class CreatedNames(Sequence[str]):
+    """The names of the nodes one stamped replacement created, kept as its prefix, the template's
+    shared hints and the few names a clash made different: ``<prefix><hint>`` each, unless listed.
+
+    A 20k-quantizer model creates 260k names; the report holding each as a string (plus the
+    allocator's set of them) was a large part of a rewrite's peak memory. Reads like a tuple.
+    """
+
+    __slots__ = ("_exceptions", "_hints", "_prefix")
+
+    def __init__(self, prefix: str, hints: tuple[str, ...], exceptions: Mapping[int, str] | None = None):
+        self._prefix = prefix
+        self._hints = hints
+        self._exceptions = exceptions
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        i = range(len(self._hints))[index]  # IndexError and negative indices as a tuple has them
+        if self._exceptions and i in self._exceptions:
+            return self._exceptions[i]
+        return self._prefix + self._hints[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self._hints)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (CreatedNames, tuple, list)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class AppliedRewrite:
+    """One node replaced by one rule."""
+
+    rule: str
+    node: str
+    op_type: str
+    domain: str
+    scope: str
+    created_nodes: Sequence[str]  # a tuple, or a CreatedNames for stamped replacements
+    created_ops: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+    #: The rule's exactness (onnx_qrewrite.rewriter.contract) and, when bounded, this node's bound.
+    exactness: str = "exact"
+    bound: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlowered:
+    """A node some rule matched by op but none could rewrite; kept only with ``allow_unlowered``."""
+
+    node: str
+    op_type: str
+    domain: str
+    scope: str
+    reasons: tuple[str, ...]  # "rule-id: why it did not apply", one per candidate rule
+
+
+@dataclasses.dataclass(frozen=True)
+class OpsetChange:
+    domain: str
+    before: int | None
+    after: int | None
+    why: str
+
+
+def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> None:
+    """Write a report (JSON, JUnit) all or nothing (temporary + rename, never through the existing
+    file); a failure is a usage error naming the option and the path."""
+    from onnx_qrewrite.io.outputs import write_atomic
+
+    write_atomic(path, text.encode("utf-8"), option)
+
+
+def op_key(domain: str, op_type: str) -> str:
+    """How reports name an op: ``Op`` for the default domain, ``domain::Op`` otherwise."""
+    return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
+
+
+def count_ops(model: onnx.ModelProto) -> collections.Counter[str]:
+    """Op counts over every scope (subgraphs and local functions included)."""
+    from onnx_qrewrite.rewriter.graph import iter_scopes
+
+    counts: collections.Counter[str] = collections.Counter()
+    for scope in iter_scopes(model):
+        for node in scope.container.node:
+            counts[op_key(node.domain, node.op_type)] += 1
+    return counts
+
+
+@dataclasses.dataclass
+class RewriteReport:
+    rewrites: list[AppliedRewrite] = dataclasses.field(default_factory=list)
+    unlowered: list[Unlowered] = dataclasses.field(default_factory=list)
+    opset_changes: list[OpsetChange] = dataclasses.field(default_factory=list)
+    ops_before: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    ops_after: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    #: Initializers only replaced nodes read (e.g. a zero point of 0 a lowering leaves out).
+    removed_initializers: list[str] = dataclasses.field(default_factory=list)
+    #: ``rewrite --target``: what the target refuses before and after (targets.TargetPlan.to_dict()).
+    target: dict[str, Any] | None = None
+
+    @property
+    def changed(self) -> bool:
+        """True when the rewrite changed anything: a node rewritten or an opset import changed."""
+        return bool(self.rewrites or self.opset_changes)
+
+    def by_rule(self) -> dict[str, int]:
+        """How many nodes each rule rewrote, e.g. ``{"dql-expand": 3}``."""
+        counts: dict[str, int] = {}
+        for r in self.rewrites:
+            counts[r.rule] = counts.get(r.rule, 0) + 1
+        return counts
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain JSON-ready data (what ``--report`` writes)."""
+        # Field by field, not dataclasses.asdict: that deep-copies every tuple (1.5 s for 20k rewrites).
+        return {
+            "rewrites": [
+                {
+                    "rule": r.rule,
+                    "node": r.node,
+                    "op_type": r.op_type,
+                    "domain": r.domain,
+                    "scope": r.scope,
+                    "created_nodes": list(r.created_nodes),
+                    "created_ops": list(r.created_ops),
+                    "notes": list(r.notes),
+                    "exactness": r.exactness,
+                    "bound": r.bound,
+                }
+                for r in self.rewrites
+            ],
+            "by_rule": self.by_rule(),
+            "unlowered": [dataclasses.asdict(u) for u in self.unlowered],
+            "opset_changes": [dataclasses.asdict(c) for c in self.opset_changes],
+            "ops_before": dict(sorted(self.ops_before.items())),
+            "ops_after": dict(sorted(self.ops_after.items())),
+            "warnings": list(self.warnings),
+            "removed_initializers": list(self.removed_initializers),
+            **({"target": self.target} if self.target is not None else {}),
+        }
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable summary: per rule how many nodes, opset changes, op counts that moved."""
+        lines = []
+        by_rule = self.by_rule()
+        if not by_rule:
+            lines.append("no rule applied; the model is unchanged")
+        levels = {r.rule: r.exactness for r in self.rewrites}
+        for rule, n in by_rule.items():
+            level = "" if levels[rule] == "exact" else f" [{levels[rule]}]"
+            lines.append(f"  {rule}: {n} node{'s' if n != 1 else ''} rewritten{level}")
+        inexact = [r for r in self.rewrites if r.exactness != "exact"]
+        bounded = sum(r.exactness == "bounded" for r in inexact)
+        if bounded:
+            lines.append(
+                f"  {bounded} node{'s' if bounded != 1 else ''} rewritten by bounded rules (no exact rule applies "
+                "there): within each rule's stated bound of the original, not bit-exact"
+            )
+        forms = (self.target or {}).get("forms", {})
+        if len(inexact) > bounded:
+            n = len(inexact) - bounded
+            asked = f"target {self.target['target']} needs them" if self.target and forms else "asked for"
+            lines.append(
+                f"  {n} node{'s' if n != 1 else ''} rewritten by approximate rules ({asked}): numerics changed"
+            )
+        if self.target is not None:
+            t = self.target
+            lines.append(
+                f"  target {t['target']} ({t['target_version']}): refused before {t['refused_before']}, "
+                f"after {t['refused_after']}"
+            )
+            for name, form in forms.items():
+                loud = (
+                    "APPROXIMATE: changes the model's numerics by design; "
+                    if form["exactness"] == "approximate"
+                    else ""
+                )
+                lines.append(
+                    f"  target {t['target']}: form {name} ({form['exactness']}) rewrote {form['nodes']} node"
+                    f"{'s' if form['nodes'] != 1 else ''}: {loud}the profile asks for it {form['source']}"
+                )
+            lines.extend(f"  target {t['target']}: rule {r} not used: {why}" for r, why in t["skipped_rules"].items())
+        for c in self.opset_changes:
+            before = "none" if c.before is None else c.before
+            after = "removed" if c.after is None else c.after
+            lines.append(f"  opset {c.domain or 'ai.onnx'}: {before} -> {after} ({c.why})")
+        if self.removed_initializers:
+            n = len(self.removed_initializers)
+            lines.append(f"  removed {n} initializer{'s' if n != 1 else ''} no node reads any more")
+        for u in self.unlowered:
+            lines.append(f"  left in place: {u.node} ({op_key(u.domain, u.op_type)}): {'; '.join(u.reasons)}")
+        moved = sorted(k for k in set(self.ops_before) | set(self.ops_after) if self.ops_before[k] != self.ops_after[k])
+        if moved:
+            width = max(len(k) for k in moved)
+            lines.append(f"  {'op'.ljust(width)}  before  after")
+            for k in moved:
+                lines.append(f"  {k.ljust(width)}  {self.ops_before[k]:>6}  {self.ops_after[k]:>5}")
+        return lines
