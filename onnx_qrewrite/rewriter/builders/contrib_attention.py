@@ -176,6 +176,32 @@ class QAttentionBuilder:
         emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0])
 
 
+def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int) -> Plan:
+    """The plan both attention rules share: the mask input ``index`` (int32, of a known rank 1-3;
+    EmbedLayerNormalization's mask index counts as 1-D without shape inference) and the opset
+    the rewrite needs (13 for the mask or the causal fill, 11 otherwise)."""
+    mask_rank = None
+    if site.input(index):
+        name = site.input(index)
+        elem = site.elem_type(name)
+        if elem is not None and elem != _T.INT32:
+            raise NoMatch(f"{label} is {dtype_name(elem)}, not int32")
+        shape = value_shape(site.scope, name, site.same_shape_ops)
+        if shape is None and label == "mask_index" and _is_embed_mask_index(site, name):
+            shape = (None,)  # EmbedLayerNormalization's mask index is (batch,)
+        if shape is None:
+            raise NoMatch(
+                f"the rank of {label} {name!r} is not recorded; run onnx shape inference on the model first "
+                "(onnx.shape_inference.infer_shapes)"
+            )
+        mask_rank = len(shape)
+        if mask_rank not in (1, 2, 3):
+            raise NoMatch(f"a {mask_rank}-D {label} is not lowered (1-D, 2-D and 3-D are)")
+    causal = bool(site.attribute("unidirectional", 0))
+    need = 13 if mask_rank is not None or causal else 11
+    return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+
+
 register(QAttentionBuilder())
 
 
@@ -251,25 +277,7 @@ class AttentionBuilder:
             sizes = [w_shape[1] // 3] * 3
         if len(sizes) != 3 or sizes[0] != sizes[1] or any(s <= 0 or s % heads for s in sizes):
             raise NoMatch(f"qkv_hidden_sizes {sizes} do not split into {heads} heads with Q and K alike")
-        mask_rank = None
-        if site.input(3):
-            elem = site.elem_type(site.input(3))
-            if elem is not None and elem != _T.INT32:
-                raise NoMatch(f"mask_index is {dtype_name(elem)}, not int32")
-            shape = value_shape(site.scope, site.input(3), site.same_shape_ops)
-            if shape is None and _is_embed_mask_index(site, site.input(3)):
-                shape = (None,)  # EmbedLayerNormalization's mask index is (batch,)
-            if shape is None:
-                raise NoMatch(
-                    f"the rank of mask_index {site.input(3)!r} is not recorded; run onnx shape inference on the "
-                    "model first (onnx.shape_inference.infer_shapes)"
-                )
-            mask_rank = len(shape)
-            if mask_rank not in (1, 2, 3):
-                raise NoMatch(f"a {mask_rank}-D mask_index is not lowered (1-D, 2-D and 3-D are)")
-        causal = bool(site.attribute("unidirectional", 0))
-        need = 13 if mask_rank is not None or causal else 11
-        return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+        return _mask_plan(site, 3, "mask_index", sizes, heads)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
@@ -343,23 +351,7 @@ class MultiHeadAttentionBuilder:
             sizes.append(int(shape[2]))
         if sizes[0] != sizes[1] or any(s % heads for s in sizes):
             raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
-        mask_rank = None
-        if site.input(4):
-            elem = site.elem_type(site.input(4))
-            if elem is not None and elem != _T.INT32:
-                raise NoMatch(f"key_padding_mask is {dtype_name(elem)}, not int32")
-            shape = value_shape(site.scope, site.input(4), site.same_shape_ops)
-            if shape is None:
-                raise NoMatch(
-                    f"the rank of key_padding_mask {site.input(4)!r} is not recorded; run onnx shape inference "
-                    "on the model first (onnx.shape_inference.infer_shapes)"
-                )
-            mask_rank = len(shape)
-            if mask_rank not in (1, 2, 3):
-                raise NoMatch(f"a {mask_rank}-D key_padding_mask is not lowered (1-D, 2-D and 3-D are)")
-        causal = bool(site.attribute("unidirectional", 0))
-        need = 13 if mask_rank is not None or causal else 11
-        return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+        return _mask_plan(site, 4, "key_padding_mask", sizes, heads)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
