@@ -384,15 +384,15 @@ def test_a_replacement_reading_a_removed_value_is_an_internal_error_not_a_broken
     whose replacement reads more than its plan said (here: the Cast's output) is caught."""
     import dataclasses
 
-    from onnx_qrewrite.rewriter.builders import weight_only
+    from onnx_qrewrite.rewriter.builders import _dynamic_patterns
 
-    real = weight_only._read_mul
+    real = _dynamic_patterns._read_mul
 
     def lying(scope, node):
         anchor = real(scope, node)
         return dataclasses.replace(anchor, x=anchor.chain[0])  # reads the Cast, says it reads x
 
-    monkeypatch.setattr(weight_only, "_read_mul", lying)
+    monkeypatch.setattr(_dynamic_patterns, "_read_mul", lying)
     with pytest.raises(
         onnx_qrewrite.errors.InternalError, match="removed the node writing 'accf0', which is still read"
     ):

@@ -26,11 +26,11 @@ The opset an emitted op needs is not stated here: builders take it from
 :mod:`onnx_qrewrite.rewriter.kernel_opsets`.
 
 ``match.domain = "*"`` matches any non-standard domain. The engine tries a node's exact rules
-first, then its bounded ones (each group in catalogue order, except that a rule is tried before
-the rules its ``precedes`` names: how a named form's rule file, loaded after the shipped ones,
-takes over a node the shipped rules also lower); approximate rules only when asked, and then
-before the others. The first whose conditions hold and whose builder accepts the node
-rewrites it.
+first, then its bounded ones (each group in catalogue order); approximate rules only when asked,
+and then before the others. A rule is tried before the rules its ``precedes`` names, whatever
+their exactness: how a named form's rule file, loaded after the shipped ones, takes over a node
+the shipped rules also lower (a bounded form asked for, e.g. "qdq", before the exact default).
+The first whose conditions hold and whose builder accepts the node rewrites it.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ __all__ = [
     "named_form",
     "parse_rules",
     "shipped_rules_dir",
+    "with_precedence",
 ]
 
 ANY_DOMAIN = "*"
@@ -288,7 +289,7 @@ def parse_rules(text: str, source: str) -> list[Rule]:
     return [checked(_parse_rule(r, source, i)) for i, r in enumerate(raw_rules)]
 
 
-def _with_precedence(rules: list[Rule]) -> list[Rule]:
+def with_precedence(rules: list[Rule]) -> list[Rule]:
     """``rules`` in catalogue order, but each rule with ``precedes`` moved just before the first of
     the rules it names (stable otherwise)."""
     out = list(rules)
@@ -327,7 +328,7 @@ class Catalogue:
                 self._by_op.setdefault(ref.op, []).append(rule)
         for op, listed in self._by_op.items():
             if any(r.precedes for r in listed):
-                self._by_op[op] = _with_precedence(listed)
+                self._by_op[op] = with_precedence(listed)
 
     def __iter__(self):
         return iter(self.rules)

@@ -30,7 +30,7 @@ from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter import provenance as provenance_mod
 from onnx_qrewrite.rewriter.builders import ConstantPool, Emitter, NoMatch, NotApplicable, Plan, Site
 from onnx_qrewrite.rewriter.builders._stamp import Template
-from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
+from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.rewriter.graph import NameAllocator, Scope, iter_scopes, subgraphs
 from onnx_qrewrite.rewriter.report import AppliedRewrite, RewriteReport, Unlowered, count_ops, op_key
@@ -90,9 +90,12 @@ class _Match:
 
 def _in_order(rules: list[Rule]) -> list[Rule]:
     """A node's candidate rules in the order they are tried: approximate ones first when allowed
-    (they were asked for), then exact, then bounded; catalogue order within each group."""
+    (they were asked for), then exact, then bounded; catalogue order within each group, except that
+    a rule's ``precedes`` puts it before the rules it names whatever their exactness (a named form
+    taking over from the shipped rules: catalogue.py)."""
     rank = {APPROXIMATE: 0, EXACT: 1, BOUNDED: 2}
-    return sorted(rules, key=lambda r: rank[r.exactness])
+    ordered = sorted(rules, key=lambda r: rank[r.exactness])
+    return with_precedence(ordered) if any(r.precedes for r in ordered) else ordered
 
 
 def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
@@ -316,7 +319,9 @@ def _apply(
         while pending:
             m = pending.pop()
             builder = m.rule.implementation
-            metadata = Emitter.metadata_for(m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance)
+            metadata = Emitter.metadata_for(
+                m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance, m.plan.bound_scale
+            )
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
                 key = builder.template_key(m.site, m.rule.options, m.plan)

@@ -8,6 +8,9 @@ downstream node sees, so downstream differences grow without any rule being wron
 bounded replacement is cut out of the rewritten model and run alone, fed with the values the
 *original* model computes for its inputs, and its outputs are compared with the original's
 within the recorded bound (integer outputs: ``lsb = bound``; float outputs: ``atol = bound``).
+A bound that grows with the data (``Plan.bound_scale``: float32 accumulation of a run-time
+activation's products) is ``bound + per_unit * max|unit|``, ``unit`` a value of the original
+model, evaluated on each sample from the original's own value of it.
 
 Replacements are found through their provenance (:mod:`onnx_qrewrite.rewriter.provenance`: contiguous
 nodes, the first carrying the rule, the origin and the bound); their outputs are the values the
@@ -47,10 +50,22 @@ class BoundedRewrite:
     inputs: tuple[str, ...]
     #: The replaced node's outputs (same names in both models).
     outputs: tuple[str, ...]
+    #: The bound grows by ``per_unit * max|unit|`` (``unit`` a value of the original model); '' none.
+    unit: str = ""
+    per_unit: float = 0.0
 
     @property
     def label(self) -> str:
-        return f"{', '.join(self.outputs)} (node {self.origin or '<unnamed>'}, rule {self.rule}, bound {self.bound:g})"
+        bound = f"{self.bound:g}" + (f" + {self.per_unit:g}·max|{self.unit}|" if self.unit else "")
+        return f"{', '.join(self.outputs)} (node {self.origin or '<unnamed>'}, rule {self.rule}, bound {bound})"
+
+    def bound_for(self, values: dict[str, np.ndarray]) -> float:
+        """The bound on one sample: ``values`` holds the original model's value of ``unit``."""
+        if not self.unit:
+            return self.bound
+        unit = np.asarray(values[self.unit], np.float64)
+        largest = float(np.max(np.abs(unit))) if unit.size else 0.0
+        return self.bound + self.per_unit * largest
 
 
 def _meta(node: onnx.NodeProto) -> dict[str, str]:
@@ -73,15 +88,20 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
         end = index + 1
         while end < len(nodes) and keys[end] is not None and keys[end] == keys[index]:
             end += 1
-        bound = _meta(nodes[index]).get(Emitter.BOUND_KEY)
+        meta = _meta(nodes[index])
+        bound = meta.get(Emitter.BOUND_KEY)
         owner = owners[index]
         if bound is not None and owner is not None:
             run = nodes[index:end]
             made = {o for n in run for o in n.output}
             read = tuple(dict.fromkeys(i for n in run for i in n.input if i and i not in made))
             outputs = tuple(o for n in run for o in n.output if o in produced_by_original)
+            unit = meta.get(Emitter.BOUND_UNIT_KEY, "")
+            per_unit = float(meta.get(Emitter.BOUND_PER_UNIT_KEY, "0")) if unit else 0.0
             if outputs:
-                found.append(BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs))
+                found.append(
+                    BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit)
+                )
         index = end
     return found
 
@@ -117,7 +137,11 @@ def check_bounds(
     if not rewrites:
         return []
     initializers = {t.name for t in rewritten.graph.initializer}
-    needed = list(dict.fromkeys(n for r in rewrites for n in (*r.inputs, *r.outputs) if n not in initializers))
+    needed = list(
+        dict.fromkeys(
+            n for r in rewrites for n in (*r.inputs, *r.outputs, *([r.unit] if r.unit else ())) if n not in initializers
+        )
+    )
     runner = make_runner(with_outputs(original, needed), "original")
     graph_inputs = {i.name for i in original.graph.input}
     fetch = [n for n in needed if n not in graph_inputs]
@@ -131,10 +155,19 @@ def check_bounds(
             if index not in alone_runners:
                 alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
             actual = alone_runners[index].run(feeds, list(rewrite.outputs))
+            bound = rewrite.bound_for(values)
             for name in rewrite.outputs:
                 expected = values[name]
                 integer = expected.dtype.kind in "iub"
-                tol = Tolerance(0.0 if integer else rewrite.bound, 0.0, math.floor(rewrite.bound) if integer else 0)
+                tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
                 label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
                 per_value.setdefault(label, []).append(compare_values(label, sample.name, expected, actual[name], tol))
-    return [merge_comparisons(parts) for parts in per_value.values()]
+    # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
+    return [
+        dataclasses.replace(merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size))
+        for parts in per_value.values()
+    ]
+
+
+def _size(tolerance: Tolerance) -> float:
+    return max(tolerance.atol, float(tolerance.lsb))

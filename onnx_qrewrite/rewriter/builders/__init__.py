@@ -77,6 +77,11 @@ class Plan:
     #: node's outputs, in the outputs' units (recorded in the created nodes' metadata; ``verify``
     #: checks it there). None for exact rewrites.
     bound: float | None = None
+    #: A bound that grows with the data (float32 accumulation of products of a run-time
+    #: activation): ``(value, per_unit)`` adds ``per_unit * max|value|`` to ``bound`` at this node,
+    #: ``value`` being a value of the original model (e.g. the float input of a dynamic
+    #: quantization). Recorded and checked with ``bound``.
+    bound_scale: tuple[str, float] | None = None
     #: The values the replacement reads, when they are not (a subset of) the node's own inputs:
     #: e.g. a pattern anchored at its last node that reads the pattern's float input instead.
     #: None: the node's inputs. Used to decide which ``remove_if_dead`` nodes are dead.

@@ -172,6 +172,10 @@ class Emitter:
     #: node's outputs (``Plan.bound``, as ``repr(float)``) that ``verify`` checks there.
     EXACTNESS_KEY = "onnx_qrewrite.exactness"
     BOUND_KEY = "onnx_qrewrite.bound"
+    #: With ``Plan.bound_scale``: the bound grows by ``per_unit`` (``repr(float)``) times the
+    #: largest magnitude of the value named by ``BOUND_UNIT_KEY`` (in the original model).
+    BOUND_PER_UNIT_KEY = "onnx_qrewrite.bound_per_unit"
+    BOUND_UNIT_KEY = "onnx_qrewrite.bound_unit"
 
     def __init__(
         self,
@@ -216,6 +220,7 @@ class Emitter:
         exactness: str = "exact",
         bound: float | None = None,
         mode: str = provenance.DEFAULT_MODE,
+        bound_scale: tuple[str, float] | None = None,
     ) -> tuple[bytes, bytes]:
         """Encoded metadata of a replacement's first node and of its other nodes, for provenance
         ``mode`` (compact: the first node only; full: every node; none: no node)."""
@@ -226,6 +231,9 @@ class Emitter:
             entries.append((cls.EXACTNESS_KEY, exactness))
         if bound is not None:
             entries.append((cls.BOUND_KEY, repr(float(bound))))
+            if bound_scale is not None:
+                entries.append((cls.BOUND_PER_UNIT_KEY, repr(float(bound_scale[1]))))
+                entries.append((cls.BOUND_UNIT_KEY, bound_scale[0]))
         encoded = _protowire.encode_metadata(entries)
         return encoded, (encoded if mode == "full" else b"")
 

@@ -25,6 +25,7 @@ __all__ = [
     "AXIS_DEFAULT",
     "CONTRACTS",
     "DIRECTION",
+    "DYNAMIC_QDQ_QUANTIZE",
     "FLOAT16",
     "FLOAT_EMULATION_MIN_OPSET",
     "FUSED_ACTIVATIONS",
@@ -94,8 +95,10 @@ NBITS_UNPACKED = "unpacked"
 FLOAT_EMULATION_MIN_OPSET = 13
 #: qdq_to_float
 QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
-#: weight_only: the role of a rule in the pattern, and how the weights are written.
+#: weight_only, dynamic_qdq: the role of a rule in the pattern; weight_only: how the weights are written.
 WEIGHT_ONLY_ROLES = ("rewrite", "remove_dead")
+#: dynamic_qdq: how DynamicQuantizeMatMul's own activation quantization is written.
+DYNAMIC_QDQ_QUANTIZE = ("expand", "keep")
 WEIGHT_ONLY_WEIGHTS = ("dequantize", "float")
 #: qoperator_to_qdq: the ops it replaces, and the exactness of each (unless ``u8s8_saturation`` is
 #: "ignore"): exact where the float op cannot round (Concat, and the lookup-table ops whose
@@ -463,6 +466,42 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 "any"
                 if options.get("role") == "remove_dead" or options.get("weights") == "float"
                 else kernel_opsets.describe(False, ["uint8", "int8"])
+            ),
+        ),
+    ),
+    "dynamic_qdq": (
+        "dynamic_qdq",
+        Contract(
+            options=(
+                Option(
+                    "role",
+                    str,
+                    allowed=WEIGHT_ONLY_ROLES,
+                    doc="rewrite: the pattern's last node becomes DequantizeLinear of the quantized activation and "
+                    "of the weights, then the float MatMul/Conv; remove_dead: the integer op, its Cast and the "
+                    "scale product, removed once nothing reads them (exact: a node nothing reads computes nothing)",
+                ),
+                Option(
+                    "quantize",
+                    str,
+                    "expand",
+                    DYNAMIC_QDQ_QUANTIZE,
+                    doc="DynamicQuantizeMatMul, which quantizes its activation itself: expand that "
+                    "DynamicQuantizeLinear as dql-expand does (onnxruntime's kernel, bit for bit) or keep the "
+                    "standard op (targets that run it)",
+                ),
+            ),
+            emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "DynamicQuantizeLinear"}) | _DQL_EMITS,
+            exactness=lambda options: EXACT if options["role"] == "remove_dead" else BOUNDED,
+            bound="float32 accumulation of the dequantized products instead of the exact integer sum: at most "
+            "(γ(K+2) + γ(3) [+ 3u with a bias])·(1 + 2^-7)·max_n(w_scale_n·Σ_k|w_kn - w_zp_n|)·max|x| "
+            "[+ 3u·max|bias|] at each output, x the float activation, u = 2^-24 (computed per node from the "
+            "constant weights; verify evaluates it on each sample)",
+            opset=lambda options, dtypes: (
+                "any"
+                if options.get("role") == "remove_dead"
+                else kernel_opsets.describe(False, ["uint8", "int8"])
+                + f" ({kernel_opsets.FORMS['dynamic-quantize-linear']} with DynamicQuantizeMatMul)"
             ),
         ),
     ),

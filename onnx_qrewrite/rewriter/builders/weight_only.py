@@ -37,301 +37,23 @@ float network with quantized weights (drift measured in tests/test_weight_only.p
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-import onnx
-
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._dynamic_patterns import (
+    CHAIN_OPS,
+    STANDARD,
+    Anchor,
+    Weights,
+    analysis,
+    dequantize_weights,
+)
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.qdq_to_float import dequantize_constant
-from onnx_qrewrite.rewriter.graph import Scope, dtype_name
 
 __all__ = ["WeightOnlyBuilder"]
-
-_T = onnx.TensorProto
-_STANDARD = ("", "ai.onnx")
-_WEIGHT_TYPES: dict[int, str] = {_T.UINT8: "uint8", _T.INT8: "int8"}
-#: Ops whose nodes the ``remove_dead`` role removes when the rewrite left them unread.
-_CHAIN_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "Cast", "Mul", "Gather"})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Weights:
-    """A constant quantized weight and how DequantizeLinear reads it."""
-
-    name: str
-    dtype: str
-    scale: np.ndarray  # float32: shape () per tensor, (n,) along ``axis``
-    zero_point: np.ndarray | None  # the weights' dtype, ``scale``'s shape; None: absent
-    axis: int | None  # None: per tensor
-    #: The model's own scale / zero point names when they already have the shape DequantizeLinear
-    #: needs (reused instead of copied).
-    scale_name: str = ""
-    zero_point_name: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Anchor:
-    """The last node of a matched pattern and what its rewrite needs."""
-
-    op: str  # what the replacement computes: MatMul, Conv or Gather
-    x: str  # the float activation (Gather: the indices)
-    weights: _Weights
-    attributes: tuple[onnx.AttributeProto, ...]  # ConvInteger's or Gather's
-    bias: str  # added after the MatMul (the fused ops' bias input); '' when absent
-    chain: tuple[str, ...]  # first outputs of the pattern's other nodes
-    reads: frozenset[str]
-    what: str
-
-
-@dataclasses.dataclass
-class _Analysis:
-    """One scope's patterns: anchors by their first output (or why a candidate is not one), and
-    the first outputs of every node some anchor's pattern contains."""
-
-    anchors: dict[str, _Anchor | str]
-    chain: set[str]
-
-
-_ANALYSES: weakref.WeakKeyDictionary[Scope, _Analysis] = weakref.WeakKeyDictionary()
-
-
-def _analysis(scope: Scope) -> _Analysis:
-    found = _ANALYSES.get(scope)
-    if found is None:
-        found = _ANALYSES[scope] = _analyse(scope)
-    return found
-
-
-def _analyse(scope: Scope) -> _Analysis:
-    anchors: dict[str, _Anchor | str] = {}
-    chain: set[str] = set()
-    for node in scope.container.node:
-        if not node.output or not node.output[0]:
-            continue
-        if node.domain in _STANDARD and node.op_type == "Mul":
-            read = _read_mul
-        elif node.domain == "com.microsoft" and node.op_type in ("MatMulIntegerToFloat", "DynamicQuantizeMatMul"):
-            read = _read_fused
-        elif node.domain in _STANDARD and node.op_type == "DequantizeLinear":
-            read = _read_gathered
-        else:
-            continue
-        try:
-            anchor = read(scope, node)
-        except NotApplicable as why:
-            anchors[node.output[0]] = str(why)
-            continue
-        anchors[node.output[0]] = anchor
-        chain.update(anchor.chain)
-    return _Analysis(anchors, chain)
-
-
-def _producer(scope: Scope, name: str, op_type: str, domain: tuple[str, ...] = _STANDARD) -> onnx.NodeProto | None:
-    node = scope.producer(name) if name else None
-    return node if node is not None and node.op_type == op_type and node.domain in domain else None
-
-
-def _inputs(node: onnx.NodeProto, n: int) -> list[str]:
-    return list(node.input) + [""] * (n - len(node.input))
-
-
-def _attribute(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for attr in node.attribute:
-        if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
-    return default
-
-
-def _constant_info(scope: Scope, name: str) -> tuple[int, tuple[int, ...]] | None:
-    """Element type and shape of a constant (initializer or Constant node) without reading a large
-    initializer's data; None when the value is computed at run time."""
-    tensor = scope.initializer(name)
-    if tensor is None:
-        node = _producer(scope, name, "Constant")
-        value = _attribute(node, "value") if node is not None else None
-        if not isinstance(value, onnx.TensorProto):
-            return None
-        tensor = value
-    return tensor.data_type, tuple(tensor.dims)
-
-
-def _dql_of(scope: Scope, y: str, y_zp: str, y_scale: str) -> onnx.NodeProto:
-    """The DynamicQuantizeLinear whose three outputs are y, y_scale and y_zp."""
-    dql = _producer(scope, y, "DynamicQuantizeLinear")
-    if dql is None or len(dql.output) != 3 or dql.output[0] != y:
-        raise NotApplicable("the quantized activation is not a DynamicQuantizeLinear output")
-    if y_zp != dql.output[2]:
-        raise NotApplicable("the activation zero point is not its DynamicQuantizeLinear's")
-    if y_scale != dql.output[1]:
-        raise NotApplicable("the activation scale is not its DynamicQuantizeLinear's")
-    return dql
-
-
-def _weights(scope: Scope, w: str, w_scale: str, w_zp: str, *, conv: bool, gather: bool = False) -> _Weights:
-    """The weights, their scale and zero point as DequantizeLinear takes them: per tensor, or along
-    the output column (MatMul: axis 1 of a 2-D W) or channel (Conv: axis 0). A gathered table:
-    per tensor only, any rank."""
-    info = _constant_info(scope, w)
-    if info is None:
-        raise NotApplicable("the weights are computed at run time")
-    elem, shape = info
-    if elem not in _WEIGHT_TYPES:
-        raise NotApplicable(f"the weights are {dtype_name(elem)}; uint8 and int8 are dequantized")
-    if conv and len(shape) < 3:
-        raise NotApplicable(f"the convolution weights have rank {len(shape)}")
-    if gather and not shape:
-        raise NotApplicable("the gathered table is a scalar")
-    if not conv and not gather and len(shape) != 2:
-        raise NotApplicable(f"the weights have rank {len(shape)}; 2-D weights are dequantized")
-    scale = scope.constant(w_scale) if w_scale else None
-    if scale is None or scale.dtype != np.float32:
-        raise NotApplicable("the weight scale is not a float32 constant")
-    zp = scope.constant(w_zp) if w_zp else None
-    if w_zp and (zp is None or zp.dtype != np.dtype(_WEIGHT_TYPES[elem])):
-        raise NotApplicable("the weight zero point is not a constant of the weights' type")
-    n = shape[0] if conv or gather else shape[1]
-    axis: int | None
-    scale_1d: np.ndarray
-    if scale.size == 1 and scale.ndim <= 1:
-        axis = None
-        scale_1d = scale.reshape(())
-    elif gather:
-        raise NotApplicable("the gathered table's scale is not per tensor")
-    elif conv and scale.shape in ((n,) + (1,) * (len(shape) - 2), (1, n) + (1,) * (len(shape) - 2)):
-        axis, scale_1d = 0, scale.reshape(n)  # broadcasts along the output's channel axis
-    elif not conv and scale.shape == (n,):
-        axis, scale_1d = 1, scale  # along the output's last axis: per column of W
-    else:
-        raise NotApplicable(
-            f"the weight scale's shape {list(scale.shape)} is neither per tensor nor per output "
-            f"{'channel' if conv else 'column'}"
-        )
-    zp_1d: np.ndarray | None = None
-    if zp is not None:
-        if zp.size == 1 and zp.ndim <= 1:
-            zp_1d = zp.reshape(()) if axis is None else np.full(n, zp.reshape(()), zp.dtype)
-        elif zp.shape == (n,) and not gather:
-            if axis is None:  # a per-tensor scale with per-channel zero points
-                axis, scale_1d = (0 if conv else 1), np.full(n, scale_1d, np.float32)
-            zp_1d = zp
-        else:
-            raise NotApplicable(
-                f"the weight zero point's shape {list(zp.shape)} is neither per tensor nor per "
-                f"output {'channel' if conv else 'column'}"
-            )
-    if zp_1d is not None and not np.any(zp_1d):
-        zp_1d = None  # zero: DequantizeLinear's default (what symmetric-only targets accept)
-    return _Weights(
-        w,
-        _WEIGHT_TYPES[elem],
-        scale_1d,
-        zp_1d,
-        axis,
-        scale_name=w_scale if scale.shape == scale_1d.shape else "",
-        zero_point_name=w_zp if zp is not None and zp_1d is not None and zp.shape == zp_1d.shape else "",
-    )
-
-
-def _read_mul(scope: Scope, node: onnx.NodeProto) -> _Anchor:
-    """Mul(Cast<float>(MatMulInteger|ConvInteger(DQL(x)...)), Mul(y_scale, W_scale)), either order."""
-    if len(node.input) != 2:
-        raise NotApplicable("not a two-input Mul")
-    first, second = node.input
-    cast, product = _producer(scope, first, "Cast"), second
-    if cast is None:
-        cast, product = _producer(scope, second, "Cast"), first
-    if cast is None:
-        raise NotApplicable("no input is a Cast of an integer MatMul or Conv")
-    if _attribute(cast, "to") != _T.FLOAT:
-        raise NotApplicable("the Cast is not to float32")
-    integer = scope.producer(cast.input[0]) if cast.input else None
-    if integer is None or integer.domain not in _STANDARD or integer.op_type not in ("MatMulInteger", "ConvInteger"):
-        raise NotApplicable("the Cast's input is not a MatMulInteger or ConvInteger")
-    y, w, y_zp, w_zp = _inputs(integer, 4)
-    scale_product = _producer(scope, product, "Mul")
-    if scale_product is None or len(scale_product.input) != 2:
-        raise NotApplicable("the other factor is not a Mul of the activation and weight scales")
-    dql = _producer(scope, y, "DynamicQuantizeLinear")
-    y_scale = dql.output[1] if dql is not None and len(dql.output) == 3 else "<none>"
-    if y_scale not in scale_product.input:
-        raise NotApplicable("the other factor does not multiply the activation's DynamicQuantizeLinear scale")
-    a, b = scale_product.input
-    w_scale = b if a == y_scale else a
-    dql = _dql_of(scope, y, y_zp, y_scale)
-    conv = integer.op_type == "ConvInteger"
-    weights = _weights(scope, w, w_scale, w_zp, conv=conv)
-    x = dql.input[0]
-    chain = (cast.output[0], integer.output[0], scale_product.output[0], dql.output[0])
-    return _Anchor(
-        "Conv" if conv else "MatMul",
-        x,
-        weights,
-        tuple(integer.attribute) if conv else (),
-        "",
-        chain,
-        frozenset(n for n in (x, w, w_scale, w_zp) if n),
-        f"{integer.op_type} {weights.dtype} weights" + ("" if weights.axis is None else " per output channel"),
-    )
-
-
-def _read_fused(scope: Scope, node: onnx.NodeProto) -> _Anchor:
-    """com.microsoft MatMulIntegerToFloat (A from a DynamicQuantizeLinear) / DynamicQuantizeMatMul."""
-    chain: tuple[str, ...] = ()
-    if node.op_type == "MatMulIntegerToFloat":
-        y, w, y_scale, w_scale, y_zp, w_zp, bias = _inputs(node, 7)
-        dql = _dql_of(scope, y, y_zp, y_scale)
-        x, chain = dql.input[0], (dql.output[0],)
-    else:
-        x, w, w_scale, w_zp, bias = _inputs(node, 5)
-    if len(node.input) > (7 if node.op_type == "MatMulIntegerToFloat" else 5):
-        raise NotApplicable(f"{node.op_type} has more inputs than the contrib op defines")
-    weights = _weights(scope, w, w_scale, w_zp, conv=False)
-    return _Anchor(
-        "MatMul",
-        x,
-        weights,
-        (),
-        bias,
-        chain,
-        frozenset(n for n in (x, w, w_scale, w_zp, bias) if n),
-        f"{node.op_type} {weights.dtype} weights" + ("" if weights.axis is None else " per output column"),
-    )
-
-
-def _read_gathered(scope: Scope, node: onnx.NodeProto) -> _Anchor:
-    """DequantizeLinear(Gather(W: constant, indices), scale, zp), per tensor: quantize_dynamic's
-    quantized embedding lookup. Gathering the dequantized table computes the same values."""
-    x, x_scale, x_zp = _inputs(node, 3)
-    gather = _producer(scope, x, "Gather")
-    if gather is None or len(gather.input) != 2 or gather.output[0] != x:
-        raise NotApplicable("not a DequantizeLinear of a Gather")
-    attrs = {a.name: a.i for a in node.attribute}
-    if (
-        set(attrs) - {"axis", "block_size", "output_dtype"}
-        or attrs.get("block_size")
-        or attrs.get("output_dtype", 0) not in (0, _T.FLOAT)
-    ):
-        raise NotApplicable(
-            f"DequantizeLinear attributes {sorted(attrs)}: blocked or non-float32 forms are not supported"
-        )
-    table, indices = gather.input
-    weights = _weights(scope, table, x_scale, x_zp, conv=False, gather=True)
-    return _Anchor(
-        "Gather",
-        indices,
-        weights,
-        tuple(gather.attribute),
-        "",
-        (gather.output[0],),
-        frozenset(n for n in (indices, table, x_scale, x_zp) if n),
-        f"Gather of a {weights.dtype} table",
-    )
 
 
 class WeightOnlyBuilder:
@@ -341,19 +63,19 @@ class WeightOnlyBuilder:
     contract = CONTRACTS["weight_only"]
 
     def quantized_dtype(self, site: Site) -> str | None:
-        anchor = _analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None
-        return anchor.weights.dtype if isinstance(anchor, _Anchor) else None
+        anchor = analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None
+        return anchor.weights.dtype if isinstance(anchor, Anchor) else None
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         node = site.node
         if not node.output or not node.output[0]:
             raise NotApplicable("the node has no output")
-        analysis = _analysis(site.scope)
+        found = analysis(site.scope)
         if options["role"] == "remove_dead":
-            if node.domain not in _STANDARD or node.op_type not in _CHAIN_OPS or node.output[0] not in analysis.chain:
+            if node.domain not in STANDARD or node.op_type not in CHAIN_OPS or node.output[0] not in found.chain:
                 raise NotApplicable("not part of a weight-only pattern")
             return Plan(remove_if_dead=True)
-        anchor = analysis.anchors.get(node.output[0])
+        anchor = found.anchors.get(node.output[0])
         if anchor is None:
             raise NotApplicable(f"{node.op_type} does not end a dynamically quantized matmul or convolution")
         if isinstance(anchor, str):
@@ -371,7 +93,7 @@ class WeightOnlyBuilder:
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         if options["role"] == "remove_dead":
             return  # nothing: the node is dead (the engine checked)
-        anchor: _Anchor = plan.data["anchor"]
+        anchor: Anchor = plan.data["anchor"]
         weights = self._weights(site, emit, anchor.weights, options["weights"])
         y = site.node.output[0]
         if anchor.op == "Conv":
@@ -384,18 +106,12 @@ class WeightOnlyBuilder:
             emit.op1("MatMul", [anchor.x, weights], y)
 
     @staticmethod
-    def _weights(site: Site, emit: Emitter, w: _Weights, form: str) -> str:
+    def _weights(site: Site, emit: Emitter, w: Weights, form: str) -> str:
         if form == "float":
             value = site.constant(w.name)
             assert value is not None  # checked: a constant
             return emit.const(dequantize_constant(value, w.scale, w.zero_point, w.axis or 0, 0))
-        scale = w.scale_name or emit.const(w.scale)
-        inputs = [w.name, scale]
-        if w.zero_point is not None:
-            inputs.append(w.zero_point_name or emit.const(w.zero_point))
-        if w.axis is None:
-            return emit.op1("DequantizeLinear", inputs, hint="DequantizeWeights")
-        return emit.op1("DequantizeLinear", inputs, hint="DequantizeWeights", axis=w.axis)
+        return dequantize_weights(emit, w)
 
 
 register(WeightOnlyBuilder())
