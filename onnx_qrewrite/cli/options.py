@@ -279,6 +279,23 @@ def load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, flo
     return catalogue
 
 
+def output_file_option(flag: str, dest: str, help: str) -> Callable[[Callable], Callable]:
+    """A file the command writes (``--report``, ``--junit``, ``--save-inputs``...): one spelling, so
+    every such option is a plain file path checked by :func:`check_report_paths` before any work."""
+    return click.option(flag, dest, type=click.Path(dir_okay=False), default=None, help=help)
+
+
+#: ``-j/--jobs``, the same on every subcommand that runs several models.
+jobs_option = click.option(
+    "-j",
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes for several models.",
+)
+
+
 def check_report_paths(**paths: str | None) -> None:
     """Report files (``--report``, ``--junit``, ...) that could not be written are usage errors found
     before any work, so a rewrite is never done and then reported as a failure. Keyword: option

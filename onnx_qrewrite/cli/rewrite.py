@@ -16,7 +16,9 @@ from onnx_qrewrite.cli.options import (
     expand_forms,
     float16_semantics_option,
     global_options,
+    jobs_option,
     load_selected_rules,
+    output_file_option,
     plan_options,
     rule_selection,
 )
@@ -192,21 +194,8 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     is_flag=True,
     help="Zero copy: reference the input's external data file (output must be in the same folder).",
 )
-@click.option(
-    "--report",
-    "report_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Write a JSON report of every rewrite (and verification).",
-)
-@click.option(
-    "-j",
-    "--jobs",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Worker processes for several models.",
-)
+@output_file_option("--report", "report_path", "Write a JSON report of every rewrite (and verification).")
+@jobs_option
 @click.option(
     "--verify",
     "do_verify",
@@ -214,13 +203,7 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     help="Verify each rewrite in onnxruntime; a disagreement exits 1 and removes the output.",
 )
 @click.option("--keep-failed", is_flag=True, help="With --verify: keep an output that failed verification.")
-@click.option(
-    "--junit",
-    "junit_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="With --verify: JUnit XML, one test suite per model, one case per output.",
-)
+@output_file_option("--junit", "junit_path", "With --verify: JUnit XML, one test suite per model, one case per output.")
 @verify_options(report=False, junit=False)
 @click.pass_context
 def rewrite_command(

@@ -21,8 +21,10 @@ from onnx_qrewrite.cli.options import (
     MultiValueOption,
     check_report_paths,
     global_options,
+    jobs_option,
     looks_like_number_value,
     looks_like_range,
+    output_file_option,
 )
 from onnx_qrewrite.errors import UsageError, worst_exit_code
 from onnx_qrewrite.io.clash import check_writes, model_reads
@@ -38,10 +40,20 @@ logger = logging.getLogger(__name__)
 _OPT_LEVELS = ("disable", "basic", "extended", "all")  # checked again by SessionSettings
 
 
+def _per_output_option(
+    flag: str, kind: type, help: str, metavar: str = "[NAME:]VALUE"
+) -> Callable[[Callable], Callable]:
+    """A number for every output or for one (``NAME:VALUE``), several after one flag or repeated:
+    the one spelling of every tolerance and drift threshold, as Polygraphy spells ``--atol``."""
+    return click.option(
+        flag, cls=MultiValueOption, looks_like=looks_like_number_value(kind), metavar=metavar, help=help
+    )
+
+
 def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Callable], Callable]:
     """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
     (which has its own ``--report`` and ``--junit``, hence the switches)."""
-    options = [
+    options: list[Callable[[Callable], Callable]] = [
         click.option(
             "--inputs",
             "inputs_file",
@@ -88,27 +100,20 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             show_default=True,
             help="Add the quantization battery for float inputs: zeros, a constant, a wide range, negatives.",
         ),
-        click.option(
+        _per_output_option(
             "--atol",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Absolute tolerance for float outputs; NAME:VALUE for one output; several after one "
+            float,
+            "Absolute tolerance for float outputs; NAME:VALUE for one output; several after one "
             "flag (--atol 1e-5 out0:1e-4) or repeated. Default by dtype.",
         ),
-        click.option(
-            "--rtol",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Relative tolerance for float outputs, in the same forms as --atol. Default by dtype.",
+        _per_output_option(
+            "--rtol", float, "Relative tolerance for float outputs, in the same forms as --atol. Default by dtype."
         ),
-        click.option(
+        _per_output_option(
             "--lsb",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(int),
+            int,
+            "Allowed difference in units for integer/quantized outputs (default 0: exact).",
             metavar="[NAME:]N",
-            help="Allowed difference in units for integer/quantized outputs (default 0: exact).",
         ),
         click.option(
             "--tolerance-rule",
@@ -127,35 +132,23 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             help="Judge the outputs by their drift (relative L2, cosine, argmax agreement) instead of element "
             "by element: auto when the rewrite carries approximate rules (its provenance says so).",
         ),
-        click.option(
+        _per_output_option(
             "--drift-rel-l2",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Drift: largest relative L2 error ||rewritten - original|| / ||original|| on any sample "
+            float,
+            "Drift: largest relative L2 error ||rewritten - original|| / ||original|| on any sample "
             "(default 0.05), in the forms of --atol.",
         ),
-        click.option(
-            "--drift-cosine",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Drift: smallest cosine similarity on any sample (default 0.999).",
-        ),
-        click.option(
+        _per_output_option("--drift-cosine", float, "Drift: smallest cosine similarity on any sample (default 0.999)."),
+        _per_output_option(
             "--drift-argmax",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Drift: smallest fraction of rows whose argmax agrees, for classifier-shaped outputs "
+            float,
+            "Drift: smallest fraction of rows whose argmax agrees, for classifier-shaped outputs "
             "(float, last dimension > 1; default 0.8).",
         ),
-        click.option(
+        _per_output_option(
             "--drift-atol",
-            cls=MultiValueOption,
-            looks_like=looks_like_number_value(float),
-            metavar="[NAME:]VALUE",
-            help="Drift: largest absolute error (default: reported, not judged: its scale is the output's).",
+            float,
+            "Drift: largest absolute error (default: reported, not judged: its scale is the output's).",
         ),
         click.option(
             "--ort-opt-level",
@@ -177,17 +170,11 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             default=None,
             help="Run the original's vendor ops with this library instead of the reference kernels.",
         ),
-        click.option(
-            "--save-inputs",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="Write the inputs used to this .npz file.",
-        ),
-        click.option(
+        output_file_option("--save-inputs", "save_inputs", "Write the inputs used to this .npz file."),
+        output_file_option(
             "--save-outputs",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="Write the inputs and the original's outputs to this .npz file (for --load-outputs).",
+            "save_outputs",
+            "Write the inputs and the original's outputs to this .npz file (for --load-outputs).",
         ),
         click.option(
             "--runtime",
@@ -213,22 +200,14 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
     ]
     if report:
         options.append(
-            click.option(
-                "--report",
-                "report_path",
-                type=click.Path(dir_okay=False),
-                default=None,
-                help="Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json).",
+            output_file_option(
+                "--report", "report_path", "Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."
             )
         )
     if junit:
         options.append(
-            click.option(
-                "--junit",
-                "junit_path",
-                type=click.Path(dir_okay=False),
-                default=None,
-                help="Write a JUnit XML report: one test suite per model, one case per output.",
+            output_file_option(
+                "--junit", "junit_path", "Write a JUnit XML report: one test suite per model, one case per output."
             )
         )
 
@@ -363,14 +342,7 @@ def _verify_one(args: tuple[str | None, str, dict[str, Any]]) -> Outcome:
     default=None,
     help="Compare one MODEL with the inputs and outputs stored by --save-outputs, instead of an original.",
 )
-@click.option(
-    "-j",
-    "--jobs",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Worker processes for several models.",
-)
+@jobs_option
 @verify_options()
 @click.pass_context
 def verify_command(
