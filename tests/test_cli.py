@@ -245,3 +245,49 @@ def test_form_selects_a_named_form_and_its_options(tmp_path):
     assert proc.returncode == 0 and "weight-only-matmul" in proc.stdout, proc.stdout + proc.stderr
     proc = cli("rules", "--form", "weight-only", "--long")
     assert proc.returncode == 0 and "weight-only-remove-dead" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("where", "argv"),
+    [("make_context", ["rules"]), ("make_context", ["rewrite", "--help"]), ("after the command", ["rules"])],
+)
+@pytest.mark.parametrize("terminate", [False, True])
+def test_an_interrupt_outside_a_subcommand_exits_130_or_143_not_abort(monkeypatch, capsys, where, argv, terminate):
+    """click's standalone mode turns Ctrl-C that lands while it parses the arguments, or after the
+    command returned, into "Aborted!" and exit 1, our "verification disagreed". Everywhere in the
+    command line an interrupt exits 128 + the signal number with our one line (seen under load:
+    the SIGINT test of tests/test_safety_outputs.py got "Aborted!" and 1)."""
+    import click
+
+    from onnx_qrewrite import cli
+    from onnx_qrewrite.io.signals import Terminated
+
+    exc = Terminated() if terminate else KeyboardInterrupt()
+
+    def interrupt(*args, **kwargs):
+        raise exc
+
+    if where == "make_context":
+        monkeypatch.setattr(cli._LazyGroup, "make_context", interrupt)
+    else:  # the command ran; the interrupt lands as click tears its context down
+        monkeypatch.setattr(click.Context, "__exit__", interrupt)
+    with pytest.raises(SystemExit) as ended:
+        cli.main.main(argv, prog_name="onnx-qrewrite")
+    assert ended.value.code == (143 if terminate else 130)
+    err = capsys.readouterr().err
+    assert "Aborted!" not in err
+    assert err.strip().splitlines()[-1] == f"onnx-qrewrite: {'terminated' if terminate else 'interrupted'}"
+
+
+def test_click_exits_stay_as_they_were(capsys):
+    """Running click non-standalone must keep its exits: usage errors 2 with its message, --help 0."""
+    from onnx_qrewrite import cli
+
+    with pytest.raises(SystemExit) as ended:
+        cli.main.main(["no-such-command"], prog_name="onnx-qrewrite")
+    assert ended.value.code == 2
+    assert "No such command 'no-such-command'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ended:
+        cli.main.main(["--help"], prog_name="onnx-qrewrite")
+    assert ended.value.code == 0
+    assert "Usage: onnx-qrewrite" in capsys.readouterr().out

@@ -10,6 +10,8 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import click
 
@@ -80,6 +82,37 @@ class _LazyGroup(click.Group):
             global_options(command)
         return command
 
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        """click's standalone mode turns an interrupt that lands outside a subcommand (while it
+        parses the arguments, or after the command returned and before the process exits) into
+        "Aborted!" and exit 1, which our exit codes read as "verification disagreed". Run click
+        non-standalone and end the process here instead: the same exits as click's for everything
+        else, and 130/143 with the one line a subcommand prints for SIGINT/SIGTERM."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Abort as exc:  # click's wrapper of KeyboardInterrupt and EOFError
+            if isinstance(exc.__cause__, KeyboardInterrupt):
+                _interrupted(exc.__cause__)
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt as exc:
+            _interrupted(exc)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        # Non-standalone, click returns the command's value on success (ours return None) and the
+        # code of a ctx.exit(code).
+        sys.exit(code if isinstance(code, int) else 0)
+
     def invoke(self, ctx: click.Context):
         try:
             result = super().invoke(ctx)
@@ -91,12 +124,7 @@ class _LazyGroup(click.Group):
         except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
             raise
         except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM (signals.Terminated)
-            from onnx_qrewrite.io.outputs import remove_registered_temps
-            from onnx_qrewrite.io.signals import Terminated, interrupt_exit_code
-
-            remove_registered_temps()
-            click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}", err=True)
-            ctx.exit(interrupt_exit_code(exc))
+            _interrupted(exc)
         except BrokenPipeError:
             # stdout was closed early (``onnx-qrewrite rules | head -1``): stop quietly, as other
             # command-line tools do, with the status of a process ended by SIGPIPE.
@@ -110,6 +138,17 @@ class _LazyGroup(click.Group):
                 err=True,
             )
             ctx.exit(EXIT_INTERNAL)
+
+
+def _interrupted(exc: KeyboardInterrupt) -> NoReturn:
+    """SIGINT or SIGTERM (signals.Terminated): remove this run's temporaries, say so in one line,
+    exit 128 + the signal number, as shells report it."""
+    from onnx_qrewrite.io.outputs import remove_registered_temps
+    from onnx_qrewrite.io.signals import Terminated, interrupt_exit_code
+
+    remove_registered_temps()
+    click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}", err=True)
+    sys.exit(interrupt_exit_code(exc))
 
 
 def _silence_stdout() -> None:
