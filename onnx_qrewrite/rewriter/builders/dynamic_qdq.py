@@ -98,24 +98,40 @@ def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
     return weights.reshape(weights.shape[0], -1) if conv else weights.T
 
 
+#: Elements per step: statistics of large weights (LLM projections) in bounded memory.
+_CHUNK = 1 << 20
+
+
+def _steps(rows: np.ndarray) -> range:
+    return range(0, rows.shape[0], max(1, _CHUNK // max(1, rows.shape[1])))
+
+
 def _column_scale_sums(rows: np.ndarray, anchor: Anchor) -> float:
-    """max over output columns/channels of W_scale_n * sum_k |W_kn - W_zp_n| (float64, exact sums)."""
+    """max over output columns/channels of W_scale_n * sum_k |W_kn - W_zp_n| (exact integer sums)."""
     w = anchor.weights
-    zp = np.zeros(1) if w.zero_point is None else np.asarray(w.zero_point, np.float64).reshape(-1)
-    shifted = np.abs(rows.astype(np.float64) - zp.reshape(-1, 1))
-    sums = shifted.sum(axis=1) * np.asarray(w.scale, np.float64).reshape(-1)
-    return float(sums.max(initial=0.0))
+    n = rows.shape[0]
+    zp = np.zeros(n, np.int16) if w.zero_point is None else np.broadcast_to(w.zero_point.astype(np.int16), (n,))
+    scale = np.broadcast_to(np.asarray(w.scale, np.float64), (n,))
+    per_step = _steps(rows).step
+    best = 0.0
+    for start in _steps(rows):
+        part = rows[start : start + per_step].astype(np.int16) - zp[start : start + per_step, None]
+        sums = np.abs(part).sum(axis=1, dtype=np.int64) * scale[start : start + per_step]
+        best = max(best, float(sums.max(initial=0.0)))
+    return best
 
 
 def _may_saturate(rows: np.ndarray) -> bool:
     """Some adjacent pair of int8 weights, times uint8 activations in [0, 255], leaves int16."""
     if rows.shape[1] < 2:
         return False
-    w = rows.astype(np.int32)
-    most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
-    return bool(
-        (most[:, :-1] + most[:, 1:]).max() > _INT16_MAX or (least[:, :-1] + least[:, 1:]).min() < -_INT16_MAX - 1
-    )
+    per_step = _steps(rows).step
+    for start in _steps(rows):
+        w = rows[start : start + per_step].astype(np.int32)
+        most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
+        if (most[:, :-1] + most[:, 1:]).max() > _INT16_MAX or (least[:, :-1] + least[:, 1:]).min() < -_INT16_MAX - 1:
+            return True
+    return False
 
 
 class DynamicQdqBuilder:
