@@ -229,11 +229,18 @@ def bench_verify(src: Path, label: str, work: Path, repeat: int) -> list[Row]:
         },
         repeat,
     )
-    note = f"two ORT sessions + runs on the same {samples} samples; interleaved"
+    cpu = _cpu_ratio(timed["ours"], timed["floor"])
+    note = f"two ORT sessions + runs on the same {samples} samples; interleaved; {cpu}"
+    reference = f"interleaved with the above; {_cpu_ratio(timed['onnx'], timed['floor'])}"
     return [
         Row(f"verify {label}", timed["floor"], timed["ours"], note),
-        Row(f"(reference) floor + import onnx, {label}", timed["floor"], timed["onnx"], "interleaved with the above"),
+        Row(f"(reference) floor + import onnx, {label}", timed["floor"], timed["onnx"], reference),
     ]
+
+
+def _cpu_ratio(ours: Sample, floor: Sample) -> str:
+    """The CPU-time ratio (user + system), which other jobs on a shared machine barely move."""
+    return f"CPU time {ours.cpu / floor.cpu:.2f}x the floor's" if floor.cpu else "CPU time unknown"
 
 
 def _small_models(work: Path) -> tuple[Path, Path]:
@@ -326,8 +333,11 @@ def bench_startup(work: Path, repeat: int) -> list[Row]:
     timed = measure_named(cmds, repeat)
     floor = timed.get("floor", Sample(0.0, 0.0))
     note = "floor: polygraphy --help; interleaved" if poly else "polygraphy not installed"
-    rows = [Row(f"start-up {label}", floor, timed[label], note) for label in cases]
-    return [*rows, Row("(reference) python -c 'import onnx'", floor, timed["import onnx"], note)]
+    rows = [
+        Row(f"start-up {label}", floor, timed[label], f"{note}; {_cpu_ratio(timed[label], floor)}") for label in cases
+    ]
+    reference = f"{note}; {_cpu_ratio(timed['import onnx'], floor)}"
+    return [*rows, Row("(reference) python -c 'import onnx'", floor, timed["import onnx"], reference)]
 
 
 def machine() -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,6 +108,8 @@ def parse_rule_options(values: tuple[str, ...], dql_semantics: str | None = None
         rule_id, dot, key = head.rpartition(".")
         if not sep or not dot or not rule_id or not key:
             raise UsageError(f"--rule-option {item!r}: expected RULE_ID.KEY=VALUE")
+        import tomllib  # only --rule-option needs it: not imported on every start
+
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
         except (tomllib.TOMLDecodeError, RecursionError):

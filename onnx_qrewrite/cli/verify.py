@@ -28,7 +28,7 @@ from onnx_qrewrite.cli.options import (
 )
 from onnx_qrewrite.errors import UsageError, worst_exit_code
 from onnx_qrewrite.io.clash import check_writes, model_reads
-from onnx_qrewrite.rewriter.report import write_report_file
+from onnx_qrewrite.io.outputs import write_report_file
 
 if TYPE_CHECKING:
     from onnx_qrewrite.cli.batch import Outcome
@@ -467,7 +467,7 @@ def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None
     """No file verify writes (reports, saved inputs or outputs) may be a file it reads (the models,
     --inputs, --load-outputs), compared by inode, nor two of them one file: a usage error naming
     both, before any work."""
-    from onnx_qrewrite.io import model_io, outputs
+    from onnx_qrewrite.io import outputs
 
     reads: dict[tuple[int, int], Path] = {}
     for path in read:
@@ -480,7 +480,7 @@ def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None
         if not target:
             continue
         option = "--" + key.replace("_", "-")
-        model_io.refuse_clash(Path(target), reads, option)
+        outputs.refuse_clash(Path(target), reads, option)
         resolved = os.path.realpath(target)
         if resolved in seen:
             raise UsageError(f"{option} {target}: is also given to {seen[resolved]}; give each its own file")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, f
 from onnx_qrewrite.io import outputs
 from onnx_qrewrite.io.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
 from onnx_qrewrite.io.external_data import ExternalData, all_tensors, external_tensors
+from onnx_qrewrite.io.model_file import read_once as _read_once
+from onnx_qrewrite.io.outputs import refuse_clash
 from onnx_qrewrite.io.toposort import sort_model
 from onnx_qrewrite.progress import ProgressSink
 
@@ -37,7 +38,9 @@ __all__ = [
     "external_tensors",
     "load_model",
     "open_model",
+    "open_model_bytes",
     "parse_model",
+    "refuse_clash",
     "save_model",
 ]
 
@@ -48,10 +51,6 @@ _LIMIT_MARGIN = 64 * 2**20
 _EXTERNALIZE_THRESHOLD = 1024
 _ALIGN = 64
 _CHUNK = 64 * 2**20
-
-
-#: Refuse model files whose protobuf could not be parsed anyway (protobuf's 2 GB limit).
-_MAX_MODEL_FILE = _PROTOBUF_LIMIT
 
 
 @dataclasses.dataclass
@@ -71,44 +70,6 @@ class LoadedModel:
         if self.external is not None:
             found.update(self.external.reads())
         return found
-
-
-def _read_once(p: Path) -> tuple[bytes, tuple[int, int]]:
-    """The bytes of the model file, from one descriptor that fstat says is a regular file."""
-    try:
-        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise InvalidModelError(f"{p}: no such file") from None
-    except IsADirectoryError:
-        raise InvalidModelError(f"{p}: is a directory, not an ONNX model file") from None
-    except OSError as exc:
-        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise InvalidModelError(f"{p}: is a directory, not an ONNX model file")
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidModelError(f"{p}: is not a regular file (a FIFO or device); give an ONNX model file")
-        if st.st_size == 0:
-            raise InvalidModelError(f"{p}: the file is empty")
-        if st.st_size > _MAX_MODEL_FILE:
-            raise InvalidModelError(
-                f"{p}: {st.st_size} bytes, more than protobuf can parse (2 GiB); is it an ONNX model?"
-            )
-        os.set_blocking(fd, True)
-        chunks = []
-        remaining = st.st_size
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, _CHUNK))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks), (st.st_dev, st.st_ino)
-    except OSError as exc:
-        raise InvalidModelError(f"{p}: cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
 
 
 def parse_model(data: bytes, label: str) -> onnx.ModelProto:
@@ -139,6 +100,11 @@ def open_model(path: str | os.PathLike[str], *, check: bool = True) -> LoadedMod
     """
     p = Path(path)
     data, fid = _read_once(p)
+    return open_model_bytes(data, fid, p, check=check)
+
+
+def open_model_bytes(data: bytes, fid: tuple[int, int], p: Path, *, check: bool = True) -> LoadedModel:
+    """:func:`open_model` of bytes already read from ``p`` (whose (st_dev, st_ino) is ``fid``)."""
     model = parse_model(data, str(p))
     external = ExternalData.for_model(model, p.parent if str(p.parent) else Path("."), str(p))
     reordered = 0
@@ -324,20 +290,6 @@ def check_output_folder(out: Path, option: str = "-o") -> Path:
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{option} {out}: cannot write to the folder {folder} (permission denied)")
     return folder
-
-
-def refuse_clash(out: Path, reads: dict[tuple[int, int], Path], option: str = "-o") -> None:
-    """``out`` must not be (a link to) a file the invocation reads: compared by inode."""
-    try:
-        st = os.stat(out)
-    except OSError:
-        return
-    hit = reads.get(outputs.file_id(st))
-    if hit is not None:
-        raise UsageError(
-            f"{option} {out}: refusing to overwrite the input file {hit} (the same file), which this invocation "
-            "reads; choose another path"
-        )
 
 
 def save_model(

@@ -35,7 +35,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from onnx_qrewrite.errors import UsageError
-from onnx_qrewrite.io._wire import varint
 
 __all__ = [
     "TEMP_MARK",
@@ -45,10 +44,12 @@ __all__ = [
     "data_file_candidates",
     "new_temp",
     "references",
+    "refuse_clash",
     "remove_registered_temps",
     "rename_new",
     "write_atomic",
     "write_journal",
+    "write_report_file",
 ]
 
 TEMP_MARK = ".qrw-tmp-"
@@ -193,6 +194,8 @@ def references(model_bytes: bytes, location: str) -> bool:
     data files an old output used, where a miss only leaves a file behind.
     """
     name = location.encode("utf-8", "surrogateescape")
+    from onnx_qrewrite.io._wire import varint  # its import builds a table that reading commands never use
+
     return b"\x0a\x08location\x12" + varint(len(name)) + name in model_bytes
 
 
@@ -299,3 +302,23 @@ def clean_leftovers(folder: Path) -> list[str]:
             os.unlink(path)
             removed.append(name)
     return removed
+
+
+def refuse_clash(out: Path, reads: dict[tuple[int, int], Path], option: str = "-o") -> None:
+    """``out`` must not be (a link to) a file the invocation reads: compared by inode."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return
+    hit = reads.get(file_id(st))
+    if hit is not None:
+        raise UsageError(
+            f"{option} {out}: refusing to overwrite the input file {hit} (the same file), which this invocation "
+            "reads; choose another path"
+        )
+
+
+def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> None:
+    """Write a report (JSON, JUnit) all or nothing (temporary + rename, never through the existing
+    file); a failure is a usage error naming the option and the path."""
+    write_atomic(path, text.encode("utf-8"), option)

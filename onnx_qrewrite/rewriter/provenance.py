@@ -26,7 +26,9 @@ from collections.abc import Iterable
 from typing import Protocol
 
 __all__ = [
+    "BOUND_KEY",
     "DEFAULT_MODE",
+    "EXACTNESS_KEY",
     "MODES",
     "MODE_KEY",
     "ORIGIN_KEY",
@@ -39,6 +41,10 @@ __all__ = [
 RULE_KEY = "onnx_qrewrite.rule"
 ORIGIN_KEY = "onnx_qrewrite.origin"
 MODE_KEY = "onnx_qrewrite.provenance"
+#: On a replacement's first node, beside the rule: the rule's exactness and, when bounded, the
+#: bound (written by the Emitter; read by the verifier, which must not import the builders).
+EXACTNESS_KEY = "onnx_qrewrite.exactness"
+BOUND_KEY = "onnx_qrewrite.bound"
 MODES = ("compact", "full", "none")
 DEFAULT_MODE = "compact"
 

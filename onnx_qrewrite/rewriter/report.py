@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
-import onnx
+from onnx_qrewrite.io.outputs import write_report_file
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["AppliedRewrite", "OpsetChange", "RewriteReport", "Unlowered", "count_ops", "op_key", "write_report_file"]
 
@@ -94,14 +96,6 @@ class OpsetChange:
     before: int | None
     after: int | None
     why: str
-
-
-def write_report_file(path: str | os.PathLike[str], text: str, option: str) -> None:
-    """Write a report (JSON, JUnit) all or nothing (temporary + rename, never through the existing
-    file); a failure is a usage error naming the option and the path."""
-    from onnx_qrewrite.io.outputs import write_atomic
-
-    write_atomic(path, text.encode("utf-8"), option)
 
 
 def op_key(domain: str, op_type: str) -> str:

@@ -22,7 +22,6 @@ This is the only part of onnx-qrewrite that imports onnxruntime, an optional dep
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import os
 import sys
@@ -30,18 +29,16 @@ import time
 import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
-import onnx
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink, stage
+from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.verify._ort import ort
-from onnx_qrewrite.verify.bounds import check_bounds
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.drift import DriftThresholds, decide
-from onnx_qrewrite.verify.hazards import Hazard, NanHazardCheck
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
@@ -53,12 +50,15 @@ from onnx_qrewrite.verify.inputs import (
     resolve_value_ranges,
     save_samples,
 )
-from onnx_qrewrite.verify.localize import Localization, localize
-from onnx_qrewrite.verify.reference_ops import find_vendor_nodes, iter_all_nodes
 from onnx_qrewrite.verify.report import SCHEMA_PATH, TOOL_NAME, VerifyReport, VerifySettings
 from onnx_qrewrite.verify.session import OPT_LEVELS, ModelRunner, SessionSettings
-from onnx_qrewrite.verify.stored import load_outputs as load_stored_outputs
-from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
+
+if TYPE_CHECKING:
+    import onnx
+
+    from onnx_qrewrite.io.wire_model import WireMessage
+    from onnx_qrewrite.verify.hazards import Hazard
+    from onnx_qrewrite.verify.localize import Localization
 
 __all__ = [
     "OPT_LEVELS",
@@ -76,16 +76,103 @@ __all__ = [
     "verify",
 ]
 
+#: Names of this package's API whose modules load on first use (PEP 562): a verification that
+#: passes never needs them, and each costs start-up time (see ``verify``'s fast path).
+_LAZY = {"Hazard": "onnx_qrewrite.verify.hazards", "Localization": "onnx_qrewrite.verify.localize"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
 logger = logging.getLogger(__name__)
 
-ModelLike = str | os.PathLike | onnx.ModelProto
+ModelLike = Union[str, os.PathLike, "onnx.ModelProto"]
 InputsLike = str | os.PathLike | Mapping[str, np.ndarray] | Sequence[Sample] | None
 
 
-def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
+#: Domains whose ops stock onnxruntime runs: a model importing only these holds no vendor op that
+#: would need the reference kernels (a node of an undeclared domain makes onnxruntime refuse it).
+_STANDARD_DOMAINS = frozenset({"", "ai.onnx", "ai.onnx.ml"})
+
+
+def _is_proto(model: object) -> bool:
+    """Whether ``model`` is an ``onnx.ModelProto`` (without importing onnx: if it is not imported
+    yet, nothing can be one)."""
+    onnx_module = sys.modules.get("onnx")
+    return onnx_module is not None and isinstance(model, onnx_module.ModelProto)
+
+
+class _NotFast(Exception):
+    """The fast path cannot give this verification's answer as the full path would: run that."""
+
+
+class _Source:
+    """One model of the comparison and the label that names it in messages.
+
+    Read by the fast path, it holds the file's bytes (read once) and a wire view of them
+    (:mod:`onnx_qrewrite.io.wire_model`): onnxruntime gets the bytes unparsed, and what verify
+    reads of the model (inputs, provenance) comes from the view. The ``onnx.ModelProto`` is parsed
+    from the same bytes only when something needs the graph itself (bounded rewrites to cut out,
+    a difference to localise)."""
+
+    def __init__(
+        self,
+        label: str,
+        *,
+        proto: onnx.ModelProto | None = None,
+        data: bytes | None = None,
+        view: WireMessage | None = None,
+        path: Path | None = None,
+        file_id: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.label = label
+        self.data = data
+        self.view = view
+        self._proto = proto
+        self._path = path
+        self._file_id = file_id
+
+    @property
+    def fast(self) -> bool:
+        return self.data is not None
+
+    @property
+    def proto(self) -> onnx.ModelProto:
+        """The parsed model (parsed now from the bytes already read, if it was not yet)."""
+        if self._proto is None:
+            from onnx_qrewrite.io import model_io
+
+            assert self.data is not None and self._path is not None
+            loaded = model_io.open_model_bytes(self.data, self._file_id, self._path, check=False)
+            if loaded.external is not None:  # not on the fast path (it refuses external data)
+                with loaded.external:
+                    loaded.external.load_into(loaded.proto)
+            self._proto = loaded.proto
+        return self._proto
+
+    @property
+    def readable(self) -> Any:
+        """What readers of a few fields get: the wire view, else the ModelProto (same spelling)."""
+        return self.view if self.view is not None else self.proto
+
+    @property
+    def runnable(self) -> onnx.ModelProto | bytes:
+        """What onnxruntime gets: the file's bytes, else the ModelProto."""
+        return self.data if self.data is not None else self.proto
+
+
+def _load(model: ModelLike, side: str) -> _Source:
     """The model with its external data in memory, and the label that names it in messages."""
-    if isinstance(model, onnx.ModelProto):
-        return model, f"<{side} ModelProto>"
+    if _is_proto(model):
+        return _Source(f"<{side} ModelProto>", proto=model)  # type: ignore[arg-type]
     if not isinstance(model, (str, os.PathLike)):
         raise UsageError(f"{side}: expected a path or an onnx.ModelProto, got {type(model).__name__}")
     from onnx_qrewrite.io import model_io
@@ -95,7 +182,82 @@ def _load(model: ModelLike, side: str) -> tuple[onnx.ModelProto, str]:
     if loaded.external is not None:
         with loaded.external:
             loaded.external.load_into(loaded.proto)
-    return loaded.proto, str(path)
+    return _Source(str(path), proto=loaded.proto)
+
+
+def _load_fast(model: ModelLike, side: str) -> _Source:
+    """The model file's bytes and a wire view of them; :class:`_NotFast` unless the bytes can go
+    to onnxruntime as they are (a file, no external data, a model the view reads)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise _NotFast(f"{side}: not a path")
+    from onnx_qrewrite.io.model_file import read_once
+    from onnx_qrewrite.io.wire_model import WireError, read_model, tensors_of
+
+    path = Path(model)
+    data, file_id = read_once(path)  # the same checks and messages as the full path's read
+    try:
+        view = read_model(data)
+        if view.ir_version == 0 or not view.HasField("graph"):
+            raise _NotFast(f"{side}: no IR version or graph")  # the full path says what is wrong
+        # Every external tensor names its file under the key "location": bytes without that
+        # string cannot make onnxruntime read another file (a tensor marked external without
+        # one makes it refuse the model, and the full path then reports it).
+        if b"location" in data and any(t.data_location == 1 for t in tensors_of(view)):
+            raise _NotFast(f"{side}: external data")
+    except WireError as exc:
+        raise _NotFast(f"{side}: {exc}") from None
+    return _Source(str(path), data=data, view=view, path=path, file_id=file_id)
+
+
+def _vendor_free(view: WireMessage) -> bool:
+    """Whether the model can hold no vendor op the reference kernels would run: it imports only
+    standard domains and has no local function."""
+    return not view.functions and all(o.domain in _STANDARD_DOMAINS for o in view.opset_import)
+
+
+def _provenance_key_absent(source: _Source, key: str) -> bool:
+    """Whether no node of the model can carry the metadata entry ``key``: its bytes do not hold the
+    key's string at all (an exact test, and a search in C instead of a walk over every node)."""
+    return source.data is not None and key.encode() not in source.data
+
+
+def _distribution_version(name: str) -> str | None:
+    """The installed distribution's version, as ``importlib.metadata.version`` reads it (the
+    ``Version`` of the first ``<name>-<version>.dist-info`` on ``sys.path``), without importing
+    importlib.metadata (~0.07 s, a tenth of a small model's verification); that module answers
+    when no such folder is found."""
+    prefix = name.replace("-", "_").lower() + "-"
+    for entry in sys.path:
+        try:
+            names = os.listdir(entry or ".")
+        except OSError:
+            continue
+        for folder in names:
+            if folder.lower().startswith(prefix) and folder.endswith(".dist-info"):
+                try:
+                    with open(os.path.join(entry or ".", folder, "METADATA"), encoding="utf-8") as f:
+                        for line in f:
+                            if line.startswith("Version:"):
+                                return line.partition(":")[2].strip()
+                            if not line.strip():
+                                break
+                except OSError:
+                    pass
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _onnx_version() -> str:
+    """``onnx.__version__``, without importing onnx when it is not imported yet (it reads its own
+    version from the distribution, ``onnx`` then ``onnx-weekly``, else ``unknown``)."""
+    onnx_module = sys.modules.get("onnx")
+    if onnx_module is not None:
+        return str(onnx_module.__version__)
+    return _distribution_version("onnx") or _distribution_version("onnx-weekly") or "unknown"
 
 
 def _versions(reference_kernels: bool) -> dict[str, str | None]:
@@ -103,12 +265,14 @@ def _versions(reference_kernels: bool) -> dict[str, str | None]:
 
     versions: dict[str, str | None] = {
         TOOL_NAME: __version__,
-        "onnx": onnx.__version__,
+        "onnx": _onnx_version(),
         "onnxruntime": ort.__version__,
         "numpy": np.__version__,
         "onnxruntime_extensions": None,
     }
     if reference_kernels:
+        import importlib.metadata
+
         versions["onnxruntime_extensions"] = importlib.metadata.version("onnxruntime-extensions")
     return versions
 
@@ -215,12 +379,17 @@ def _interface_problem(name: str, type_name: str, problem: str) -> ValueComparis
     )
 
 
-def _open_rewritten(model: onnx.ModelProto, make_runner: Callable[[onnx.ModelProto, str], ModelRunner]) -> ModelRunner:
-    """The rewritten model's session; when onnxruntime refuses it, say which op is left over."""
+def _open_rewritten(source: _Source, make_runner: Callable[[Any, str], ModelRunner]) -> ModelRunner:
+    """The rewritten model's session; when onnxruntime refuses it, say which op is left over (on
+    the fast path, the refusal is passed on: the full path then says it)."""
     try:
-        return make_runner(model, "rewritten")
+        return make_runner(source.runnable, "rewritten")
     except InvalidModelError as exc:
-        leftover = [n for n in iter_all_nodes(model) if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]
+        if source.fast:
+            raise
+        from onnx_qrewrite.verify.reference_ops import iter_all_nodes
+
+        leftover = [n for n in iter_all_nodes(source.proto) if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]
         if not leftover:
             raise
         first = leftover[0]
@@ -336,139 +505,181 @@ def verify(
     if original is None:
         raise UsageError("verify needs the original model (or --load-outputs FILE)")
     same_file = _same_file(original, rewritten)
-    with stage(progress, "loading models"):
-        original_model, original_label = _load(original, "original")
-        rewritten_model, rewritten_label = _load(rewritten, "rewritten")
-    try:
-        vendor_nodes = len(find_vendor_nodes(original_model))
-    except InvalidModelError as exc:
-        if session.custom_op_library is None:
-            raise InvalidModelError(f"{original_label}: {exc}") from None
-        vendor_nodes = 0
-    reference_kernels = session.custom_op_library is None and vendor_nodes > 0
 
-    def make_runner(model: onnx.ModelProto, side: str) -> ModelRunner:
-        if side == "original":
+    def compare(fast: bool) -> VerifyReport:
+        """The verification; ``fast``: from the files' bytes, without parsing the models unless a
+        check needs their graphs (:class:`_NotFast` when it cannot give the full path's answer)."""
+        with stage(progress, "loading models"):
+            load = _load_fast if fast else _load
+            original_src = load(original, "original")
+            rewritten_src = load(rewritten, "rewritten")
+        original_label, rewritten_label = original_src.label, rewritten_src.label
+        if fast:
+            if not _vendor_free(original_src.view):  # type: ignore[arg-type]
+                raise _NotFast("the original may hold vendor ops")
+            vendor_nodes = 0
+        else:
+            from onnx_qrewrite.verify.reference_ops import find_vendor_nodes
+
+            try:
+                vendor_nodes = len(find_vendor_nodes(original_src.proto))
+            except InvalidModelError as exc:
+                if session.custom_op_library is None:
+                    raise InvalidModelError(f"{original_label}: {exc}") from None
+                vendor_nodes = 0
+        reference_kernels = session.custom_op_library is None and vendor_nodes > 0
+
+        def make_runner(model: onnx.ModelProto | bytes, side: str) -> ModelRunner:
+            if side == "original":
+                return ModelRunner(
+                    model,
+                    label=original_label,
+                    settings=session,
+                    reference_kernels=reference_kernels,
+                    register_custom_library=True,
+                )
+            if runtime != "onnxruntime":
+                assert not isinstance(model, bytes)  # the fast path runs onnxruntime only
+                return make_runtime_runner(
+                    runtime, model, label=rewritten_label, threads=threads, shapes=generation.shapes
+                )
             return ModelRunner(
-                model,
-                label=original_label,
-                settings=session,
-                reference_kernels=reference_kernels,
-                register_custom_library=True,
+                model, label=rewritten_label, settings=session, providers=providers or ("CPUExecutionProvider",)
             )
-        if runtime != "onnxruntime":
-            return make_runtime_runner(runtime, model, label=rewritten_label, threads=threads, shapes=generation.shapes)
-        return ModelRunner(
-            model, label=rewritten_label, settings=session, providers=providers or ("CPUExecutionProvider",)
-        )
 
-    with stage(progress, "starting onnxruntime"):
-        original_runner = make_runner(original_model, "original")
-        rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_model, make_runner)
-    _check_interfaces(original_runner, rewritten_runner)
-    unknown = tolerances.output_names() - set(original_runner.output_types)
-    if unknown:
-        raise UsageError(f"--atol/--rtol/--lsb: the model has no output named {sorted(unknown)[0]!r}")
-    unknown = drift.output_names() - set(original_runner.output_types)
-    if unknown:
-        raise UsageError(f"--drift-*: the model has no output named {sorted(unknown)[0]!r}")
-    decision = decide(drift.mode, rewritten_model)
-    judge = drift if decision.judged else None
+        with stage(progress, "starting onnxruntime"):
+            try:
+                original_runner = make_runner(original_src.runnable, "original")
+                rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_src, make_runner)
+            except InvalidModelError as exc:
+                if fast:  # the full path parses the models and says what is wrong, as it always did
+                    raise _NotFast(str(exc)) from None
+                raise
+        _check_interfaces(original_runner, rewritten_runner)
+        unknown = tolerances.output_names() - set(original_runner.output_types)
+        if unknown:
+            raise UsageError(f"--atol/--rtol/--lsb: the model has no output named {sorted(unknown)[0]!r}")
+        unknown = drift.output_names() - set(original_runner.output_types)
+        if unknown:
+            raise UsageError(f"--drift-*: the model has no output named {sorted(unknown)[0]!r}")
+        no_approximate = _provenance_key_absent(rewritten_src, provenance.EXACTNESS_KEY)
+        decision = decide(drift.mode, rewritten_src.readable, {} if no_approximate else None)
+        judge = drift if decision.judged else None
 
-    used, generation_used, inputs_file, ranges = _resolve_samples(inputs, original_model, generation)
-    if save_inputs is not None:
-        save_samples(save_inputs, used)
-    logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(used))
-    names = list(original_runner.output_types)
-    hazards: list[Hazard] = []
-    not_compared = None
-    kept: dict[str, dict[str, np.ndarray]] | None = {} if save_outputs is not None else None
-    if same_file:
-        not_compared = "ORIGINAL and REWRITTEN are the same file: a model compared with itself proves nothing"
-        outputs = [_not_compared(name, type_name) for name, type_name in original_runner.output_types.items()]
-        if kept is not None:
-            kept.update({sample.name: original_runner.run(sample.feeds) for sample in used})
-    else:
-        per_output = _run_samples(
-            lambda sample: original_runner.run(sample.feeds),
-            rewritten_runner,
-            names,
-            used,
-            tolerances,
-            progress,
-            kept,
-            judge,
-        )
-        failing = _failing_samples(per_output)
-        if failing:
-            feeds = {sample.name: sample.feeds for sample in used}
-            nan_check = NanHazardCheck(original_model, lambda model: make_runner(model, "original"))
-            for name in failing:
-                hazard = nan_check.check(name, feeds[name])
-                if hazard is not None:
-                    logger.info("sample %s is inconclusive: %s", name, hazard.describe())
-                    hazards.append(hazard)
-        outputs = _merge(
-            per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
-        )
-        if runtime == "onnxruntime":
-            # Bounded rewrites: each replacement within its recorded bound, on the original's own
-            # inputs (the bounds are stated against onnxruntime's kernels).
-            outputs += check_bounds(original_model, rewritten_model, used, make_runner)
-    if save_outputs is not None and kept is not None:
-        save_stored_outputs(save_outputs, used, kept, original_label)
-
-    localization = None
-    # The original's intermediate values always come from onnxruntime; the rewritten model's from
-    # the runtime that ran it, so on another runtime this names where *that runtime* departs (the
-    # rewrite's node or its own arithmetic), when it can run the model with them as outputs.
-    if localize_failures and not all(o.passed for o in outputs):
-        excluded = {h.sample for h in hazards}
-        failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
-        sample = next((s for s in used if s.name in failing_now), used[0])
-        if runtime != "onnxruntime":
-            # Another runtime's rounding differs a little on every sample; where it goes wrong shows
-            # best on the sample with the largest error.
-            worst = max((o for o in outputs if not o.passed and o.worst), key=lambda o: o.max_abs_error, default=None)
-            if worst is not None and worst.worst is not None and worst.worst.sample in failing_now:
-                sample = next(s for s in used if s.name == worst.worst.sample)
-        with stage(progress, "localizing"):
-            # On another runtime, intermediate values are judged by drift (its rounding differs
-            # everywhere by a little): what is named is where its numbers go wrong.
-            localization = localize(
-                original_model,
-                rewritten_model,
-                sample,
+        used, generation_used, inputs_file, ranges = _resolve_samples(inputs, original_src.readable, generation)
+        if save_inputs is not None:
+            save_samples(save_inputs, used)
+        logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(used))
+        names = list(original_runner.output_types)
+        hazards: list[Hazard] = []
+        not_compared = None
+        kept: dict[str, dict[str, np.ndarray]] | None = {} if save_outputs is not None else None
+        if same_file:
+            not_compared = "ORIGINAL and REWRITTEN are the same file: a model compared with itself proves nothing"
+            outputs = [_not_compared(name, type_name) for name, type_name in original_runner.output_types.items()]
+            if kept is not None:
+                kept.update({sample.name: original_runner.run(sample.feeds) for sample in used})
+        else:
+            per_output = _run_samples(
+                lambda sample: original_runner.run(sample.feeds),
+                rewritten_runner,
+                names,
+                used,
                 tolerances,
-                make_runner,
+                progress,
+                kept,
                 judge,
-                runtime=runtime,
-                runtime_drift=None if runtime == "onnxruntime" else drift,
             )
+            failing = _failing_samples(per_output)
+            if failing:
+                feeds = {sample.name: sample.feeds for sample in used}
+                from onnx_qrewrite.verify.hazards import NanHazardCheck
 
-    return VerifyReport(
-        original=original_label,
-        rewritten=rewritten_label,
-        outputs=tuple(outputs),
-        samples=tuple(used),
-        settings=VerifySettings(
-            session,
-            tolerances,
-            generation_used,
-            inputs_file,
-            reference_kernels,
-            vendor_nodes,
-            value_ranges=ranges,
-            runtime=rt,
-            drift=drift,
-            drift_decision=decision,
-        ),
-        versions=_versions(reference_kernels),
-        localization=localization,
-        duration_seconds=time.perf_counter() - started,
-        excluded=tuple(hazards),
-        not_compared=not_compared,
-    )
+                nan_check = NanHazardCheck(original_src.proto, lambda model: make_runner(model, "original"))
+                for name in failing:
+                    hazard = nan_check.check(name, feeds[name])
+                    if hazard is not None:
+                        logger.info("sample %s is inconclusive: %s", name, hazard.describe())
+                        hazards.append(hazard)
+            outputs = _merge(
+                per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
+            )
+            if runtime == "onnxruntime" and not _provenance_key_absent(rewritten_src, provenance.BOUND_KEY):
+                from onnx_qrewrite.verify.bounds import check_bounds
+
+                # Bounded rewrites: each replacement within its recorded bound, on the original's own
+                # inputs (the bounds are stated against onnxruntime's kernels).
+                outputs += check_bounds(original_src.proto, rewritten_src.proto, used, make_runner)
+        if save_outputs is not None and kept is not None:
+            from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
+
+            save_stored_outputs(save_outputs, used, kept, original_label)
+
+        localization = None
+        # The original's intermediate values always come from onnxruntime; the rewritten model's from
+        # the runtime that ran it, so on another runtime this names where *that runtime* departs (the
+        # rewrite's node or its own arithmetic), when it can run the model with them as outputs.
+        if localize_failures and not all(o.passed for o in outputs):
+            excluded = {h.sample for h in hazards}
+            failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
+            sample = next((s for s in used if s.name in failing_now), used[0])
+            if runtime != "onnxruntime":
+                # Another runtime's rounding differs a little on every sample; where it goes wrong shows
+                # best on the sample with the largest error.
+                worst = max(
+                    (o for o in outputs if not o.passed and o.worst), key=lambda o: o.max_abs_error, default=None
+                )
+                if worst is not None and worst.worst is not None and worst.worst.sample in failing_now:
+                    sample = next(s for s in used if s.name == worst.worst.sample)
+            with stage(progress, "localizing"):
+                # On another runtime, intermediate values are judged by drift (its rounding differs
+                # everywhere by a little): what is named is where its numbers go wrong.
+                from onnx_qrewrite.verify.localize import localize
+
+                localization = localize(
+                    original_src.proto,
+                    rewritten_src.proto,
+                    sample,
+                    tolerances,
+                    make_runner,
+                    judge,
+                    runtime=runtime,
+                    runtime_drift=None if runtime == "onnxruntime" else drift,
+                )
+
+        return VerifyReport(
+            original=original_label,
+            rewritten=rewritten_label,
+            outputs=tuple(outputs),
+            samples=tuple(used),
+            settings=VerifySettings(
+                session,
+                tolerances,
+                generation_used,
+                inputs_file,
+                reference_kernels,
+                vendor_nodes,
+                value_ranges=ranges,
+                runtime=rt,
+                drift=drift,
+                drift_decision=decision,
+            ),
+            versions=_versions(reference_kernels),
+            localization=localization,
+            duration_seconds=time.perf_counter() - started,
+            excluded=tuple(hazards),
+            not_compared=not_compared,
+        )
+
+    # The fast path: onnxruntime gets the files' bytes; onnx is imported (and the models parsed)
+    # only if a check needs the graphs. It serves plain onnxruntime runs of models read from files;
+    # when it cannot give the answer the full path would, the full path runs from the start.
+    if runtime == "onnxruntime" and session.custom_op_library is None:
+        try:
+            return compare(fast=True)
+        except _NotFast as why:
+            logger.debug("verify: parsing the models (%s)", why)
+    return compare(fast=False)
 
 
 def _not_compared(name: str, type_name: str) -> ValueComparison:
@@ -489,13 +700,15 @@ def _verify_stored(
     drift: DriftThresholds,
 ) -> VerifyReport:
     """``--load-outputs``: the rewritten model against outputs stored by ``--save-outputs``."""
+    from onnx_qrewrite.verify.localize import Localization
+    from onnx_qrewrite.verify.stored import load_outputs as load_stored_outputs
+
     stored = load_stored_outputs(path)
     with stage(progress, "loading models"):
-        rewritten_model, rewritten_label = _load(rewritten, "rewritten")
+        source = _load(rewritten, "rewritten")
+    rewritten_model, rewritten_label = source.proto, source.label
     with stage(progress, "starting onnxruntime"):
-        runner = _open_rewritten(
-            rewritten_model, lambda m, _side: ModelRunner(m, label=rewritten_label, settings=session)
-        )
+        runner = _open_rewritten(source, lambda m, _side: ModelRunner(m, label=rewritten_label, settings=session))
     expected_inputs = set(runner.input_names)
     for sample in stored.samples:
         given = set(sample.feeds)

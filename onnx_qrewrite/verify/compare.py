@@ -28,10 +28,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.io.elem_types import ml_dtypes_named
 from onnx_qrewrite.verify.drift import Drift, DriftThreshold, measure_drift, merge_drifts
 
 __all__ = [
@@ -61,7 +61,8 @@ DEFAULT_FLOAT_TOLERANCES: dict[str, tuple[float, float]] = {
     "float8_e5m2": (0.25, 0.25),
     "float8_e5m2fnuz": (0.25, 0.25),
 }
-_INTEGER_EXTRA = {np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)}
+#: ml_dtypes' 4-bit integers (onnx_qrewrite.io.elem_types.ml_dtypes_named: ml_dtypes loads only if needed).
+_INTEGER_EXTRA = ("int4", "uint4")
 #: The element rules for floating values (see the module docstring).
 TOLERANCE_RULES = ("numpy", "polygraphy")
 #: Largest ``--lsb``: the largest difference two 64-bit integers can have (everything passes).
@@ -72,7 +73,7 @@ _POLYGRAPHY_EPSILON = 2.220446049250313e-16
 
 def is_integer_dtype(dtype: np.dtype) -> bool:
     """Integers, bools and the 4-bit ml_dtypes: compared exactly (or within ``lsb``)."""
-    return dtype.kind in "iub" or dtype in _INTEGER_EXTRA
+    return dtype.kind in "iub" or dtype in ml_dtypes_named(_INTEGER_EXTRA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +230,9 @@ def _errors(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per element: exact match, within tolerance, absolute error, |original| (for rel error)."""
     if is_integer_dtype(original.dtype):
-        a = original.astype(np.int64) if original.dtype in _INTEGER_EXTRA else original
-        b = rewritten.astype(np.int64) if rewritten.dtype in _INTEGER_EXTRA else rewritten
+        extra = ml_dtypes_named(_INTEGER_EXTRA)
+        a = original.astype(np.int64) if original.dtype in extra else original
+        b = rewritten.astype(np.int64) if rewritten.dtype in extra else rewritten
         # |a - b| exactly for every integer type: the modular uint64 difference of max and min.
         hi, lo = np.maximum(a, b), np.minimum(a, b)
         diff = hi.astype(np.uint64) - lo.astype(np.uint64)

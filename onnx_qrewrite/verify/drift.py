@@ -34,10 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from onnx_qrewrite.errors import UsageError
+
+#: ``onnx.AttributeProto.GRAPH`` (this module does not import onnx).
+_GRAPH = 5
 
 __all__ = [
     "DEFAULT_ARGMAX",
@@ -280,37 +284,37 @@ class DriftDecision:
 def approximate_rules(model: object) -> dict[str, int]:
     """Rule id -> number of replacements the model's provenance marks approximate (every graph,
     subgraphs included; a replacement's first node carries the exactness, see
-    :mod:`onnx_qrewrite.rewriter.provenance`)."""
-    import onnx
-
-    from onnx_qrewrite.rewriter.builders import Emitter
+    :mod:`onnx_qrewrite.rewriter.provenance`). ``model``: an ``onnx.ModelProto`` or a wire view of
+    one (:mod:`onnx_qrewrite.io.wire_model`); read through the fields both spell alike."""
+    from onnx_qrewrite.rewriter import provenance
 
     found: dict[str, int] = {}
 
-    def walk(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
+    def walk(nodes: Any) -> None:
+        for node in nodes:
             meta = {p.key: p.value for p in node.metadata_props}
-            if meta.get(Emitter.EXACTNESS_KEY) == "approximate" and Emitter.RULE_KEY in meta:
-                rule = meta[Emitter.RULE_KEY]
+            if meta.get(provenance.EXACTNESS_KEY) == "approximate" and provenance.RULE_KEY in meta:
+                rule = meta[provenance.RULE_KEY]
                 found[rule] = found.get(rule, 0) + 1
             for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    walk(attr.g)
+                if attr.type == _GRAPH:
+                    walk(attr.g.node)
                 for sub in attr.graphs:
-                    walk(sub)
+                    walk(sub.node)
 
-    assert isinstance(model, onnx.ModelProto)
-    walk(model.graph)
-    for function in model.functions:
-        walk(onnx.helper.make_graph(list(function.node), function.name, [], []))
+    walk(model.graph.node)  # type: ignore[attr-defined]
+    for function in model.functions:  # type: ignore[attr-defined]
+        walk(function.node)
     return found
 
 
-def decide(mode: str, model: object) -> DriftDecision:
-    """Apply ``mode`` (:data:`DRIFT_MODES`) to the rewritten ``model``."""
+def decide(mode: str, model: object, rules: dict[str, int] | None = None) -> DriftDecision:
+    """Apply ``mode`` (:data:`DRIFT_MODES`) to the rewritten ``model``; ``rules``: its
+    :func:`approximate_rules`, when the caller already knows them."""
     from onnx_qrewrite.rewriter import provenance
 
-    rules = approximate_rules(model)
+    if rules is None:
+        rules = approximate_rules(model)
     note = None
     if mode == "auto" and not rules and provenance.model_mode(model) == "none":  # type: ignore[arg-type]
         note = (

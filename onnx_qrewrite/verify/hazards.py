@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["NAN_NONDETERMINISTIC", "Hazard", "NanHazardCheck"]
 
@@ -79,6 +81,8 @@ class NanHazardCheck:
 
     def _exposed_runner(self, names: list[str]) -> Any:
         if self._runner is None:
+            import onnx
+
             exposed = onnx.ModelProto()
             exposed.CopyFrom(self.model)
             present = {o.name for o in exposed.graph.output}

@@ -50,14 +50,15 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.io.elem_types import ml_dtypes_named, np_dtype, type_name
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = [
     "BATTERY",
@@ -94,29 +95,26 @@ MAX_SEED = 2**64 - 1
 #: Names of the quantization battery samples, in the order they are run.
 BATTERY = ("zeros", "constant", "wide-range", "negative")
 _SAMPLE_SEPARATOR = "::"
+# TensorProto.DataType numbers (see onnx_qrewrite.io.elem_types: this module does not import onnx).
+_BOOL = 9
 _FLOAT_TYPES = (
-    TensorProto.FLOAT,
-    TensorProto.DOUBLE,
-    TensorProto.FLOAT16,
-    TensorProto.BFLOAT16,
+    1,  # FLOAT
+    11,  # DOUBLE
+    10,  # FLOAT16
+    16,  # BFLOAT16
 )
 _INT_TYPES = (
-    TensorProto.INT8,
-    TensorProto.UINT8,
-    TensorProto.INT16,
-    TensorProto.UINT16,
-    TensorProto.INT32,
-    TensorProto.UINT32,
-    TensorProto.INT64,
-    TensorProto.UINT64,
+    3,  # INT8
+    2,  # UINT8
+    5,  # INT16
+    4,  # UINT16
+    6,  # INT32
+    12,  # UINT32
+    7,  # INT64
+    13,  # UINT64
 )
-_BIT_PATTERN_DTYPES = {
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(ml_dtypes.float8_e4m3fn),
-    np.dtype(ml_dtypes.float8_e4m3fnuz),
-    np.dtype(ml_dtypes.float8_e5m2),
-    np.dtype(ml_dtypes.float8_e5m2fnuz),
-}
+#: ml_dtypes' types stored as bit patterns (onnx_qrewrite.io.elem_types.ml_dtypes_named).
+_BIT_PATTERN_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +127,11 @@ class InputSpec:
 
     @property
     def dtype(self) -> np.dtype:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(self.elem_type))
+        return np_dtype(self.elem_type)
 
     @property
     def type_name(self) -> str:
-        return TensorProto.DataType.Name(self.elem_type).lower()
+        return type_name(self.elem_type).lower()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +336,7 @@ def resolve_value_ranges(
             ranges[spec.name] = ValueRange(0, size - 1, what)
         elif integer:
             ranges[spec.name] = ValueRange(0, 1, "integer default {0, 1}")
-        elif spec.elem_type == TensorProto.BOOL:
+        elif spec.elem_type == _BOOL:
             ranges[spec.name] = ValueRange(None, None, "random booleans")
         else:
             ranges[spec.name] = ValueRange(None, None, "standard normal")
@@ -404,7 +402,7 @@ def _random(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, v
     if spec.elem_type in _INT_TYPES:
         lo, hi = _integer_bounds(spec, value_range)
         return rng.integers(lo, hi, size=shape, endpoint=True).astype(spec.dtype)
-    if spec.elem_type == TensorProto.BOOL:
+    if spec.elem_type == _BOOL:
         if value_range.low is not None and value_range.high is not None:
             if value_range.high < 1:
                 return np.zeros(shape, np.bool_)
@@ -472,7 +470,11 @@ def generate_samples(
 
 def _decode(array: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:
     """A stored array as the input's dtype; bit patterns become bfloat16/float8 again."""
-    if spec.dtype in _BIT_PATTERN_DTYPES and array.dtype.kind == "u" and array.dtype.itemsize == spec.dtype.itemsize:
+    if (
+        spec.dtype in ml_dtypes_named(_BIT_PATTERN_DTYPES)
+        and array.dtype.kind == "u"
+        and array.dtype.itemsize == spec.dtype.itemsize
+    ):
         return array.view(spec.dtype)
     if array.dtype != spec.dtype:
         raise UsageError(f"--inputs: {where} has dtype {array.dtype}, but the model input is {spec.type_name}")
@@ -548,7 +550,7 @@ def read_npz(path: str | os.PathLike[str], option: str, limit: int = MAX_INPUT_B
 
 
 def _encode(array: np.ndarray) -> np.ndarray:
-    if array.dtype in _BIT_PATTERN_DTYPES:
+    if array.dtype in ml_dtypes_named(_BIT_PATTERN_DTYPES):
         return array.view(np.dtype(f"u{array.dtype.itemsize}"))
     return array
 

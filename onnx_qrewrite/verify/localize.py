@@ -24,8 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-
-import onnx
+from typing import TYPE_CHECKING
 
 from onnx_qrewrite.errors import InvalidModelError, first_line
 from onnx_qrewrite.rewriter import provenance
@@ -33,6 +32,9 @@ from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_va
 from onnx_qrewrite.verify.drift import DriftThreshold, DriftThresholds
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize", "with_outputs"]
 
@@ -65,6 +67,8 @@ class Localization:
 
 def with_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
     """A copy of ``model`` that also outputs ``names``, so their values can be compared."""
+    import onnx
+
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     present = {o.name for o in copy.graph.output}

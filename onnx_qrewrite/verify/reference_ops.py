@@ -40,7 +40,7 @@ from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import VERIFY_EXTRA, InvalidModelError, MissingDependencyError
 from onnx_qrewrite.rewriter.graph import NameAllocator, iter_scopes, subgraphs
-from onnx_qrewrite.verify import kernels
+from onnx_qrewrite.verify import _kernel_errors, kernels
 
 __all__ = [
     "REFERENCE_DOMAIN",
@@ -120,14 +120,9 @@ class _Variant:
         return y.astype(_np_dtype(_boundary_type(self.output_type)))
 
 
-_KERNEL_ERRORS: list[str] = []
-
-
-def take_kernel_errors() -> list[str]:
-    """Errors the reference kernels met since the last call (and forget them)."""
-    errors = list(_KERNEL_ERRORS)
-    _KERNEL_ERRORS.clear()
-    return errors
+_KERNEL_ERRORS = _kernel_errors.ERRORS
+#: Errors the reference kernels met since the last call (and forget them).
+take_kernel_errors = _kernel_errors.take
 
 
 def _quark_variants() -> Iterator[_Variant]:

@@ -12,20 +12,23 @@ import dataclasses
 import json
 import math
 import os
-import xml.etree.ElementTree as ET
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from onnx_qrewrite.rewriter.report import write_report_file
+from onnx_qrewrite.io.outputs import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
 from onnx_qrewrite.verify.drift import Drift, DriftDecision, DriftThresholds
-from onnx_qrewrite.verify.hazards import Hazard
 from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, ValueRange
-from onnx_qrewrite.verify.localize import Localization
 from onnx_qrewrite.verify.session import SessionSettings
+
+if TYPE_CHECKING:
+    import xml.etree.ElementTree as ET
+
+    from onnx_qrewrite.verify.hazards import Hazard
+    from onnx_qrewrite.verify.localize import Localization
 
 __all__ = ["SCHEMA_PATH", "VerifyReport", "VerifySettings"]
 
@@ -197,6 +200,8 @@ class VerifyReport:
 
     def to_junit(self) -> ET.Element:
         """``<testsuites>`` with one ``<testsuite>`` per model pair and one test case per output."""
+        import xml.etree.ElementTree as ET  # only JUnit needs it: not imported on every verify
+
         failures = sum(not o.passed for o in self.outputs)
         suites = ET.Element(
             "testsuites",
@@ -236,6 +241,8 @@ class VerifyReport:
 
     def junit_xml(self) -> str:
         """The JUnit document as text (what crosses process boundaries in batch runs)."""
+        import xml.etree.ElementTree as ET
+
         root = self.to_junit()
         ET.indent(root)
         return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.metadata
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
+
+if TYPE_CHECKING:
+    import onnx
 
 from onnx_qrewrite.errors import InvalidModelError, MissingDependencyError, UsageError, first_line
 
@@ -119,6 +120,8 @@ def _require(name: str) -> Any:
 
 
 def _version(distribution: str) -> str | None:
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -170,6 +173,8 @@ def _child_versions(python: str) -> str | None:
 
 
 def _input_types(model: onnx.ModelProto) -> dict[str, str]:
+    import onnx
+
     init = {t.name for t in model.graph.initializer}
     out = {}
     for vi in model.graph.input:
@@ -182,6 +187,8 @@ def _input_types(model: onnx.ModelProto) -> dict[str, str]:
 
 
 def _output_types(model: onnx.ModelProto) -> dict[str, str]:
+    import onnx
+
     out = {}
     for vi in model.graph.output:
         elem = vi.type.tensor_type.elem_type
@@ -262,6 +269,8 @@ class TractRunner(_Runner):
     def __init__(self, model: onnx.ModelProto, *, label: str) -> None:
         super().__init__(model, label, "tract")
         self._tract = _require("tract")
+        import onnx
+
         stripped = onnx.ModelProto()
         stripped.CopyFrom(model)
         del stripped.graph.value_info[:]
@@ -304,6 +313,7 @@ class TractRunner(_Runner):
 def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
     """A copy with every symbolic input dimension fixed (``shapes`` by input name, else 1), as
     onnxruntime's make_dynamic_shape_fixed does: the dim_param is replaced wherever it appears."""
+    import onnx
     from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
 
     fixed = onnx.ModelProto()

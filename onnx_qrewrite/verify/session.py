@@ -15,17 +15,20 @@ import ctypes
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
-from onnx_qrewrite.verify import reference_ops
+from onnx_qrewrite.io.elem_types import np_dtype, type_name
+from onnx_qrewrite.verify import _kernel_errors
 from onnx_qrewrite.verify._ort import ort
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["OPT_LEVELS", "ModelRunner", "SessionSettings", "available_cpus"]
 
@@ -40,16 +43,9 @@ OPT_LEVELS: dict[str, ort.GraphOptimizationLevel] = {
 }
 
 # ONNX types onnxruntime's numpy conversion does not handle: exchanged as raw bits.
-_RAW_TYPES: dict[str, tuple[int, np.dtype]] = {
-    f"tensor({TensorProto.DataType.Name(t).lower()})": (t, np.dtype(helper.tensor_dtype_to_np_dtype(t)))
-    for t in (
-        TensorProto.BFLOAT16,
-        TensorProto.FLOAT8E4M3FN,
-        TensorProto.FLOAT8E4M3FNUZ,
-        TensorProto.FLOAT8E5M2,
-        TensorProto.FLOAT8E5M2FNUZ,
-    )
-}
+# (TensorProto.DataType numbers: BFLOAT16, FLOAT8E4M3FN, FLOAT8E4M3FNUZ, FLOAT8E5M2, FLOAT8E5M2FNUZ.)
+# The dtypes are ml_dtypes' (imported when one is first needed: most models have none).
+_RAW_TYPES: dict[str, int] = {f"tensor({type_name(t).lower()})": t for t in (16, 17, 18, 19, 20)}
 _PACKED_4BIT = ("tensor(int4)", "tensor(uint4)")
 
 
@@ -97,7 +93,8 @@ class SessionSettings:
 
 def _to_ortvalue(array: np.ndarray) -> ort.OrtValue:
     array = np.ascontiguousarray(array)
-    for onnx_type, dtype in _RAW_TYPES.values():
+    for onnx_type in _RAW_TYPES.values() if "ml_dtypes" in sys.modules else ():  # else no array is one
+        dtype = np_dtype(onnx_type)
         if array.dtype == dtype:
             bits = array.view(np.dtype(f"u{dtype.itemsize}"))
             return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_type)
@@ -113,15 +110,15 @@ def _from_ortvalue(value: ort.OrtValue) -> np.ndarray:
     if raw.size:
         ctypes.memmove(raw.ctypes.data, value.data_ptr(), raw.size)
     if type_name in _RAW_TYPES:
-        return raw.view(_RAW_TYPES[type_name][1]).reshape(shape)
+        return raw.view(np_dtype(_RAW_TYPES[type_name])).reshape(shape)
     # Two 4-bit elements per byte, the first in the low nibble (ONNX's packing).
     count = int(np.prod(shape, dtype=np.int64))
     nibbles = np.empty(raw.size * 2, np.uint8)
     nibbles[0::2], nibbles[1::2] = raw & 0x0F, raw >> 4
     nibbles = nibbles[:count]
     if type_name == "tensor(int4)":
-        return ((nibbles.astype(np.int8) ^ 8) - 8).astype(ml_dtypes.int4).reshape(shape)
-    return nibbles.astype(ml_dtypes.uint4).reshape(shape)
+        return ((nibbles.astype(np.int8) ^ 8) - 8).astype(np_dtype(22)).reshape(shape)  # INT4
+    return nibbles.astype(np_dtype(21)).reshape(shape)  # UINT4
 
 
 class ModelRunner:
@@ -129,7 +126,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: onnx.ModelProto,
+        model: onnx.ModelProto | bytes,
         *,
         label: str,
         settings: SessionSettings,
@@ -137,7 +134,9 @@ class ModelRunner:
         register_custom_library: bool = False,
         providers: Sequence[str] = ("CPUExecutionProvider",),
     ) -> None:
-        """``reference_kernels``: retarget vendor nodes to the numpy kernels first;
+        """``model``: a ModelProto, or the serialized model (handed to onnxruntime as it is: no
+        parse in Python, see ``verify``'s fast path); ``reference_kernels``: retarget vendor
+        nodes to the numpy kernels first (a ModelProto only);
         ``register_custom_library``: load ``settings.custom_op_library`` into this session;
         ``providers``: onnxruntime execution providers (``verify --providers``, rewritten side)."""
         self.label = label
@@ -150,6 +149,9 @@ class ModelRunner:
                     f"--custom-op-library: {settings.custom_op_library}: cannot load: {first_line(exc)}"
                 ) from None
         if reference_kernels:
+            from onnx_qrewrite.verify import reference_ops
+
+            assert not isinstance(model, bytes), "reference kernels retarget a parsed model"
             try:
                 model = reference_ops.retarget_vendor_nodes(model)
                 needs_kernels = any(o.domain == reference_ops.REFERENCE_DOMAIN for o in model.opset_import)
@@ -159,7 +161,8 @@ class ModelRunner:
                 options.register_custom_ops_library(reference_ops.register_reference_kernels())
         self.model = model
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+            serialized = model if isinstance(model, bytes) else model.SerializeToString()
+            self.session = ort.InferenceSession(serialized, options, providers=list(providers))
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
             raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {first_line(exc)}") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -169,7 +172,7 @@ class ModelRunner:
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Run once; every output as a numpy array (bfloat16/float8/int4 as ml_dtypes arrays)."""
         names = list(outputs) if outputs is not None else list(self.output_types)
-        reference_ops.take_kernel_errors()  # start clean
+        _kernel_errors.take()  # start clean
         try:
             values = self.session.run_with_ort_values(
                 names, {name: _to_ortvalue(feeds[name]) for name in self.input_names}
@@ -177,10 +180,10 @@ class ModelRunner:
         except KeyError as exc:
             raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
         except Exception as exc:  # noqa: BLE001 - a kernel failed at run time
-            kernel_errors = reference_ops.take_kernel_errors()
+            kernel_errors = _kernel_errors.take()
             reason = kernel_errors[0] if kernel_errors else first_line(exc)
             raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {reason}") from None
-        kernel_errors = reference_ops.take_kernel_errors()
+        kernel_errors = _kernel_errors.take()
         if kernel_errors:
             raise InvalidModelError(f"{self.label}: onnxruntime failed while running the model: {kernel_errors[0]}")
         return {name: _from_ortvalue(v) for name, v in zip(names, values, strict=True)}

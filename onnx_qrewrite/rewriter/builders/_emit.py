@@ -170,8 +170,8 @@ class Emitter:
     ORIGIN_KEY = provenance.ORIGIN_KEY
     #: Only on nodes of non-exact rewrites: the rule's exactness, and the bound at the replaced
     #: node's outputs (``Plan.bound``, as ``repr(float)``) that ``verify`` checks there.
-    EXACTNESS_KEY = "onnx_qrewrite.exactness"
-    BOUND_KEY = "onnx_qrewrite.bound"
+    EXACTNESS_KEY = provenance.EXACTNESS_KEY
+    BOUND_KEY = provenance.BOUND_KEY
     #: With ``Plan.bound_scale``: the bound grows by ``per_unit`` (``repr(float)``) times the
     #: largest magnitude of the value named by ``BOUND_UNIT_KEY`` (in the original model).
     BOUND_PER_UNIT_KEY = "onnx_qrewrite.bound_per_unit"
