@@ -8,7 +8,6 @@ same ones; :func:`verify_kwargs` turns their values into keyword arguments of
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -444,6 +443,8 @@ def verify_command(
     outcomes.sort(key=lambda o: o.index)
     if report_path:
         body = {"models": [o.payload.get("report") or {"original": o.label, "error": o.error} for o in outcomes]}
+        import json  # only reports need it: not imported on every verify
+
         write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path:
         combined_junit(

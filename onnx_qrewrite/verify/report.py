@@ -9,7 +9,6 @@ output, with the statistics in the failure text.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -194,6 +193,8 @@ class VerifyReport:
 
     def write_json(self, path: str | os.PathLike[str]) -> None:
         """Write the JSON report (``report.schema.json``) to ``path``."""
+        import json  # only --report needs it: not imported on every verify
+
         write_report_file(path, json.dumps(self.to_dict(), indent=2) + "\n", "--report")
 
     # -- JUnit ------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -207,6 +206,8 @@ class _Runner:
         self.input_types = _input_types(model)
         self.input_names = list(self.input_types)
         self.output_types = _output_types(model)
+        import tempfile  # other runtimes only: onnxruntime runs need no temporary copy
+
         self._tmp = tempfile.TemporaryDirectory(prefix="onnx-qrewrite-")
 
     def _write(self, model: onnx.ModelProto) -> Path:
