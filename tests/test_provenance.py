@@ -23,12 +23,16 @@ def _meta(node: onnx.NodeProto) -> set[tuple[str, str]]:
 
 
 def two_dql_model() -> onnx.ModelProto:
-    """Two DynamicQuantizeLinear nodes with the SAME name, back to back (names need not be unique)."""
+    """Two DynamicQuantizeLinear nodes with the SAME name, back to back (names need not be unique).
+    Their outputs' names are longer than the node name, so created names start with ``dql/``."""
     model = dql_model(13)
     first = model.graph.node[0]
-    first.output[:] = ["h", "h_scale", "h_zp"]
-    second = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "y_scale", "y_zero_point"], name="dql")
+    first.output[:] = ["hidden", "hidden_scale", "hidden_zp"]
+    out = ["output", "output_scale", "output_zero_point"]
+    second = helper.make_node("DynamicQuantizeLinear", ["x"], out, name="dql")
     model.graph.node.append(second)
+    for value, name in zip(model.graph.output, out, strict=True):
+        value.name = name
     return model
 
 
@@ -137,3 +141,23 @@ def test_report_names_every_created_node_even_after_a_clash(stamp):
     assert second.created_nodes[0] == "dql2/min_1" and second.created_nodes[-1] == nodes[2 * n - 1]
     assert len(second.created_nodes) == n and second.created_nodes == tuple(nodes[n : 2 * n])
     assert report.to_dict()["rewrites"][1]["created_nodes"] == nodes[n : 2 * n]
+
+
+def test_created_names_start_with_the_shorter_of_node_name_and_first_output():
+    """The prefix is written about three times per created node: the shorter original name is
+    used, and the full node name stays in the first node's origin entry and in the report."""
+    model = dql_model(13)
+    model.graph.node[0].name = "encoder/layer.0/input/DynamicQuantizeLinear"
+    result = onnx_qrewrite.rewrite(model)
+    nodes = list(result.model.graph.node)
+    assert all(node.name.startswith("y/") for node in nodes)
+    assert _meta(nodes[0]) == {
+        (provenance.RULE_KEY, "dql-expand"),
+        (provenance.ORIGIN_KEY, "encoder/layer.0/input/DynamicQuantizeLinear"),
+    }
+    assert provenance.attribute_nodes(nodes) == [("dql-expand", "encoder/layer.0/input/DynamicQuantizeLinear")] * len(
+        nodes
+    )
+    assert list(result.report.rewrites[0].created_nodes) == [n.name for n in nodes]
+    # A node name no longer than its first output is the prefix (the common exporter case).
+    assert all(n.name.startswith("dql/") for n in onnx_qrewrite.rewrite(two_dql_model()).model.graph.node)

@@ -7,7 +7,7 @@ Three modes (``rewrite(..., provenance=...)``, ``--provenance``):
     ``onnx_qrewrite.rule`` and ``onnx_qrewrite.origin`` (the replaced node's name); the other nodes
     of that replacement carry none. They are recognisable without it: a replacement's nodes are
     contiguous in the node list (each takes its original's place) and every created name starts
-    with ``<prefix>/``, the prefix being the replaced node's name (or its first output). Two
+    with ``<prefix>/``, the prefix being the replaced node's name or its first output, whichever is shorter. Two
     metadata strings on every created node were over half of a rewritten model's node bytes.
 ``full``
     Both entries on every created node (what 0.1.0 wrote).

@@ -209,8 +209,22 @@ class Emitter:
 
     @staticmethod
     def prefix_for(node: onnx.NodeProto) -> str:
-        """Created names start with the replaced node's name (or its first output)."""
-        return node.name or (node.output[0] if node.output and node.output[0] else node.op_type)
+        """Created names start with the replaced node's name or its first output, whichever is
+        shorter (the node's name on a tie).
+
+        Either names the replaced node in the original model, and the prefix is written about
+        three times per created node (its name, its output, each reader's input): names were
+        over 80% of a rewritten chain's node bytes, and a chain's node names (``blk07/
+        DynamicQuantizeLinear``) are often twice its output names (``blk07/x_q``), an
+        exporter's output names (``/layer/MatMul_output_0``) longer than its node names. The
+        full node name stays recoverable: it is the ``onnx_qrewrite.origin`` entry of the
+        replacement's first node (provenance.py) and the report's mapping.
+        """
+        name = node.name
+        output = node.output[0] if node.output else ""
+        if name and (not output or len(name) <= len(output)):
+            return name
+        return output or node.op_type
 
     @classmethod
     def metadata_for(

@@ -431,8 +431,11 @@ class IntegerMatMulBuilder:
         if operand.zp_size == 1 or (per_row and operand.zp_size is None and (rank is None or rank < 2)):
             # (A's zero point of unknown shape and A of unknown rank: onnxruntime needs one element.)
             if operand.zp_value is not None:
-                zp_name = emit.const(operand.zp_value.reshape(()))
-            elif operand.zp_scalar:
+                # A constant zero point is emitted already in the compute type (exact: an 8-bit
+                # integer is a float32 and an int32), one shared constant instead of a Cast per node.
+                dtype = np.float32 if compute == _T.FLOAT else np.int32
+                return emit.op1("Sub", [value, emit.const(operand.zp_value.reshape(()).astype(dtype))])
+            if operand.zp_scalar:
                 zp_name = zp
             else:
                 zp_name = emit.op1("Reshape", [zp, emit.const(np.zeros(0, np.int64))], hint="ToScalar")
