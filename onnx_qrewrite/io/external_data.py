@@ -37,6 +37,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -145,6 +146,33 @@ _BITS = {
         "INT2": 2,
     }.items()
     if (value := getattr(onnx.TensorProto, name, None)) is not None
+}
+
+
+#: Bytes per slab of :meth:`ExternalData.iter_slabs`: large enough that numpy's per-call cost
+#: vanishes, small enough to stay in the cache-friendly, bounded-memory range.
+SLAB_BYTES = 8 << 20
+#: Largest single read (Linux returns at most 0x7ffff000 bytes per read).
+_MAX_READ = 1 << 30
+
+
+#: Types whose raw bytes numpy views as they are (ONNX stores them little-endian).
+_SLAB_TYPES = {
+    getattr(onnx.TensorProto, name): np_name
+    for name, np_name in {
+        "FLOAT": "float32",
+        "DOUBLE": "float64",
+        "FLOAT16": "float16",
+        "UINT8": "uint8",
+        "INT8": "int8",
+        "UINT16": "uint16",
+        "INT16": "int16",
+        "UINT32": "uint32",
+        "INT32": "int32",
+        "UINT64": "uint64",
+        "INT64": "int64",
+        "BOOL": "bool",
+    }.items()
 }
 
 
@@ -300,6 +328,48 @@ class ExternalData:
         """(descriptor, offset, length) of ``tensor``'s bytes, for streaming copies."""
         opened, offset, length = self.check(tensor)
         return opened.fd, offset, length
+
+    def iter_slabs(self, tensor: onnx.TensorProto, max_bytes: int = SLAB_BYTES) -> Iterator[Any]:
+        """``tensor``'s values as numpy arrays, consecutive slabs along its first axis (each
+        ``[rows, *dims[1:]]``, at most ``max_bytes`` or one row), read one at a time through the
+        checked descriptor: statistics of gigabytes of weights in bounded memory.
+
+        A tensor of rank 0 or of a type numpy cannot view in place (sub-byte, bfloat16, float8)
+        comes as one array.
+        """
+        import numpy as np
+
+        np_name = _SLAB_TYPES.get(tensor.data_type)
+        dims = tuple(tensor.dims)
+        if tensor.data_location != onnx.TensorProto.EXTERNAL or np_name is None or not dims:
+            yield self.to_array(tensor)
+            return
+        dtype = np.dtype(np_name).newbyteorder("<")
+        opened, offset, _ = self.check(tensor)
+        row_bytes = math.prod(dims[1:]) * dtype.itemsize
+        if row_bytes == 0:
+            yield np.zeros(dims, dtype)
+            return
+        per_slab = max(1, max_bytes // row_bytes)
+        for start in range(0, dims[0], per_slab):
+            rows = min(per_slab, dims[0] - start)
+            data = self._pread_exactly(tensor, opened, rows * row_bytes, offset + start * row_bytes)
+            yield np.frombuffer(data, dtype).reshape(rows, *dims[1:])
+
+    def _pread_exactly(self, tensor: onnx.TensorProto, opened: _Opened, size: int, at: int) -> bytes:
+        """``size`` bytes at ``at`` of the checked descriptor (a read may return fewer: loop)."""
+        parts = []
+        while size:
+            chunk = os.pread(opened.fd, min(size, _MAX_READ), at)
+            if not chunk:  # the file shrank after it was opened
+                raise InvalidModelError(
+                    f"{self.label}: {_tensor_label(tensor)}: external data {opened.path.name!r} ends before offset "
+                    f"{at + size}"
+                )
+            parts.append(chunk)
+            size -= len(chunk)
+            at += len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def to_array(self, tensor: onnx.TensorProto):
         """``tensor`` as a numpy array, its external bytes read through the checked descriptor."""

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 __all__ = [
+    "ConstantSlabs",
     "NameAllocator",
     "Scope",
     "default_opset",
     "dtype_name",
     "iter_scopes",
     "known_shape",
+    "split_slabs",
     "subgraphs",
 ]
 
@@ -238,6 +240,56 @@ class Scope:
             if isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input):
                 return None  # a graph input shadows outer names
         return None
+
+    def constant_slabs(self, name: str, max_bytes: int | None = None) -> ConstantSlabs | None:
+        """The value of an initializer or Constant output visible here as consecutive slabs
+        along its first axis, or None when it is computed at run time (as :meth:`constant`).
+
+        For weights: external data is read one slab at a time through the checked descriptor
+        (:meth:`ExternalData.iter_slabs`), so statistics of gigabytes of weights stream in bounded
+        memory; an in-model tensor is cut into views of the same size.
+        """
+        from onnx_qrewrite.io.external_data import SLAB_BYTES
+
+        size = SLAB_BYTES if max_bytes is None else max_bytes
+        for scope in self._outward():
+            tensor = scope._own().initializers.get(name)
+            if tensor is not None:
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    external = self.root.external
+                    if external is None:
+                        raise InvalidModelError(
+                            f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
+                        )
+                    return ConstantSlabs(tuple(tensor.dims), external.iter_slabs(tensor, size))
+                array = numpy_helper.to_array(tensor)
+                return ConstantSlabs(array.shape, split_slabs(array, size))
+            if scope.producer(name) is not None or (
+                isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input)
+            ):
+                break
+        array = self.constant(name)
+        return None if array is None else ConstantSlabs(array.shape, split_slabs(array, size))
+
+
+class ConstantSlabs(NamedTuple):
+    """A constant's shape, and its values as consecutive slabs along the first axis (a one-shot
+    iterator: each slab is read when it is reached)."""
+
+    shape: tuple[int, ...]
+    slabs: Iterator[np.ndarray]
+
+
+def split_slabs(array: np.ndarray, max_bytes: int) -> Iterator[np.ndarray]:
+    """``array`` as views of consecutive slabs along its first axis of at most ``max_bytes``
+    (or one row) each; a rank-0 array as itself."""
+    if array.ndim == 0 or array.shape[0] == 0:
+        yield array
+        return
+    row_bytes = max(1, array[:1].nbytes)
+    per_slab = max(1, max_bytes // row_bytes)
+    for start in range(0, array.shape[0], per_slab):
+        yield array[start : start + per_slab]
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:

@@ -18,7 +18,7 @@ from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.io import _protowire
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.rewriter.builders import NoMatch
-from onnx_qrewrite.rewriter.graph import NameAllocator, Scope
+from onnx_qrewrite.rewriter.graph import ConstantSlabs, NameAllocator, Scope
 
 __all__ = ["ConstantPool", "Emitter", "Site"]
 
@@ -79,6 +79,11 @@ class Site:
 
     def constant(self, value: str) -> np.ndarray | None:
         return self.scope.constant(value) if value else None
+
+    def constant_slabs(self, value: str, max_bytes: int | None = None) -> ConstantSlabs | None:
+        """A constant as slabs along its first axis, read as they are reached (for statistics of
+        weights that may be gigabytes): see :meth:`Scope.constant_slabs`."""
+        return self.scope.constant_slabs(value, max_bytes) if value else None
 
 
 #: Constant names say their dtype briefly (they are read by every node that uses them).
@@ -201,6 +206,7 @@ class Emitter:
         self.records: list[tuple[str, str, list[str], list[str], str, bytes]] = []
         self.fresh_names: list[str] = []
         self.fresh_hints: list[str] = []
+        self._hints_used: set[str] = set()
         self.constant_names: set[str] = set()
 
     @property
@@ -252,6 +258,15 @@ class Emitter:
         return encoded, (encoded if mode == "full" else b"")
 
     def _fresh(self, hint: str) -> str:
+        # A hint used twice in one replacement (five Casts) is numbered here, as the allocator
+        # would number the names (``/Cast``, ``/Cast_1``, ...): a template whose hints are all
+        # different draws its names as one family, without a look-up per name (graph.py).
+        if hint in self._hints_used:
+            n = 1
+            while f"{hint}_{n}" in self._hints_used:
+                n += 1
+            hint = f"{hint}_{n}"
+        self._hints_used.add(hint)
         name = self._names.fresh(self._prefix + hint)
         self.fresh_names.append(name)
         self.fresh_hints.append(hint)

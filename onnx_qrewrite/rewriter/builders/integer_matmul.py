@@ -54,7 +54,7 @@ from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, regist
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
-from onnx_qrewrite.rewriter.graph import dtype_name
+from onnx_qrewrite.rewriter.graph import ConstantSlabs, dtype_name
 
 __all__ = ["IntegerMatMulBuilder", "float32_sum_bound"]
 
@@ -147,46 +147,115 @@ def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
     return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
 
 
-_CHUNK = 1 << 20  # elements per step: statistics of large weights in bounded memory
+def _zero_points(b: _Operand) -> np.ndarray:
+    """B's zero point(s) as a flat int16 array (0 when there is none)."""
+    return np.zeros(1, np.int16) if b.zp_value is None else b.zp_value.astype(np.int16).reshape(-1)
 
 
-def _column_sums(weights: np.ndarray, b: _Operand, conv: bool) -> float | None:
-    """max over output columns/channels of sum_k |b - b_zp| (None: the zero point is not constant)."""
-    if b.zero_point and b.zp_value is None:
-        return None
-    rows = _rows(weights, conv)
-    zp = np.zeros(1, np.int16) if b.zp_value is None else b.zp_value.astype(np.int16).reshape(-1)
-    if zp.size > 1:  # per column (MatMul: repeated over batch matrices) or per output channel
-        zp = np.tile(zp, rows.shape[0] // zp.size)
-    per_step = max(1, _CHUNK // max(1, rows.shape[1]))
-    best = 0
-    for start in range(0, rows.shape[0], per_step):
-        part = rows[start : start + per_step].astype(np.int16)
-        part -= zp[start : start + per_step, None] if zp.size > 1 else zp[0]
-        best = max(best, int(np.abs(part).sum(axis=1, dtype=np.int64).max(initial=0)))
-    return float(best)
+def _absolute_shift(part: np.ndarray, zp: np.ndarray) -> np.ndarray:
+    """|part - zp| for 8-bit ``part`` and one zero point, as uint8 (at most 255): one table
+    look-up per element instead of a widening, a subtraction and an absolute value."""
+    values = np.arange(256, dtype=np.int16) if part.dtype == np.uint8 else np.arange(-128, 128, dtype=np.int16)
+    table = np.abs(values - zp[0]).astype(np.uint8)
+    return table[part.view(np.uint8) ^ (0 if part.dtype == np.uint8 else 0x80)]
 
 
-def _may_saturate_in_onnxruntime(weights: np.ndarray | None, read: _Read) -> bool | None:
-    """Whether onnxruntime's uint8 x int8 kernel (int16 pairs, x86 without VNNI) can saturate here:
-    some adjacent pair of constant weights, times the other operand's extremes, leaves int16.
-    None: cannot tell (weights not constant, or the other operand's type unknown)."""
-    u8, s8 = (read.a.dtype, read.b.dtype) if not read.conv else (read.b.dtype, read.a.dtype)
-    if u8 == "int8" or s8 == "uint8":  # the kernel's pair is (uint8 operand, int8 operand)
-        return False
-    if weights is None or _UNKNOWN in (u8, s8):
-        return None
-    lo, hi = INTEGER_RANGES[read.a.dtype]
-    rows = _rows(weights, read.conv)
-    if rows.shape[1] < 2:
-        return False
-    per_step = max(1, _CHUNK // rows.shape[1])
-    for start in range(0, rows.shape[0], per_step):
-        w = rows[start : start + per_step].astype(np.int32)
-        most, least = np.maximum(w * lo, w * hi), np.minimum(w * lo, w * hi)
-        if (most[:, :-1] + most[:, 1:]).max() > _INT16[1] or (least[:, :-1] + least[:, 1:]).min() < _INT16[0]:
-            return True
-    return False
+class _WeightStatistics:
+    """What the rewrite needs from constant weights, gathered from consecutive slabs along their
+    first axis (:meth:`Site.constant_slabs`) so that weights of any size stream through in
+    bounded memory and are read once:
+
+    * ``columns``: max over output columns/channels of sum_k |b - b_zp| (None: the zero point
+      is not constant);
+    * ``saturates``: whether onnxruntime's uint8 x int8 kernel (int16 pairs, x86 without VNNI)
+      can saturate: some adjacent pair of weights along K, times the other operand's extremes,
+      leaves int16 (None: cannot tell; only looked at for that pair of types).
+
+    MatMul's B [..., K, N]: a 2-D (or 1-D) B's slabs cut K, so the column sums add up across
+    slabs and the last row of each slab pairs with the first of the next; a batched B's slabs and
+    Conv's w [M, C, kh, kw] (rows: output channels) hold whole rows.
+    """
+
+    def __init__(self, shape: tuple[int, ...], read: _Read):
+        self._conv = read.conv
+        self._k_major = not read.conv and len(shape) <= 2  # slabs cut K
+        b = read.b
+        self._zp: np.ndarray | None = None if (b.zero_point and b.zp_value is None) else _zero_points(b)
+        self.columns: float | None = None if self._zp is None else 0.0
+        self._sums: np.ndarray | None = None  # per column (k-major B)
+        self._row = 0  # rows of the [column, K] view seen so far
+        u8, s8 = (read.a.dtype, read.b.dtype) if not read.conv else (read.b.dtype, read.a.dtype)
+        self._pairs = not (u8 == "int8" or s8 == "uint8")  # the kernel pairs (uint8, int8) only
+        self.saturates: bool | None = None if self._pairs and _UNKNOWN in (u8, s8) else False
+        self._a_range = INTEGER_RANGES[read.a.dtype] if self.saturates is False and self._pairs else None
+        self._carry: np.ndarray | None = None  # the previous slab's last row (k-major B)
+
+    @property
+    def needs_values(self) -> bool:
+        return self.columns is not None or self._a_range is not None
+
+    def add(self, slab: np.ndarray) -> None:
+        if self._k_major:
+            slab = slab.reshape(slab.shape[0], -1) if slab.ndim == 2 else slab.reshape(-1, 1)
+            self._add_k_major(slab)
+        else:
+            rows = _rows(slab, self._conv)
+            self._add_rows(rows)
+
+    def _add_k_major(self, slab: np.ndarray) -> None:
+        """``slab``: [k rows, N columns], K along axis 0."""
+        zp = self._zp
+        if zp is not None:
+            if zp.size == 1 and slab.dtype in (np.uint8, np.int8):
+                part = _absolute_shift(slab, zp).sum(axis=0, dtype=np.int64)
+            else:
+                shifted = slab.astype(np.int16) - (zp if zp.size == 1 else zp[None, :])
+                part = np.abs(shifted).sum(axis=0, dtype=np.int64)
+            self._sums = part if self._sums is None else self._sums + part
+            self.columns = float(self._sums.max(initial=0))
+        if self._a_range is not None and not self.saturates:
+            block = slab if self._carry is None else np.concatenate([self._carry, slab])
+            self._carry = slab[-1:]
+            if block.shape[0] >= 2:
+                self.saturates = _pair_leaves_int16(block.astype(np.int32), 0, self._a_range)
+
+    def _add_rows(self, rows: np.ndarray) -> None:
+        """``rows``: [output column or channel, K], whole rows."""
+        zp = self._zp
+        if zp is not None and rows.shape[0]:
+            if zp.size == 1 and rows.dtype in (np.uint8, np.int8):
+                sums = _absolute_shift(rows, zp).sum(axis=1, dtype=np.int64)
+            else:
+                if zp.size > 1:  # per column (MatMul: repeated over batch matrices) or per channel
+                    index = (np.arange(self._row, self._row + rows.shape[0]) % zp.size)[:, None]
+                    shifted = rows.astype(np.int16) - zp[index]
+                else:
+                    shifted = rows.astype(np.int16) - zp[0]
+                sums = np.abs(shifted).sum(axis=1, dtype=np.int64)
+            self.columns = max(self.columns or 0.0, float(sums.max(initial=0)))
+        self._row += rows.shape[0]
+        if self._a_range is not None and not self.saturates and rows.shape[1] >= 2:
+            self.saturates = _pair_leaves_int16(rows.astype(np.int32), 1, self._a_range)
+
+
+def _pair_leaves_int16(w: np.ndarray, axis: int, a_range: tuple[int, int]) -> bool:
+    """Whether some adjacent pair of ``w`` along ``axis``, times the other operand's extremes,
+    leaves int16."""
+    lo, hi = a_range
+    most, least = np.maximum(w * lo, w * hi), np.minimum(w * lo, w * hi)
+    first = (slice(None),) * axis + (slice(None, -1),)
+    second = (slice(None),) * axis + (slice(1, None),)
+    return bool((most[first] + most[second]).max() > _INT16[1] or (least[first] + least[second]).min() < _INT16[0])
+
+
+def _weight_statistics(slabs: ConstantSlabs, read: _Read) -> tuple[float | None, bool | None]:
+    """(column sums, saturates) of constant weights (:class:`_WeightStatistics`), in one pass;
+    the weights are not read at all when neither can be known from them."""
+    stats = _WeightStatistics(slabs.shape, read)
+    if stats.needs_values:
+        for slab in slabs.slabs:
+            stats.add(slab)
+    return stats.columns, stats.saturates
 
 
 class IntegerMatMulBuilder:
@@ -232,6 +301,11 @@ class IntegerMatMulBuilder:
             zp_size, scalar = 1, True  # its zero point output is a scalar
         return _Operand(name, zp, dtype, zp_value, zp_size, scalar)
 
+    def _weights(self, site: Site, name: str, zp: str, what: str) -> _Operand:
+        """:meth:`_operand` of B (w), once per scope: one weight often feeds many nodes, and what
+        is known of it (type, zero point's value and shape) depends on the scope only."""
+        return site.scope.memo(("integer-matmul-operand", name, zp, what), lambda: self._operand(site, name, zp, what))
+
     def _read(self, site: Site) -> _Read:
         node = site.node
         op = node.op_type
@@ -239,15 +313,15 @@ class IntegerMatMulBuilder:
             raise NoMatch(f"malformed node: {op} has one output, it has {len(node.output)}")
         if op == "MatMulInteger":
             a = self._operand(site, site.input(0), site.input(2), "A")
-            b = self._operand(site, site.input(1), site.input(3), "B")
+            b = self._weights(site, site.input(1), site.input(3), "B")
             read = _Read(False, a, b, None, None)
         elif op == "ConvInteger":
             a = self._operand(site, site.input(0), site.input(2), "x")
-            b = self._operand(site, site.input(1), site.input(3), "w")
+            b = self._weights(site, site.input(1), site.input(3), "w")
             read = _Read(True, a, b, None, None)
         elif op == "MatMulIntegerToFloat":
             a = self._operand(site, site.input(0), site.input(4), "A")
-            b = self._operand(site, site.input(1), site.input(5), "B")
+            b = self._weights(site, site.input(1), site.input(5), "B")
             read = _Read(
                 False, a, b, None, None, a_scale=site.input(2), b_scale=site.input(3), bias=site.input(6), to_float=True
             )
@@ -258,7 +332,7 @@ class IntegerMatMulBuilder:
             if elem is not None and elem != _T.FLOAT:
                 raise NoMatch(f"A {site.input(0)!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
             a = _Operand(site.input(0), "<dynamic>", "uint8", None, 1, True)
-            b = self._operand(site, site.input(1), site.input(3), "B")
+            b = self._weights(site, site.input(1), site.input(3), "B")
             read = _Read(
                 False, a, b, None, None, b_scale=site.input(2), bias=site.input(4), dynamic=True, to_float=True
             )
@@ -289,10 +363,12 @@ class IntegerMatMulBuilder:
         """B's shape, column sums and whether onnxruntime's kernel may saturate on it; the
         weights' values are read here and only these statistics of them are kept."""
         b = read.b
-        weights = site.constant(b.name)
+        weights = site.constant_slabs(b.name)
         if weights is None:
-            return value_shape(site.scope, b.name, site.same_shape_ops), None, _may_saturate_in_onnxruntime(None, read)
-        return tuple(weights.shape), _column_sums(weights, b, read.conv), _may_saturate_in_onnxruntime(weights, read)
+            u8, s8 = (read.a.dtype, b.dtype) if not read.conv else (b.dtype, read.a.dtype)
+            saturates = None if not (u8 == "int8" or s8 == "uint8") else False
+            return value_shape(site.scope, b.name, site.same_shape_ops), None, saturates
+        return (tuple(weights.shape), *_weight_statistics(weights, read))
 
     # -- deciding -----------------------------------------------------------------------------
 
