@@ -268,8 +268,8 @@ class Scope:
                 isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input)
             ):
                 break
-        array = self.constant(name)
-        return None if array is None else ConstantSlabs(array.shape, split_slabs(array, size))
+        value = self.constant(name)
+        return None if value is None else ConstantSlabs(value.shape, split_slabs(value, size))
 
 
 class ConstantSlabs(NamedTuple):
