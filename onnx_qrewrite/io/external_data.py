@@ -151,7 +151,7 @@ _BITS = {
 
 #: Bytes per slab of :meth:`ExternalData.iter_slabs`: large enough that numpy's per-call cost
 #: vanishes, small enough to stay in the cache-friendly, bounded-memory range.
-SLAB_BYTES = 8 << 20
+SLAB_BYTES = 1 << 20
 #: Largest single read (Linux returns at most 0x7ffff000 bytes per read).
 _MAX_READ = 1 << 30
 

@@ -153,11 +153,22 @@ def _zero_points(b: _Operand) -> np.ndarray:
 
 
 def _absolute_shift(part: np.ndarray, zp: np.ndarray) -> np.ndarray:
-    """|part - zp| for 8-bit ``part`` and one zero point, as uint8 (at most 255): one table
-    look-up per element instead of a widening, a subtraction and an absolute value."""
-    values = np.arange(256, dtype=np.int16) if part.dtype == np.uint8 else np.arange(-128, 128, dtype=np.int16)
-    table = np.abs(values - zp[0]).astype(np.uint8)
-    return table[part.view(np.uint8) ^ (0 if part.dtype == np.uint8 else 0x80)]
+    """|part - zp| for 8-bit ``part`` (``zp``: int16, broadcastable to it), as uint8 (at most
+    255): max - min in uint8, which never wraps; int8 is first moved to uint8 by flipping its
+    sign bit (+128 on both sides keeps the order and the differences). Byte-wide passes instead of
+    a widening to int16, a subtraction and an absolute value; ``zp`` should be a whole row, not
+    a scalar, for numpy's vectorised loop (4x faster here)."""
+    if part.dtype == np.int8:
+        part = part.view(np.uint8) ^ np.uint8(0x80)
+        centre = (zp + 128).astype(np.uint8)
+    else:
+        centre = zp.astype(np.uint8)
+    high = np.maximum(part, centre)
+    high -= np.minimum(part, centre)
+    return high
+
+
+_BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
 
 
 class _WeightStatistics:
@@ -206,8 +217,10 @@ class _WeightStatistics:
         """``slab``: [k rows, N columns], K along axis 0."""
         zp = self._zp
         if zp is not None:
-            if zp.size == 1 and slab.dtype in (np.uint8, np.int8):
-                part = _absolute_shift(slab, zp).sum(axis=0, dtype=np.int64)
+            n = slab.shape[1]
+            if slab.dtype in _BYTES and zp.size in (1, n):
+                centre = np.full(n, zp[0], np.int16) if zp.size == 1 else zp
+                part = _absolute_shift(slab, centre[None, :]).sum(axis=0, dtype=np.uint32).astype(np.int64)
             else:
                 shifted = slab.astype(np.int16) - (zp if zp.size == 1 else zp[None, :])
                 part = np.abs(shifted).sum(axis=0, dtype=np.int64)
@@ -223,15 +236,14 @@ class _WeightStatistics:
         """``rows``: [output column or channel, K], whole rows."""
         zp = self._zp
         if zp is not None and rows.shape[0]:
-            if zp.size == 1 and rows.dtype in (np.uint8, np.int8):
-                sums = _absolute_shift(rows, zp).sum(axis=1, dtype=np.int64)
+            if zp.size > 1:  # per column (MatMul: repeated over batch matrices) or per channel
+                centre = zp[(np.arange(self._row, self._row + rows.shape[0]) % zp.size)][:, None]
             else:
-                if zp.size > 1:  # per column (MatMul: repeated over batch matrices) or per channel
-                    index = (np.arange(self._row, self._row + rows.shape[0]) % zp.size)[:, None]
-                    shifted = rows.astype(np.int16) - zp[index]
-                else:
-                    shifted = rows.astype(np.int16) - zp[0]
-                sums = np.abs(shifted).sum(axis=1, dtype=np.int64)
+                centre = np.full((1, rows.shape[1]), zp[0], np.int16)
+            if rows.dtype in _BYTES:
+                sums = _absolute_shift(rows, centre).sum(axis=1, dtype=np.int64)
+            else:
+                sums = np.abs(rows.astype(np.int16) - centre).sum(axis=1, dtype=np.int64)
             self.columns = max(self.columns or 0.0, float(sums.max(initial=0)))
         self._row += rows.shape[0]
         if self._a_range is not None and not self.saturates and rows.shape[1] >= 2:
