@@ -149,9 +149,13 @@ def test_the_bound_is_far_below_what_a_zero_point_off_by_one_does_in_integer_mat
     original, rewritten = _bounded_matmul_integer()
     broken = onnx.ModelProto()
     broken.CopyFrom(rewritten)
+    found = 0
     for t in broken.graph.initializer:
-        if numpy_helper.to_array(t).ndim == 0 and int(numpy_helper.to_array(t)) == 130:
-            t.CopyFrom(numpy_helper.from_array(np.asarray(131, np.uint8), t.name))
+        value = numpy_helper.to_array(t)
+        if value.ndim == 0 and value == 130:  # the zero point, in whatever type the rewrite computes in
+            t.CopyFrom(numpy_helper.from_array(np.asarray(131, value.dtype), t.name))
+            found += 1
+    assert found == 1
     report = verify(original, broken, int_range=FULL_RANGE)
     row = _bound_row(report, "mmi")
     assert not row.passed and row.max_abs_error > 50 * row.tolerance.lsb, report.to_table()

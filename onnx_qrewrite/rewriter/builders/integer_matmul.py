@@ -220,7 +220,8 @@ class _WeightStatistics:
             n = slab.shape[1]
             if slab.dtype in _BYTES and zp.size in (1, n):
                 centre = np.full(n, zp[0], np.int16) if zp.size == 1 else zp
-                part = _absolute_shift(slab, centre[None, :]).sum(axis=0, dtype=np.uint32).astype(np.int64)
+                wide = np.uint32 if slab.shape[0] < 1 << 24 else np.int64  # 255 * rows fits
+                part = _absolute_shift(slab, centre[None, :]).sum(axis=0, dtype=wide).astype(np.int64)
             else:
                 shifted = slab.astype(np.int16) - (zp if zp.size == 1 else zp[None, :])
                 part = np.abs(shifted).sum(axis=0, dtype=np.int64)
