@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, iter_scopes, known_shape
-from onnx_qrewrite.targets.profile import TargetProfile
+from onnx_qrewrite.targets.profile import Refusal, TargetProfile
 
 __all__ = ["Refused", "check_model", "model_level_reasons"]
 
@@ -143,7 +143,7 @@ def _node_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, gr
     for refusal in profile.refusals:
         if refusal.op != node.op_type or refusal.domain != domain:
             continue
-        why = _refusal_applies(refusal.when, refusal.types, node, scope, refusal.ops)
+        why = _refusal_applies(refusal, node, scope)
         if why is not None:
             reasons.append(f"{node.op_type}{why}: {refusal.reason} {profile.cite(refusal.source)}")
     reasons.extend(_network_reasons(node, scope, profile, graph_io))
@@ -158,10 +158,53 @@ def _is_constant(scope: Scope, name: str | None) -> bool:
 _SCALES = {"QuantizeLinear": (1,), "DequantizeLinear": (1,), "QLinearConv": (1, 4, 6), "QLinearMatMul": (1, 4, 6)}
 
 
-def _refusal_applies(
-    when: str, types: frozenset[str], node: onnx.NodeProto, scope: Scope, ops: frozenset[str] = frozenset()
-) -> str | None:
+def _rank(scope: Scope, name: str) -> int | None:
+    """The number of dimensions of ``name`` when shape inference or a constant tells it."""
+    shape = scope.recorded_shapes.get(name)
+    if shape is not None:
+        return len(shape)
+    value = scope.constant(name)
+    return None if value is None else value.ndim
+
+
+def _consumers(scope: Scope) -> dict[str, list[onnx.NodeProto]]:
+    def index() -> dict[str, list[onnx.NodeProto]]:
+        found: dict[str, list[onnx.NodeProto]] = {}
+        for n in scope.container.node:
+            for name in n.input:
+                if name:
+                    found.setdefault(name, []).append(n)
+        return found
+
+    return scope.memo("targets.check.consumers", index)
+
+
+def _in_chain(node: onnx.NodeProto, scope: Scope, chain: tuple[str, ...]) -> bool:
+    """Whether ``node`` is a link of ``chain``: standard ops, each one's first output feeding the
+    next (how a runtime's own fusion finds a pattern, e.g. QNN's Div -> Erf -> Add -> Mul GELU).
+    Only the op types along one direct path are matched, not the constants beside it."""
+
+    def standard(n: onnx.NodeProto | None, op: str) -> bool:
+        return n is not None and n.domain in _STANDARD and n.op_type == op
+
+    def back(n: onnx.NodeProto, i: int) -> bool:  # n is chain[i]; chain[:i] lead to it
+        if i == 0:
+            return True
+        producers = [scope.producer(x) for x in n.input if x]
+        return any(p is not None and standard(p, chain[i - 1]) and back(p, i - 1) for p in producers)
+
+    def ahead(n: onnx.NodeProto, i: int) -> bool:  # n is chain[i]; chain[i + 1:] follow it
+        if i == len(chain) - 1:
+            return True
+        nxt = _consumers(scope).get(n.output[0], []) if n.output else []
+        return any(standard(c, chain[i + 1]) and ahead(c, i + 1) for c in nxt)
+
+    return any(op == node.op_type and back(node, i) and ahead(node, i) for i, op in enumerate(chain))
+
+
+def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """None when the refusal does not hold for this node, else a phrase saying what it saw."""
+    when, types, ops = refusal.when, refusal.types, refusal.ops
     if when == "always":
         return ""
     if when == "input-from":
@@ -194,6 +237,22 @@ def _refusal_applies(
             if t in types:
                 return f" on {t} ({name!r})"
         return None
+    if when == "rank-above":
+        assert refusal.rank is not None
+        for index in refusal.inputs:
+            name = _operand(node, index)
+            rank = _rank(scope, name) if name else None
+            if rank is not None and rank > refusal.rank:
+                return f" with a rank-{rank} input ({name!r}; at most {refusal.rank})"
+        return None
+    if when == "computed-input":
+        for index in refusal.inputs:
+            name = _operand(node, index)
+            if name is not None and not _is_constant(scope, name):
+                return f" with input {index} ({name!r}) computed at run time"
+        return None
+    if when == "outside-chain":
+        return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
     if when == "quantized-type":
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if t is None:
@@ -239,9 +298,20 @@ def _quantization_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetPro
 
 
 def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile, graph_io: set[str]) -> list[str]:
-    if not (profile.io_only_types or profile.refused_types):
+    if not (profile.io_only_types or profile.refused_types or profile.qdq_only_types):
         return []
     src = profile.cite(profile.network_source)
+    exempt = (*_QDQ, "Constant", *profile.keep)  # Constants become initializers before a runtime sees them
+    if profile.qdq_only_types and node.op_type not in exempt:
+        # Constants (a MatMulNBits' packed weights, an embedding table) are the runtime's to
+        # convert; what it cannot have is such a tensor computed at run time.
+        for name in [*node.input, *node.output]:
+            t = _type_name(scope.elem_type(name)) if name and not _is_constant(scope, name) else None
+            if t in profile.qdq_only_types:
+                return [
+                    f"{node.op_type} on {t} ({name!r}): the target takes {t} tensors only on the quantized "
+                    f"side of a QuantizeLinear/DequantizeLinear {src}"
+                ]
     for name in node.output:
         t = _type_name(scope.elem_type(name)) if name else None
         if t is None:

@@ -43,7 +43,15 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # type (any input or output of these types) | per-channel
                                      # (a scale with more than one element: Q/DQ, QLinearConv,
                                      # QLinearMatMul) | input-from (with ops = [...]: its first
-                                     # input is the output of one of these standard ops)
+                                     # input is the output of one of these standard ops) |
+                                     # rank-above (with rank = N: one of `inputs` has more than
+                                     # N dimensions) | computed-input (one of `inputs` is
+                                     # computed at run time, not a constant) | outside-chain
+                                     # (with chain = [...]: it is not a link of a direct
+                                     # producer -> consumer chain of these standard ops)
+    inputs = [0]                     # rank-above / computed-input: the input positions looked at
+    rank = 2                         # rank-above: the most dimensions the target takes there
+    chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
     reason = "y_scale must be a const"
     source = "observed"
 
@@ -59,6 +67,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     [network]
     io_only_types = ["uint8"]        # element types allowed only as graph inputs/outputs
     refused_types = ["bfloat16"]     # element types refused anywhere
+    qdq_only_types = ["uint8"]       # element types only on the quantized side of a Q/DQ: refused
+                                     # as an input or output of any other op (except `keep` ops)
     source = "..."
 
     [rewrites]
@@ -116,6 +126,9 @@ REFUSE_WHEN = (
     "type",
     "per-channel",
     "input-from",
+    "rank-above",
+    "computed-input",
+    "outside-chain",
 )
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
@@ -151,7 +164,7 @@ _TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
 _SOURCE_KEYS = {"id", "document", "version", "notes"}
 _OPSET_KEYS = {"min", "max", "source", "notes"}
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
-_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "reason", "source"}
+_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "inputs", "rank", "chain", "reason", "source"}
 _QUANT_KEYS = {
     "types",
     "constant_scale",
@@ -162,7 +175,7 @@ _QUANT_KEYS = {
     "source",
     "notes",
 }
-_NETWORK_KEYS = {"io_only_types", "refused_types", "source", "notes"}
+_NETWORK_KEYS = {"io_only_types", "refused_types", "qdq_only_types", "source", "notes"}
 _REWRITES_KEYS = {"keep", "avoid", "form", "source", "notes"}
 _FORM_KEYS = {"name", "allow", "options", "why", "source"}
 
@@ -198,6 +211,9 @@ class Refusal:
     source: str
     types: frozenset[str] = frozenset()
     ops: frozenset[str] = frozenset()  # when = "input-from": the producers it applies after
+    inputs: tuple[int, ...] = (0,)  # when = "rank-above" / "computed-input": the inputs looked at
+    rank: int | None = None  # when = "rank-above": the most dimensions taken
+    chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +255,7 @@ class TargetProfile:
     quantization: Quantization | None = None
     io_only_types: frozenset[str] = frozenset()
     refused_types: frozenset[str] = frozenset()
+    qdq_only_types: frozenset[str] = frozenset()
     network_source: str | None = None
     keep: frozenset[str] = frozenset()
     forms: tuple[FormRequest, ...] = ()
@@ -451,15 +468,36 @@ def parse_target(text: str, path: str) -> TargetProfile:
             raise _fail(path, where, "'ops' must be a list of op names")
         if (when == "input-from") != bool(after_ops):
             raise _fail(path, where, "'ops' goes with 'when = \"input-from\"', and it needs them")
+        positions = raw.get("inputs", [0])
+        if (
+            not isinstance(positions, list)
+            or not positions
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
+        ):
+            raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
+        if "inputs" in raw and when not in ("rank-above", "computed-input"):
+            raise _fail(path, where, "'inputs' goes with 'when = \"rank-above\"' or 'when = \"computed-input\"'")
+        rank = _int(path, where, raw, "rank")
+        if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
+            raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
+        chain = raw.get("chain", [])
+        if not isinstance(chain, list) or not all(isinstance(o, str) and o for o in chain):
+            raise _fail(path, where, "'chain' must be a list of op names")
+        op = _string(path, where, raw, "op")
+        if (when == "outside-chain") != bool(chain) or (chain and op not in chain):
+            raise _fail(path, where, "'chain' goes with 'when = \"outside-chain\"', needs ops, and must name 'op'")
         refusals.append(
             Refusal(
                 _norm_domain(str(raw.get("domain", ""))),
-                _string(path, where, raw, "op"),
+                op,
                 when,
                 _string(path, where, raw, "reason"),
                 source,
                 types,
                 frozenset(after_ops),
+                tuple(positions),
+                rank,
+                tuple(chain),
             )
         )
 
@@ -478,12 +516,14 @@ def parse_target(text: str, path: str) -> TargetProfile:
 
     io_only: frozenset[str] = frozenset()
     refused_types: frozenset[str] = frozenset()
+    qdq_only: frozenset[str] = frozenset()
     network_source = None
     if "network" in data:
         raw = _check_keys(path, "[network]", data["network"], _NETWORK_KEYS)
         network_source = _cited(path, "[network]", raw, sources)
         io_only = _types(path, "[network]", raw, "io_only_types") or frozenset()
         refused_types = _types(path, "[network]", raw, "refused_types") or frozenset()
+        qdq_only = _types(path, "[network]", raw, "qdq_only_types") or frozenset()
 
     keep: frozenset[str] = frozenset()
     avoid: frozenset[str] = frozenset()
@@ -526,6 +566,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         quantization=quantization,
         io_only_types=io_only,
         refused_types=refused_types,
+        qdq_only_types=qdq_only,
         network_source=network_source,
         keep=keep,
         avoid=avoid,
