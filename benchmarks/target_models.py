@@ -71,8 +71,8 @@ def _inputs(model: onnx.ModelProto, seed: int) -> dict[str, np.ndarray]:
 #: Seeds of the inputs a runtime's disagreement on the recorded inputs (seed 2) is confirmed on.
 #: A runtime whose float arithmetic is not bit-identical to onnxruntime's moves an activation on a
 #: rounding boundary one quantization step when the model requantizes it, on a few percent of
-#: inputs (ortdyn_bert: 7 of 200 seeds on OpenVINO 2026.4.1, 5 of 200 on tract 0.23.9): no verdict
-#: predicts that. A runtime computing an op wrongly disagrees on every input.
+#: inputs (ortdyn_bert: 4 of 200 seeded inputs on OpenVINO 2026.4.1 and on tract 0.23.9, ``targets.py
+#: --seeds 200``): no verdict predicts that. A runtime computing an op wrongly disagrees on every input.
 CONFIRM_SEEDS = (11, 12)
 
 

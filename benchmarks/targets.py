@@ -6,6 +6,7 @@ errors against onnxruntime running the original, and the runtime's latency for b
 Markdown tables: per target and model, then per target (the README's Targets table is the latter).
 
     python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
+                                 [--default] [--seeds N]
 
 Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts, and the rewrite's
 errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
@@ -58,7 +59,7 @@ def _io(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
 
 
 def _run(
-    runtime: str, model: onnx.ModelProto, inputs, expected, repeat: int, same=None, reference=None
+    runtime: str, model: onnx.ModelProto, inputs, expected, repeat: int, same=None, reference=None, seeds: int = 0
 ) -> dict[str, Any]:
     """Load and run ``model`` on ``runtime``: its errors against the recorded outputs of the
     original (what the user gets), and whether the runtime agrees, within its default tolerance,
@@ -69,7 +70,8 @@ def _run(
     A disagreement is confirmed on two more seeded inputs (target_models.CONFIRM_SEEDS), whose
     expected outputs ``reference(feeds)`` gives (onnxruntime running what ``same`` or the original
     came from): when both agree, the recorded inputs met a float-rounding step flip, not a runtime
-    that computes the model wrongly, and the cell says so."""
+    that computes the model wrongly, and the cell says so. ``seeds`` > 0 counts, on that many more
+    seeded inputs, how often the runtime is outside its tolerance (``--seeds``: the flip rate)."""
     from onnx_qrewrite.errors import QRewriteError
     from onnx_qrewrite.verify.runtimes import RUNTIMES, make_runner
 
@@ -107,10 +109,19 @@ def _run(
             )
         except QRewriteError:
             flip = False
+    off = None
+    if seeds and reference is not None:
+        try:
+            feeds = (seeded_like(inputs, 1000 + i) for i in range(seeds))
+            off = sum(not _agrees(spec, runner.run(f), reference(f)) for f in feeds)
+        except QRewriteError:
+            off = None
     ms = 1000 * min(times) if times else None
     return {
         "runs": agrees or flip,
         "flip": flip,
+        "off": off,
+        "seeds": seeds,
         "max_abs": max_abs,
         "rel_l2": rel_l2,
         "ms": ms,
@@ -179,6 +190,8 @@ def _cell(result: dict[str, Any] | None) -> str:
     if result.get("ort"):
         verdict = "in onnxruntime"
     ms = f", {result['ms']:.2f} ms" if result.get("ms") is not None else ""
+    if result.get("off") is not None:
+        ms += f", off on {result['off']} of {result['seeds']} seeded inputs"
     return f"{verdict}, {result['max_abs']:.2g} / {result['rel_l2']:.2g}{ms}"
 
 
@@ -214,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=None, help="comma-separated model names (default: all)")
     parser.add_argument("-o", "--models-dir", type=Path, default=None, help="where to make the models (default: temp)")
     parser.add_argument("--default", action="store_true", help="also run today's default rewrite on each runtime")
+    parser.add_argument(
+        "--seeds", type=int, default=0, help="also count on how many of N seeded inputs each runtime is off (N runs)"
+    )
     args = parser.parse_args(argv)
 
     from onnx_qrewrite.api import load_rules
@@ -258,9 +274,37 @@ def main(argv: list[str] | None = None) -> int:
             "tolerance on the recorded inputs only, within it on two more seeded inputs: a requantized activation "
             "one step off through float rounding (the model's numbers are still those of the recorded inputs)."
         )
+        _agreement(rows)
         print()
         _summary(rows)
     return 0
+
+
+def _agreement(rows: list[dict[str, Any]]) -> None:
+    """Whether ``inspect --target`` said "refused" exactly where the runtime did not load, run and
+    agree (each distinct model form once: a rewrite identical to the original is the original).
+    Not for the ``onnx`` target: it is standard ONNX, of which onnxruntime runs a superset (its
+    contrib ops), so onnxruntime running a model proves nothing about it."""
+    agree, disagree, ran = 0, [], set()
+    for r in rows:
+        if r["runtime"] in (None, "onnxruntime"):
+            continue
+        ran.add(r["runtime"])
+        forms = [("original", r["before"], r["original"])]
+        if r["rewrite"] is not r["original"]:
+            forms.append(("rewrite", r["after"], r["rewrite"]))
+        for form, refused, cell in forms:
+            if cell is None:
+                continue
+            if (refused == 0) == bool(cell["runs"]):
+                agree += 1
+            else:
+                disagree.append(f"{r['target']} {r['model']} {form}")
+    print(
+        f"\nVerdict vs runtime: `inspect --target` agrees with the runtime on {agree} of {agree + len(disagree)} "
+        f"model forms run on {', '.join(sorted(ran))} here"
+        f"{'; disagrees on ' + ', '.join(disagree) if disagree else ''}."
+    )
 
 
 def _measure(
@@ -289,10 +333,12 @@ def _measure(
     original = onnx.load(item.path)
     reference = _reference(original)
     if runtime is not None:
-        row["original"] = _run(runtime, original, inputs, expected, args.repeat, reference=reference)
+        row["original"] = _run(runtime, original, inputs, expected, args.repeat, reference=reference, seeds=args.seeds)
         if args.default:
             default = rewrite(item.path, rules=catalogue, allow_unlowered=True).model
-            row["default"] = _run(runtime, default, inputs, expected, args.repeat, reference=reference)
+            row["default"] = _run(
+                runtime, default, inputs, expected, args.repeat, reference=reference, seeds=args.seeds
+            )
     assert plan.rewritten is not None
     if runtime is not None and _identical(plan.rewritten, original):
         row["rewrite"] = row["original"]
@@ -304,7 +350,7 @@ def _measure(
         exact = row["levels"] <= {"exact"}
         same = None if exact else _OrtRunner(plan.rewritten).run(inputs)
         ref = reference if exact else _reference(plan.rewritten)
-        row["rewrite"] = _run(runtime, plan.rewritten, inputs, expected, args.repeat, same, ref)
+        row["rewrite"] = _run(runtime, plan.rewritten, inputs, expected, args.repeat, same, ref, args.seeds)
     return row
 
 

@@ -16,9 +16,10 @@ needs more than its op table (QLinearMatMul's ranks, 4-bit weights).
 One input can mislead: a runtime whose float arithmetic is not bit-identical to onnxruntime's
 (a LayerNormalization 4.8e-7 off) moves an activation that sits on a rounding boundary by one
 quantization step when the model requantizes it, on a few percent of inputs (benchmarks/
-target_models.py ortdyn_bert: 7 of 200 seeded inputs on OpenVINO 2026.4.1, 5 of 200 on tract
-0.23.9; 8 of 200 with its DynamicQuantizeLinear expanded). No verdict can predict that, and no
-rewrite avoids it. So a disagreement on the recorded inputs is confirmed on two more seeded inputs
+target_models.py ortdyn_bert: 4 of 200 seeded inputs on OpenVINO 2026.4.1 and on tract 0.23.9, 9 of
+200 with its DynamicQuantizeLinear expanded; ``benchmarks/targets.py --targets openvino,tract
+--models ortdyn_bert --default --seeds 200``). No verdict can predict that, and no rewrite avoids
+it. So a disagreement on the recorded inputs is confirmed on two more seeded inputs
 before it counts (a runtime that computes an op wrongly disagrees on all three: OpenVINO's contrib
 DynamicQuantizeMatMul on 100 of 100).
 """
