@@ -25,6 +25,7 @@ differently, 0.085 max abs on ``ortqdq_bert``); the committed models keep their 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import tempfile
@@ -249,7 +250,7 @@ COMMITTED = {
 def make_battery(folder: str | Path, only: set[str] | None = None) -> list[Battery]:
     """Make the producer-made models in ``folder`` (skipping ones already there) and list every
     model of the battery, committed ones first."""
-    folder = Path(folder)
+    folder = Path(folder).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     out = [
         Battery(name, family, producer, where / f"{name}.onnx")
@@ -262,7 +263,10 @@ def make_battery(folder: str | Path, only: set[str] | None = None) -> list[Batte
             continue
         path = folder / f"{name}.onnx"
         if not (path.exists() and Path(str(path)[: -len(".onnx")] + ".outputs.npz").exists()):
-            quantize(_save_float(floats[net](), folder, name), path)
+            # onnxruntime's quantizers leave temporary files (sym_shape_infer_temp.onnx, <uuid>.data)
+            # in the working directory: keep them in the battery's folder, not the caller's.
+            with contextlib.chdir(folder):
+                quantize(_save_float(floats[net](), folder, name), path)
         out.append(Battery(name, family, producer, path))
     return out
 

@@ -394,8 +394,15 @@ class TFLiteRunner(_Runner):
     def _call(self, *args: str, what: str) -> str:
         import subprocess
 
+        # In the private folder: onnx2tf leaves temporary files (sym_shape_infer_temp.onnx,
+        # <uuid>.data) in its working directory, which would otherwise be the user's.
         done = subprocess.run(
-            [self._python, self._CHILD, *args], capture_output=True, text=True, timeout=1800, check=False
+            [self._python, self._CHILD, *args],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            check=False,
+            cwd=self._tmp.name,
         )
         if done.returncode < 0:
             raise InvalidModelError(f"{self.label}: tflite {what} the model: it crashed (signal {-done.returncode})")
