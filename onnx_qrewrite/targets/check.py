@@ -67,9 +67,31 @@ def _label(node: onnx.NodeProto) -> str:
 def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy with value_info filled in where onnx can infer it (never fails: types are a bonus)."""
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
     except Exception:  # noqa: BLE001 - onnx raises several types for models it cannot infer
         return model
+    _type_contrib_qlinear(inferred.graph)
+    return inferred
+
+
+def _type_contrib_qlinear(graph: onnx.GraphProto) -> None:
+    """onnx has no schemas for onnxruntime's com.microsoft QLinear* ops, so their outputs stay
+    untyped and what consumes them could not be judged by type (a Flatten on their uint8 output
+    looked typeless as given and was refused once rewritten). Their output is the quantized type T
+    of their operands (onnxruntime's ContribOperators.md): the first 8-bit integer input's type."""
+    known = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
+    known.update({t.name: t.data_type for t in graph.initializer})
+    eight_bit = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)
+    for node in graph.node:
+        if node.domain != "com.microsoft" or not node.op_type.startswith("QLinear") or not node.output:
+            continue
+        out = node.output[0]
+        if known.get(out):
+            continue
+        elem = next((known[i] for i in node.input if known.get(i) in eight_bit), None)
+        if elem is not None:
+            graph.value_info.append(onnx.helper.make_tensor_value_info(out, elem, None))
+            known[out] = elem
 
 
 def model_level_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
