@@ -291,3 +291,27 @@ def test_click_exits_stay_as_they_were(capsys):
         cli.main.main(["--help"], prog_name="onnx-qrewrite")
     assert ended.value.code == 0
     assert "Usage: onnx-qrewrite" in capsys.readouterr().out
+
+
+def test_the_command_line_gives_sigterm_back_to_an_in_process_caller():
+    """The group raises Terminated on SIGTERM while a command runs; a test or notebook that runs the
+    command line in-process gets its own handler back afterwards (a pytest run that had called the
+    CLI ignored a SIGTERM: it raised Terminated into pytest)."""
+    import signal
+
+    from onnx_qrewrite import cli
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        cli.main.main(["rules"], prog_name="onnx-qrewrite")
+    assert ended.value.code == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_native_crash_leaves_the_python_stack_on_stderr():
+    """A death in native code (exit -11) under the command line's handlers dumps where Python was."""
+    code = "from onnx_qrewrite.io import signals; signals.install(); import ctypes; ctypes.string_at(0)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -11
+    assert "Fatal Python error: Segmentation fault" in proc.stderr
+    assert "string_at" in proc.stderr

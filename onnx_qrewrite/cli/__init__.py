@@ -94,7 +94,23 @@ class _LazyGroup(click.Group):
         parses the arguments, or after the command returned and before the process exits) into
         "Aborted!" and exit 1, which our exit codes read as "verification disagreed". Run click
         non-standalone and end the process here instead: the same exits as click's for everything
-        else, and 130/143 with the one line a subcommand prints for SIGINT/SIGTERM."""
+        else, and 130/143 with the one line a subcommand prints for SIGINT/SIGTERM. The SIGTERM
+        handler the group installs is given back when the command ends, for in-process callers."""
+        try:
+            return self._main(args, prog_name, complete_var, standalone_mode, **extra)
+        finally:
+            signals = sys.modules.get("onnx_qrewrite.io.signals")  # imported by the group if it ran
+            if signals is not None:
+                signals.uninstall()
+
+    def _main(
+        self,
+        args: Sequence[str] | None,
+        prog_name: str | None,
+        complete_var: str | None,
+        standalone_mode: bool,
+        **extra: Any,
+    ) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
