@@ -17,8 +17,8 @@ import onnx
 from google.protobuf.message import Message
 
 from onnx_qrewrite.io._wire import SMALL_VARINTS as _SMALL_VARINTS
-from onnx_qrewrite.io._wire import read_varint as _read_varint
 from onnx_qrewrite.io._wire import varint as _varint
+from onnx_qrewrite.io.wire_model import read_varint
 
 __all__ = [
     "encode_attribute",
@@ -193,16 +193,16 @@ def splice_graph_chunks(skeleton: onnx.ModelProto, graph_nodes: Sequence[bytes])
     pos = 0
     while pos < len(model):
         start = pos
-        key, pos = _read_varint(model, pos)
+        key, pos = read_varint(model, pos, len(model))
         number, wire_type = key >> 3, key & 7
         if wire_type == 0:
-            _, pos = _read_varint(model, pos)
+            _, pos = read_varint(model, pos, len(model))
         elif wire_type == 1:
             pos += 8
         elif wire_type == 5:
             pos += 4
         elif wire_type == 2:
-            length, pos = _read_varint(model, pos)
+            length, pos = read_varint(model, pos, len(model))
             if number == _MODEL_GRAPH_NUMBER:
                 return [model[:start], *graph_field, model[pos + length :]]
             pos += length

@@ -1,4 +1,5 @@
-"""Protobuf wire-format primitives, without onnx: varints and length prefixes.
+"""Protobuf wire-format primitives for writing, without onnx: varints and length prefixes
+(reading them, with bounds checks for untrusted bytes: :func:`wire_model.read_varint`).
 
 One home for them: ``_protowire`` (which encodes ONNX messages and needs onnx's descriptors for
 field numbers) and ``outputs`` (which must not import onnx: it runs on every write, and scans an
@@ -7,7 +8,7 @@ old output's bytes for an external-data entry) both build on these.
 
 from __future__ import annotations
 
-__all__ = ["SMALL_VARINTS", "length_prefixed", "read_varint", "varint"]
+__all__ = ["SMALL_VARINTS", "length_prefixed", "varint"]
 
 
 def varint(value: int) -> bytes:
@@ -36,15 +37,3 @@ def length_prefixed(payload: bytes) -> bytes:
     """``payload`` preceded by its length, as a length-delimited field's value is written."""
     n = len(payload)
     return (SMALL_VARINTS[n] if n < 16384 else varint(n)) + payload
-
-
-def read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    """The varint at ``data[pos:]`` and the position after it."""
-    result = shift = 0
-    while True:
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return result, pos
-        shift += 7

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "WireError", "WireMessage", "iter_graphs", "read_model", "tensors_of"]
+__all__ = ["MAX_DEPTH", "WireError", "WireMessage", "iter_graphs", "read_model", "read_varint", "tensors_of"]
 
 #: Deepest nesting of messages accepted (protobuf's default recursion limit).
 MAX_DEPTH = 100
@@ -163,7 +163,7 @@ _WIRE_TYPE = {_STR: 2, _BYTES: 2, _MSG: 2, _INT: 0, _FLOAT: 5}
 _DEFAULTS: dict[str, Any] = {_STR: "", _BYTES: b"", _INT: 0, _FLOAT: 0.0}
 
 
-def _varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+def read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
     """The varint at ``data[pos:]`` (at most 10 bytes, within ``end``) and the position after it."""
     result = shift = 0
     while True:
@@ -209,14 +209,14 @@ class WireMessage:
         spec_of = _BY_NUMBER[self._message]
         out: dict[str, Any] = {}
         while pos < end:
-            key, pos = _varint(data, pos, end)
+            key, pos = read_varint(data, pos, end)
             number, wire_type = key >> 3, key & 7
             if number == 0:
                 raise WireError("field number 0")
             if wire_type == 0:
-                value, pos = _varint(data, pos, end)
+                value, pos = read_varint(data, pos, end)
             elif wire_type == 2:
-                length, pos = _varint(data, pos, end)
+                length, pos = read_varint(data, pos, end)
                 value, pos = pos, pos + length  # value: where the payload starts
                 if pos > end:
                     raise WireError("length-delimited field runs past its message")
@@ -269,7 +269,7 @@ class WireMessage:
                 raise WireError("packed floats of a length not a multiple of 4")
             return [_float(data, p) for p in range(start, end, 4)]
         while pos < end:
-            value, pos = _varint(data, pos, end)
+            value, pos = read_varint(data, pos, end)
             values.append(_int64(value))
         return values
 
