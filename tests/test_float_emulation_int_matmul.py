@@ -26,6 +26,7 @@ from test_lower_integer_matmul import (
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.rewriter import u8s8
 from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form, parse_rules
 
 FORM = load_catalogue([named_form("float-emulation")])
@@ -89,6 +90,11 @@ def test_matmul_integer_and_its_cast_become_one_float_matmul_bit_exact(
     model, feeds = _matmul_model(ta, tb, a.shape, b, azp, bzp, b_const=b_const, zp_const=zp_const)
     model = _with_cast(model)
     result = onnx_qrewrite.rewrite(model, rules=FORM)
+    if ta == "uint8" and tb == "int8" and (not b_const or u8s8.pair_excess(b.T, "int8").max() > 0):
+        # onnxruntime's u8 x s8 kernel can saturate pairs here (x86 without VNNI): no exact form,
+        # the default bounded rule takes the node (rules/50-integer-matmul.toml) and the Cast stays.
+        assert result.report.by_rule() == {"int-matmul-float-bounded": 1}
+        return
     assert result.report.by_rule() == FOLDED
     assert "MatMulInteger" not in op_types(result.model) and _int32_values(result.model) == []
     onnx.checker.check_model(result.model, full_check=True)
@@ -149,7 +155,7 @@ def test_conv_integer_and_its_cast_become_one_float_conv_bit_exact(tx, tw, xzp_k
 
 def _small_matmul(**kw) -> tuple[onnx.ModelProto, dict]:
     rng = _rng("small")
-    b = _values(rng, "int8", (9, 5), "random")
+    b = np.clip(_values(rng, "int8", (9, 5), "random"), -64, 64).astype(np.int8)  # 7-bit: no u8s8 saturation
     model, feeds = _matmul_model("uint8", "int8", (4, 9), b, np.array(3, np.uint8), None)
     return _with_cast(model, **kw), feeds
 
@@ -170,7 +176,7 @@ def test_the_rules_give_way_where_the_int32_is_observed_or_the_bound_is_not_prov
     # Beyond 2^24 (K = 2048 full-range int8 weights): not provably exact; int32 MatMul, as by default.
     k = 2048
     b = np.full((k, 3), -128, np.int8)
-    model, _ = _matmul_model("uint8", "int8", (2, k), b, None, None)
+    model, _ = _matmul_model("int8", "int8", (2, k), b, None, None)
     result = onnx_qrewrite.rewrite(_with_cast(model), rules=FORM)
     assert result.report.by_rule() == {"int-matmul-int32": 1}
     # Without the form, nothing changes: the default lowering, with its int32 tensor.

@@ -5,9 +5,9 @@ enough to tell them apart. Where a break is smaller than the bound (one ulp of a
 a zero point in a rule bounded by one step), the per-node check cannot see it by construction; the
 last test pins that resolution down so the README's claim stays true.
 
-(Exact rules are caught element-wise: tests/test_verify_breakage.py. MatMulNBits' bound is per
-element, 2*gamma(K)*sum|a*w|, so its breaks are caught by localisation with exact inputs:
-tests/test_lower_matmul_nbits.py.)"""
+(Exact rules are caught element-wise: tests/test_verify_breakage.py. Bounds that vary per element
+-- MatMulNBits' 2*gamma(K+1)*sum|a*w|, onnxruntime's u8 x s8 pair excess -- are checked per element
+at the node too: tests/test_lower_matmul_nbits.py, tests/test_u8s8_saturation.py.)"""
 
 from __future__ import annotations
 

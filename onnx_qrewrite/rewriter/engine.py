@@ -320,7 +320,13 @@ def _apply(
             m = pending.pop()
             builder = m.rule.implementation
             metadata = Emitter.metadata_for(
-                m.rule.id, m.site.node, m.rule.exactness, m.plan.bound, provenance, m.plan.bound_scale
+                m.rule.id,
+                m.site.node,
+                m.rule.exactness,
+                m.plan.bound,
+                provenance,
+                m.plan.bound_scale,
+                m.plan.bound_formula,
             )
             key = None
             if stamp_templates and hasattr(builder, "template_key"):

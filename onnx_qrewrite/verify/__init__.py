@@ -110,6 +110,11 @@ def _is_proto(model: object) -> bool:
     return onnx_module is not None and isinstance(model, onnx_module.ModelProto)
 
 
+#: Op types (as bytes) of the uint8 x int8 integer ops whose weights verify converts as onnxruntime's
+#: session.x64quantprecision does (verify/u8s8_reference.py): their presence needs the parsed model.
+_U8S8_OPS = (b"MatMulInteger", b"QLinearMatMul", b"QLinearConv", b"QGemm", b"QAttention", b"DynamicQuantizeMatMul")
+
+
 class _NotFast(Exception):
     """The fast path cannot give this verification's answer as the full path would: run that."""
 
@@ -528,6 +533,21 @@ def verify(
                     raise InvalidModelError(f"{original_label}: {exc}") from None
                 vendor_nodes = 0
         reference_kernels = session.custom_op_library is None and vendor_nodes > 0
+        # uint8 x int8 integer ops run as onnxruntime's session.x64quantprecision runs them, on both
+        # sides (.u8s8_reference): the outputs are compared with the ONNX definition, and each bounded
+        # replacement of such a node is checked against the default, saturating kernel at its node
+        # (check_bounds, on the models as they are).
+        if fast and any(op in src.data for src in (original_src, rewritten_src) for op in _U8S8_OPS):  # type: ignore[operator]
+            raise _NotFast("the models may hold uint8 x int8 integer ops")
+        reference_src, rewritten_run, u8s8_nodes = original_src, rewritten_src, 0
+        if not fast:
+            from onnx_qrewrite.verify.u8s8_reference import without_saturation
+
+            reference, u8s8_nodes = without_saturation(original_src.proto)
+            reference_src = _Source(original_label, proto=reference) if u8s8_nodes else original_src
+            if runtime == "onnxruntime":
+                kept, changed = without_saturation(rewritten_src.proto)
+                rewritten_run = _Source(rewritten_label, proto=kept) if changed else rewritten_src
 
         def make_runner(model: onnx.ModelProto | bytes, side: str) -> ModelRunner:
             if side == "original":
@@ -549,8 +569,8 @@ def verify(
 
         with stage(progress, "starting onnxruntime"):
             try:
-                original_runner = make_runner(original_src.runnable, "original")
-                rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_src, make_runner)
+                original_runner = make_runner(reference_src.runnable, "original")
+                rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_run, make_runner)
             except InvalidModelError as exc:
                 if fast:  # the full path parses the models and says what is wrong, as it always did
                     raise _NotFast(str(exc)) from None
@@ -595,7 +615,7 @@ def verify(
                 feeds = {sample.name: sample.feeds for sample in used}
                 from onnx_qrewrite.verify.hazards import NanHazardCheck
 
-                nan_check = NanHazardCheck(original_src.proto, lambda model: make_runner(model, "original"))
+                nan_check = NanHazardCheck(reference_src.proto, lambda model: make_runner(model, "original"))
                 for name in failing:
                     hazard = nan_check.check(name, feeds[name])
                     if hazard is not None:
@@ -637,8 +657,8 @@ def verify(
                 from onnx_qrewrite.verify.localize import localize
 
                 localization = localize(
-                    original_src.proto,
-                    rewritten_src.proto,
+                    reference_src.proto,
+                    rewritten_run.proto,
                     sample,
                     tolerances,
                     make_runner,
@@ -663,6 +683,7 @@ def verify(
                 runtime=rt,
                 drift=drift,
                 drift_decision=decision,
+                u8s8_reference_nodes=u8s8_nodes,
             ),
             versions=_versions(reference_kernels),
             localization=localization,

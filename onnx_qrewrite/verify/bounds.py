@@ -26,10 +26,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.rewriter.builders import Emitter
+from onnx_qrewrite.verify import element_bounds
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
@@ -54,9 +55,15 @@ class BoundedRewrite:
     unit: str = ""
     per_unit: float = 0.0
 
+    #: A per-element bound's formula (verify/element_bounds.py), or None: ``bound`` everywhere.
+    formula: str | None = None
+
     @property
     def label(self) -> str:
-        bound = f"{self.bound:g}" + (f" + {self.per_unit:g}·max|{self.unit}|" if self.unit else "")
+        if self.formula:
+            bound = f"per element ({self.formula.partition(':')[0]})"
+        else:
+            bound = f"{self.bound:g}" + (f" + {self.per_unit:g}·max|{self.unit}|" if self.unit else "")
         return f"{', '.join(self.outputs)} (node {self.origin or '<unnamed>'}, rule {self.rule}, bound {bound})"
 
     def bound_for(self, values: dict[str, np.ndarray]) -> float:
@@ -90,6 +97,9 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
             end += 1
         meta = _meta(nodes[index])
         bound = meta.get(Emitter.BOUND_KEY)
+        formula = meta.get(Emitter.BOUND_FORMULA_KEY)
+        if bound is None and formula is not None:
+            bound = "inf"  # the formula's bound depends on the inputs only
         owner = owners[index]
         if bound is not None and owner is not None:
             run = nodes[index:end]
@@ -100,7 +110,7 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
             per_unit = float(meta.get(Emitter.BOUND_PER_UNIT_KEY, "0")) if unit else 0.0
             if outputs:
                 found.append(
-                    BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit)
+                    BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit, formula)
                 )
         index = end
     return found
@@ -125,6 +135,21 @@ def _alone(rewrite: BoundedRewrite, rewritten: onnx.ModelProto, feeds: dict[str,
     return helper.make_model(graph, opset_imports=list(rewritten.opset_import), ir_version=rewritten.ir_version)
 
 
+def _original_node(original: onnx.ModelProto, rewrite: BoundedRewrite) -> onnx.NodeProto | None:
+    """The node the replacement replaced: by its name, else by its outputs (unnamed nodes)."""
+    for node in original.graph.node:
+        if (rewrite.origin and node.name == rewrite.origin) or (
+            not rewrite.origin and set(rewrite.outputs) <= set(node.output)
+        ):
+            return node
+    return None
+
+
+def _constants(original: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarray]:
+    """The values of those ``names`` that are initializers of the original model."""
+    return {t.name: numpy_helper.to_array(t) for t in original.graph.initializer if t.name in names}
+
+
 def check_bounds(
     original: onnx.ModelProto,
     rewritten: onnx.ModelProto,
@@ -137,9 +162,24 @@ def check_bounds(
     if not rewrites:
         return []
     initializers = {t.name for t in rewritten.graph.initializer}
+    # Per-element bounds read the original node's inputs: constants from the original model,
+    # the rest from its run.
+    originals = {id(r): _original_node(original, r) for r in rewrites if r.formula}
+    formula_reads = {
+        id(r): element_bounds.needed_inputs(r.formula, node)
+        for r in rewrites
+        if r.formula and (node := originals[id(r)]) is not None
+    }
+    constants = _constants(original, {n for names in formula_reads.values() for n in names})
     needed = list(
         dict.fromkeys(
-            n for r in rewrites for n in (*r.inputs, *r.outputs, *([r.unit] if r.unit else ())) if n not in initializers
+            [
+                n
+                for r in rewrites
+                for n in (*r.inputs, *r.outputs, *([r.unit] if r.unit else ()))
+                if n not in initializers
+            ]
+            + [n for names in formula_reads.values() for n in names if n not in constants]
         )
     )
     runner = make_runner(with_outputs(original, needed), "original")
@@ -156,12 +196,23 @@ def check_bounds(
                 alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
             actual = alone_runners[index].run(feeds, list(rewrite.outputs))
             bound = rewrite.bound_for(values)
+            node = originals.get(id(rewrite))
             for name in rewrite.outputs:
                 expected = values[name]
                 integer = expected.dtype.kind in "iub"
                 tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
+                per_element = None
+                if rewrite.formula and node is not None and len(rewrite.outputs) == 1:
+                    reads = {n: constants[n] if n in constants else values[n] for n in formula_reads[id(rewrite)]}
+                    per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual[name])
+                if per_element is not None and rewrite.formula:
+                    largest = float(np.max(per_element, initial=0.0))
+                    text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
+                    tol = Tolerance(0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text)
                 label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
-                per_value.setdefault(label, []).append(compare_values(label, sample.name, expected, actual[name], tol))
+                per_value.setdefault(label, []).append(
+                    compare_values(label, sample.name, expected, actual[name], tol, element_bound=per_element)
+                )
     # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
     return [
         dataclasses.replace(merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size))

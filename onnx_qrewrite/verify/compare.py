@@ -84,8 +84,13 @@ class Tolerance:
     rtol: float
     lsb: int
     rule: str = "numpy"
+    #: A bound that varies per element (verify/element_bounds.py) is described by its formula;
+    #: ``atol``/``lsb`` then hold its largest value.
+    text: str = ""
 
     def describe(self, integer: bool) -> str:
+        if self.text:
+            return self.text
         if integer:
             return "exact" if self.lsb == 0 else f"lsb {self.lsb}"
         joiner = " or " if self.rule == "polygraphy" else ", "
@@ -226,9 +231,15 @@ def _scalar(value: np.generic) -> float | int:
 
 
 def _errors(
-    original: np.ndarray, rewritten: np.ndarray, tol: Tolerance
+    original: np.ndarray, rewritten: np.ndarray, tol: Tolerance, element_bound: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per element: exact match, within tolerance, absolute error, |original| (for rel error)."""
+    """Per element: exact match, within tolerance (``element_bound``: the largest absolute error
+    allowed at each element, instead of ``tol``), absolute error, |original| (for rel error)."""
+    if element_bound is not None:
+        exact, _, abs_error, magnitude = _errors(original, rewritten, Tolerance(0.0, 0.0, 0))
+        with np.errstate(invalid="ignore"):
+            within = exact | (np.isfinite(abs_error) & (abs_error <= element_bound))
+        return exact, within, abs_error, magnitude
     if is_integer_dtype(original.dtype):
         extra = ml_dtypes_named(_INTEGER_EXTRA)
         a = original.astype(np.int64) if original.dtype in extra else original
@@ -268,8 +279,10 @@ def compare_values(
     rewritten: np.ndarray,
     tol: Tolerance,
     drift: DriftThreshold | None = None,
+    element_bound: np.ndarray | None = None,
 ) -> ValueComparison:
-    """Compare one value of one sample; with ``drift``, judge it by its drift (:mod:`.drift`)."""
+    """Compare one value of one sample; with ``drift``, judge it by its drift (:mod:`.drift`);
+    with ``element_bound`` (broadcast to the value's shape), each element within its own bound."""
     original, rewritten = np.asarray(original), np.asarray(rewritten)
     floating = not is_integer_dtype(original.dtype)
     base: dict[str, Any] = {  # the fields every outcome shares
@@ -291,7 +304,9 @@ def compare_values(
             problem=f"shape differs: original {list(original.shape)}, rewritten {list(rewritten.shape)}",
             failed_samples=(sample,),
         )
-    exact, within, abs_error, magnitude = _errors(original, rewritten, tol)
+    if element_bound is not None:
+        element_bound = np.broadcast_to(np.asarray(element_bound, np.float64), original.shape)
+    exact, within, abs_error, magnitude = _errors(original, rewritten, tol, element_bound)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_error = np.where(abs_error == 0, 0.0, np.where(np.isinf(abs_error), np.inf, abs_error / magnitude))
     nan = {"original": 0, "rewritten": 0}

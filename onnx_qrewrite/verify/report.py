@@ -36,6 +36,14 @@ SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 TOOL_NAME = "onnx-qrewrite"
 
 
+_U8S8_LINE = (
+    "reference: {n} uint8 x int8 node(s) of the original ran with their int8 weights as uint8 (w + 128, "
+    "zp + 128), as onnxruntime's session.x64quantprecision runs them: the ONNX definition, without the int16 "
+    "pair saturation of its default kernel on x86 CPUs without AVX-VNNI; their replacements are checked "
+    "against the default kernel at their node, within their bound"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class VerifySettings:
     """Everything that decided the verdict besides the models themselves."""
@@ -50,6 +58,9 @@ class VerifySettings:
     runtime: Any = None  # verify.runtimes.RuntimeInfo: what ran the rewritten model (None: onnxruntime CPU)
     drift: DriftThresholds = dataclasses.field(default_factory=DriftThresholds)
     drift_decision: DriftDecision | None = None  # None: not decided (no rewritten model was read)
+    #: Nodes of the original whose int8 weights ran as uint8 for the output comparison, as onnxruntime's
+    #: session.x64quantprecision runs them (no int16 pair saturation; verify/u8s8_reference.py).
+    u8s8_reference_nodes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +167,7 @@ class VerifyReport:
                 "custom_op_library": None if s.session.custom_op_library is None else str(s.session.custom_op_library),
                 "reference_kernels": s.reference_kernels,
                 "vendor_nodes": s.vendor_nodes,
+                "u8s8_reference_nodes": s.u8s8_reference_nodes,
                 "runtime": _runtime_dict(s.runtime),
                 "drift": _drift_settings(s.drift, s.drift_decision),
                 "tolerances": {
@@ -269,6 +281,7 @@ class VerifyReport:
             f"settings:  onnxruntime opt-level {s.session.opt_level}, threads {threads}; "
             f"samples: {', '.join(sample.name for sample in self.samples)}",
             *_runtime_lines(s.runtime),
+            *([_U8S8_LINE.format(n=s.u8s8_reference_nodes)] if s.u8s8_reference_nodes else []),
             *([f"drift:     {line}"] if (line := _drift_line(s.drift, s.drift_decision)) else []),
             "",
         ]

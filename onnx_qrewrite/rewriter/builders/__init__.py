@@ -82,6 +82,12 @@ class Plan:
     #: ``value`` being a value of the original model (e.g. the float input of a dynamic
     #: quantization). Recorded and checked with ``bound``.
     bound_scale: tuple[str, float] | None = None
+    #: Bounded rewrites whose bound varies per element: the name of a formula ``verify`` evaluates
+    #: per element of the outputs from the original node and the values it reads
+    #: (:mod:`onnx_qrewrite.verify.element_bounds`); recorded in the metadata beside ``bound``
+    #: (then the largest value it can take, where that does not depend on the inputs). None:
+    #: ``bound`` everywhere.
+    bound_formula: str | None = None
     #: The values the replacement reads, when they are not (a subset of) the node's own inputs:
     #: e.g. a pattern anchored at its last node that reads the pattern's float input instead.
     #: None: the node's inputs. Used to decide which ``remove_if_dead`` nodes are dead.

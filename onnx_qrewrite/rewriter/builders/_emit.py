@@ -181,6 +181,8 @@ class Emitter:
     #: largest magnitude of the value named by ``BOUND_UNIT_KEY`` (in the original model).
     BOUND_PER_UNIT_KEY = "onnx_qrewrite.bound_per_unit"
     BOUND_UNIT_KEY = "onnx_qrewrite.bound_unit"
+    #: Beside the bound, where it varies per element: the formula's name (``Plan.bound_formula``).
+    BOUND_FORMULA_KEY = "onnx_qrewrite.bound_formula"
 
     def __init__(
         self,
@@ -241,6 +243,7 @@ class Emitter:
         bound: float | None = None,
         mode: str = provenance.DEFAULT_MODE,
         bound_scale: tuple[str, float] | None = None,
+        bound_formula: str | None = None,
     ) -> tuple[bytes, bytes]:
         """Encoded metadata of a replacement's first node and of its other nodes, for provenance
         ``mode`` (compact: the first node only; full: every node; none: no node)."""
@@ -254,6 +257,8 @@ class Emitter:
             if bound_scale is not None:
                 entries.append((cls.BOUND_PER_UNIT_KEY, repr(float(bound_scale[1]))))
                 entries.append((cls.BOUND_UNIT_KEY, bound_scale[0]))
+        if bound_formula:
+            entries.append((cls.BOUND_FORMULA_KEY, bound_formula))
         encoded = _protowire.encode_metadata(entries)
         return encoded, (encoded if mode == "full" else b"")
 

@@ -40,6 +40,8 @@ __all__ = [
     "QOPERATOR_EXACTNESS",
     "REQUIRE_ZERO_POINT",
     "SEMANTICS",
+    "U8S8_POLICIES",
+    "U8S8_SATURATION",
     "WEIGHT_ONLY_ROLES",
     "WEIGHT_ONLY_WEIGHTS",
 ]
@@ -59,6 +61,20 @@ FLOAT16 = Option(
     False,
     doc="also x (quantize), scale and y (dequantize) in float16: onnxruntime's contrib kernels compute those "
     "in float32 (measured), the emitted ops then do too",
+)
+
+#: The one policy for onnxruntime's uint8 x int8 int16 pair saturation (x86 CPUs without AVX-VNNI;
+#: onnx_qrewrite/rewriter/u8s8.py), shared by every builder whose original op has that kernel.
+U8S8_POLICIES = ("decline", "bound", "ignore")
+U8S8_SATURATION = Option(
+    "u8s8_saturation",
+    str,
+    "decline",
+    U8S8_POLICIES,
+    doc="where onnxruntime's uint8 x int8 kernel can saturate a pair of products to int16 (x86 without "
+    "AVX-VNNI): 'decline' gives way (exact rules); 'bound' rewrites to the ONNX definition and adds the "
+    "largest pair excess the constant weights allow to the bound (bounded rules); 'ignore' rewrites where "
+    "no bound can be computed (approximate rules)",
 )
 
 # --- the forms each builder's options choose between --------------------------------------------
@@ -261,22 +277,15 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_qattention": (
         "contrib_attention",
         Contract(
-            options=(
-                Option(
-                    "u8s8_saturation",
-                    str,
-                    "decline",
-                    ("decline", "ignore"),
-                    doc="uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
-                    "products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the unsaturated "
-                    "value, the ONNX definition (approximate)",
-                ),
-            ),
+            options=(U8S8_SATURATION,),
             emits=ATTENTION_EMITS | {"Sub"},
             exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
             bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
             "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
-            "(bit-exact on the tests' battery, hidden 32 to 768)",
+            "(bit-exact on the tests' battery, hidden 32 to 768); where onnxruntime's uint8 x int8 kernel can "
+            "saturate a pair of products to int16 (x86 without AVX-VNNI), its default differs in the projection by "
+            "up to each column's pair excess · x_scale · W_scale (in the notes; verify compares the outputs with "
+            "onnxruntime's session.x64quantprecision form of the original, which does not saturate)",
             opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
         ),
     ),
@@ -388,12 +397,22 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     doc="float-exact: float MatMul/Conv where sums provably stay below 2^24 (declines otherwise); "
                     "int32: int32 MatMul (MatMul only); float: float MatMul/Conv within a computed bound",
                 ),
+                U8S8_SATURATION,
             ),
             # DynamicQuantizeMatMul expands its DynamicQuantizeLinear as that builder does.
             emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Mul", "Add", "Reshape"}) | _DQL_EMITS,
-            exactness=lambda options: BOUNDED if options["accumulate"] == "float" else EXACT,
+            exactness=lambda options: (
+                APPROXIMATE
+                if options["u8s8_saturation"] == "ignore"
+                else BOUNDED
+                if options["accumulate"] == "float" or options["u8s8_saturation"] == "bound"
+                else EXACT
+            ),
             bound="float32 accumulation of the exact integer products: at most gamma(K-1) * sum |products| "
-            "(computed per node from K, the dtype ranges, the zero points and constant weights)",
+            "(computed per node from K, the dtype ranges, the zero points and constant weights); plus, where "
+            "onnxruntime's uint8 x int8 kernel can saturate a pair of products to int16 (x86 without AVX-VNNI), "
+            "each output column's pair excess from the weights (verify checks it per column; float outputs: "
+            "times the scale product, plus 2^-20 of the value)",
             opset=lambda options, dtypes: (
                 str(kernel_opsets.FORMS["integer-matmul"])
                 + f" ({kernel_opsets.FORMS['dynamic-quantize-linear']} with DynamicQuantizeMatMul)"
@@ -510,15 +529,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
         Contract(
             options=(
                 Option("op", str, allowed=tuple(QOPERATOR_EXACTNESS), doc="which QOperator op the rule replaces"),
-                Option(
-                    "u8s8_saturation",
-                    str,
-                    "decline",
-                    ("decline", "ignore"),
-                    doc="uint8 activations x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates "
-                    "pairs of products to int16. 'decline': give way (no bound holds); 'ignore': rewrite to the "
-                    "unsaturated value (approximate)",
-                ),
+                U8S8_SATURATION,
             ),
             emits=frozenset(
                 {

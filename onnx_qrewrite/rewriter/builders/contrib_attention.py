@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite.rewriter import u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -63,20 +64,8 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
     return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
 
 
-#: Pairs of adjacent uint8 x int8 products must stay in int16 (onnxruntime's AVX2 u8s8 kernel).
-_INT16 = (-32768, 32767)
 #: Sums of integer products stay exact in float32 up to this magnitude.
 _EXACT_FLOAT_INTEGERS = 2**24
-
-
-def _may_saturate(weights: np.ndarray) -> bool:
-    """Whether onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI: vpmaddubsw sums adjacent pairs
-    of products into int16 with saturation) can saturate for these int8 weights (K, N) and any uint8 input."""
-    w = weights.astype(np.int32)
-    most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
-    return bool(
-        (most[:-1] + most[1:]).max(initial=0) > _INT16[1] or (least[:-1] + least[1:]).min(initial=0) < _INT16[0]
-    )
 
 
 class QAttentionBuilder:
@@ -124,14 +113,22 @@ class QAttentionBuilder:
                 f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
             )
         notes: tuple[str, ...] = ()
-        if weights.dtype == np.int8 and _may_saturate(weights):  # the input is uint8 (the only kernel)
+        # onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) pairs products into int16 with
+        # saturation: the policy of rules/50-integer-matmul.toml (u8s8.py), per projection column.
+        excess = u8s8.pair_excess(weights.T, "int8") if weights.dtype == np.int8 else np.zeros(1, np.int64)
+        if excess.max(initial=0) > 0:
             if options["u8s8_saturation"] == "decline":
                 raise NoMatch(
-                    "uint8 input x int8 weights beyond [-64, 64]: onnxruntime's AVX2 kernel saturates pairs of "
-                    "products to int16 here, which no standard op does (the approximate rule rewrites to the "
-                    "unsaturated value; quantizing with reduce_range=True or uint8 weights avoids it)"
+                    "uint8 input x int8 weights: onnxruntime's kernel on x86 CPUs without AVX-VNNI saturates pairs "
+                    f"of products to int16 and can here (up to {int(excess.max())} per projection element)"
                 )
-            notes = ("onnxruntime's AVX2 kernel can saturate pairs of products here; rewritten to the ONNX value",)
+            notes = (
+                f"onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) may differ by up to {int(excess.max())} "
+                "per projection element before x_scale * W_scale (int16 pair saturation); the rewrite computes "
+                "the ONNX definition",
+            )
+        elif options["u8s8_saturation"] == "ignore":
+            raise NoMatch("no pair of products can saturate here: the bounded rule applies")
         zp = site.constant(site.input(7)) if site.input(7) else np.zeros(1, np.int64)
         if zp is None:
             raise NoMatch("weight_zero_point is not constant")

@@ -32,11 +32,14 @@ Forms (option ``accumulate``):
                           int32 output's units, and ``verify`` checks it at the node.
 
 onnxruntime's uint8 x int8 kernels (MatMulInteger with uint8 A and int8 B, ConvInteger with int8 x
-and uint8 w) saturate the sum of each adjacent pair of products to int16 on x86 CPUs without
-AVX-VNNI (measured on an AVX2 CPU: ``[255, 255] . [127, 127]`` gives 32767); their result then
-depends on the CPU. The rewrite computes the ONNX definition, which is onnxruntime's result on every
-CPU wherever no pair can saturate. When the weights are constant that is checked, and a node where
-saturation is possible gets a note saying so.
+and uint8 w; fused MatMulIntegerToFloat and DynamicQuantizeMatMul) add each adjacent pair of
+products with int16 saturation on x86 CPUs without AVX-VNNI (:mod:`onnx_qrewrite.rewriter.u8s8`,
+measured). Option ``u8s8_saturation``: ``decline`` (the exact rules) gives way wherever a pair can
+saturate (from the constant weights; or cannot be ruled out), ``bound`` (the bounded rules) rewrites
+there to the ONNX definition and adds the largest pair excess the weights allow to the bound
+(``Plan.bound``), which ``verify`` checks per output column (``Plan.bound_formula`` =
+``u8s8-pairs``): columns none of whose pairs can saturate bit-exact, the others within their own
+excess.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -62,7 +65,6 @@ _T = onnx.TensorProto
 _U = 2.0**-24
 #: Largest magnitude up to which every integer is a float32.
 _EXACT_FLOAT_INTEGERS = 2**24
-_INT16 = (-32768, 32767)
 _TYPES = ("uint8", "int8")
 #: An operand whose type the model does not record (no value_info); the op's schema says 8-bit.
 _UNKNOWN = "8-bit"
@@ -116,8 +118,11 @@ class _Read:
     to_float: bool = False
     #: max over output columns/channels of sum_k |b - b_zp| (None: unknown), from constant weights.
     columns: float | None = None
-    #: Whether onnxruntime's u8 x s8 kernel can saturate an int16 pair here (None: cannot tell).
-    saturates: bool | None = False
+    #: The most onnxruntime's u8 x s8 kernel (int16 pairs, x86 without VNNI) can differ from the ONNX
+    #: definition at any output element, in int32 units: 0 where no pair can saturate, None where
+    #: it cannot be told (weights computed at run time: the dtype ranges give ``worst_excess``).
+    excess: int | None = 0
+    worst_excess: int = 0
 
 
 def _recorded_or_implied_type(site: Site, name: str, zero_point: str) -> str | None:
@@ -258,7 +263,9 @@ def _pair_leaves_int16(w: np.ndarray, axis: int, a_range: tuple[int, int]) -> bo
     most, least = np.maximum(w * lo, w * hi), np.minimum(w * lo, w * hi)
     first = (slice(None),) * axis + (slice(None, -1),)
     second = (slice(None),) * axis + (slice(1, None),)
-    return bool((most[first] + most[second]).max() > _INT16[1] or (least[first] + least[second]).min() < _INT16[0])
+    return bool(
+        (most[first] + most[second]).max() > u8s8.INT16[1] or (least[first] + least[second]).min() < u8s8.INT16[0]
+    )
 
 
 def _weight_statistics(slabs: ConstantSlabs, read: _Read) -> tuple[float | None, bool | None]:
@@ -269,6 +276,46 @@ def _weight_statistics(slabs: ConstantSlabs, read: _Read) -> tuple[float | None,
         for slab in slabs.slabs:
             stats.add(slab)
     return stats.columns, stats.saturates
+
+
+def _saturation_excess(weights: np.ndarray | None, read: _Read, k: int | None) -> tuple[int | None, int]:
+    """(largest pair excess over the output columns/channels from the constant weights, or None
+    when they are not constant; the same for any weights of the type, from K) for onnxruntime's
+    uint8 x int8 kernel, both 0 where the operand types never pair into int16."""
+    a, b = read.a.dtype, read.b.dtype
+    unknown = _UNKNOWN in (a, b)
+    if not unknown and not u8s8.saturating_operands(a, b, conv=read.conv):
+        return 0, 0
+    if unknown and not any(
+        u8s8.saturating_operands(x, y, conv=read.conv)
+        for x in ((a,) if a != _UNKNOWN else _TYPES)
+        for y in ((b,) if b != _UNKNOWN else _TYPES)
+    ):
+        return 0, 0
+    # The weights' type: int8 for MatMul, uint8 for Conv (the saturating combinations).
+    w_type = "uint8" if read.conv else "int8"
+    lo, hi = INTEGER_RANGES[w_type]
+    pair = int(u8s8.pair_excess(np.array([[lo, lo], [hi, hi]]), w_type).max())
+    worst = pair * (k // 2) if k is not None else 0
+    if weights is None or (b == _UNKNOWN and weights.dtype != np.dtype(w_type)):
+        return None, worst
+    if weights.dtype != np.dtype(w_type):
+        return 0, 0
+    return int(u8s8.pair_excess(_rows(weights, read.conv), w_type).max(initial=0)), worst
+
+
+#: The per-element bound formula verify evaluates for these rewrites (verify/element_bounds.py).
+_FORMULA = "u8s8-pairs"
+
+
+def _reduction_length(shape: tuple[int | None, ...] | None, conv: bool) -> int | None:
+    """K: the terms per output element, from the weights' shape (None: unknown)."""
+    if shape is None:
+        return None
+    dims = shape[1:] if conv else shape[-2:-1]
+    if dims and None not in dims:
+        return math.prod(dims)  # type: ignore[arg-type]
+    return None
 
 
 class IntegerMatMulBuilder:
@@ -356,32 +403,36 @@ class IntegerMatMulBuilder:
         # One weight often feeds many nodes (every block of a chain; a layer's weight under several
         # quantizers): its statistics are worked out once per scope, from everything they depend on.
         weight_key = ("integer-matmul-weights", b.name, b.zero_point, read.conv, a.dtype, b.dtype)
-        b_shape, columns, saturates = site.scope.memo(weight_key, lambda: self._weight_facts(site, read))
-        k = None
-        if b_shape is not None:
-            dims = b_shape[1:] if read.conv else b_shape[-2:-1]
-            if dims and None not in dims:
-                k = math.prod(dims)  # type: ignore[arg-type]
+        b_shape, columns, excess, worst_excess = site.scope.memo(weight_key, lambda: self._weight_facts(site, read))
+        k = _reduction_length(b_shape, read.conv)
         a_shape = value_shape(site.scope, read.a.name, site.same_shape_ops) if not read.dynamic else None
         return dataclasses.replace(
             read,
             columns=columns,
-            saturates=saturates,
+            excess=excess,
+            worst_excess=worst_excess,
             k=k,
             b_rank=None if b_shape is None else len(b_shape),
             a_rank=None if a_shape is None else len(a_shape),
         )
 
-    def _weight_facts(self, site: Site, read: _Read) -> tuple[tuple[int | None, ...] | None, float | None, bool | None]:
-        """B's shape, column sums and whether onnxruntime's kernel may saturate on it; the
-        weights' values are read here and only these statistics of them are kept."""
+    def _weight_facts(
+        self, site: Site, read: _Read
+    ) -> tuple[tuple[int | None, ...] | None, float | None, int | None, int]:
+        """B's shape, column sums and how far onnxruntime's u8 x s8 kernel may saturate on it
+        (:func:`_saturation_excess`); the weights' values are read here and only these statistics
+        of them are kept."""
         b = read.b
         weights = site.constant_slabs(b.name)
         if weights is None:
-            u8, s8 = (read.a.dtype, b.dtype) if not read.conv else (b.dtype, read.a.dtype)
-            saturates = None if not (u8 == "int8" or s8 == "uint8") else False
-            return value_shape(site.scope, b.name, site.same_shape_ops), None, saturates
-        return (tuple(weights.shape), *_weight_statistics(weights, read))
+            shape = value_shape(site.scope, b.name, site.same_shape_ops)
+            return (shape, None, *_saturation_excess(None, read, _reduction_length(shape, read.conv)))
+        shape = tuple(weights.shape)
+        columns, saturates = _weight_statistics(weights, read)
+        if saturates is False:  # no adjacent pair at all can leave int16 (or the types never pair)
+            return shape, columns, 0, 0
+        # Some adjacent pair may: the kernel's own pairs (2j, 2j+1), per column, from the values.
+        return shape, columns, *_saturation_excess(site.constant(b.name), read, _reduction_length(shape, read.conv))
 
     # -- deciding -----------------------------------------------------------------------------
 
@@ -406,13 +457,7 @@ class IntegerMatMulBuilder:
                 f"w zero point {read.b.zero_point!r} may be per channel and the rank of w {read.b.name!r} is not "
                 "recorded; run shape inference first"
             )
-        saturates = read.saturates
-        if saturates is not False:
-            notes.append(
-                "onnxruntime's uint8 x int8 kernel on x86 CPUs without AVX-VNNI saturates pairs of products to int16"
-                + (" and can here" if saturates else " (weights not constant: cannot rule it out)")
-                + ": the original's result is CPU-dependent; the rewrite computes the ONNX definition"
-            )
+        excess = self._saturation(read, options["u8s8_saturation"], notes)
         opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
         if form == "int32":
             if read.conv:
@@ -440,10 +485,64 @@ class IntegerMatMulBuilder:
             notes.append(f"float32 sums provably exact: |sum| <= {worst:.0f} <= 2^24 (K={read.k})")
             return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form})
         if read.to_float:
-            raise NoMatch("the bounded form covers int32 outputs only")
+            if worst > _EXACT_FLOAT_INTEGERS:
+                raise NoMatch("the bounded form covers float outputs only where the float32 sums are exact")
+            if not excess:
+                raise NoMatch("no pair of products can saturate here: the exact rules apply")
+            # The bound per element is the formula's (the excess times the scale product, which is
+            # known at run time only, and the roundings after it): recorded as the excess.
+            return Plan(
+                min_opset=opset,
+                notes=tuple(notes),
+                data={"read": read, "form": form},
+                bound=float(excess),
+                bound_formula=f"{_FORMULA}:0.0",
+            )
         bound = float32_sum_bound(read.k, worst)
         notes.append(f"float32 sums within {bound:g} of the exact integers (K={read.k}, |sum| <= {worst:.0f})")
-        return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form}, bound=bound)
+        # verify adds each column's own excess to the float32 part (the formula's parameter).
+        formula = f"{_FORMULA}:{bound!r}" if excess else None
+        return Plan(
+            min_opset=opset,
+            notes=tuple(notes),
+            data={"read": read, "form": form},
+            bound=bound + excess,
+            bound_formula=formula,
+        )
+
+    @staticmethod
+    def _saturation(read: _Read, policy: str, notes: list[str]) -> int:
+        """The excess onnxruntime's u8 x s8 kernel may add here (0: none can), under the rule's
+        ``u8s8_saturation`` policy: ``decline`` gives way where it is not 0, ``bound`` takes it."""
+        excess = read.excess if read.excess is not None else read.worst_excess
+        if read.excess == 0:
+            return 0
+        where = (
+            "from the constant weights"
+            if read.excess is not None
+            else "weights computed at run time, bounded from the types"
+            if read.worst_excess
+            else "cannot be bounded"
+        )
+        if policy == "ignore":
+            if excess:
+                raise NoMatch(f"a bound on the saturation can be computed here ({excess}): the bounded rule applies")
+            notes.append(
+                "onnxruntime's uint8 x int8 kernel may saturate pairs of products here: no bound (approximate)"
+            )
+            return 0
+        if policy == "decline":
+            raise NoMatch(
+                "onnxruntime's uint8 x int8 kernel on x86 CPUs without AVX-VNNI saturates pairs of products to int16 "
+                f"and can here (up to {excess} per element, {where}): not exact; the bounded rule takes it"
+            )
+        if not excess:
+            raise NoMatch("onnxruntime's uint8 x int8 kernel may saturate here and K is unknown: no bound")
+        notes.append(
+            f"onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) may differ by up to {excess} per element "
+            f"({where}): int16 pair saturation; the rewrite computes the ONNX definition"
+        )
+        return excess
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple | None:
         """Equal keys build the same nodes (builders/_stamp.py): everything ``build`` branches on,

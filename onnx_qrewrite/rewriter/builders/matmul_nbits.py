@@ -50,7 +50,7 @@ from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.contracts import NBITS_BLOCKED as _BLOCKED
 from onnx_qrewrite.rewriter.graph import dtype_name
 
-__all__ = ["MatMulNBitsBuilder", "pack", "unpack"]
+__all__ = ["MatMulNBitsBuilder", "dequantized_weights", "pack", "unpack"]
 
 _T = onnx.TensorProto
 
@@ -182,6 +182,30 @@ def _read(site: Site) -> _Read:
     return _Read(k, n, bits, block_size, n_blocks, q, scale32, zp, bias, accuracy_level, float16)
 
 
+def dequantized_weights(
+    attributes: Mapping[str, Any], packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None
+) -> np.ndarray:
+    """The kernel's float32 weights ``[K, N]`` from a node's attributes and constant inputs (what
+    ``verify`` needs for the per-element bound, verify/element_bounds.py): ``(q - zp) * scale``
+    for integer zero points (default 2^(bits-1)), ``q * scale + (-(scale * zp))`` for float ones."""
+    k, n = int(attributes["K"]), int(attributes["N"])
+    bits, block_size = int(attributes.get("bits", 4)), int(attributes["block_size"])
+    n_blocks = -(-k // block_size)
+    q = unpack(packed, bits, n, n_blocks * block_size).astype(np.float32).reshape(n, n_blocks, block_size)
+    scale = np.asarray(scales).astype(np.float32).reshape(n, n_blocks, 1)
+    if zero_points is not None and zero_points.dtype != np.uint8:
+        zp = np.asarray(zero_points).astype(np.float32).reshape(n, n_blocks, 1)
+        w = q * scale + (-(scale * zp))
+    else:
+        offset = (
+            np.full((n, n_blocks, 1), 1 << (bits - 1), np.float32)
+            if zero_points is None
+            else unpack(zero_points, bits, n, n_blocks).astype(np.float32).reshape(n, n_blocks, 1)
+        )
+        w = (q - offset) * scale
+    return np.ascontiguousarray(w.reshape(n, -1)[:, :k].T)
+
+
 class MatMulNBitsBuilder:
     """Replaces com.microsoft MatMulNBits with a blocked dequantization of its weights and a MatMul."""
 
@@ -215,7 +239,10 @@ class MatMulNBitsBuilder:
             f"bits={read.bits}, block_size={read.block_size}, K={read.k}, N={read.n}, zero points: {zp}, "
             f"accuracy_level={read.accuracy_level}",
         )
-        return Plan(min_opset=min_opset, notes=notes, data={"read": read})
+        # The same weights, the same products summed in another order: bounded per element by
+        # 2 gamma(K + 1) (|A| @ |W| + |bias|), which verify evaluates at the node (element_bounds.py).
+        formula = None if options["int8_activations"] else "float32-sum-order"
+        return Plan(min_opset=min_opset, notes=notes, data={"read": read}, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         read: _Read = plan.data["read"]

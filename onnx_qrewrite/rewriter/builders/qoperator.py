@@ -31,10 +31,12 @@ What that costs against onnxruntime's kernels (measured, ``tests/test_lower_qope
 
 On x86 CPUs without VNNI (AVX2), onnxruntime multiplies uint8 activations by int8 weights with
 ``vpmaddubsw``, which saturates the sum of two adjacent products to int16: with weights beyond
-[-64, 64] its result depends on the CPU (measured: up to 23 steps off the exact value). Nodes
-that can saturate are rewritten only by a rule that declares itself approximate
-(option ``u8s8_saturation = "ignore"``); quantizing with ``reduce_range=True`` (7-bit weights)
-avoids the question, and is what onnxruntime recommends for such CPUs.
+[-64, 64] its result depends on the CPU (measured: up to 23 steps off the exact value). The policy
+is the integer matmul rules' (option ``u8s8_saturation``, :mod:`onnx_qrewrite.rewriter.u8s8`): the
+bounded rules (``bound``) add each column's pair excess from the constant weights, times
+``a_scale * b_scale / y_scale``, to ``d`` before the ``floor(d) + 1`` steps; weights computed at run
+time give no useful bound and only the approximate rules (``ignore``) take such nodes. Quantizing
+with ``reduce_range=True`` (7-bit weights) avoids the question.
 
 Scales and zero points must be constants (``quantize_static`` writes initializers); a node whose
 parameters are computed at run time is left to the next rule with the reason.
@@ -50,7 +52,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, QOPERATOR_EXACTNESS
@@ -350,13 +352,14 @@ def _accumulation_bound(
         while l1.ndim > 1:  # batched MatMul weights: the worst batch
             l1 = l1.max(axis=0)
         k = int(np.prod([w.shape[ax] for ax in reduce_axes]))
-        at_risk = b_dtype == "int8" and a_dtype == "uint8" and int(np.abs(w).max(initial=0)) > 64
-        _saturation(options, at_risk)
+        excess = _pair_excess(op, weights, channel_axis, a_dtype, b_dtype)
+        at_risk = bool(excess.max(initial=0) > 0)
+        _saturation(options, at_risk, bounded=True)
         if at_risk and options["u8s8_saturation"] == "decline":
             raise NoMatch(
-                f"uint8 activations x int8 weights {b!r} up to {int(np.abs(w).max())} in magnitude: onnxruntime's "
-                "AVX2 kernel saturates pairs of products to int16 there, so no bound holds against it "
-                "(quantize with reduce_range=True, or allow the approximate rule)"
+                f"uint8 activations x int8 weights {b!r}: onnxruntime's kernel on x86 CPUs without AVX-VNNI saturates "
+                f"pairs of products to int16 and can here (up to {int(excess.max())} per element): the rule with "
+                "u8s8_saturation = 'bound' takes it"
             )
     else:
         if op != "QLinearMatMul":
@@ -371,10 +374,14 @@ def _accumulation_bound(
         bz_min = int(b_zp.reshape(-1).min()) if b_zp is not None else 0
         l1 = np.asarray([k_dim * max(bhi - bz_min, bz - blo)])
         k = k_dim
+        excess = np.zeros(1)
         at_risk = b_dtype == "int8" and a_dtype == "uint8"
-        _saturation(options, at_risk)
-        if at_risk and options["u8s8_saturation"] == "decline":
-            raise NoMatch("uint8 x int8 computed at run time: onnxruntime's AVX2 kernel may saturate pairs of products")
+        _saturation(options, at_risk, bounded=False)
+        if at_risk and options["u8s8_saturation"] != "ignore":
+            raise NoMatch(
+                "uint8 x int8 weights computed at run time: onnxruntime's kernel on x86 CPUs without AVX-VNNI may "
+                "saturate pairs of products to int16, and no useful bound on that can be computed from the types"
+            )
     alpha = float(attrs.get("alpha", 1.0))
     a_s = float(a_scale.value.reshape(-1)[0])
     b_scales = b_scale.value.astype(np.float64).reshape(-1)
@@ -390,19 +397,46 @@ def _accumulation_bound(
             float(np.max(np.abs(bias.astype(np.float64)), initial=0.0)) * float(np.max(b_scales)) * a_s * abs(alpha)
         )
     error = summation_error_bound(k + 4) * terms
+    # onnxruntime's int16 pair saturation, in the output's units: each column's excess times its scale.
+    saturation = float(np.max(abs(alpha) * a_s * b_scales * excess, initial=0.0)) if excess.any() else 0.0
+    note = f" (+ up to {saturation:.3g} from onnxruntime's u8 x s8 int16 pair saturation)" if saturation else ""
     out_scale = out[0]
     if out_scale is None:  # QGemm with float output: the bound in the output's units
-        bound = error + 4 * _U * terms
-        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}"
-    d = error / float(out_scale.reshape(-1)[0])
+        bound = error + 4 * _U * terms + saturation * (1 + 4 * _U)
+        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}"
+    d = (error + saturation * (1 + 4 * _U)) / float(out_scale.reshape(-1)[0])
     steps = math.floor(d) + 1
-    return float(steps), f"accumulation of {k} products: at most {d:.2g} of a step before rounding, bound {steps}"
+    return (
+        float(steps),
+        f"accumulation of {k} products: at most {d:.2g} of a step before rounding, bound {steps}{note}",
+    )
 
 
-def _saturation(options: Mapping[str, Any], at_risk: bool) -> None:
-    """The approximate form is only for nodes the bounded one declines."""
-    if options["u8s8_saturation"] == "ignore" and not at_risk:
-        raise NoMatch("no int16 saturation is possible here: the bounded rule applies")
+def _saturation(options: Mapping[str, Any], at_risk: bool, *, bounded: bool) -> None:
+    """The approximate form ('ignore') is only for nodes no bounded rule can take: saturation
+    possible and no bound computable (weights at run time)."""
+    if options["u8s8_saturation"] == "ignore" and not (at_risk and not bounded):
+        raise NoMatch(
+            "no int16 saturation is possible here: the bounded rule applies"
+            if not at_risk
+            else "the pair saturation is bounded from the constant weights here: the bounded rule applies"
+        )
+
+
+def _pair_excess(op: str, weights: np.ndarray, channel_axis: int, a_dtype: str, b_dtype: str) -> np.ndarray:
+    """Per output column/channel (the scales' axis): the most onnxruntime's uint8 x int8 kernel can
+    differ from the exact integer sum by int16 pair saturation (u8s8.py), 0 for other types.
+    QLinearMatMul and QGemm: MLAS's GEMM pairs (k = 2j, 2j+1), measured. QLinearConv may take MLAS's
+    symmetric convolution kernels, which pair input channels per kernel position: the bound for any
+    pairing (sorted pairs) is used there."""
+    if not u8s8.saturating_operands(a_dtype, b_dtype, conv=False):
+        return np.zeros(1)
+    w = np.moveaxis(weights, channel_axis, -1)  # [..., K..., channel]
+    if op == "QLinearMatMul" and weights.ndim > 2:  # batched: per (batch, column), the worst batch
+        rows = np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
+        return u8s8.pair_excess(rows, "int8").reshape(-1, weights.shape[-1]).max(axis=0).astype(np.float64)
+    rows = w.reshape(-1, w.shape[-1]).T  # [channel, K]
+    return u8s8.pair_excess(rows, "int8", any_pairing=op == "QLinearConv").astype(np.float64)
 
 
 def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) -> tuple[float, str]:

@@ -1,0 +1,166 @@
+"""Bounds that vary per element, evaluated from the original node and the values it reads.
+
+A bounded rule whose bound depends on where in the output one looks records the name of a formula
+(``Plan.bound_formula``, metadata ``onnx_qrewrite.bound_formula``) beside its scalar bound (the
+largest value the formula can take). :mod:`.bounds` evaluates the formula here for every sample,
+from the *original* node (found by its origin name) and the values it reads in the original
+model, and checks each output element against its own bound. A scalar bound would have to be the
+worst column's everywhere, too loose to see a broken rewrite in the columns that must be exact.
+
+Formulas (``name`` or ``name:parameter``):
+
+``u8s8-pairs:<base>``
+    onnxruntime's uint8 x int8 int16 pair saturation (:mod:`onnx_qrewrite.rewriter.u8s8`). Integer
+    outputs (MatMulInteger, ConvInteger): each output column's (channel's) pair excess from the
+    weights the node reads, plus ``base`` (the float32 summation bound). Float outputs
+    (MatMulIntegerToFloat, DynamicQuantizeMatMul): 0 where the column has no excess (bit-exact),
+    else the excess times the column's scale product plus ``2^-20`` of the value and bias for the
+    float roundings after the integer sum (each at most one unit roundoff of its operand).
+``float32-sum-order``
+    com.microsoft MatMulNBits: the same dequantized weights, the same products summed in another
+    order: ``2 * gamma(K + 1) * (|A| @ |W| + |bias|)`` per element, ``gamma(n) = n u / (1 - n u)``,
+    ``u = 2^-24``; float16 outputs: plus one float16 ulp of the larger of the two results (each
+    side rounds its float32 result once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter import u8s8
+
+__all__ = ["FORMULAS", "element_bound", "needed_inputs"]
+
+_U = 2.0**-24
+_ROUNDING = 2.0**-20  # generous: a few roundings of float32 values, each at most u
+
+#: formula name -> the original node's input indices it reads.
+_READS: dict[str, dict[str, tuple[int, ...]]] = {
+    "u8s8-pairs": {
+        "MatMulInteger": (0, 1),
+        "ConvInteger": (0, 1),
+        "MatMulIntegerToFloat": (0, 1, 2, 3, 6),
+        "DynamicQuantizeMatMul": (0, 1, 2, 4),
+    },
+    "float32-sum-order": {"MatMulNBits": (0, 1, 2, 3, 5)},
+}
+
+
+def _split(formula: str) -> tuple[str, str]:
+    name, _, parameter = formula.partition(":")
+    return name, parameter
+
+
+def needed_inputs(formula: str, node: onnx.NodeProto) -> list[str]:
+    """The original node's input values the formula reads (present inputs only)."""
+    indices = _READS.get(_split(formula)[0], {}).get(node.op_type, ())
+    return [node.input[i] for i in indices if i < len(node.input) and node.input[i]]
+
+
+def _input(node: onnx.NodeProto, values: Mapping[str, np.ndarray], index: int) -> np.ndarray | None:
+    if index < len(node.input) and node.input[index]:
+        return values[node.input[index]]
+    return None
+
+
+def _column_axis(weights: np.ndarray, conv: bool, out_ndim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """How per-row values of the weights (as :func:`_rows` lays them out) broadcast onto the output."""
+    if conv:
+        return lambda per_row: per_row.reshape((1, weights.shape[0], *(1,) * (out_ndim - 2)))
+    if weights.ndim < 2:
+        return lambda per_row: per_row.reshape(())
+    return lambda per_row: per_row.reshape((*weights.shape[:-2], 1, weights.shape[-1]))
+
+
+def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
+    """The weights as [output column or channel, K], the order the kernel pairs them along K."""
+    if conv:
+        return weights.reshape(weights.shape[0], -1)
+    if weights.ndim < 2:
+        return weights.reshape(1, -1)
+    return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
+
+
+def _u8s8_pairs(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    base = float(parameter or 0.0)
+    conv = node.op_type == "ConvInteger"
+    a, b = _input(node, values, 0), _input(node, values, 1)
+    assert a is not None and b is not None
+    a_type = "uint8" if node.op_type == "DynamicQuantizeMatMul" else a.dtype.name
+    if not u8s8.saturating_operands(a_type, b.dtype.name, conv=conv):
+        excess = np.zeros(1, np.float64)
+        place = _column_axis(np.zeros(1), False, expected.ndim)
+    else:
+        excess = u8s8.pair_excess(_rows(b, conv), b.dtype.name).astype(np.float64)
+        place = _column_axis(b, conv, expected.ndim)
+    if node.op_type in ("MatMulInteger", "ConvInteger"):
+        return np.floor(place(excess) + base)
+    # Float outputs: the excess in the output's units, where there is one.
+    if node.op_type == "DynamicQuantizeMatMul":
+        a_float = a.astype(np.float32)
+        low, high = min(0.0, float(a_float.min(initial=0.0))), max(0.0, float(a_float.max(initial=0.0)))
+        a_scale = np.asarray((high - low) / 255.0 if high > low else 1.0, np.float64)
+        b_scale, bias = _input(node, values, 2), _input(node, values, 4)
+    else:
+        a_scale = np.abs(np.asarray(_input(node, values, 2), np.float64)).reshape(())
+        b_scale, bias = _input(node, values, 3), _input(node, values, 6)
+    assert b_scale is not None
+    scale = np.abs(a_scale * np.asarray(b_scale, np.float64).reshape(-1))
+    scaled = place(excess) * (scale if scale.size > 1 else scale.reshape(()))  # per column: the last axis
+    magnitude = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
+    if bias is not None:
+        magnitude = magnitude + np.abs(np.asarray(bias, np.float64))
+    return np.where(scaled > 0, scaled * (1 + _ROUNDING) + _ROUNDING * magnitude, 0.0)
+
+
+def _float32_sum_order(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    from onnx_qrewrite.rewriter.builders.matmul_nbits import dequantized_weights
+
+    a = _input(node, values, 0)
+    assert a is not None
+    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    w = dequantized_weights(attributes, values[node.input[1]], values[node.input[2]], _input(node, values, 3)).astype(
+        np.float64
+    )
+    k = w.shape[0]
+    n = (k + 1) * _U
+    gamma = n / (1 - n)
+    total = np.abs(a.astype(np.float64)) @ np.abs(w)
+    bias = _input(node, values, 5)
+    if bias is not None:
+        total = total + np.abs(bias.astype(np.float64))
+    bound = 2 * gamma * total
+    if expected.dtype == np.float16:
+        larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
+        bound = bound + np.spacing(larger.astype(np.float16)).astype(np.float64)
+    return bound
+
+
+#: formula name -> evaluation(parameter, original node, its input values, expected, actual) -> bound
+FORMULAS: dict[str, Callable[..., np.ndarray]] = {
+    "u8s8-pairs": _u8s8_pairs,
+    "float32-sum-order": _float32_sum_order,
+}
+
+
+def element_bound(
+    formula: str,
+    node: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    expected: np.ndarray,
+    actual: np.ndarray,
+) -> np.ndarray | None:
+    """The bound at every element of ``expected`` (broadcastable to it), or None for a formula
+    this version does not know (the scalar bound then applies)."""
+    name, parameter = _split(formula)
+    evaluate = FORMULAS.get(name)
+    if evaluate is None or node.op_type not in _READS[name]:
+        return None
+    return evaluate(parameter, node, values, expected, actual)

@@ -1,0 +1,317 @@
+"""onnxruntime's uint8 x int8 int16 pair saturation (x86 CPUs without AVX-VNNI), measured against its
+own kernels with crafted inputs, and the one policy every rule follows there
+(onnx_qrewrite/rewriter/u8s8.py, rules/50-integer-matmul.toml): exact where the weights rule it out,
+bounded by each column's pair excess elsewhere, checked per column by verify at the node; verify
+compares the outputs with the original as onnxruntime's session.x64quantprecision runs it.
+
+The kernel tests assert what this CPU does when it saturates; on a CPU with VNNI (or ARM) nothing
+saturates, and they assert that instead, so the suite is honest on either."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from conftest import assert_bitwise_equal, rule_marker, run
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.errors import EXIT_DISAGREE
+from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.verify import verify
+from onnx_qrewrite.verify.u8s8_reference import without_saturation
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_unfuse_attention import bert_feeds, tiny_bert
+
+
+def _mmi(b: np.ndarray, za: int | None = None, zb: int | None = None) -> onnx.ModelProto:
+    inits = [numpy_helper.from_array(b, "B")]
+    names = ["A", "B", "", ""]
+    if za is not None:
+        inits.append(numpy_helper.from_array(np.array(za, np.uint8), "za"))
+        names[2] = "za"
+    if zb is not None:
+        inits.append(numpy_helper.from_array(np.array(zb, np.int8), "zb"))
+        names[3] = "zb"
+    while names[-1] == "":
+        names.pop()
+    graph = helper.make_graph(
+        [helper.make_node("MatMulInteger", names, ["Y"], name="mmi")],
+        "g",
+        [helper.make_tensor_value_info("A", T.UINT8, [None, b.shape[0]])],
+        [helper.make_tensor_value_info("Y", T.INT32, [None, b.shape[1]])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _ort(model: onnx.ModelProto, feeds, *, level="disable", precision=False) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }[level]
+    if precision:
+        options.add_session_config_entry("session.x64quantprecision", "1")
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _definition(a, b, za=0, zb=0) -> np.ndarray:
+    return ((a.astype(np.int64) - za) @ (b.astype(np.int64) - zb)).astype(np.int32)
+
+
+def _saturates_here() -> bool:
+    b = np.full((2, 1), 127, np.int8)
+    return int(_ort(_mmi(b), {"A": np.full((1, 2), 255, np.uint8)}).item()) == 32767
+
+
+SATURATES = _saturates_here()
+
+
+# --- what the kernel does ------------------------------------------------------------------------
+
+
+def test_the_kernel_pairs_adjacent_terms_along_k_of_the_raw_values():
+    """Two weights of 127 times 255: 64770, beyond int16, where they form a pair (k = 2j, 2j+1);
+    the zero points are applied after the pairs, exactly (zero point 255 makes the ONNX value 0)."""
+    a = np.full((1, 16), 255, np.uint8)
+    for (i, j), paired in (((0, 1), True), ((1, 2), False), ((2, 3), True), ((0, 2), False), ((14, 15), True)):
+        b = np.zeros((16, 1), np.int8)
+        b[[i, j], 0] = 127
+        got = int(_ort(_mmi(b), {"A": a}).item())
+        assert got == (32767 if paired and SATURATES else 64770), (i, j, got)
+    b = np.zeros((4, 1), np.int8)
+    b[:2] = 127
+    assert int(_ort(_mmi(b, za=255), {"A": np.full((1, 4), 255, np.uint8)}).item()) == (
+        32767 - 255 * 254 if SATURATES else 0
+    )
+
+
+def test_conv_integer_pairs_along_the_flattened_channel_kernel_axis():
+    """ConvInteger with int8 x and uint8 w: pairs (0, 1), (2, 3), ... of w flattened per output
+    channel over (channel, kernel row, kernel column), the last of an odd K alone."""
+    c, kh, kw = 3, 3, 3
+    x = np.full((1, c, kh, kw), 127, np.int8)
+    saturated = []
+    for i, j in ((0, 1), (1, 2), (2, 3), (9, 10), (25, 26), (24, 25)):
+        w = np.zeros((1, c * kh * kw), np.uint8)
+        w[0, [i, j]] = 255
+        graph = helper.make_graph(
+            [helper.make_node("ConvInteger", ["x", "w"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", T.INT8, list(x.shape))],
+            [helper.make_tensor_value_info("y", T.INT32, None)],
+            [numpy_helper.from_array(w.reshape(1, c, kh, kw), "w")],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+        if int(_ort(model, {"x": x}).item()) != 127 * 510:
+            saturated.append((i, j))
+    assert saturated == ([(0, 1), (2, 3), (24, 25)] if SATURATES else [])
+
+
+def test_the_pair_excess_bounds_the_kernel_and_is_reached():
+    """With every activation at 255 each column differs by exactly its negative pairs' excess minus
+    its positive pairs': |difference| <= the column's pair excess, with equality for one-signed
+    columns. Random shapes, zero points, odd K: the bound always holds."""
+    rng = np.random.default_rng(0)
+    b = rng.integers(-128, 128, (9, 6)).astype(np.int8)
+    b[:, 0], b[:, 1] = 127, -128
+    a = np.full((2, 9), 255, np.uint8)
+    got = _ort(_mmi(b), {"A": a}).astype(np.int64)
+    diff = got[0] - _definition(a, b)[0]
+    excess = u8s8.pair_excess(b.T, "int8")
+    assert np.all(np.abs(diff) <= excess)
+    if SATURATES:
+        assert diff[0] == -excess[0] == -4 * 32003 and diff[1] == excess[1] == 4 * 32512
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        m, k, n = rng.integers(1, 9), rng.integers(1, 70), rng.integers(1, 9)
+        b = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+        za, zb = int(rng.integers(0, 256)), int(rng.integers(-128, 128))
+        diff = _ort(_mmi(b, za, zb), {"A": a}).astype(np.int64) - _definition(a, b, za, zb)
+        assert np.all(np.abs(diff) <= u8s8.pair_excess(b.T, "int8")), seed
+
+
+def test_x64quantprecision_gives_the_onnx_definition_and_so_does_verifys_reference():
+    """onnxruntime's session.x64quantprecision (optimisation level 2+) and verify's reference form of
+    the original (the same weight conversion, at level disable) both compute the ONNX definition."""
+    rng = np.random.default_rng(1)
+    b = rng.integers(-128, 128, (40, 7)).astype(np.int8)
+    a = rng.integers(0, 256, (5, 40)).astype(np.uint8)
+    for za, zb in ((None, None), (17, -3)):
+        model = _mmi(b, za, zb)
+        spec = _definition(a, b, za or 0, zb or 0)
+        assert_bitwise_equal(_ort(model, {"A": a}, level="extended", precision=True), spec)
+        reference, changed = without_saturation(model)
+        assert changed == 1
+        assert_bitwise_equal(_ort(reference, {"A": a}), spec)
+        assert np.array_equal(_ort(model, {"A": a}), spec) is not SATURATES
+    calm = np.clip(b, -64, 64).astype(np.int8)  # onnxruntime converts nothing within [-64, 64]
+    assert without_saturation(_mmi(calm))[1] == 0
+
+
+# --- the policy on quantize_dynamic's default BERT ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory) -> dict[str, Path]:
+    """tests/test_unfuse_attention.py's tiny BERT quantized by quantize_dynamic with its defaults
+    (int8 weights, per tensor), and the same fused by onnxruntime's optimizer."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    folder = tmp_path_factory.mktemp("bert")
+    onnx.save(tiny_bert(), folder / "float.onnx")
+    quantize_dynamic(folder / "float.onnx", folder / "dynamic.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(folder / "fused.onnx")
+    ort.InferenceSession(str(folder / "dynamic.onnx"), options, providers=["CPUExecutionProvider"])
+    return {"dynamic": folder / "dynamic.onnx", "fused": folder / "fused.onnx"}
+
+
+def _row(report, origin: str):
+    (row,) = [o for o in report.outputs if f"(node {origin}," in o.name]
+    return row
+
+
+def _drop_a_zero_point(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelProto:
+    """In one replacement, what read Sub(Cast(A), Cast(a_zp)) reads Cast(A): A's zero point dropped."""
+    broken = copy.deepcopy(rewritten)
+    nodes = [n for n in broken.graph.node if n.name.startswith(f"{origin}/")]
+    sub = next(n for n in nodes if n.op_type == "Sub")
+    for node in broken.graph.node:
+        for i, name in enumerate(node.input):
+            if name == sub.output[0]:
+                node.input[i] = sub.input[0]
+    return broken
+
+
+def _scale_one_ulp_off(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelProto:
+    """In one replacement, the weights' scale one ulp larger in the scale product."""
+    broken = copy.deepcopy(rewritten)
+    mul = next(n for n in broken.graph.node if n.name.startswith(f"{origin}/") and "ScaleProduct" in n.output[0])
+    scale = numpy_helper.to_array(next(t for t in broken.graph.initializer if t.name == mul.input[1]))
+    bumped = np.nextafter(scale, np.float32(np.inf)).astype(np.float32)
+    broken.graph.initializer.append(numpy_helper.from_array(bumped, "broken_scale"))
+    mul.input[1] = "broken_scale"
+    return broken
+
+
+@rule_marker("int-matmul-float-bounded", "positive")
+@rule_marker("int-matmul-float", "negative")
+def test_the_default_quantize_dynamic_bert_rewrites_by_default_and_verifies(bert):
+    result = onnx_qrewrite.rewrite(bert["dynamic"])
+    assert {n.domain for n in result.model.graph.node} == {""}
+    rules = result.report.by_rule()
+    if SATURATES:  # every weight of the tiny BERT has pairs that can leave int16
+        assert rules == {"dql-expand": 8, "int-matmul-float-bounded": 12}
+    feeds = bert_feeds()
+    report = verify(bert["dynamic"], result.model, inputs=feeds)
+    assert report.passed, report.to_table()
+    assert report.settings.u8s8_reference_nodes == 12
+    row = _row(report, "l0.o.mm_quant")
+    assert "per element (u8s8-pairs)" in row.tolerance_text
+    if SATURATES:
+        # The default kernel on this CPU differs at the node, within each column's excess.
+        assert 0 < row.max_abs_error <= row.tolerance.lsb and row.exact_match_rate < 1
+    broken = verify(bert["dynamic"], _drop_a_zero_point(result.model, "l0.o.mm_quant"), inputs=feeds)
+    assert broken.exit_code == EXIT_DISAGREE
+    bad = _row(broken, "l0.o.mm_quant")
+    assert not bad.passed and bad.max_abs_error > row.tolerance.lsb, broken.to_table()
+
+
+@rule_marker("ms-int-matmul-float-bounded", "positive")
+def test_the_fused_default_bert_rewrites_by_default_and_a_scale_one_ulp_off_is_caught(bert):
+    result = onnx_qrewrite.rewrite(bert["fused"])
+    assert {n.domain for n in result.model.graph.node} == {""}
+    if SATURATES:
+        assert result.report.by_rule()["ms-int-matmul-float-bounded"] == 12
+    feeds = bert_feeds()
+    report = verify(bert["fused"], result.model, inputs=feeds)
+    assert report.passed, report.to_table()
+    origin = "l0.o.mm_quant"
+    good = _row(report, origin)
+    broken = verify(bert["fused"], _scale_one_ulp_off(result.model, origin), inputs=feeds)
+    assert broken.exit_code == EXIT_DISAGREE
+    bad = _row(broken, origin)
+    # Columns without a pair excess are bit-exact: one ulp of a scale shows there.
+    assert good.passed and not bad.passed and bad.mismatches > 0, broken.to_table()
+
+
+@rule_marker("ms-int-matmul-float-bounded", "negative")
+def test_the_bounded_fused_rule_leaves_unsaturable_weights_to_the_exact_one():
+    rng = np.random.default_rng(2)
+    b = rng.integers(-64, 65, (16, 4)).astype(np.int8)
+    inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(np.array(0.01, np.float32), "bs")]
+    graph = helper.make_graph(
+        [helper.make_node("DynamicQuantizeMatMul", ["A", "B", "bs"], ["Y"], domain="com.microsoft", name="dqm")],
+        "g",
+        [helper.make_tensor_value_info("A", T.FLOAT, [3, 16])],
+        [helper.make_tensor_value_info("Y", T.FLOAT, [3, 4])],
+        inits,
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=8
+    )
+    assert onnx_qrewrite.rewrite(model).report.by_rule() == {"ms-int-matmul-float": 1}
+    with pytest.raises(onnx_qrewrite.LoweringError, match="no pair of products can saturate here"):
+        onnx_qrewrite.rewrite(model, only=["ms-int-matmul-float-bounded"])
+
+
+# --- QLinearMatMul: the same policy, in quantization steps ---------------------------------------
+
+
+def _qlinear_matmul(b: np.ndarray) -> onnx.ModelProto:
+    values = {
+        "a_scale": np.float32(0.02),
+        "a_zp": np.uint8(120),
+        "B": b,
+        "b_scale": np.float32(0.01),
+        "b_zp": np.int8(10),
+        "y_scale": np.float32(0.2),
+        "y_zp": np.uint8(128),
+    }
+    graph = helper.make_graph(
+        [helper.make_node("QLinearMatMul", ["A", *values], ["Y"], name="qmm")],
+        "g",
+        [helper.make_tensor_value_info("A", T.UINT8, [4, b.shape[0]])],
+        [helper.make_tensor_value_info("Y", T.UINT8, [4, b.shape[1]])],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in values.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is_caught():
+    """One column whose first pair can leave int16 (127 + 127): the bounded rule adds its excess
+    (32003 * a_scale * b_scale / y_scale = 32 steps) to the bound; verify checks it at the node
+    against the default kernel, and a dropped weight zero point breaks it."""
+    rng = np.random.default_rng(3)
+    b = rng.integers(-40, 41, (64, 8)).astype(np.int8)
+    b[0:2, 3] = 127
+    model = _qlinear_matmul(b)
+    result = onnx_qrewrite.rewrite(model)
+    (applied,) = result.report.rewrites
+    assert applied.rule == "qop-matmul" and applied.bound == 33.0, applied
+    a = rng.integers(0, 256, (4, 64)).astype(np.uint8)
+    a[:, :2] = 255  # the saturating pair at its worst
+    got = run(result.model, {"A": a})["Y"].astype(np.int64)
+    want = run(model, {"A": a})["Y"].astype(np.int64)
+    assert np.abs(got - want).max() <= applied.bound
+    if SATURATES:
+        assert np.abs(got - want)[:, 3].min() >= 30  # the column really saturates
+    report = verify(model, result.model, inputs={"A": a})
+    assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
+    broken = copy.deepcopy(result.model)
+    dq = [n for n in broken.graph.node if n.op_type == "DequantizeLinear"][1]
+    del dq.input[2]
+    report = verify(model, broken, inputs={"A": a})
+    assert not _row(report, "qmm").passed, report.to_table()
