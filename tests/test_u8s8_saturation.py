@@ -315,3 +315,13 @@ def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is
     del dq.input[2]
     report = verify(model, broken, inputs={"A": a})
     assert not _row(report, "qmm").passed, report.to_table()
+
+
+def test_a_saturating_node_the_rewrite_kept_runs_the_same_way_on_both_sides():
+    """verify runs such nodes as x64quantprecision does on both sides: a model compared with an
+    unchanged copy of itself agrees whatever the CPU."""
+    b = np.full((8, 3), 127, np.int8)
+    model = _mmi(b)
+    report = verify(model, copy.deepcopy(model), inputs={"A": np.full((2, 8), 255, np.uint8)})
+    assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
+    assert "session.x64quantprecision" in report.to_table()

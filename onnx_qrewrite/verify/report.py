@@ -37,10 +37,10 @@ TOOL_NAME = "onnx-qrewrite"
 
 
 _U8S8_LINE = (
-    "reference: {n} uint8 x int8 node(s) of the original ran with their int8 weights as uint8 (w + 128, "
-    "zp + 128), as onnxruntime's session.x64quantprecision runs them: the ONNX definition, without the int16 "
-    "pair saturation of its default kernel on x86 CPUs without AVX-VNNI; their replacements are checked "
-    "against the default kernel at their node, within their bound"
+    "reference: {n} uint8 x int8 node(s) of the original (and any such node the rewritten model kept) ran with "
+    "their int8 weights as uint8 (w + 128, zp + 128), as onnxruntime's session.x64quantprecision runs them: the "
+    "ONNX definition, without the int16 pair saturation of its default kernel on x86 CPUs without AVX-VNNI; "
+    "their replacements are checked against the default kernel at their node, within their bound"
 )
 
 
