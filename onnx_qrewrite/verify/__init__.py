@@ -546,8 +546,8 @@ def verify(
             reference, u8s8_nodes = without_saturation(original_src.proto)
             reference_src = _Source(original_label, proto=reference) if u8s8_nodes else original_src
             if runtime == "onnxruntime":
-                kept, changed = without_saturation(rewritten_src.proto)
-                rewritten_run = _Source(rewritten_label, proto=kept) if changed else rewritten_src
+                as_run, changed = without_saturation(rewritten_src.proto)
+                rewritten_run = _Source(rewritten_label, proto=as_run) if changed else rewritten_src
 
         def make_runner(model: onnx.ModelProto | bytes, side: str) -> ModelRunner:
             if side == "original":
