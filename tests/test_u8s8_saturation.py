@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
-from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.rewriter import provenance, u8s8
 from onnx_qrewrite.verify import verify
 from onnx_qrewrite.verify.u8s8_reference import without_saturation
 
@@ -183,10 +183,17 @@ def _row(report, origin: str):
     return row
 
 
+def _replacement(model: onnx.ModelProto, origin: str) -> list[onnx.NodeProto]:
+    """The nodes that replaced the node named ``origin`` (by provenance, the first carries it)."""
+    nodes = list(model.graph.node)
+    owners = provenance.attribute_nodes(nodes)
+    return [n for n, owner in zip(nodes, owners, strict=True) if owner is not None and owner[1] == origin]
+
+
 def _drop_a_zero_point(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelProto:
     """In one replacement, what read Sub(Cast(A), Cast(a_zp)) reads Cast(A): A's zero point dropped."""
     broken = copy.deepcopy(rewritten)
-    nodes = [n for n in broken.graph.node if n.name.startswith(f"{origin}/")]
+    nodes = _replacement(broken, origin)
     sub = next(n for n in nodes if n.op_type == "Sub")
     for node in broken.graph.node:
         for i, name in enumerate(node.input):
@@ -198,7 +205,7 @@ def _drop_a_zero_point(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelPro
 def _scale_one_ulp_off(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelProto:
     """In one replacement, the weights' scale one ulp larger in the scale product."""
     broken = copy.deepcopy(rewritten)
-    mul = next(n for n in broken.graph.node if n.name.startswith(f"{origin}/") and "ScaleProduct" in n.output[0])
+    mul = next(n for n in _replacement(broken, origin) if "ScaleProduct" in n.output[0])
     scale = numpy_helper.to_array(next(t for t in broken.graph.initializer if t.name == mul.input[1]))
     bumped = np.nextafter(scale, np.float32(np.inf)).astype(np.float32)
     broken.graph.initializer.append(numpy_helper.from_array(bumped, "broken_scale"))
