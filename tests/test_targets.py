@@ -111,7 +111,9 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
             lambda t: t + FORM.replace("why =", 'options = { float-emulation-q = { direktion = "quantize" } }\nwhy ='),
             "direktion",
         ),
-        (lambda t: t + FORM + FORM, "form 'float-emulation' is named twice"),
+        (lambda t: t + FORM + FORM, "form 'float-emulation' is listed twice with the same options"),
+        (lambda t: t + FORM.replace("why =", 'form_options = { wieghts = "float" }\nwhy ='), "'wieghts'"),
+        (lambda t: t + FORM.replace("why =", 'consent = "maybe"\nwhy ='), "'consent' must be one of"),
         (
             lambda t: t.replace("[[ops]]", '[rewrites]\navoid = ["ms-q-decompos"]\nsource = "doc"\n\n[[ops]]'),
             "did you mean 'ms-q-decompose'",
@@ -260,16 +262,42 @@ def test_inspect_target_names_rule_and_what_stays_refused():
     dql = [n for n in plan.nodes if n.op == "DynamicQuantizeLinear"]
     assert len(dql) == 3 and all("not among the ops the target runs" in n.reasons[0] for n in dql)
     # Expanding it would leave two refused nodes (uint8 inside a TensorRT network, operators.md)
-    # for one: the node stays as it is, and inspect says what it weighed.
-    assert all(n.rule is None and n.after == n.reasons for n in dql)
+    # for one; weight-only's first listing keeps the uint8 weights as a DequantizeLinear, which
+    # TensorRT refuses: tried on the whole model and not kept; its second listing (weights=float)
+    # leaves nothing refused, and inspect says what each node weighed.
     assert all(n.considered[0] == "dql-expand (exact): leaves 2 refused nodes" for n in dql)
-    # weight-only (TensorRT's profile consents to it) keeps uint8 weights as DequantizeLinear,
-    # which TensorRT refuses: tried on the whole model, not kept
-    assert all("form weight-only): tried with the whole form, which leaves" in n.considered[1] for n in dql)
+    assert all(
+        "weight-only-remove-dead (approximate, form weight-only): tried with the whole form, which leaves 3" in line
+        for n in dql
+        for line in n.considered[1:2]
+    )
+    assert all(n.rule == "weight-only-remove-dead[weights=float]" and n.form == "weight-only" for n in dql)
     mmi = [n for n in verdicts.values() if n.op == "MatMulInteger"]
-    # lowered to Cast/Sub/float MatMul/Cast: TensorRT runs those
-    assert len(mmi) == 3 and all(n.rule == "int-matmul-float" and not n.after for n in mmi)
-    assert not plan.ok and plan.refused_after == len(plan.after) == 3
+    assert len(mmi) == 3 and all(n.rule.startswith("weight-only-remove-dead[weights=float]") for n in mmi)
+    assert plan.ok and plan.forms["weight-only"]["exactness"] == "approximate"
+    assert all(r.endswith("[weights=float]") for r in plan.forms["weight-only"]["rules"])
+
+
+def test_a_form_listed_twice_is_tried_in_order_per_node(tmp_path):
+    """A profile may list a form again with other options: the first listing wins where it leaves
+    nothing refused (int8 symmetric weights stay a DequantizeLinear on TensorRT), the next one
+    elsewhere (uint8 weights become float); the rewrite is the plan's."""
+    from test_weight_only import _dynamic_matmul
+
+    from onnx_qrewrite import rewrite
+
+    profile = load_target("tensorrt")
+    assert [(f.name, f.variant) for f in profile.forms] == [("weight-only", ""), ("weight-only", "weights=float")]
+    int8 = plan_for_target_model(_dynamic_matmul(np.int8, zero_point=False), profile)
+    assert int8.ok and {n.rule for n in int8.nodes} == {"weight-only-remove-dead"}
+    uint8 = _dynamic_matmul(np.uint8)
+    plan = plan_for_target_model(uint8, profile)
+    assert plan.ok and {n.rule for n in plan.nodes} == {"weight-only-remove-dead[weights=float]"}
+    result = rewrite(uint8, target="tensorrt")
+    ops = {n.op_type for n in result.model.graph.node}
+    assert not ops & {"DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger"} and "MatMul" in ops
+    assert result.report.target["refused_after"] == 0
+    assert "weight-only-matmul[weights=float]" in result.report.by_rule()
 
 
 def test_a_rule_that_would_make_things_worse_is_not_used(tmp_path):
@@ -331,23 +359,41 @@ def test_targets_command_lists_every_target_with_version_and_sources():
     assert "[tract/registry] sonos/tract" in long_ and "[tract/observed]" in long_
 
 
-def test_inspect_target_cli_exit_codes_and_json():
+def _det_model(tmp_path: Path) -> Path:
+    """Det, which TensorRT does not run (operators.md) and no rule rewrites, after quantize_dynamic's
+    MLP (sample_models/dynamic_mlp.onnx): TensorRT would still refuse one node after the rewrite."""
+    model = onnx.load(SAMPLES / "dynamic_mlp.onnx")
+    out = model.graph.output[0]
+    model.graph.node.append(helper.make_node("Reshape", [out.name, "det_shape"], ["det_in"], name="det_reshape"))
+    model.graph.node.append(helper.make_node("Det", ["det_in"], ["det"], name="det"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, 2, 2], np.int64), "det_shape"))
+    model.graph.output.append(helper.make_tensor_value_info("det", TensorProto.FLOAT, [None]))
+    path = tmp_path / "det.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def test_inspect_target_cli_exit_codes_and_json(tmp_path):
     ok = cli("inspect", SAMPLES / "dynamic_cnn.onnx", "--target", "openvino")
     assert ok.returncode == 0, ok.stderr
     assert "nothing refused after the rewrite" in ok.stdout
-    refused = cli("inspect", SAMPLES / "dynamic_cnn.onnx", "--target", "tensorrt", "--json")
+    reached = cli("inspect", SAMPLES / "dynamic_cnn.onnx", "--target", "tensorrt", "--json")
+    assert reached.returncode == 0, reached.stderr
+    body = json.loads(reached.stdout)
+    assert body["target"] == "tensorrt" and body["refused_before"] == 6 and body["ok"] is True
+    # weight-only with the uint8 weights as float (TensorRT's profile lists the form twice)
+    statuses = {n["op"]: n["status"] for n in body["nodes"]}
+    assert statuses == dict.fromkeys(("DynamicQuantizeLinear", "ConvInteger", "MatMulInteger"), "fixed by the rewrite")
+    assert "tensorrt/operators-md" in body["sources"]
+    # an op TensorRT does not run and no rule rewrites: exit 4, the node named
+    refused = cli("inspect", _det_model(tmp_path), "--target", "tensorrt", "--json")
     assert refused.returncode == 4, refused.stderr
     body = json.loads(refused.stdout)
-    assert body["target"] == "tensorrt" and body["refused_before"] == 6 and body["ok"] is False
-    assert body["refused_after"] == len(body["after"]) > 0
-    # DynamicQuantizeLinear's expansion still holds uint8; the integer conv/matmul lowerings TensorRT runs
-    statuses = {n["op"]: n["status"] for n in body["nodes"]}
-    assert statuses == {
-        "DynamicQuantizeLinear": "refused after the rewrite",
-        "ConvInteger": "fixed by the rewrite",
-        "MatMulInteger": "fixed by the rewrite",
-    }
-    assert "tensorrt/operators-md" in body["sources"]
+    assert body["ok"] is False and body["refused_after"] == len(body["after"]) == 1
+    assert body["after"][0]["node"] == "det"
+    assert [(n["node"], n["status"]) for n in body["nodes"] if n["op"] == "Det"] == [
+        ("det", "refused after the rewrite")
+    ]
     # the rewrite `inspect --target onnx` plans for a com.microsoft QDQ model removes every refusal
     onnx_ok = cli("inspect", SAMPLES / "qdq_contrib_u16.onnx", "--target", "onnx", "--json")
     assert onnx_ok.returncode == 0, onnx_ok.stderr
@@ -395,15 +441,16 @@ def test_rewrite_for_a_target_keeps_what_it_runs_natively(tmp_path):
 
 def test_rewrite_for_a_target_that_would_still_refuse_exits_4_and_writes_nothing(tmp_path):
     out = tmp_path / "out.onnx"
-    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tensorrt")
+    model = _det_model(tmp_path)
+    proc = cli("rewrite", model, "-o", out, "--target", "tensorrt")
     assert proc.returncode == 4, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert "target tensorrt would still refuse node" in line and "inspect --target tensorrt" in line
+    assert "target tensorrt would still refuse node det (Det) after the rewrite" in line
     assert not out.exists()
     report = tmp_path / "r.json"
     proc = cli(
         "rewrite",
-        SAMPLES / "dynamic_mlp.onnx",
+        model,
         "-o",
         out,
         "--target",

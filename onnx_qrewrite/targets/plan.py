@@ -142,25 +142,41 @@ def target_catalogue(catalogue: Catalogue, profile: TargetProfile) -> tuple[Cata
     return catalogue.select(only=kept) if skipped else catalogue, skipped
 
 
-def form_rules(profile: TargetProfile, taken: Collection[str] = ()) -> tuple[list[Rule], dict[str, str]]:
-    """The rules of the forms ``profile`` names (``[[rewrites.form]]``), within each form's
-    consent and with its options; and, per rule, the form it comes from. Rules whose id is in
-    ``taken`` (the user added the form's file already) are not repeated."""
-    from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
-
+def form_rules(
+    profile: TargetProfile, taken: Collection[str] = (), user_allow: Collection[str] | None = None
+) -> tuple[list[Rule], dict[str, str], dict[str, int]]:
+    """The rules of the forms ``profile`` names (``[[rewrites.form]]``), within each listing's
+    consent and with its options; per rule the form it comes from, and the listing (index into
+    ``profile.forms``: a form listed twice with different options is two listings). Rules whose id
+    is in ``taken`` (the user added the form's file already) are not repeated. A listing with
+    ``consent = "user"`` uses approximate rules only when ``user_allow`` has "approximate"."""
     rules: list[Rule] = []
     form_of: dict[str, str] = {}
-    for form in profile.forms:
-        loaded = load_catalogue([named_form(form.name)], include_shipped=False)
-        if form.options:
-            loaded = loaded.with_options(form.options)
-        for rule in loaded:
-            if rule.id in profile.avoid or rule.id in taken or rule.id in form_of:
+    listing: dict[str, int] = {}
+    user = set(user_allow) if user_allow is not None else set()
+    for index, form in enumerate(profile.forms):
+        allow = form.allow
+        if form.consent == "user" and "approximate" not in user and _RANK[allow] > _RANK["bounded"]:
+            allow = "bounded"
+        for rule in form.rules():
+            base_id = rule.id.split("[", 1)[0]
+            if base_id in profile.avoid or rule.id in taken or rule.id in form_of:
                 continue
-            if _RANK[rule.exactness] <= _RANK[form.allow]:
+            if _RANK[rule.exactness] <= _RANK[allow]:
                 rules.append(rule)
                 form_of[rule.id] = form.name
-    return rules, form_of
+                listing[rule.id] = index
+    return rules, form_of, listing
+
+
+def withheld_forms(profile: TargetProfile, user_allow: Collection[str] | None) -> list[str]:
+    """The listings whose approximate rules wait for the user's consent (--allow-approximate)."""
+    user = set(user_allow) if user_allow is not None else set()
+    return [
+        f.name + (f"[{f.variant}]" if f.variant else "")
+        for f in profile.forms
+        if f.consent == "user" and f.allow == "approximate" and "approximate" not in user
+    ]
 
 
 def engine_options(
@@ -309,7 +325,7 @@ def plan_for_model(
     before = check_model(model, profile)
     base, skipped = target_catalogue(catalogue, profile)
     levels = set(allow) if allow is not None else set(engine.DEFAULT_ALLOW)
-    extra, form_of = form_rules(profile, taken=base.ids)
+    extra, form_of, listing = form_rules(profile, taken=base.ids, user_allow=allow)
     chosen_rules = Catalogue([*base, *extra])
     rules = {r.id: r for r in chosen_rules}
     usable = {r.id for r in base if r.exactness in levels} | set(form_of)
@@ -367,17 +383,26 @@ def plan_for_model(
     # removing the refused ones it reads) is tried on the whole model, each of its rules first
     # where it matches and the choice so far after it; it is kept if the target then refuses less.
     trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
-    for request in sorted(profile.forms, key=lambda f: _RANK[f.allow]):
+    label_of = {
+        r: profile.forms[i].name + (f"[{profile.forms[i].variant}]" if profile.forms[i].variant else "")
+        for r, i in listing.items()
+    }
+    order = sorted(range(len(profile.forms)), key=lambda i: _RANK[profile.forms[i].allow])  # stable
+    for index in order:
+        request = profile.forms[index]
+        listed_as = request.name + (f"[{request.variant}]" if request.variant else "")
         trial = dict(choice)
         for n in nodes:
-            mine = [r for r in n.form_rules if form_of.get(r) == request.name and r not in choice[n.key]]
+            if any(form_of.get(r) == request.name for r in choice[n.key]):
+                continue  # an earlier listing of the same form already rewrites it
+            mine = [r for r in n.form_rules if listing.get(r) == index and r not in choice[n.key]]
             if mine:
                 trial[n.key] = (*mine, *choice[n.key])
         if trial == choice:
             continue
         state = settle(trial)
         applied.update(rw.rule for rw in state[1].rewrites)
-        trials[request.name] = (len(state[3]), len(after))
+        trials[listed_as] = (len(state[3]), len(after))
         if len(state[3]) < len(after):
             choice, (rewritten, report, used, after) = trial, state
     if len(after) > len(before):  # never make things worse, whatever the interactions
@@ -385,7 +410,7 @@ def plan_for_model(
 
     return _assemble(
         label, profile, before, after, report, nodes, rules, form_of, skipped, applied, rewritten, chosen_rules, used,
-        trials,
+        trials, label_of,
     )  # fmt: skip
 
 
@@ -404,6 +429,7 @@ def _assemble(
     chosen_rules: Catalogue,
     used: Any,
     trials: dict[str, tuple[int, int]],
+    label_of: dict[str, str],
 ) -> TargetPlan:
     """The plan's account: per refused node what was chosen and why, rules not used, forms used."""
     created = {(rw.scope, rw.node): rw for rw in report.rewrites}
@@ -424,7 +450,7 @@ def _assemble(
             if rw is not None and rule_id == rw.rule:
                 continue
             level = rules[rule_id].exactness
-            form = form_of.get(rule_id)
+            form = label_of.get(rule_id)
             if rule_id not in node.outcome and form in trials:  # type: ignore[union-attr]
                 with_it, without = trials[form]
                 considered.append(
@@ -462,6 +488,8 @@ def _assemble(
             )
     forms: dict[str, dict[str, Any]] = {}
     for request in profile.forms:
+        if request.name in forms:  # a later listing of the same form: counted with the first
+            continue
         mine = [rw for rw in report.rewrites if form_of.get(rw.rule) == request.name]
         if mine:
             level = max((rw.exactness for rw in mine), key=lambda e: _RANK[e])

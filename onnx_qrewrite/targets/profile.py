@@ -83,8 +83,18 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # rules it may use (exact | bounded | approximate); rules
                                      # beyond it are not used. Required: no form runs by default.
     options = { rule-id = { key = "value" } }   # optional: the form's rule options for this target
+    form_options = { weights = "float" }        # optional: an option for every rule of the form that
+                                                # takes it (as `--form-option weights=float`)
+    consent = "user"                 # optional: "profile" (default: this entry is the consent) or
+                                     # "user": its approximate rules run only when the user also
+                                     # passes --allow-approximate (inspect --target says so)
     why = "NNAPI has no Round: ..."  # what the form gives this target (shown by `targets --long`)
     source = "..."
+
+A form may be listed more than once with different options (e.g. weight-only with its weights
+dequantized, then as float initializers): per node the listings are tried in the file's order and
+the first that leaves the target nothing to refuse wins. The second and later listings' rules get
+the options in their ids (``weight-only-matmul[weights=float]``), so reports tell them apart.
 
 The plan (:mod:`.plan`) chooses per node among leaving it, the catalogue's rules and the rules of
 the forms the profile names: a form's rule is used on a node only where it leaves fewer refused
@@ -177,7 +187,8 @@ _QUANT_KEYS = {
 }
 _NETWORK_KEYS = {"io_only_types", "refused_types", "qdq_only_types", "source", "notes"}
 _REWRITES_KEYS = {"keep", "avoid", "form", "source", "notes"}
-_FORM_KEYS = {"name", "allow", "options", "why", "source"}
+_FORM_KEYS = {"name", "allow", "options", "form_options", "consent", "why", "source"}
+CONSENTS = ("profile", "user")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +248,28 @@ class FormRequest:
     source: str
     why: str = ""
     options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Options for every rule of the form that takes them (``--form-option``).
+    form_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: "profile": this entry is the consent; "user": approximate rules also need --allow-approximate.
+    consent: str = "profile"
+    #: "" for a form's first listing; for later ones, what sets them apart ("weights=float"): the
+    #: suffix of their rules' ids.
+    variant: str = ""
+
+    def rules(self) -> Any:
+        """The form's rules with this listing's options (a Catalogue), ids suffixed by the variant."""
+        import dataclasses as dc
+
+        from onnx_qrewrite.rewriter.catalogue import Catalogue, load_catalogue, named_form
+
+        rules = load_catalogue([named_form(self.name)], include_shipped=False)
+        for key, value in self.form_options.items():
+            rules = rules.with_option(key, value)
+        if self.options:
+            rules = rules.with_options(self.options)
+        if self.variant:
+            rules = Catalogue(dc.replace(r, id=f"{r.id}[{self.variant}]") for r in rules)
+        return rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +396,7 @@ def _check_rule_ids(path: str, where: str, ids: frozenset[str]) -> None:
 def _form(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> FormRequest:
     """One ``[[rewrites.form]]``, checked against the form itself: it exists, the consent leaves
     it at least one rule, and the options are valid for its rules (as ``--option`` would be)."""
-    from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
+    from onnx_qrewrite.rewriter.catalogue import named_form
     from onnx_qrewrite.rewriter.contract import EXACTNESS
 
     raw = _check_keys(path, where, item, _FORM_KEYS)
@@ -378,17 +411,52 @@ def _form(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> Fo
     options = raw.get("options", {})
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
         raise _fail(path, where, "'options' must be a table of tables: { rule-id = { key = value } }")
+    form_options = raw.get("form_options", {})
+    if not isinstance(form_options, dict):
+        raise _fail(path, where, "'form_options' must be a table: { key = value }")
+    consent = raw.get("consent", "profile")
+    if consent not in CONSENTS:
+        raise _fail(path, where, f"'consent' must be one of {', '.join(CONSENTS)}, got {consent!r}")
+    request = FormRequest(name, allow, source, why, options, form_options, consent)
     try:
-        rules = load_catalogue([named_form(name)], include_shipped=False)
-        if options:
-            rules = rules.with_options(options)
+        named_form(name)
+        rules = request.rules()
     except UsageError as exc:
         raise _fail(path, where, str(exc)) from None
     usable = [r.id for r in rules if EXACTNESS.index(r.exactness) <= EXACTNESS.index(allow)]
     if not usable:
         levels = ", ".join(sorted({r.exactness for r in rules}))
         raise _fail(path, where, f"form {name!r} has no rule at allow = {allow!r} or more exact (its rules: {levels})")
-    return FormRequest(name, allow, source, why, options)
+    return request
+
+
+def _variants(path: str, forms: list[FormRequest]) -> tuple[FormRequest, ...]:
+    """A form listed again must differ in its options; its rules are then told apart by them."""
+    out: list[FormRequest] = []
+    for i, form in enumerate(forms):
+        same = [f for f in out if f.name == form.name]
+        if not same:
+            out.append(form)
+            continue
+        settings = sorted(
+            [(k, v) for k, v in form.form_options.items()]
+            + [(f"{rule}.{k}", v) for rule, kv in form.options.items() for k, v in kv.items()]
+        )
+        variant = ",".join(f"{k}={v}" for k, v in settings)
+        for earlier in same:
+            if (dict(earlier.form_options), _plain(earlier.options)) == (dict(form.form_options), _plain(form.options)):
+                raise _fail(
+                    path,
+                    f"[[rewrites.form]] #{i + 1}",
+                    f"form {form.name!r} is listed twice with the same options: a later listing must differ in "
+                    "'options' or 'form_options'",
+                )
+        out.append(dataclasses.replace(form, variant=variant))
+    return tuple(out)
+
+
+def _plain(options: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {k: dict(v) for k, v in options.items()}
 
 
 def parse_target(text: str, path: str) -> TargetProfile:
@@ -544,12 +612,9 @@ def parse_target(text: str, path: str) -> TargetProfile:
         raw_forms = raw.get("form", [])
         if not isinstance(raw_forms, list):
             raise _fail(path, "[[rewrites.form]]", "must be an array of tables")
-        forms = tuple(_form(path, f"[[rewrites.form]] #{i + 1}", item, sources) for i, item in enumerate(raw_forms))
-        names = [f.name for f in forms]
-        if len(set(names)) != len(names):
-            raise _fail(
-                path, "[[rewrites.form]]", f"form {next(n for n in names if names.count(n) > 1)!r} is named twice"
-            )
+        forms = _variants(
+            path, [_form(path, f"[[rewrites.form]] #{i + 1}", item, sources) for i, item in enumerate(raw_forms)]
+        )
 
     return TargetProfile(
         id=target_id,
