@@ -246,6 +246,46 @@ def _for_target(
     return plan.catalogue, used, plan
 
 
+def _later_stages(
+    rewritten: onnx.ModelProto | EncodedModel,
+    report: RewriteReport,
+    plan: Any,
+    catalogue: Catalogue,
+    opts: engine.EngineOptions,
+    external: Any,
+    progress: ProgressSink | None,
+) -> onnx.ModelProto | EncodedModel:
+    """The target plan's later stages (targets/plan.py): each rewrites what the one before wrote,
+    with the node choice the plan made for it; ``report`` gathers every stage's rewrites. The
+    result must be the model the plan checked: anything else is a bug, not a rewrite to ship."""
+    import dataclasses
+
+    from onnx_qrewrite.rewriter.report import count_ops
+    from onnx_qrewrite.targets.plan import stage_input
+
+    for later in plan.later:
+        options = dataclasses.replace(
+            opts,
+            max_opset=later.max_opset,
+            keep_opset=later.keep_opset,
+            target_opset=later.target_opset,
+            allow=later.allow,
+            node_rules=later.node_rules,
+        )
+        rewritten, more = engine.run(stage_input(to_proto(rewritten)), catalogue, options, external, progress)
+        report.rewrites.extend(more.rewrites)
+        report.unlowered.extend(more.unlowered)
+        report.opset_changes.extend(more.opset_changes)
+        report.warnings.extend(more.warnings)
+        report.removed_initializers.extend(more.removed_initializers)
+        report.ops_after = more.ops_after
+    if plan.rewritten is not None and report.ops_after != count_ops(plan.rewritten):
+        raise InternalError(
+            "the target's staged rewrite did not give the model its plan checked (a bug, please report it)"
+        )
+    return rewritten
+
+
 def rewrite(
     model: ModelLike,
     *,
@@ -308,6 +348,8 @@ def rewrite(
             catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
         try:
             rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+            if plan is not None and plan.later:
+                rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
         except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
             label = str(source_path) if source_path is not None else "input model"
             if str(exc).startswith(label):

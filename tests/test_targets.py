@@ -579,6 +579,71 @@ def test_an_approximate_form_runs_only_with_the_profiles_consent_and_says_so_lou
     assert "form qdq-to-float (approximate) rewrote 2 nodes: APPROXIMATE" in summary
 
 
+def _ms_quantized_softmax() -> onnx.ModelProto:
+    """Softmax -> com.microsoft QuantizeLinear -> com.microsoft DequantizeLinear."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    ms = "com.microsoft"
+    graph = helper.make_graph(
+        [
+            helper.make_node("Softmax", ["x"], ["p"], name="softmax"),
+            helper.make_node("QuantizeLinear", ["p", "s", "z"], ["q"], name="q", domain=ms),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq", domain=ms),
+        ],
+        "g",
+        [x],
+        [y],
+        [
+            helper.make_tensor("s", TensorProto.FLOAT, [], [1 / 255]),
+            helper.make_tensor("z", TensorProto.UINT8, [], [0]),
+        ],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(ms, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_a_plan_applies_rules_to_what_earlier_rules_emitted(tmp_path, monkeypatch):
+    """Two stages: the com.microsoft QuantizeLinear becomes a standard one (ms-q-standard), which
+    this target does not run either; a second stage computes that one in float (the profile's
+    float-emulation form). The plan judges ms-q-standard by where the chain ends, inspect names
+    both rules, and rewrite --target applies both stages: bit-exact with the original."""
+    import onnxruntime as ort
+
+    from onnx_qrewrite import rewrite
+
+    text = MINIMAL.replace('id = "mini"', 'id = "staged"').replace(
+        'names = ["Add"]', f"names = {json.dumps([*EMU_OPS, 'Softmax', 'DequantizeLinear'])}"
+    )
+    # ms-q-decompose would do it in one rule: avoided, so the chain is the only way
+    text += '\n[rewrites]\navoid = ["ms-q-decompose"]\nsource = "doc"\n' + FORM
+    path = tmp_path / "staged.toml"
+    path.write_text(text)
+    profile = load_target(str(path))
+    model = _ms_quantized_softmax()
+    plan = plan_for_target_model(model, profile)
+    assert plan.ok and len(plan.before) == 2 and len(plan.later) == 1
+    q = next(n for n in plan.nodes if n.node == "q")
+    assert q.rule == "ms-q-standard" and q.exactness == "exact" and q.form == "float-emulation"
+    assert q.then == ("float-emulation-q (exact) on q/QuantizeLinear",) and q.status == "fixed by the rewrite"
+    onnx.save(model, tmp_path / "m.onnx")
+    out = cli("inspect", tmp_path / "m.onnx", "--target", path)
+    assert out.returncode == 0, out.stderr
+    assert "rewrite: ms-q-standard (exact), form float-emulation" in out.stdout
+    assert "then: float-emulation-q (exact) on q/QuantizeLinear" in out.stdout
+    result = rewrite(model, target=str(path))
+    ops = [n.op_type for n in result.model.graph.node]
+    assert "QuantizeLinear" not in ops and result.report.by_rule()["float-emulation-q"] == 1
+    assert check_model(result.model, profile) == [] and result.report.target["refused_after"] == 0
+    feed = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32) * 4}
+    want = ort.InferenceSession(model.SerializeToString()).run(None, feed)[0]
+    got = ort.InferenceSession(result.model.SerializeToString()).run(None, feed)[0]
+    assert np.array_equal(want, got)
+    # with one stage only, the standard QuantizeLinear stays refused: ms-q-standard is not used
+    monkeypatch.setattr("onnx_qrewrite.targets.plan.MAX_STAGES", 1)
+    one = plan_for_target_model(model, profile)
+    assert one.refused_after == 1 and next(n for n in one.nodes if n.node == "q").rule is None
+
+
 def plan_for_target_model(model: onnx.ModelProto, profile):
     from onnx_qrewrite.targets import plan_for_model
 

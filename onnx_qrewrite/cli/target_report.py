@@ -24,6 +24,8 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             exact = f" ({n.exactness})" if n.exactness else ""
             form = f", form {n.form} asked for by the target" if n.form else ""
             click.echo(f"      rewrite: {n.rule}{exact}{form}")
+            for later in n.then:  # a later stage's rule on what this rewrite emitted
+                click.echo(f"      then: {later}")
         elif n.considered:
             click.echo(
                 "      rewrite: none; left as it is, since every rule leaves the target as much or more to refuse"

@@ -18,6 +18,13 @@ Rules that rewrite only ops the profile lists under ``[rewrites] keep`` (ops it 
 left out. The chosen rewrites are then applied together and checked again; a rewrite whose result
 is refused more than the node as it is gives way, and if the whole still has more refusals than
 the original, nothing is rewritten.
+
+Stages: a rule's replacement may itself need a rule (a QOperator lowering emits a QuantizeLinear
+the target computes wrongly, which the float-emulation form fixes). Each rewrite the plan tries is
+followed by a later stage planned the same way on what it wrote, restricted to the nodes the target
+still refuses, and judged by where that chain ends; at most ``MAX_STAGES`` stages, each kept only
+if it leaves fewer refused nodes, so a chain cannot loop. ``rewrite --target`` applies the stages
+in turn (``TargetPlan.later``), and ``inspect --target`` names each rule of a node's chain.
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ class NodeVerdict:
     #: The other choices the plan weighed for this node, in words ("dql-expand (exact): leaves 4
     #: refused nodes"): why the chosen one won.
     considered: tuple[str, ...] = ()
+    #: Later stages' rewrites of what ``rule`` emitted ("float-emulation-q (exact) on n/Quantize"):
+    #: the rule's replacement needed them. ``exactness`` is then the least exact of the chain.
+    then: tuple[str, ...] = ()
 
     @property
     def status(self) -> str:
@@ -91,6 +101,9 @@ class TargetPlan:
     rewritten: onnx.ModelProto | None = dataclasses.field(default=None, repr=False)
     catalogue: Catalogue | None = dataclasses.field(default=None, repr=False)
     options: Any = dataclasses.field(default=None, repr=False)  # the engine options of that rewrite
+    #: The engine options of each later stage, applied in turn to what the one before wrote (each
+    #: one's node_rules index that model's nodes); empty for a one-stage plan.
+    later: list[Any] = dataclasses.field(default_factory=list, repr=False)
 
     def refusal_error(self) -> str:
         """One line for ``rewrite --target`` when the target would still refuse something."""
@@ -267,10 +280,15 @@ class _Node:
 
 
 def _nodes(
-    model: onnx.ModelProto, catalogue: Catalogue, usable: set[str], forms: set[str], refused: set[tuple[str, str]]
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    usable: set[str],
+    forms: set[str],
+    refused: set[tuple[str, str]],
+    refused_only: bool = False,
 ) -> list[_Node]:
     """Every node some rule matches, with the rules usable on it: form rules only for nodes the
-    target refuses as they are."""
+    target refuses as they are (and, in a later stage, any rule only for those)."""
     nodes = []
     for scope in iter_scopes(model):
         for index, node in enumerate(scope.container.node):
@@ -286,25 +304,221 @@ def _nodes(
             is_refused = int((scope.path, label) in refused)
             in_forms = [r.id for r in rules if r.id in forms]
             if not is_refused:
-                rules = [r for r in rules if r.id not in forms]
+                rules = [] if refused_only else [r for r in rules if r.id not in forms]
             rules.sort(key=lambda r: _RANK[r.exactness])  # stable: catalogue order within a level
             # Listed even without candidates: then no rule may touch it (node_rules ()).
             nodes.append(_Node((scope.path, index), site, label, is_refused, [r.id for r in rules], in_forms))
     return nodes
 
 
-def _left_refused(report: Any, after: list[Refused]) -> dict[tuple[str, str], int]:
-    """Per rewritten node (scope, engine label): how many of the nodes replacing it the target refuses."""
-    refused = {(r.scope, r.node) for r in after}
-    return {
-        (rw.scope, rw.node): sum((rw.scope, name) in refused for name in rw.created_nodes) for rw in report.rewrites
-    }
+#: How many stages a plan may have: a later stage applies rules to what earlier ones emitted (a
+#: QOperator lowering's QuantizeLinear the target needs emulated, say). A later stage rewrites only
+#: nodes the target refuses and is kept only if it leaves fewer of them, so stages never loop.
+MAX_STAGES = 3
+
+
+@dataclasses.dataclass
+class _State:
+    """One rewrite tried: the model after its last stage, each stage's report and engine options
+    (the first stage's node choice, then the later stages the plan chose on top of it), and what
+    the target refuses of the result."""
+
+    rewritten: onnx.ModelProto
+    reports: list[Any]
+    options: list[Any]
+    after: list[Refused]
+
+
+def stage_input(model: onnx.ModelProto) -> onnx.ModelProto:
+    """What a later stage rewrites: the stage before's output with the types of the values it
+    created recorded (onnx's shape inference, as ``check_model`` runs it: rules such as the float
+    emulation need the element type of what they read). ``rewrite --target`` does the same between
+    stages, so the plan and the rewrite see the same model."""
+    from onnx_qrewrite.targets.check import _inferred
+
+    return _inferred(model)
+
+
+def _replacements(reports: list[Any]) -> list[dict[tuple[str, str], Any]]:
+    """Per stage: (scope, engine label) of each node it rewrote -> that rewrite."""
+    return [{(rw.scope, rw.node): rw for rw in report.rewrites} for report in reports]
+
+
+def _through(scope: str, names: Any, stages: list[dict[tuple[str, str], Any]]) -> tuple[list[str], list[Any]]:
+    """What the nodes ``names`` became through ``stages`` (later rewrites replace them by what
+    they create; removals drop them), and the rewrites that did it."""
+    current, used = list(names), []
+    for replaced in stages:
+        following: list[str] = []
+        for name in current:
+            rw = replaced.get((scope, name if scope == "main" else f"{name} (in {scope})"))
+            if rw is None:
+                following.append(name)
+            else:
+                used.append(rw)
+                following.extend(rw.created_nodes)
+        current = following
+    return current, used
+
+
+def _left_refused(state: _State) -> dict[tuple[str, str], int]:
+    """Per node the first stage rewrote (scope, engine label): how many of the nodes replacing it,
+    after the later stages, the target refuses."""
+    refused = {(r.scope, r.node) for r in state.after}
+    later = _replacements(state.reports[1:])
+    out = {}
+    for rw in state.reports[0].rewrites:
+        final, _ = _through(rw.scope, rw.created_nodes, later)
+        out[(rw.scope, rw.node)] = sum((rw.scope, name) in refused for name in final)
+    return out
 
 
 def _preference(choice: str | None, left: int, rank: int, order: int) -> tuple[int, ...]:
     if left == 0:
         return (0, 0, rank, order)
     return (1, left, 0 if choice is None else 1, rank, order)
+
+
+@dataclasses.dataclass
+class _Context:
+    """What every stage of one plan shares."""
+
+    profile: TargetProfile
+    catalogue: Catalogue
+    rules: dict[str, Rule]
+    usable: set[str]
+    form_of: dict[str, str]
+    listing: dict[str, int]
+    levels: set[str]
+    external: Any
+    target_opset: int | None
+    keep_opset: bool
+
+
+@dataclasses.dataclass
+class _Stage:
+    state: _State
+    nodes: list[_Node]
+    trials: dict[str, tuple[int, int]]
+    applied: set[str]
+
+
+def _may_follow(state: _State, ctx: _Context) -> bool:
+    """A later stage is worth planning when a stage rewrote something and some usable rule matches
+    a node the target still refuses."""
+    if not state.reports[-1].rewrites:
+        return False
+    return any(
+        r.id in ctx.usable for x in state.after if x.node != "(model)" for r in ctx.catalogue.candidates(x.domain, x.op)
+    )
+
+
+def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refused]) -> _Stage:
+    """Plan one stage on ``model`` (the input, or what the stages before emitted), each rewrite it
+    tries followed by the later stages it makes possible (up to MAX_STAGES), so a rule whose
+    replacement needs another rule is judged by where the chain ends."""
+    refused_now = {(r.scope, r.node) for r in before}
+    nodes = _nodes(model, ctx.catalogue, ctx.usable, set(ctx.form_of), refused_now, refused_only=depth > 0)
+    by_site = {(n.key[0], n.site): n for n in nodes}
+    tried: dict[tuple[Any, ...], _State] = {}
+
+    def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> _State:
+        key = tuple(sorted(node_rules.items()))
+        if key in tried:
+            return tried[key]
+        options = engine_options(
+            ctx.profile,
+            target_opset=ctx.target_opset,
+            keep_opset=ctx.keep_opset,
+            allow=ctx.levels,
+            node_rules=dict(node_rules),
+        )
+        rewritten, report, used = _rewrite(model, ctx.catalogue, ctx.external, options)
+        state = _State(rewritten, [report], [used], check_model(rewritten, ctx.profile))
+        if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
+            state = _follow(state, ctx, depth)
+        tried[key] = state
+        return state
+
+    # Try each node's k-th candidate, all nodes at once, and see what the target refuses of each.
+    applied: set[str] = set()
+    for k in range(max((len(n.candidates) for n in nodes), default=0)):
+        state = run({n.key: tuple(n.candidates[k : k + 1]) for n in nodes})
+        counts = _left_refused(state)
+        for rw in state.reports[0].rewrites:
+            node = by_site.get((rw.scope, rw.node))
+            if node is not None and rw.rule in node.candidates:
+                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
+                applied.add(rw.rule)
+
+    def best(node: _Node) -> str | None:
+        options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
+        for order, rule_id in enumerate(node.candidates, 1):
+            if rule_id in node.outcome:
+                n = node.outcome[rule_id]
+                options.append((_preference(rule_id, n, _RANK[ctx.rules[rule_id].exactness], order), rule_id))
+        return min(options, key=lambda o: o[0])[1]
+
+    def settle(choice: dict[tuple[str, int], tuple[str, ...]]) -> _State:
+        """Apply the choices together and check again: what a rewrite leaves can depend on its
+        neighbours' choices. A rewrite refused more than the node as it is gives way."""
+        for _ in range(len(nodes) + 1):
+            state = run(choice)
+            worse = [
+                by_site[key] for key, n in _left_refused(state).items() if key in by_site and n > by_site[key].refused
+            ]
+            if not worse:
+                break
+            for node in worse:
+                choice[node.key] = ()
+        return state
+
+    chosen = {n.key: best(n) for n in nodes}
+    choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
+    state = settle(choice)
+    # The form stage: a form whose rules rewrite patterns (anchored at a node the target accepts,
+    # removing the refused ones it reads) is tried on the whole model, each of its rules first
+    # where it matches and the choice so far after it; it is kept if the target then refuses less.
+    trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
+    forms = ctx.profile.forms
+    for index in sorted(range(len(forms)), key=lambda i: _RANK[forms[i].allow]):  # stable
+        request = forms[index]
+        trial = dict(choice)
+        for n in nodes:
+            if any(ctx.form_of.get(r) == request.name for r in choice[n.key]):
+                continue  # an earlier listing of the same form already rewrites it
+            mine = [r for r in n.form_rules if ctx.listing.get(r) == index and r not in choice[n.key]]
+            if mine:
+                trial[n.key] = (*mine, *choice[n.key])
+        if trial == choice:
+            continue
+        tried_state = settle(trial)
+        for report in tried_state.reports[:1]:
+            applied.update(rw.rule for rw in report.rewrites)
+        trials[_listed_as(request)] = (len(tried_state.after), len(state.after))
+        if len(tried_state.after) < len(state.after):
+            choice, state = trial, tried_state
+    if len(state.after) > len(before):  # never make things worse, whatever the interactions
+        state = run(dict.fromkeys(choice, ()))
+    elif depth > 0:  # a later stage's choice, then the stages after it
+        state = _follow(state, ctx, depth)
+    return _Stage(state, nodes, trials, applied)
+
+
+def _follow(state: _State, ctx: _Context, depth: int) -> _State:
+    """``state`` followed by the next stage planned on what it wrote, when that leaves fewer
+    refused nodes (and stages remain). Only the first stage weighs each of its choices this way;
+    a later stage adds the next one to the choice it made, which bounds the plan's cost."""
+    if depth + 1 >= MAX_STAGES or not state.after or not _may_follow(state, ctx):
+        return state
+    follow = _stage(stage_input(state.rewritten), ctx, depth + 1, state.after).state
+    if len(follow.after) >= len(state.after):
+        return state
+    return _State(follow.rewritten, [*state.reports, *follow.reports], [*state.options, *follow.options], follow.after)
+
+
+def _listed_as(request: Any) -> str:
+    return request.name + (f"[{request.variant}]" if request.variant else "")
 
 
 def plan_for_model(
@@ -329,155 +543,78 @@ def plan_for_model(
     chosen_rules = Catalogue([*base, *extra])
     rules = {r.id: r for r in chosen_rules}
     usable = {r.id for r in base if r.exactness in levels} | set(form_of)
-    refused_now = {(r.scope, r.node) for r in before}
-    nodes = _nodes(model, chosen_rules, usable, set(form_of), refused_now)
-    levels |= {rules[i].exactness for n in nodes for i in (*n.candidates, *n.form_rules)}
-    by_site = {(n.key[0], n.site): n for n in nodes}
-
-    def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> tuple[Any, Any, Any, list[Refused]]:
-        options = engine_options(
-            profile, target_opset=target_opset, keep_opset=keep_opset, allow=levels, node_rules=node_rules
-        )
-        rewritten, report, used = _rewrite(model, chosen_rules, external, options)
-        return rewritten, report, used, check_model(rewritten, profile)
-
-    # Try each node's k-th candidate, all nodes at once, and see what the target refuses of each.
-    applied: set[str] = set()
-    for k in range(max((len(n.candidates) for n in nodes), default=0)):
-        _, report, _, after = run({n.key: tuple(n.candidates[k : k + 1]) for n in nodes})
-        counts = _left_refused(report, after)
-        for rw in report.rewrites:
-            node = by_site.get((rw.scope, rw.node))
-            if node is not None and rw.rule in node.candidates:
-                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
-                applied.add(rw.rule)
-
-    def best(node: _Node) -> str | None:
-        options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
-        for order, rule_id in enumerate(node.candidates, 1):
-            if rule_id in node.outcome:
-                n = node.outcome[rule_id]
-                options.append((_preference(rule_id, n, _RANK[rules[rule_id].exactness], order), rule_id))
-        return min(options, key=lambda o: o[0])[1]
-
-    def settle(choice: dict[tuple[str, int], tuple[str, ...]]) -> tuple[Any, Any, Any, list[Refused]]:
-        """Apply the choices together and check again: what a rewrite leaves can depend on its
-        neighbours' choices. A rewrite refused more than the node as it is gives way."""
-        for _ in range(len(nodes) + 1):
-            state = run(choice)
-            worse = [
-                by_site[key]
-                for key, n in _left_refused(state[1], state[3]).items()
-                if key in by_site and n > by_site[key].refused
-            ]
-            if not worse:
-                break
-            for node in worse:
-                choice[node.key] = ()
-        return state
-
-    chosen = {n.key: best(n) for n in nodes}
-    choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
-    rewritten, report, used, after = settle(choice)
-    # The form stage: a form whose rules rewrite patterns (anchored at a node the target accepts,
-    # removing the refused ones it reads) is tried on the whole model, each of its rules first
-    # where it matches and the choice so far after it; it is kept if the target then refuses less.
-    trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
-    label_of = {
-        r: profile.forms[i].name + (f"[{profile.forms[i].variant}]" if profile.forms[i].variant else "")
-        for r, i in listing.items()
-    }
-    order = sorted(range(len(profile.forms)), key=lambda i: _RANK[profile.forms[i].allow])  # stable
-    for index in order:
-        request = profile.forms[index]
-        listed_as = request.name + (f"[{request.variant}]" if request.variant else "")
-        trial = dict(choice)
-        for n in nodes:
-            if any(form_of.get(r) == request.name for r in choice[n.key]):
-                continue  # an earlier listing of the same form already rewrites it
-            mine = [r for r in n.form_rules if listing.get(r) == index and r not in choice[n.key]]
-            if mine:
-                trial[n.key] = (*mine, *choice[n.key])
-        if trial == choice:
-            continue
-        state = settle(trial)
-        applied.update(rw.rule for rw in state[1].rewrites)
-        trials[listed_as] = (len(state[3]), len(after))
-        if len(state[3]) < len(after):
-            choice, (rewritten, report, used, after) = trial, state
-    if len(after) > len(before):  # never make things worse, whatever the interactions
-        rewritten, report, used, after = run(dict.fromkeys(choice, ()))
-
-    return _assemble(
-        label, profile, before, after, report, nodes, rules, form_of, skipped, applied, rewritten, chosen_rules, used,
-        trials, label_of,
-    )  # fmt: skip
+    levels |= {rules[i].exactness for i in form_of}
+    ctx = _Context(profile, chosen_rules, rules, usable, form_of, listing, levels, external, target_opset, keep_opset)
+    top = _stage(model, ctx, 0, before)
+    label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
+    return _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
 
 
 def _assemble(
     label: str,
     profile: TargetProfile,
     before: list[Refused],
-    after: list[Refused],
-    report: Any,
-    nodes: list[_Node],
+    top: _Stage,
     rules: dict[str, Rule],
     form_of: dict[str, str],
     skipped: dict[str, str],
-    applied: set[str],
-    rewritten: onnx.ModelProto,
     chosen_rules: Catalogue,
-    used: Any,
-    trials: dict[str, tuple[int, int]],
     label_of: dict[str, str],
 ) -> TargetPlan:
-    """The plan's account: per refused node what was chosen and why, rules not used, forms used."""
-    created = {(rw.scope, rw.node): rw for rw in report.rewrites}
-    after_at = {(r.scope, r.node): r for r in after}
+    """The plan's account: per refused node what was chosen and why (and what later stages did to
+    what it emitted), rules not used, forms used."""
+    state, nodes, trials = top.state, top.nodes, top.trials
+    after_at = {(r.scope, r.node): r for r in state.after}
     by_label = {(n.key[0], n.label): n for n in nodes}
+    stages = _replacements(state.reports)
     verdicts = []
     for r in before:
         node = by_label.get((r.scope, r.node))
-        rw = created.get((r.scope, node.site)) if node is not None else None
-        if rw is not None:
-            still = [after_at[(rw.scope, name)] for name in rw.created_nodes if (rw.scope, name) in after_at]
+        site = node.site if node is not None else r.node
+        final, chain = _through(r.scope, [site if r.scope == "main" else r.node], stages)
+        if chain:
+            still = [after_at[(r.scope, name)] for name in final if (r.scope, name) in after_at]
             reasons = tuple(f"{s.node} ({s.op_key}): {'; '.join(s.reasons)}" for s in still)
         else:
             same = after_at.get((r.scope, r.node))
             reasons = same.reasons if same is not None else ()
+        first = chain[0] if chain else None
         considered: list[str] = []
         for rule_id in node.candidates if node is not None else ():
-            if rw is not None and rule_id == rw.rule:
+            if first is not None and rule_id == first.rule:
                 continue
-            level = rules[rule_id].exactness
-            form = label_of.get(rule_id)
-            if rule_id not in node.outcome and form in trials:  # type: ignore[union-attr]
-                with_it, without = trials[form]
+            its_level = rules[rule_id].exactness
+            listed = label_of.get(rule_id)
+            if rule_id not in node.outcome and listed in trials:  # type: ignore[union-attr]
+                with_it, without = trials[listed]
                 considered.append(
-                    f"{rule_id} ({level}, form {form}): tried with the whole form, which leaves {with_it} refused "
-                    f"node(s) against {without} without it"
+                    f"{rule_id} ({its_level}, form {listed}): tried with the whole form, which leaves {with_it} "
+                    f"refused node(s) against {without} without it"
                 )
             elif rule_id not in node.outcome:  # type: ignore[union-attr]
-                considered.append(f"{rule_id} ({level}): does not apply here")
+                considered.append(f"{rule_id} ({its_level}): does not apply here")
             else:
                 n = node.outcome[rule_id]  # type: ignore[union-attr]
-                considered.append(f"{rule_id} ({level}): leaves {n} refused node{'s' if n != 1 else ''}")
-        rule = rw.rule if rw is not None else None
+                considered.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
+        level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
+        form = next((form_of[rw.rule] for rw in chain if rw.rule in form_of), None)
+        then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
         verdicts.append(
             NodeVerdict(
                 r.scope,
                 r.node,
                 r.op_key,
                 r.reasons,
-                rule,
-                rules[rule].exactness if rule else None,
+                first.rule if first is not None else None,
+                level,
                 reasons,
-                form_of.get(rule) if rule else None,
+                form,
                 tuple(considered),
+                then,
             )
         )
-    used_rules = {rw.rule for rw in report.rewrites}
-    for rule_id in sorted(applied - used_rules - set(skipped)):
+    used_rules = {rw.rule for report in state.reports for rw in report.rewrites}
+    for rule_id in sorted(top.applied - used_rules - set(skipped)):
         worse = any(n.refused == 0 and n.outcome.get(rule_id, 0) > 0 for n in nodes)
         if worse:
             skipped[rule_id] = f"it would turn nodes {profile.id} runs into nodes it refuses"
@@ -487,10 +624,11 @@ def _assemble(
                 "or comes first in the catalogue (inspect --target lists what each node weighed)"
             )
     forms: dict[str, dict[str, Any]] = {}
+    every = [rw for report in state.reports for rw in report.rewrites]
     for request in profile.forms:
         if request.name in forms:  # a later listing of the same form: counted with the first
             continue
-        mine = [rw for rw in report.rewrites if form_of.get(rw.rule) == request.name]
+        mine = [rw for rw in every if form_of.get(rw.rule) == request.name]
         if mine:
             level = max((rw.exactness for rw in mine), key=lambda e: _RANK[e])
             forms[request.name] = {
@@ -507,11 +645,12 @@ def _assemble(
         profile.version,
         profile.proof,
         before,
-        after,
+        state.after,
         verdicts,
         skipped,
         forms,
-        rewritten,
+        state.rewritten,
         chosen_rules,
-        used,
+        state.options[0],
+        list(state.options[1:]),
     )
