@@ -112,9 +112,22 @@ def test_per_axis_emulation_is_bit_exact(op, axis):
 
 @rule_marker("float-emulation-q", "negative")
 @rule_marker("float-emulation-dq", "negative")
+@rule_marker("float-emulation-qdq-pair", "negative")
 def test_the_form_is_not_applied_by_default_and_gives_way_where_it_cannot_emulate():
     model = _model("QuantizeLinear", "uint8", "float32", 0.1, 3, [4], None)
     assert onnx_qrewrite.rewrite(model).report.by_rule() == {}  # standard Q/DQ is the default target form
+    # A DequantizeLinear of a graph input is no pair: its own rule applies.
+    lone = _model("DequantizeLinear", "uint8", "float32", 0.1, 3, [4], None)
+    assert onnx_qrewrite.rewrite(lone, rules=FORM).report.by_rule() == {"float-emulation-dq": 1}
+    # float16 pairs are emulated node by node
+    half = _pair("uint8", 0.1, 3, 0.1, 3, [4], None)
+    half.graph.input[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    half.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT16
+    for name in ("sq", "sd"):
+        t = next(i for i in half.graph.initializer if i.name == name)
+        t.CopyFrom(numpy_helper.from_array(np.float16(0.1), name))
+    by_rule = onnx_qrewrite.rewrite(half, rules=FORM).report.by_rule()
+    assert by_rule == {"float-emulation-q": 1, "float-emulation-dq": 1}, by_rule
     # Blocked quantization is not emulated: the standard node stays as it is, without an error.
     blocked = _model("DequantizeLinear", "int8", "float32", np.ones((2, 2), np.float32), None, [2, 4], 1)
     blocked.graph.node[0].attribute.append(helper.make_attribute("block_size", 2))
@@ -168,3 +181,71 @@ def test_bfloat16_follows_the_onnx_definition_with_one_rounding(op):
     assert result.report.by_rule() == {f"float-emulation-{'q' if op == 'QuantizeLinear' else 'dq'}": 1}
     (actual,) = run(result.model, {"x": feed}).values()
     assert_bitwise_equal(actual, expected, f"bfloat16 {op}")
+
+
+def _pair(qtype: str, scale_q, zp_q, scale_dq, zp_dq, shape, axis: int | None, q_is_output: bool = False):
+    """x -> QuantizeLinear -> DequantizeLinear -> y (float32), the QuantizeLinear's output also a
+    graph output when asked."""
+    inits = [
+        numpy_helper.from_array(np.asarray(scale_q, np.float32), "sq"),
+        numpy_helper.from_array(np.asarray(zp_q, NP[qtype]), "zq"),
+        numpy_helper.from_array(np.asarray(scale_dq, np.float32), "sd"),
+        numpy_helper.from_array(np.asarray(zp_dq, NP[qtype]), "zd"),
+    ]
+    attrs = {"axis": axis} if axis is not None else {}
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)]
+    if q_is_output:
+        outputs.append(helper.make_tensor_value_info("q", TP[qtype], shape))
+    graph = helper.make_graph(
+        [
+            helper.make_node("QuantizeLinear", ["x", "sq", "zq"], ["q"], name="quant", **attrs),
+            helper.make_node("DequantizeLinear", ["q", "sd", "zd"], ["y"], name="dequant", **attrs),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        outputs,
+        inits,
+    )
+    opset = 21 if qtype in ("uint16", "int16") else 19
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=9)
+
+
+@rule_marker("float-emulation-qdq-pair", "positive")
+@rule_marker("float-emulation-q-unread", "positive")
+@pytest.mark.parametrize("qtype", list(NP))
+def test_a_quantize_dequantize_pair_is_one_float_expression_bit_exact(qtype):
+    """No integer tensor is left between the two (TensorRT refuses uint8 inside the network), and
+    the result is onnxruntime's Q then DQ bit for bit: the Casts the node rules put between them
+    are identities on the integer-valued floats the Clip leaves."""
+    x = _edge_inputs(np.float32)
+    lo, hi = np.iinfo(NP[qtype]).min, np.iinfo(NP[qtype]).max
+    for scale, (zq, zd) in itertools.product(SCALES, [(0, 0), (lo, lo), (hi, hi), (hi // 3, lo // 5)]):
+        model = _pair(qtype, scale, zq, min(scale * 1.5, 3.4e38), zd, list(x.shape), None)
+        result = onnx_qrewrite.rewrite(model, rules=FORM)
+        assert result.report.by_rule() == {"float-emulation-qdq-pair": 1, "float-emulation-q-unread": 1}
+        types = {n.op_type for n in result.model.graph.node}
+        assert not types & {"QuantizeLinear", "DequantizeLinear", "Cast"}, types
+        what = f"{qtype} scale {scale} zero points {zq}, {zd}"
+        assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], what)
+
+
+@rule_marker("float-emulation-qdq-pair", "positive")
+@rule_marker("float-emulation-q-unread", "negative")
+def test_a_pair_per_axis_and_a_quantized_value_read_elsewhere():
+    rng = np.random.default_rng(4)
+    shape = [3, 4, 5]
+    scale = rng.uniform(0.001, 2.0, 4).astype(np.float32)
+    zp = rng.integers(0, 255, 4).astype(np.uint8)
+    model = _pair("uint8", scale, zp, scale, zp, shape, 1)
+    x = (rng.standard_normal(shape) * 100).astype(np.float32)
+    result = onnx_qrewrite.rewrite(model, rules=FORM)
+    assert result.report.by_rule() == {"float-emulation-qdq-pair": 1, "float-emulation-q-unread": 1}
+    assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], "per-axis pair")
+    # The quantized value is also a graph output: the QuantizeLinear stays (its own float rule).
+    shared = _pair("uint8", 0.1, 7, 0.1, 7, [4], None, q_is_output=True)
+    result = onnx_qrewrite.rewrite(shared, rules=FORM)
+    assert result.report.by_rule() == {"float-emulation-qdq-pair": 1, "float-emulation-q": 1}
+    x = np.linspace(-20, 20, 4, dtype=np.float32)
+    got, want = run(result.model, {"x": x}), run(shared, {"x": x})
+    for name in ("y", "q"):
+        assert_bitwise_equal(got[name], want[name], name)

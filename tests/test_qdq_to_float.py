@@ -119,3 +119,31 @@ def test_nothing_happens_unless_asked_and_shared_or_output_values_stay():
     result = onnx_qrewrite.rewrite(model, rules=FORM, allow=APPROXIMATE)
     assert op_types(result.model).count("QuantizeLinear") == 1  # qc stays, qx goes
     assert not result.report.unlowered  # a standard op the form leaves is fine as it is
+
+
+@rule_marker("qdq-to-float-fold-weights", "positive")
+def test_an_int32_bias_with_zero_point_0_folds_bit_exact_over_the_whole_int32_range():
+    """quantize_static's bias DequantizeLinear (int32, zero point 0): onnxruntime converts x to
+    float32 rounding to nearest, as the fold does; a non-zero zero point (x - zp wraps in int32 in
+    the kernel) is not folded."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(-(2**31), 2**31 - 1, 256, dtype=np.int64).astype(np.int32)
+    x[:8] = [2**31 - 1, -(2**31), 2**24 + 1, -(2**24 + 1), 16777217, 0, 1, -1]
+    for scale, zp, axis in ((np.float32(3.7e-5), None, {}), (rng.uniform(1e-6, 1e-2, 256).astype(np.float32), 0, {})):
+        inputs = ["b", "s", "z"] if zp is not None else ["b", "s"]
+        inits = [numpy_helper.from_array(x, "b"), numpy_helper.from_array(np.asarray(scale), "s")]
+        if zp is not None:
+            inits.append(numpy_helper.from_array(np.zeros(256, np.int32), "z"))
+        graph = helper.make_graph(
+            [helper.make_node("DequantizeLinear", inputs, ["y"], name="dq", axis=0, **axis)],
+            "g",
+            [],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256])],
+            inits,
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+        result = onnx_qrewrite.rewrite(model, rules=FORM)
+        assert result.report.by_rule() == {"qdq-to-float-fold-weights": 1}
+        assert_bitwise_equal(run(result.model, {})["y"], run(model, {})["y"], "folded int32 bias")
+    model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.full(256, 3, np.int32), "z"))
+    assert onnx_qrewrite.rewrite(model, rules=FORM).report.by_rule() == {}

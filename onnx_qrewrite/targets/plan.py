@@ -404,10 +404,10 @@ class _Stage:
 
 
 def _may_follow(state: _State, ctx: _Context) -> bool:
-    """A later stage is worth planning when a stage rewrote something and some usable rule matches
-    a node the target still refuses."""
-    if not state.reports[-1].rewrites:
-        return False
+    """A later stage is worth planning when a stage rewrote something, the target refuses some of
+    what it emitted, and some usable rule matches a node the target still refuses."""
+    if not state.reports[-1].rewrites or not any(x.rule for x in state.after):
+        return False  # nothing rewritten, or nothing refused that a rewrite emitted
     return any(
         r.id in ctx.usable for x in state.after if x.node != "(model)" for r in ctx.catalogue.candidates(x.domain, x.op)
     )
@@ -480,7 +480,7 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
     # removing the refused ones it reads) is tried on the whole model, each of its rules first
     # where it matches and the choice so far after it; it is kept if the target then refuses less.
     trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
-    forms = ctx.profile.forms
+    forms = ctx.profile.forms if depth == 0 else ()  # later stages rewrite refused nodes only
     for index in sorted(range(len(forms)), key=lambda i: _RANK[forms[i].allow]):  # stable
         request = forms[index]
         trial = dict(choice)

@@ -49,6 +49,13 @@ __all__ = [
 # --- options several builders share (the vendor and standard Q/DQ builders) --------------------
 
 DIRECTION = Option("direction", str, allowed=("quantize", "dequantize"), doc="which op the rule replaces")
+EMULATION_DIRECTION = Option(
+    "direction",
+    str,
+    allowed=("quantize", "dequantize", "pair", "remove"),
+    doc="which op the rule replaces: quantize, dequantize, pair (a DequantizeLinear of a QuantizeLinear, as one "
+    "float expression) or remove (a QuantizeLinear left unread by the pair rule)",
+)
 AXIS_DEFAULT = Option(
     "axis_default", int, 1, doc="the axis the vendor kernel uses when the node has no axis attribute (written out)"
 )
@@ -368,7 +375,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_float_emulation": (
         "float_emulation",
         Contract(
-            options=(DIRECTION,),
+            options=(EMULATION_DIRECTION,),
             emits=frozenset(
                 {"Div", "Round", "Add", "Clip", "IsNaN", "Where", "Cast", "Sub", "Mul", "Reshape"}
                 | {"GreaterOrEqual", "Less", "And"}

@@ -8,6 +8,9 @@ do (NUMERICS.md), and converts types only at the node's boundary::
     QuantizeLinear(x, s, zp)   -> Cast<T>(Where(IsNaN(r), qmin, Clip(Add(r, zp_f), qmin, qmax)))
                                   with r = Round(Div(x_f, s_f))           # divide, never multiply
     DequantizeLinear(q, s, zp) -> Cast<out>(Mul(Sub(Cast<f32>(q), zp_f), s_f))
+    DequantizeLinear(QuantizeLinear(x)) (float32) -> the two without the Casts between them: no
+                                  integer tensor, for targets that refuse them inside the network
+                                  (TensorRT's uint8); the QuantizeLinear goes once nothing reads it
 
 ``x_f``, ``s_f`` are float32 (float16/bfloat16 inputs and scales are cast up exactly, and the
 kernel computes in float32 too; but its float16 quantize converts to int32 before it saturates,
@@ -64,7 +67,14 @@ class FloatEmulationBuilder:
         return quantized_dtype(site, quantize=site.node.op_type == "QuantizeLinear")
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        quantize = options["direction"] == "quantize"
+        direction = options["direction"]
+        if direction == "pair":
+            return self._check_pair(site)
+        if direction == "remove":
+            if site.node.op_type != "QuantizeLinear":
+                raise NotApplicable(f"the rule removes QuantizeLinear nodes, not {site.node.op_type}")
+            return Plan(remove_if_dead=True)  # once every DequantizeLinear reading it is a pair rewrite
+        quantize = direction == "quantize"
         if site.node.op_type != ("QuantizeLinear" if quantize else "DequantizeLinear"):
             raise NotApplicable(f"the rule is for the other direction, not {site.node.op_type}")
         for attr in site.node.attribute:
@@ -91,7 +101,49 @@ class FloatEmulationBuilder:
             float_type = x_type
         return Plan(min_opset=MIN_OPSET, notes=(q.describe("kernel"),), data={"qdq": q, "float_type": float_type})
 
+    def _check_pair(self, site: Site) -> Plan:
+        """DequantizeLinear(QuantizeLinear(x)), both float32 and 8/16-bit: the two in one float
+        expression, with no integer tensor between them (the Casts to the quantized type and back
+        are the identity on the integer-valued floats the Clip leaves)."""
+        node = site.node
+        if node.op_type != "DequantizeLinear":
+            raise NotApplicable(f"the pair rule is anchored at DequantizeLinear, not {node.op_type}")
+        producer = site.scope.producer(site.input(0))
+        if producer is None or producer.op_type != "QuantizeLinear" or producer.domain not in ("", "ai.onnx"):
+            raise NotApplicable("its input is not produced by a standard QuantizeLinear")
+        quantize_site = Site(producer, site.scope, site.same_shape_ops)
+        quantize_plan = self.check(quantize_site, {"direction": "quantize"})
+        dequantize_plan = self.check(site, {"direction": "dequantize"})
+        q, dq = quantize_plan.data["qdq"], dequantize_plan.data["qdq"]
+        if _T.FLOAT not in (quantize_plan.data["float_type"],) or dequantize_plan.data["float_type"] != _T.FLOAT:
+            raise NotApplicable("float16/bfloat16 pairs are emulated node by node (float-emulation-q, -dq)")
+        if q.dtype != dq.dtype:
+            raise NotApplicable(f"QuantizeLinear writes {q.dtype}, DequantizeLinear reads {dq.dtype}")
+        reads = frozenset(n for n in (*producer.input, *node.input[1:]) if n)
+        return Plan(
+            min_opset=MIN_OPSET,
+            notes=(q.describe("kernel"), dq.describe("kernel")),
+            data={"pair": (q, dq)},
+            reads=reads,
+        )
+
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        if options["direction"] == "remove":
+            return  # nothing: the node is dead (the engine checked)
+        if options["direction"] == "pair":
+            q, dq = plan.data["pair"]
+            scale, zp = _operands(emit, q)
+            rounded = emit.op1("Round", [emit.op1("Div", [q.x, scale])])
+            lo, hi = INTEGER_RANGES[q.dtype]
+            value = emit.op1("Add", [rounded, zp]) if zp else rounded
+            low = emit.const(np.float32(lo))
+            clipped = emit.op1("Clip", [value, low, emit.const(np.float32(hi))], hint="Saturate")
+            chosen = emit.op1("Where", [emit.op1("IsNaN", [rounded]), low, clipped], hint="NaNGivesQmin")
+            scale, zp = _operands(emit, dq)
+            # The Cast to an integer type and back turns -0.0 into +0.0; so does adding +0.0.
+            value = emit.op1("Sub", [chosen, zp]) if zp else emit.op1("Add", [chosen, emit.const(np.float32(0.0))])
+            emit.op1("Mul", [value, scale], site.node.output[0])
+            return
         q = plan.data["qdq"]
         float_type = plan.data["float_type"]
         scale, zp = _operands(emit, q)
