@@ -647,6 +647,34 @@ def test_a_plan_applies_rules_to_what_earlier_rules_emitted(tmp_path, monkeypatc
     assert one.refused_after == 1 and next(n for n in one.nodes if n.node == "q").rule is None
 
 
+def test_a_form_that_needs_the_users_consent_waits_for_allow_approximate(tmp_path):
+    """consent = "user": the profile names the approximate form, but its approximate rules run only
+    with --allow-approximate; without it the plan says what that would give."""
+    from onnx_qrewrite import rewrite
+
+    path = _emu_profile(tmp_path, EMU_OPS, "qdq-to-float", "approximate")
+    path.write_text(path.read_text().replace('allow = "approximate"', 'allow = "approximate"\nconsent = "user"'))
+    model = _qdq_relu()
+    plan = plan_for_target_model(model, load_target(str(path)))
+    assert plan.refused_after == 2 and plan.forms == {}
+    assert plan.with_consent == {"forms": ["qdq-to-float"], "refused_after": 0, "first": ""}
+    assert "with --allow-approximate (form qdq-to-float, approximate) it would refuse nothing" in plan.refusal_error()
+    onnx.save(model, tmp_path / "m.onnx")
+    out = cli("inspect", tmp_path / "m.onnx", "--target", path)
+    assert out.returncode == 4 and "with --allow-approximate (form qdq-to-float, approximate)" in out.stdout
+    consented = plan_for_model_allow(model, load_target(str(path)))
+    assert consented.ok and consented.forms["qdq-to-float"]["exactness"] == "approximate"
+    assert consented.with_consent is None
+    result = rewrite(model, target=str(path), allow=("exact", "bounded", "approximate"))
+    assert result.report.target["refused_after"] == 0
+
+
+def plan_for_model_allow(model: onnx.ModelProto, profile):
+    from onnx_qrewrite.targets import plan_for_model
+
+    return plan_for_model(model, load_rules(), profile, allow=("exact", "bounded", "approximate"))
+
+
 def plan_for_target_model(model: onnx.ModelProto, profile):
     from onnx_qrewrite.targets import plan_for_model
 

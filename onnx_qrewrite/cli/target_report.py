@@ -54,3 +54,5 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
         click.echo(f"{profile.id} would run the rewritten model: nothing refused after the rewrite")
     else:
         click.echo(f"{profile.id} would still refuse {len(plan.after)} node(s) after the rewrite (exit code 4)")
+        if plan.with_consent:
+            click.echo(f"  {plan.consent_note().lstrip('; ')}")

@@ -30,7 +30,16 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 "keeps": sorted(p.keep),
                 "avoids": sorted(p.avoid),
                 "forms": [
-                    {"name": f.name, "allow": f.allow, "why": f.why, "source": f.source, "options": dict(f.options)}
+                    {
+                        "name": f.name,
+                        "allow": f.allow,
+                        "consent": f.consent,
+                        "variant": f.variant,
+                        "why": f.why,
+                        "source": f.source,
+                        "options": {k: dict(v) for k, v in f.options.items()},
+                        "form_options": dict(f.form_options),
+                    }
                     for f in p.forms
                 ],
                 "sources": {s.id: {"document": s.document, "version": s.version} for s in p.sources.values()},
@@ -55,4 +64,6 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 click.echo(f"    [{p.id}/{s.id}] {s.document} ({s.version})")
             for f in p.forms:
                 why = f": {f.why}" if f.why else ""
-                click.echo(f"    form {f.name} (up to {f.allow}){why} {p.cite(f.source)}")
+                variant = f"[{f.variant}]" if f.variant else ""
+                consent = ", with --allow-approximate" if f.consent == "user" else ""
+                click.echo(f"    form {f.name}{variant} (up to {f.allow}{consent}){why} {p.cite(f.source)}")

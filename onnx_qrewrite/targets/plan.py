@@ -104,6 +104,10 @@ class TargetPlan:
     #: The engine options of each later stage, applied in turn to what the one before wrote (each
     #: one's node_rules index that model's nodes); empty for a one-stage plan.
     later: list[Any] = dataclasses.field(default_factory=list, repr=False)
+    #: When the target would still refuse something and the profile has approximate forms that
+    #: wait for the user's consent: what --allow-approximate would give ({"forms": [...],
+    #: "refused_after": n, "first": why the first still refused node is}).
+    with_consent: dict[str, Any] | None = None
 
     def refusal_error(self) -> str:
         """One line for ``rewrite --target`` when the target would still refuse something."""
@@ -111,7 +115,20 @@ class TargetPlan:
         more = f" (and {len(self.after) - 1} more node(s); `inspect --target {self.target}` lists them)"
         return (
             f"{self.model}: target {self.target} would still refuse node {first.node} ({first.op_key}) "
-            f"after the rewrite: {first.reasons[0]}{more if len(self.after) > 1 else ''}"
+            f"after the rewrite: {first.reasons[0]}{more if len(self.after) > 1 else ''}{self.consent_note()}"
+        )
+
+    def consent_note(self) -> str:
+        """What --allow-approximate would change, in words ("" when nothing waits for it)."""
+        c = self.with_consent
+        if not c:
+            return ""
+        forms = ", ".join(c["forms"])
+        if not c["refused_after"]:
+            return f"; with --allow-approximate (form {forms}, approximate) it would refuse nothing"
+        return (
+            f"; with --allow-approximate (form {forms}, approximate) it would still refuse {c['refused_after']} "
+            f"node(s): {c['first']}"
         )
 
     @property
@@ -133,6 +150,7 @@ class TargetPlan:
             "ok": self.ok,
             "skipped_rules": self.skipped_rules,
             "forms": self.forms,
+            "with_consent": self.with_consent,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
         }
@@ -547,7 +565,26 @@ def plan_for_model(
     ctx = _Context(profile, chosen_rules, rules, usable, form_of, listing, levels, external, target_opset, keep_opset)
     top = _stage(model, ctx, 0, before)
     label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
-    return _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
+    plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
+    waiting = withheld_forms(profile, allow)
+    if plan.after and waiting:
+        consented = plan_for_model(
+            model,
+            catalogue,
+            profile,
+            external=external,
+            label=label,
+            target_opset=target_opset,
+            keep_opset=keep_opset,
+            allow=(*levels, "approximate"),
+        )
+        first = consented.after[0] if consented.after else None
+        plan.with_consent = {
+            "forms": waiting,
+            "refused_after": len(consented.after),
+            "first": f"{first.node} ({first.op_key}): {first.reasons[0]}" if first else "",
+        }
+    return plan
 
 
 def _assemble(
