@@ -115,6 +115,17 @@ def _is_proto(model: object) -> bool:
 _U8S8_OPS = (b"MatMulInteger", b"QLinearMatMul", b"QLinearConv", b"QGemm", b"QAttention", b"DynamicQuantizeMatMul")
 
 
+def _may_convert(source: _Source) -> bool:
+    """Whether the model may hold a node whose weights the u8s8 reference converts: one of those
+    ops by name in its bytes and an int8 initializer (the weights it converts are int8 constants)."""
+    from onnx_qrewrite.io.wire_model import tensors_of
+
+    data = source.data or b""
+    if not any(op in data for op in _U8S8_OPS):
+        return False
+    return source.view is None or any(t.data_type == 3 for t in tensors_of(source.view))  # INT8
+
+
 class _NotFast(Exception):
     """The fast path cannot give this verification's answer as the full path would: run that."""
 
@@ -537,8 +548,8 @@ def verify(
         # sides (.u8s8_reference): the outputs are compared with the ONNX definition, and each bounded
         # replacement of such a node is checked against the default, saturating kernel at its node
         # (check_bounds, on the models as they are).
-        if fast and any(op in src.data for src in (original_src, rewritten_src) for op in _U8S8_OPS):  # type: ignore[operator]
-            raise _NotFast("the models may hold uint8 x int8 integer ops")
+        if fast and any(_may_convert(src) for src in (original_src, rewritten_src)):
+            raise _NotFast("the models may hold uint8 x int8 integer ops with int8 weights")
         reference_src, rewritten_run, u8s8_nodes = original_src, rewritten_src, 0
         if not fast:
             from onnx_qrewrite.verify.u8s8_reference import without_saturation
