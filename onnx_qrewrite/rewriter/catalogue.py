@@ -18,6 +18,8 @@ and give it options. Format (``rules/*.toml``)::
     when = { dtypes = ["uint8"], min_opset = 11, max_opset = 26 }   # all optional
     options = { semantics = "onnxruntime" }            # the builder's declared options
     precedes = ["other-rule-id"]                       # optional: tried before those rules
+    on_replacements = true                             # optional (exact rules): also lowers the nodes
+                                                       # other rules emit (see the engine)
 
 Every rule is checked against its builder's contract (:mod:`onnx_qrewrite.rewriter.contract`) when the
 catalogue is built: unknown keys and options, bad values, ops the builder does not emit, and an
@@ -101,6 +103,10 @@ class Rule:
     doc: str = ""
     #: Rule ids this rule is tried before, for the ops both match (ids not in the catalogue: none).
     precedes: tuple[str, ...] = ()
+    #: Also tried on the nodes other rewrites create (the engine's later passes), e.g. the
+    #: QuantizeLinear a DynamicQuantizeLinear expansion emits, under float emulation. Exact rules
+    #: only: the replacement it lowers keeps its own declared exactness and bound.
+    on_replacements: bool = False
 
     def with_options(self, overrides: Mapping[str, Any]) -> Rule:
         given = {**(self.given_options if self.given_options is not None else self.options), **overrides}
@@ -130,7 +136,19 @@ class Rule:
         return self.contract.bound if self.exactness != "exact" else ""
 
 
-_RULE_KEYS = ("id", "summary", "doc", "emits", "builder", "exactness", "match", "when", "options", "precedes")
+_RULE_KEYS = (
+    "id",
+    "summary",
+    "doc",
+    "emits",
+    "builder",
+    "exactness",
+    "match",
+    "when",
+    "options",
+    "precedes",
+    "on_replacements",
+)
 _WHEN_KEYS = ("dtypes", "min_opset", "max_opset")
 _FILE_KEYS = ("rule", "title", "about", "notes")
 #: Keys rule files used to have, and where their content lives now.
@@ -214,6 +232,16 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
     precedes = raw.get("precedes", [])
     if not isinstance(precedes, list) or not all(isinstance(r, str) and r for r in precedes):
         raise _fail(source, where, "'precedes' must be a list of rule ids")
+    on_replacements = raw.get("on_replacements", False)
+    if not isinstance(on_replacements, bool):
+        raise _fail(source, where, "'on_replacements' must be true or false")
+    if on_replacements and raw["exactness"] != "exact":
+        raise _fail(
+            source,
+            where,
+            "'on_replacements' needs an exact rule: a lowered replacement keeps the exactness and bound "
+            "its first rule declared",
+        )
     return Rule(
         id=raw["id"],
         summary=raw["summary"],
@@ -228,6 +256,7 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
         options=MappingProxyType(dict(options)),
         source=source,
         precedes=tuple(precedes),
+        on_replacements=on_replacements,
     )
 
 

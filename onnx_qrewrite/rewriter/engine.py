@@ -22,8 +22,8 @@ from collections.abc import Iterator, Mapping
 import onnx
 
 from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
-from onnx_qrewrite.io._protowire import encode_node_chunks, frame_nodes, replace_nodes
-from onnx_qrewrite.io.encoded import EncodedModel
+from onnx_qrewrite.io._protowire import encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
+from onnx_qrewrite.io.encoded import EncodedModel, to_proto
 from onnx_qrewrite.io.external_data import ExternalData
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import opset as opset_mod
@@ -160,9 +160,17 @@ def _first_applicable(
 
 
 def _match(
-    model: onnx.ModelProto, catalogue: Catalogue, options: EngineOptions, external: ExternalData | None
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    options: EngineOptions,
+    external: ExternalData | None,
+    restrict: Mapping[tuple[str, str], frozenset[str]] | None = None,
 ) -> tuple[list[Scope], dict[int, list[_Match]], list[Unlowered], collections.Counter[str]]:
-    """Which rule rewrites which node; also counts ops on the way (one walk over the model)."""
+    """Which rule rewrites which node; also counts ops on the way (one walk over the model).
+
+    ``restrict`` (a later pass, see :func:`_run`): only the nodes it lists, keyed by (scope path,
+    node name), are matched, only against ``on_replacements`` rules not in the node's lineage (the
+    rules that made it and its ancestors); a node none of them lowers stays as it was made."""
     scopes = iter_scopes(model, external)
     matches: dict[int, list[_Match]] = {}
     unlowered: list[Unlowered] = []
@@ -175,7 +183,7 @@ def _match(
     def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
         if rule is not None and plan is not None:
             matches.setdefault(s, []).append(_Match(site, index, rule, plan))
-        elif not quiet:
+        elif not quiet and restrict is None:
             node = site.node
             unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
 
@@ -194,6 +202,11 @@ def _match(
                 candidates = candidates_of.get(key)
                 if candidates is None:
                     candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
+            if restrict is not None:
+                lineage = restrict.get((scope.path, node.name))
+                if lineage is None:
+                    continue
+                candidates = [r for r in candidates if r.on_replacements and r.id not in lineage]
             if not candidates:
                 continue
             site = Site(node, scope, same_shape_ops)
@@ -279,8 +292,14 @@ def _apply(
     stamp_templates: bool = True,
     progress: ProgressSink | None = None,
     provenance: str = provenance_mod.DEFAULT_MODE,
+    applied: list[_Applied] | None = None,
+    later: bool = False,
 ) -> tuple[collections.Counter[str], list[bytes] | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
+
+    ``applied`` collects what each rewrite replaced and created (for a later pass). ``later``: the
+    nodes replaced were made by an earlier pass; their replacements continue the earlier
+    replacement they belong to (its name prefix and provenance, see :func:`_inherited_metadata`).
 
     Returns the change in op counts and, when the main graph changed, its encoded node list (the
     main graph itself is then left without nodes; see ``encoded``). ``matches`` is consumed: each
@@ -319,26 +338,33 @@ def _apply(
         while pending:
             m = pending.pop()
             builder = m.rule.implementation
-            metadata = Emitter.metadata_for(
-                m.rule.id,
-                m.site.node,
-                m.rule.exactness,
-                m.plan.bound,
-                provenance,
-                m.plan.bound_scale,
-                m.plan.bound_formula,
-            )
+            if later:
+                metadata = _inherited_metadata(m.site.node, provenance)
+                prefix = m.site.node.name.rpartition("/")[0] or Emitter.prefix_for(m.site.node)
+            else:
+                metadata = Emitter.metadata_for(
+                    m.rule.id,
+                    m.site.node,
+                    m.rule.exactness,
+                    m.plan.bound,
+                    provenance,
+                    m.plan.bound_scale,
+                    m.plan.bound_formula,
+                )
+                prefix = Emitter.prefix_for(m.site.node)
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
                 key = builder.template_key(m.site, m.rule.options, m.plan)
                 key = None if key is None else (m.rule.id, id(pool), key)
             template = templates.get(key) if key is not None else None
             if template is not None:
-                nodes, created_nodes = template.stamp(m.site, names, Emitter.prefix_for(m.site.node), metadata)
+                nodes, created_nodes = template.stamp(m.site, names, prefix, metadata)
                 created_ops = template.ops
                 reads = template.site_inputs_read(m.site)
             else:
-                emit = Emitter(m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata)
+                emit = Emitter(
+                    m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata, prefix=prefix
+                )
                 builder.build(m.site, emit, m.rule.options, m.plan)
                 nodes = emit.nodes
                 created_nodes = tuple(n for n, _ in emit.created)
@@ -367,6 +393,8 @@ def _apply(
             delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
             for op in created_ops:
                 delta[op] += 1
+            if applied is not None:
+                applied.append(_Applied(scope.path, m.site.node.name, m.rule.id, tuple(created_nodes), created_ops))
             report.rewrites.append(
                 AppliedRewrite(
                     rule=m.rule.id,
@@ -391,6 +419,32 @@ def _apply(
         names.release()  # every name is drawn; the set of them is a large part of the peak memory
         _return_freed_memory()
         return delta, _splice(model, scopes, built, pools)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Applied:
+    """One rewrite of a pass: what a later pass needs to know of it."""
+
+    scope: str
+    node: str  # the replaced node's name
+    rule: str
+    created: tuple[str, ...]  # names of the nodes it created
+    created_ops: tuple[str, ...]
+
+
+def _inherited_metadata(node: onnx.NodeProto, mode: str) -> tuple[bytes, bytes]:
+    """Metadata for the replacement of a node an earlier pass made: the same entries the node had
+    (rule, origin, exactness, bound of the earlier replacement), on the first new node if it had
+    them (compact) and on every new node in "full" mode. The new nodes keep the earlier
+    replacement's name prefix, so the verifier still reads the whole as one replacement of the
+    original node (``provenance.attribute_nodes``), with the bound it declared: the later rules are
+    exact (``Rule.on_replacements`` requires it), so that bound still holds."""
+    # Every entry a rewrite writes (rule, origin, exactness, bound and its unit): all "onnx_qrewrite.".
+    entries = [(e.key, e.value) for e in node.metadata_props if e.key.startswith("onnx_qrewrite.")]
+    if mode == "none" or not entries:
+        return b"", b""
+    encoded = encode_metadata(entries)
+    return encoded, (encoded if mode == "full" else b"")
 
 
 def _check_removed_are_unread(
@@ -565,6 +619,10 @@ def first_non_utf8_name(model: onnx.ModelProto) -> str | None:
     return None
 
 
+#: More later passes than this is a bug: each pass adds a rule to a node's lineage (see :func:`_run`).
+_MAX_LATER_PASSES = 64
+
+
 def _run(
     model: onnx.ModelProto,
     catalogue: Catalogue,
@@ -572,13 +630,91 @@ def _run(
     external: ExternalData | None,
     progress: ProgressSink | None,
 ) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
+    """One pass over the model, then later passes while the catalogue has ``on_replacements``
+    rules for ops the previous pass created (e.g. float emulation of the QuantizeLinear that a
+    DynamicQuantizeLinear expansion emits). A later pass matches only the nodes the previous one
+    created, against only those rules, and never a rule already in the node's lineage (the rules
+    that made it and its ancestors): lineages grow by one rule a pass, so the passes end after at
+    most one per such rule, however the rules' emits and matches overlap. Not with a target's
+    per-node plan (``node_rules``): the plan decided every node's rules from the input model."""
     report = RewriteReport()
     _return_freed_memory()  # what loading and checking the input freed
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
+    applied: list[_Applied] = []
+    result = _pass(model, catalogue, options, external, progress, report, applied, None)
+    later_ops = frozenset(
+        ref.op for rule in catalogue if rule.on_replacements for ref in rule.match if ref.domain in ("", "ai.onnx")
+    )
+    lineage: dict[tuple[str, str], frozenset[str]] = {}
+    typed: list[str] = []
+    passes = 0
+    while later_ops and options.node_rules is None and any(later_ops.intersection(a.created_ops) for a in applied):
+        passes += 1
+        if passes > _MAX_LATER_PASSES:
+            raise InternalError(f"rules on replacements did not settle after {_MAX_LATER_PASSES} passes")
+        lineage = {
+            (a.scope, name): lineage.get((a.scope, a.node), frozenset()) | {a.rule}
+            for a in applied
+            for name in a.created
+        }
+        model = to_proto(result) if isinstance(result, EncodedModel) else result
+        typed.extend(_record_inferred_types(model))
+        applied = []
+        result = _pass(model, catalogue, options, external, progress, report, applied, lineage)
+    final = result.skeleton if isinstance(result, EncodedModel) else result
+    if typed:
+        _drop_value_info(final, set(typed))
+    if report.changed and final.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
+        # Before IR 4 every initializer had to be a graph input: the constants a rewrite adds are
+        # not. IR 4 only lifts that rule, so the model means the same under it.
+        report.warnings.append(
+            f"IR version raised from {final.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
+            "initializer had to be a graph input, and the constants this rewrite adds are not"
+        )
+        final.ir_version = _IR_INITIALIZERS_NOT_INPUTS
+    return result, report
+
+
+def _record_inferred_types(model: onnx.ModelProto) -> list[str]:
+    """Add the main graph's value_info that onnx's shape inference finds for values the model does
+    not type (the values an earlier pass created: builders read element types and shapes from
+    value_info); returns their names, removed again once the passes are done. Nothing when
+    inference fails (e.g. a model over protobuf's 2 GB): later rules then decline what they cannot
+    type, and the nodes stay as the earlier pass made them."""
+    graph = model.graph
+    known = {vi.name for vi in (*graph.input, *graph.output, *graph.value_info)}
+    known.update(t.name for t in graph.initializer)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=False)
+    except Exception:  # noqa: BLE001 - onnx's C++ inference raises whatever it meets; it is only a help
+        return []
+    added = [vi for vi in inferred.graph.value_info if vi.name not in known]
+    graph.value_info.extend(added)
+    return [vi.name for vi in added]
+
+
+def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
+    kept = [vi for vi in model.graph.value_info if vi.name not in names]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+
+
+def _pass(
+    model: onnx.ModelProto,
+    catalogue: Catalogue,
+    options: EngineOptions,
+    external: ExternalData | None,
+    progress: ProgressSink | None,
+    report: RewriteReport,
+    applied: list[_Applied],
+    restrict: Mapping[tuple[str, str], frozenset[str]] | None,
+) -> onnx.ModelProto | EncodedModel:
+    """Match and apply once (``restrict``: a later pass, see :func:`_match`); the report gathers
+    every pass's rewrites, its ops after are the last pass's."""
     with stage(progress, "matching rules"):
-        scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+        scopes, matches, unlowered, counts = _match(model, catalogue, options, external, restrict)
     if not report.ops_before:
         report.ops_before = collections.Counter(counts)
     needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
@@ -588,7 +724,7 @@ def _run(
             model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
         )
         with stage(progress, "matching rules"):
-            scopes, matches, unlowered, counts = _match(model, catalogue, options, external)
+            scopes, matches, unlowered, counts = _match(model, catalogue, options, external, restrict)
     if unlowered and not options.allow_unlowered:
         first = unlowered[0]
         more = f" (and {len(unlowered) - 1} more node(s))" if len(unlowered) > 1 else ""
@@ -605,7 +741,15 @@ def _run(
     if rewrote:
         _record_provenance_mode(model, options.provenance)
         delta, main_nodes = _apply(
-            model, scopes, matches, report, options.stamp_templates, progress, options.provenance
+            model,
+            scopes,
+            matches,
+            report,
+            options.stamp_templates,
+            progress,
+            options.provenance,
+            applied,
+            later=restrict is not None,
         )
         counts.update(delta)
         if main_nodes is not None:
@@ -614,12 +758,4 @@ def _run(
     if rewrote:
         used = {key.split("::")[0] if "::" in key else "" for key in report.ops_after}
         opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, used, report)
-    if report.changed and model.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
-        # Before IR 4 every initializer had to be a graph input: the constants a rewrite adds are
-        # not. IR 4 only lifts that rule, so the model means the same under it.
-        report.warnings.append(
-            f"IR version raised from {model.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
-            "initializer had to be a graph input, and the constants this rewrite adds are not"
-        )
-        model.ir_version = _IR_INITIALIZERS_NOT_INPUTS
-    return result, report
+    return result

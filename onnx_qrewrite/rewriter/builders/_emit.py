@@ -193,6 +193,7 @@ class Emitter:
         *,
         emits: frozenset[str] | None = None,
         metadata: tuple[bytes, bytes] | None = None,
+        prefix: str | None = None,
     ):
         self.site = site
         self._names = names
@@ -200,7 +201,7 @@ class Emitter:
         self._emits = emits
         self._rule_id = rule_id
         node = site.node
-        self._prefix = self.prefix_for(node)
+        self._prefix = prefix if prefix is not None else self.prefix_for(node)
         self._meta_first, self._meta_rest = metadata if metadata is not None else self.metadata_for(rule_id, node)
         self.nodes: list[bytes] = []
         self.created: list[tuple[str, str]] = []  # (node name, op key as in reports)
