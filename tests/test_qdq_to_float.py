@@ -52,14 +52,23 @@ def _qdq_conv(per_axis: bool, dtype=np.int8, blocked: bool = False) -> onnx.Mode
 
 
 def _float_reference(model: onnx.ModelProto, folded: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    """The float model: Conv of x with the folded weights."""
+    """The float model: Conv of x with the folded weights, each activation clamped to its Q -> DQ
+    pair's range (x: 0.05 * [0 - 128, 255 - 128]; the output: 0.2 * [0 - 100, 255 - 100])."""
     weights = next(t for t in folded.graph.initializer if t.dims == [4, 3, 3, 3])
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "W"], ["y"], pads=[1, 1, 1, 1])],
+        [
+            helper.make_node("Clip", ["x", "xlo", "xhi"], ["xc"]),
+            helper.make_node("Conv", ["xc", "W"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Clip", ["c", "ylo", "yhi"], ["y"]),
+        ],
         "f",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
-        [numpy_helper.from_array(numpy_helper.to_array(weights), "W")],
+        [numpy_helper.from_array(numpy_helper.to_array(weights), "W")]
+        + [
+            numpy_helper.from_array(np.float32(q) * np.float32(s), n)
+            for n, q, s in (("xlo", -128, 0.05), ("xhi", 127, 0.05), ("ylo", -100, 0.2), ("yhi", 155, 0.2))
+        ],
     )
     return run(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10), {"x": x})["y"]
 
@@ -101,8 +110,8 @@ def test_with_approximate_allowed_the_model_becomes_its_float_reference():
         "qdq-to-float-drop-dq": 2,
         "qdq-to-float-drop-q": 2,
     }
-    assert sorted(op_types(result.model)) == ["Conv", "Identity", "Identity", "Identity"]
-    x = np.random.default_rng(1).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    assert sorted(op_types(result.model)) == ["Clip", "Clip", "Conv", "Identity"]
+    x = np.random.default_rng(1).standard_normal((1, 3, 6, 6)).astype(np.float32) * 4  # some beyond +-6.4
     assert_bitwise_equal(run(result.model, {"x": x})["y"], _float_reference(model, result.model, x), "float model")
     # And it is not the quantized model any more: that is what "approximate" means.
     assert not np.array_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"])
@@ -147,3 +156,134 @@ def test_an_int32_bias_with_zero_point_0_folds_bit_exact_over_the_whole_int32_ra
         assert_bitwise_equal(run(result.model, {})["y"], run(model, {})["y"], "folded int32 bias")
     model.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.full(256, 3, np.int32), "z"))
     assert onnx_qrewrite.rewrite(model, rules=FORM).report.by_rule() == {}
+
+
+def _pair(scale, zero_point, dtype=np.uint8, opset: int = 13, axis: int | None = None, runtime_scale: bool = False):
+    """x -> QuantizeLinear -> DequantizeLinear -> y, x of shape [2, 3, 4]."""
+    inits = [numpy_helper.from_array(np.asarray(zero_point, dtype), "z")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])]
+    if runtime_scale:
+        inputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, []))
+    else:
+        inits.append(numpy_helper.from_array(np.asarray(scale, np.float32), "s"))
+    attrs = {} if axis is None else {"axis": axis}
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], **attrs),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], **attrs),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])], inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+_EDGES = np.array([-1e30, -7.0, -0.3, -0.0, 0.0, 0.1, 0.26, 2.5, 6.0, 1e30, -np.inf, np.inf], np.float32)
+
+
+def _x(rng) -> np.ndarray:
+    return np.concatenate([_EDGES, (rng.standard_normal(12) * 5).astype(np.float32)]).reshape(2, 3, 4)
+
+
+@rule_marker("qdq-to-float-drop-dq", "positive")
+@pytest.mark.parametrize("opset", [10, 13])
+@pytest.mark.parametrize(
+    "scale, zero_point, dtype",
+    [(0.0237, 0, np.uint8), (0.05, 128, np.uint8), (0.011, -128, np.int8), (0.3, 7, np.int8), (1e-3, 0, np.uint16)],
+)
+def test_a_removed_pair_keeps_its_saturation_as_a_clip(opset, scale, zero_point, dtype):
+    """Zero point qmin is what a quantizer writes for a Relu it folded into the QuantizeLinear: the
+    pair's lower bound is then 0, the Relu. The bounds are the pair's own extreme outputs."""
+    if dtype == np.uint16:
+        opset = 21
+    model = _pair(scale, zero_point, dtype, opset)
+    result = onnx_qrewrite.rewrite(model, rules=FORM, allow=APPROXIMATE)
+    assert result.report.by_rule() == {"qdq-to-float-drop-dq": 1, "qdq-to-float-drop-q": 1}
+    assert op_types(result.model) == ["Clip"]
+    clip = result.model.graph.node[0]
+    assert (len(clip.input) == 1) == (opset < 11)  # min/max attributes below opset 11
+    x = _x(np.random.default_rng(3))
+    got, quantized = run(result.model, {"x": x})["y"], run(model, {"x": x})["y"]
+    # The extremes are the pair's own wherever the pair saturates (the Clip keeps -0.0 at a bound
+    # of 0, where the pair gives +0.0: equal values).
+    info = np.iinfo(dtype)
+    lo, hi = (np.float32(q - zero_point) * np.float32(scale) for q in (info.min, info.max))
+    assert_bitwise_equal(got, np.clip(x, lo, hi), "Clip(x, lo, hi)")
+    saturated = (x <= lo) | (x >= hi)
+    np.testing.assert_array_equal(got[saturated], quantized[saturated])
+    # Inside the range only the rounding is dropped: at most half a step.
+    inside = ~saturated
+    assert np.abs(got[inside] - quantized[inside]).max() <= np.float32(scale) / 2 * (1 + 1e-6)
+    notes = next(r.notes for r in result.report.rewrites if r.rule == "qdq-to-float-drop-dq")
+    assert notes == (f"clamped to [{lo:.9g}, {hi:.9g}], the pair's range",)
+
+
+@rule_marker("qdq-to-float-drop-dq", "positive")
+def test_a_per_axis_pair_is_clamped_per_channel():
+    scale = np.array([0.01, 0.2, 0.05], np.float32)
+    zero_point = np.array([0, 100, 255], np.uint8)
+    model = _pair(scale, zero_point, axis=1)
+    result = onnx_qrewrite.rewrite(model, rules=FORM, allow=APPROXIMATE)
+    assert op_types(result.model) == ["Min", "Max"]
+    x = _x(np.random.default_rng(4)) * 10
+    lo = ((0 - zero_point.astype(np.float32)) * scale).reshape(3, 1)
+    hi = ((255 - zero_point.astype(np.float32)) * scale).reshape(3, 1)
+    assert_bitwise_equal(run(result.model, {"x": x})["y"], np.minimum(np.maximum(x, lo), hi), "per channel")
+
+
+@rule_marker("qdq-to-float-drop-dq", "negative")
+def test_a_pair_whose_range_is_computed_at_run_time_becomes_identity_and_says_so():
+    result = onnx_qrewrite.rewrite(_pair(0.1, 0, runtime_scale=True), rules=FORM, allow=APPROXIMATE)
+    assert op_types(result.model) == ["Identity"]
+    notes = next(r.notes for r in result.report.rewrites if r.rule == "qdq-to-float-drop-dq")
+    assert notes == ("clamp not kept: the scale is not a float32 constant",)
+
+
+def _relu_cnn() -> onnx.ModelProto:
+    from test_qoperator_real_models import small_cnn
+
+    return small_cnn()
+
+
+@rule_marker("qdq-to-float-drop-dq", "positive")
+def test_quantize_static_folds_the_relu_into_the_quantizer_and_the_form_keeps_it(tmp_path):
+    """onnxruntime's quantize_static (QDQ) removes each Relu after a Conv and quantizes the Conv's
+    output with zero point 0 (uint8 qmin): the Q -> DQ pair is the Relu. Replaced by Identity, the
+    negative values pass (measured: 0.61 max abs from the quantized model on these inputs); by the
+    Clip the form now writes, the result stays within 0.006 of it (the rounding dropped)."""
+    import onnxruntime.quantization as quantization
+    from test_qoperator_real_models import _Reader
+
+    src, dst = tmp_path / "cnn.onnx", tmp_path / "cnn_qdq.onnx"
+    onnx.save(_relu_cnn(), src)
+    quantization.quantize_static(
+        str(src),
+        str(dst),
+        _Reader((1, 3, 16, 16)),
+        quant_format=quantization.QuantFormat.QDQ,
+        activation_type=quantization.QuantType.QUInt8,
+        weight_type=quantization.QuantType.QInt8,
+        per_channel=True,
+    )
+    quantized = onnx.load(dst)
+    assert "Relu" in op_types(onnx.load(src)) and "Relu" not in op_types(quantized)  # folded
+    result = onnx_qrewrite.rewrite(quantized, rules=FORM, allow=APPROXIMATE)
+    assert not {"QuantizeLinear", "Relu"} & set(op_types(result.model))
+    clamps = {r.node: r.notes[0] for r in result.report.rewrites if r.rule == "qdq-to-float-drop-dq"}
+    # The two Relu outputs (and the max-pool of one) are clamped below at 0.
+    assert sum(note.startswith("clamped to [0, ") for note in clamps.values()) == 3, clamps
+    # "Before": the same model with each Clip replaced by the Identity the form used to write.
+    identity = onnx.ModelProto()
+    identity.CopyFrom(result.model)
+    for node in identity.graph.node:
+        if node.op_type == "Clip":
+            node.op_type = "Identity"
+            del node.input[1:]
+    rng = np.random.default_rng(7)
+    worst = {"clip": 0.0, "identity": 0.0}
+    for _ in range(4):
+        x = rng.standard_normal((1, 3, 16, 16)).astype(np.float32)
+        expected = run(quantized, {"x": x})["y"]
+        worst["clip"] = max(worst["clip"], float(np.abs(run(result.model, {"x": x})["y"] - expected).max()))
+        worst["identity"] = max(worst["identity"], float(np.abs(run(identity, {"x": x})["y"] - expected).max()))
+    assert worst["clip"] < 0.02, worst
+    assert worst["identity"] > 0.3, worst

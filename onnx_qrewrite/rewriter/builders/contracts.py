@@ -460,7 +460,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             options=(
                 Option("form", str, allowed=QDQ_TO_FLOAT_FORMS, doc="which part of the QDQ form the rule removes"),
             ),
-            emits=frozenset({"Identity"}),
+            emits=frozenset({"Identity", "Clip", "Min", "Max"}),
             exactness=lambda options: EXACT if options["form"] == "fold_constant" else APPROXIMATE,
             preserves_shape=True,
             opset=lambda options, dtypes: "any",

@@ -2,13 +2,30 @@
 run only float. Applied only when asked for (``named_form("qdq-to-float")``)::
 
     DequantizeLinear(W: constant, s, zp)  -> Identity(W_float)       # folded at rewrite time
-    DequantizeLinear(QuantizeLinear(x))   -> Identity(x)             # activation pair removed
+    DequantizeLinear(QuantizeLinear(x))   -> Clip(x, lo, hi)         # activation pair removed
     QuantizeLinear(x) read only by such DequantizeLinear nodes -> nothing (dead after the above)
 
 Folding a constant's DequantizeLinear is **exact**: ``(float)(w - zp) * s`` in float32, per-tensor,
-per-axis or blocked, the very arithmetic of onnxruntime's kernel (tested bit for bit). Removing a
-Q -> DQ pair drops the rounding and saturation of the activation: **approximate** by design (the
-model's float reference, not the quantized model), so those rules also need ``--allow-approximate``.
+per-axis or blocked, the very arithmetic of onnxruntime's kernel (tested bit for bit).
+
+Removing a Q -> DQ pair is **approximate** by design (the model's float reference, not the
+quantized model), so those rules also need ``--allow-approximate``; what it drops and keeps:
+
+- kept: the **saturation**. Quantizers fold a Relu (or Clip) into the QuantizeLinear's range:
+  ``quantize_static`` removes the Relu after a Conv and quantizes its input with zero point qmin,
+  so the pair *is* the Relu; an Identity would drop it (negative values pass; measured on a
+  quantize_static CNN in ``tests/test_qdq_to_float.py``). The pair's output lies in
+  ``[lo, hi] = [(qmin - zp) * s, (qmax - zp) * s]`` (the DequantizeLinear's scale and zero point,
+  computed in float32 as its kernel computes them, so lo and hi are the pair's own extreme
+  outputs), and values beyond saturate there: ``Clip(x, lo, hi)`` (attributes below opset 11), or
+  ``Max(Min(x, hi), lo)`` with per-channel bounds for a per-axis scale (rank known). Where the
+  scale or zero point is computed at run time, or the type has no integer range (float8), or a
+  per-axis input's rank is unknown, the pair becomes ``Identity`` and the rewrite's note says the
+  clamp was not kept.
+- dropped: the **rounding** to the quantization grid (up to half a step, ``s / 2``, per value
+  inside the range), the difference between the QuantizeLinear's and the DequantizeLinear's own
+  parameters if they are not the same, and NaN (the pair gives ``lo``'s value, qmin; the
+  replacement passes NaN on).
 """
 
 from __future__ import annotations
@@ -20,7 +37,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, register
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, quantized_dtype, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name
 
@@ -74,6 +92,49 @@ def dequantize_constant(
     return (difference * scale).astype(np.float32)
 
 
+#: Clip takes min and max as inputs from this default-domain opset on (attributes before).
+_CLIP_INPUTS = 11
+
+
+def _clamp(site: Site) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None] | str:
+    """The range of DequantizeLinear(QuantizeLinear(x)) at ``site`` (the DequantizeLinear):
+    ``(qmin - zp) * s`` and ``(qmax - zp) * s`` in float32, as the kernel computes them, and the
+    shape they broadcast with along a per-axis scale's axis (None: per tensor); or why not."""
+    attrs = _attrs(site.node)
+    if attrs.get("block_size"):
+        return "blocked scales"
+    scale = site.constant(site.input(1))
+    if scale is None or scale.dtype != np.float32:
+        return "the scale is not a float32 constant"
+    zp = site.constant(site.input(2)) if site.input(2) else None
+    if site.input(2) and zp is None:
+        return "the zero point is computed at run time"
+    try:
+        dtype = quantized_dtype(site, quantize=False)
+    except NoMatch:
+        dtype = str(zp.dtype) if zp is not None else "unknown"
+    if dtype not in INTEGER_RANGES:
+        return f"{dtype} has no integer range"
+    qmin, qmax = INTEGER_RANGES[dtype]
+    zp_wide = np.zeros((), np.int64) if zp is None else np.asarray(zp).astype(np.int64)
+    # (float)(q - zp) * s: the difference is exact in float32 for every type up to 16 bits.
+    lo = (np.asarray(qmin - zp_wide).astype(np.float32) * scale).astype(np.float32)
+    hi = (np.asarray(qmax - zp_wide).astype(np.float32) * scale).astype(np.float32)
+    if scale.size == 1 and zp_wide.size == 1:
+        return lo.reshape(1), hi.reshape(1), None
+    shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
+    if shape is None:
+        return "per-axis scale and the input's rank is not recorded"
+    rank = len(shape)
+    axis = int(attrs.get("axis", 1))
+    if not -rank <= axis < rank:
+        return f"axis {axis} is out of range for rank {rank}"
+    axis %= rank
+    broadcast = (-1,) + (1,) * (rank - 1 - axis)
+    n = max(lo.size, hi.size)
+    return np.broadcast_to(lo.ravel(), (n,)).copy(), np.broadcast_to(hi.ravel(), (n,)).copy(), broadcast
+
+
 class QDQToFloatBuilder:
     """Folds constant DequantizeLinear into float initializers; removes activation Q -> DQ pairs."""
 
@@ -97,7 +158,14 @@ class QDQToFloatBuilder:
             producer = site.scope.producer(site.input(0))
             if producer is None or producer.op_type != "QuantizeLinear" or producer.domain not in ("", "ai.onnx"):
                 raise NotApplicable("its input is not produced by a QuantizeLinear")
-            return Plan(data={"x": producer.input[0]})
+            clamp = _clamp(site)
+            if isinstance(clamp, str):
+                return Plan(notes=(f"clamp not kept: {clamp}",), data={"x": producer.input[0]})
+            lo, hi, shape = clamp
+            note = f"clamped to [{lo.min():.9g}, {hi.max():.9g}], the pair's range" + (
+                "" if shape is None else " (per channel)"
+            )
+            return Plan(notes=(note,), data={"x": producer.input[0], "clamp": clamp})
         # drop_pair_q: only when every reader is a DequantizeLinear the pair rule removes.
         consumers = _consumers(site.scope)
         if consumers is None:
@@ -144,7 +212,19 @@ class QDQToFloatBuilder:
         if form == "fold_constant":
             emit.op1("Identity", [emit.const(plan.data["value"])], site.node.output[0])
         elif form == "drop_pair_dq":
-            emit.op1("Identity", [plan.data["x"]], site.node.output[0])
+            x, y = plan.data["x"], site.node.output[0]
+            clamp = plan.data.get("clamp")
+            if clamp is None:
+                emit.op1("Identity", [x], y)
+                return
+            lo, hi, shape = clamp
+            if shape is not None:
+                low = emit.const(lo.reshape(shape))
+                emit.op1("Max", [emit.op1("Min", [x, emit.const(hi.reshape(shape))]), low], y)
+            elif emit.opset >= _CLIP_INPUTS:
+                emit.op1("Clip", [x, emit.const(lo.reshape(())), emit.const(hi.reshape(()))], y)
+            else:  # min/max attributes (float32, so the same values)
+                emit.op1("Clip", [x], y, min=float(lo.reshape(())), max=float(hi.reshape(())))
         # drop_pair_q: nothing; every reader of the output is replaced by the pair rule.
 
 
