@@ -167,7 +167,6 @@ def test_refuses_to_overwrite_the_input(tmp_path):
         (["--keep-opset", "--target-opset", "21"], "contradict"),
         (["--target-opset", "30"], "above 26"),
         (["--form", "weight-onyl", "--allow-approximate"], "no form named 'weight-onyl' (did you mean 'weight-only'?)"),
-        (["--form", "weight-only"], "--form weight-only: its rules are approximate"),
         (
             ["--form", "weight-only", "--allow-approximate", "--form-option", "weight=float"],
             "(did you mean 'weights'?)",

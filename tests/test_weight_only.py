@@ -371,6 +371,7 @@ def test_the_weights_option_is_set_on_the_whole_form_at_once():
         "weight-only-matmul": "float",
         "weight-only-ms-matmul": "float",
         "weight-only-gather": "float",
+        "weight-only-gather-remove-dead": "float",
         "weight-only-remove-dead": "float",
     }
     with pytest.raises(onnx_qrewrite.errors.UsageError, match="did you mean 'weights'"):
@@ -428,7 +429,7 @@ def test_a_quantized_embedding_lookup_becomes_a_gather_of_the_dequantized_table(
     model = _gathered(dtype, axis=axis)
     result = _rewrite(model, weights)
     out = result.model
-    assert result.report.by_rule() == {"weight-only-gather": 1, "weight-only-remove-dead": 1}
+    assert result.report.by_rule() == {"weight-only-gather": 1, "weight-only-gather-remove-dead": 1}
     assert op_types(out).count("Gather") == 1 and ("DequantizeLinear" in op_types(out)) == (weights == "dequantize")
     gather = next(n for n in out.graph.node if n.op_type == "Gather")
     assert [helper.get_attribute_value(a) for a in gather.attribute if a.name == "axis"] == [axis]
@@ -506,3 +507,61 @@ def test_patterns_inside_a_subgraph_and_values_read_from_one_stay_sound():
             np.testing.assert_allclose(got, _expected_matmul(model, x, 0, True), rtol=1e-5, atol=1e-5)
         else:
             np.testing.assert_array_equal(got, original)
+
+
+def _embedding(table: np.ndarray, scale: np.float32, zero_point, axis: int, ids_shape) -> onnx.ModelProto:
+    inits = [
+        numpy_helper.from_array(table, "table"),
+        numpy_helper.from_array(np.asarray(scale, np.float32), "s"),
+        numpy_helper.from_array(np.asarray(zero_point, table.dtype), "z"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["looked_up"], axis=axis),
+        helper.make_node("DequantizeLinear", ["looked_up", "s", "z"], ["emb"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, list(ids_shape))],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, [None] * (table.ndim + len(ids_shape) - 1))],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+@rule_marker("weight-only-gather", "positive")
+@rule_marker("weight-only-gather-remove-dead", "positive")
+@pytest.mark.parametrize("weights", ["dequantize", "float"])
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8])
+def test_the_embedding_gather_rewrite_is_exact_and_runs_without_allow_approximate(dtype, weights):
+    """DequantizeLinear is elementwise: dequantizing the whole table then gathering gives each value
+    the kernel's own arithmetic. Bit for bit against onnxruntime on tables whose sizes leave vector
+    tails, every gather axis, negative indices, scales from denormal-adjacent to near overflow."""
+    rng = np.random.default_rng(11)
+    info = np.iinfo(dtype)
+    form = _form(weights)
+    for shape in ((257, 37), (31, 5, 7)):
+        for scale in (np.float32(0.0123), np.float32(3.7e-38), np.float32(2.9e38), np.float32(2.0**-17)):
+            table = rng.integers(info.min, info.max + 1, shape).astype(dtype)
+            zero_point = dtype(rng.integers(info.min, info.max + 1))
+            for axis in range(len(shape)):
+                ids = rng.integers(-shape[axis], shape[axis], (3, 11)).astype(np.int64)
+                model = _embedding(table, scale, zero_point, axis, ids.shape)
+                result = onnx_qrewrite.rewrite(model, rules=form)  # exact rules only
+                assert result.report.by_rule() == {"weight-only-gather": 1, "weight-only-gather-remove-dead": 1}
+                assert all(r.exactness == "exact" for r in result.report.rewrites)
+                assert_bitwise_equal(
+                    run(result.model, {"ids": ids})["emb"], run(model, {"ids": ids})["emb"], f"{shape} {axis}"
+                )
+
+
+@rule_marker("weight-only-gather-remove-dead", "negative")
+def test_an_integer_gather_something_else_reads_stays():
+    model = _gathered()
+    model.graph.output.append(helper.make_tensor_value_info("looked_up", TensorProto.UINT8, [2, 3, 6]))
+    result = onnx_qrewrite.rewrite(model, rules=_form("dequantize"))
+    assert result.report.by_rule() == {"weight-only-gather": 1}
+    assert op_types(result.model).count("Gather") == 2  # the integer lookup stays: it is an output
+    ids = np.random.default_rng(2).integers(0, 12, (2, 3)).astype(np.int64)
+    for name in ("y", "looked_up"):
+        assert_bitwise_equal(run(result.model, {"ids": ids})[name], run(model, {"ids": ids})[name], name)

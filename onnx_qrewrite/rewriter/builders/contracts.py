@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from onnx_qrewrite.rewriter import kernel_opsets
-from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option, always
+from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option
 
 __all__ = [
     "ATTENTION_EMITS",
@@ -42,6 +42,7 @@ __all__ = [
     "SEMANTICS",
     "U8S8_POLICIES",
     "U8S8_SATURATION",
+    "WEIGHT_ONLY_PATTERNS",
     "WEIGHT_ONLY_ROLES",
     "WEIGHT_ONLY_WEIGHTS",
 ]
@@ -118,11 +119,13 @@ NBITS_UNPACKED = "unpacked"
 FLOAT_EMULATION_MIN_OPSET = 13
 #: qdq_to_float
 QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
-#: weight_only, dynamic_qdq: the role of a rule in the pattern; weight_only: how the weights are written.
+#: weight_only, dynamic_qdq: the role of a rule in the pattern; weight_only: how the weights are written
+#: and which pattern (gather: exact; matmul: approximate).
 WEIGHT_ONLY_ROLES = ("rewrite", "remove_dead")
 #: dynamic_qdq: how DynamicQuantizeMatMul's own activation quantization is written.
 DYNAMIC_QDQ_QUANTIZE = ("expand", "keep")
 WEIGHT_ONLY_WEIGHTS = ("dequantize", "float")
+WEIGHT_ONLY_PATTERNS = ("matmul", "gather")
 #: qoperator_to_qdq: the ops it replaces, and the exactness of each (unless ``u8s8_saturation`` is
 #: "ignore"): exact where the float op cannot round (Concat, and the lookup-table ops whose
 #: onnxruntime kernel is the float op then QuantizeLinear), one step otherwise.
@@ -485,9 +488,18 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     doc="dequantize: DequantizeLinear of the integer weights (opset 13 for per-channel); "
                     "float: folded to float initializers (no Q/DQ op left)",
                 ),
+                Option(
+                    "pattern",
+                    str,
+                    "matmul",
+                    WEIGHT_ONLY_PATTERNS,
+                    doc="matmul: a dynamically quantized MatMul/Conv, computed on the float activation "
+                    "(approximate); gather: DequantizeLinear(Gather(W)) -> Gather(dequantized W), the same "
+                    "values (exact: DequantizeLinear is elementwise, measured bit for bit)",
+                ),
             ),
             emits=frozenset({"DequantizeLinear", "MatMul", "Conv", "Add", "Gather"}),
-            exactness=always(APPROXIMATE),
+            exactness=lambda options: EXACT if options["pattern"] == "gather" else APPROXIMATE,
             opset=lambda options, dtypes: (
                 "any"
                 if options.get("role") == "remove_dead" or options.get("weights") == "float"

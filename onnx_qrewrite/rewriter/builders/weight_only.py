@@ -13,6 +13,12 @@ Patterns, as ``onnxruntime.quantization.quantize_dynamic`` and onnxruntime's opt
                                                      ==>  MatMul(x, W') [-> Add(bias)]
     DequantizeLinear(Gather(W, ids), W_scale, W_zp)  ==>  Gather(W', ids)   (per tensor; the same values)
 
+The gather rewrite (option ``pattern = "gather"``) is **exact**, not approximate: DequantizeLinear
+is elementwise, so dequantizing the table and gathering gives every value the same arithmetic,
+``(float)(w - zp) * s``; bit for bit against onnxruntime (uint8/int8 tables whose sizes leave
+vector tails, every gather axis, negative indices, scales from 3.7e-38 to 2.9e38, both ``weights``
+forms: ``tests/test_weight_only.py``). Its dead integer Gather is removed by an exact rule too.
+
 where ``W' = DequantizeLinear(W, W_scale, W_zp)`` (option ``weights = "dequantize"``: the model
 stays small; what TensorRT's and OpenVINO's weight-only paths consume) or its value folded into a
 float initializer (``weights = "float"``: for targets with no Q/DQ at all, CoreML, WebGPU, NNAPI;
@@ -45,6 +51,7 @@ from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, 
 from onnx_qrewrite.rewriter.builders._dynamic_patterns import (
     CHAIN_OPS,
     STANDARD,
+    Analysis,
     Anchor,
     Weights,
     analysis,
@@ -54,6 +61,19 @@ from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.qdq_to_float import dequantize_constant
 
 __all__ = ["WeightOnlyBuilder"]
+
+
+def _pattern(anchor: Anchor) -> str:
+    """Which rules rewrite the pattern: "gather" (exact, the same values) or "matmul" (approximate)."""
+    return "gather" if anchor.op == "Gather" else "matmul"
+
+
+def _chain(found: Analysis, pattern: str) -> frozenset[str]:
+    """First outputs of the other nodes of every ``pattern`` pattern in the scope: what that
+    pattern's remove_dead rule may remove (the gather rule is exact, so is its removal)."""
+    return frozenset(
+        name for a in found.anchors.values() if isinstance(a, Anchor) and _pattern(a) == pattern for name in a.chain
+    )
 
 
 class WeightOnlyBuilder:
@@ -71,15 +91,19 @@ class WeightOnlyBuilder:
         if not node.output or not node.output[0]:
             raise NotApplicable("the node has no output")
         found = analysis(site.scope)
+        pattern = options["pattern"]
         if options["role"] == "remove_dead":
-            if node.domain not in STANDARD or node.op_type not in CHAIN_OPS or node.output[0] not in found.chain:
-                raise NotApplicable("not part of a weight-only pattern")
+            chain = site.scope.memo(("weight-only-chain", pattern), lambda: _chain(found, pattern))
+            if node.domain not in STANDARD or node.op_type not in CHAIN_OPS or node.output[0] not in chain:
+                raise NotApplicable(f"not part of a weight-only {pattern} pattern")
             return Plan(remove_if_dead=True)
         anchor = found.anchors.get(node.output[0])
         if anchor is None:
             raise NotApplicable(f"{node.op_type} does not end a dynamically quantized matmul or convolution")
         if isinstance(anchor, str):
             raise NotApplicable(anchor)
+        if _pattern(anchor) != pattern:
+            raise NotApplicable(f"a {_pattern(anchor)} pattern; the rule rewrites {pattern} patterns")
         weights = anchor.weights
         needed = 0
         if options["weights"] == "dequantize":
