@@ -67,6 +67,18 @@ from onnx_qrewrite.rewriter.graph import dtype_name, known_shape
 SCALAR_MINMAX_BELOW = 8
 
 
+def skips_nan(site: Site, x: str) -> bool:
+    """Whether onnxruntime's min/max search over ``x`` is its scalar loop, which skips NaN: the
+    value's shape is statically known to hold 1-7 elements (module docstring). Shared by every
+    expansion that computes a DynamicQuantizeLinear: this op, and DynamicQuantizeMatMul (whose
+    kernel quantizes A with the same search: measured in tests/test_lower_integer_matmul.py)."""
+    dims = known_shape(value_shape(site.scope, x, site.same_shape_ops))
+    return dims is not None and 0 < math.prod(dims) < SCALAR_MINMAX_BELOW
+
+
+SKIP_NAN_NOTE = f"at most {SCALAR_MINMAX_BELOW - 1} elements: NaN skipped by min/max, as the kernel does"
+
+
 @functools.cache
 class _SchemaWithFunctions(Protocol):
     """The C++ method of onnx's OpSchema that its type stubs do not list (onnx 1.17-1.23 have it)."""
@@ -102,18 +114,12 @@ class DynamicQuantizeLinearBuilder:
                 f"{dtype_name(elem)}; the operator takes float32 only"
             )
         notes = [f"semantics={semantics}"]
-        skip_nan = semantics == "onnxruntime" and self._small(site)
+        skip_nan = semantics == "onnxruntime" and skips_nan(site, site.node.input[0])
         if skip_nan:
-            notes.append(f"at most {SCALAR_MINMAX_BELOW - 1} elements: NaN skipped by min/max, as the kernel does")
+            notes.append(SKIP_NAN_NOTE)
         return Plan(
             min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"], notes=tuple(notes), data={"skip_nan": skip_nan}
         )
-
-    @staticmethod
-    def _small(site: Site) -> bool:
-        """Whether the input's shape is statically known to hold 1-7 elements (the kernel's scalar path)."""
-        dims = known_shape(value_shape(site.scope, site.node.input[0], site.same_shape_ops))
-        return dims is not None and 0 < math.prod(dims) < SCALAR_MINMAX_BELOW
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""

@@ -56,7 +56,7 @@ from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
-from onnx_qrewrite.rewriter.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
+from onnx_qrewrite.rewriter.builders.dynamic_quantize import SKIP_NAN_NOTE, DynamicQuantizeLinearBuilder, skips_nan
 from onnx_qrewrite.rewriter.graph import ConstantSlabs, dtype_name
 
 __all__ = ["IntegerMatMulBuilder", "float32_sum_bound"]
@@ -459,11 +459,15 @@ class IntegerMatMulBuilder:
             )
         excess = self._saturation(read, options["u8s8_saturation"], notes)
         opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
+        skip_nan = read.dynamic and skips_nan(site, read.a.name)
+        if skip_nan:
+            notes.append(f"A quantized with {SKIP_NAN_NOTE}")
+        data = {"read": read, "form": form, "skip_nan": skip_nan}
         if form == "int32":
             if read.conv:
                 raise NoMatch("ONNX Conv has no int32 form")
             notes.append("int32 MatMul")
-            return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form})
+            return Plan(min_opset=opset, notes=tuple(notes), data=data)
         if read.k is None:
             raise NoMatch(
                 f"the reduction length K is unknown (the shape of {read.b.name!r} is not recorded), so no bound "
@@ -483,7 +487,7 @@ class IntegerMatMulBuilder:
                     + "): float32 accumulation is not provably exact"
                 )
             notes.append(f"float32 sums provably exact: |sum| <= {worst:.0f} <= 2^24 (K={read.k})")
-            return Plan(min_opset=opset, notes=tuple(notes), data={"read": read, "form": form})
+            return Plan(min_opset=opset, notes=tuple(notes), data=data)
         if read.to_float:
             if worst > _EXACT_FLOAT_INTEGERS:
                 raise NoMatch("the bounded form covers float outputs only where the float32 sums are exact")
@@ -494,7 +498,7 @@ class IntegerMatMulBuilder:
             return Plan(
                 min_opset=opset,
                 notes=tuple(notes),
-                data={"read": read, "form": form},
+                data=data,
                 bound=float(excess),
                 bound_formula=f"{_FORMULA}:0.0",
             )
@@ -505,7 +509,7 @@ class IntegerMatMulBuilder:
         return Plan(
             min_opset=opset,
             notes=tuple(notes),
-            data={"read": read, "form": form},
+            data=data,
             bound=bound + excess,
             bound_formula=formula,
         )
@@ -567,6 +571,7 @@ class IntegerMatMulBuilder:
             read.to_float,
             bool(read.bias),
             read.dynamic,
+            plan.data["skip_nan"],
             wiring,
             attributes,
         )
@@ -579,7 +584,7 @@ class IntegerMatMulBuilder:
         a = read.a
         if read.dynamic:
             names = [emit.fresh("A_quantized"), emit.fresh("A_scale"), emit.fresh("A_zero_point")]
-            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names)
+            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names, skip_nan=plan.data["skip_nan"])
             a = dataclasses.replace(a, name=names[0], zero_point=names[2])
             a_scale = names[1]
         else:
