@@ -287,3 +287,24 @@ def test_quantize_static_folds_the_relu_into_the_quantizer_and_the_form_keeps_it
         worst["identity"] = max(worst["identity"], float(np.abs(run(identity, {"x": x})["y"] - expected).max()))
     assert worst["clip"] < 0.02, worst
     assert worst["identity"] > 0.3, worst
+
+
+@rule_marker("qdq-to-float-drop-dq", "positive")
+def test_a_pair_without_zero_points_or_types_is_clamped_to_the_uint8_default():
+    """No zero point and no value_info: QuantizeLinear's default output type, uint8, gives the range."""
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "s"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [numpy_helper.from_array(np.float32(0.1), "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    result = onnx_qrewrite.rewrite(model, rules=FORM, allow=APPROXIMATE)
+    assert op_types(result.model) == ["Clip"]
+    x = np.array([-3.0, 0.04, 7.0, 99.0], np.float32)
+    np.testing.assert_array_equal(run(result.model, {"x": x})["y"], np.clip(x, 0, np.float32(255) * np.float32(0.1)))

@@ -111,8 +111,8 @@ def _clamp(site: Site) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None] 
         return "the zero point is computed at run time"
     try:
         dtype = quantized_dtype(site, quantize=False)
-    except NoMatch:
-        dtype = str(zp.dtype) if zp is not None else "unknown"
+    except NoMatch:  # untyped: the QuantizeLinear's zero point (or output_dtype, or its uint8 default)
+        dtype = str(zp.dtype) if zp is not None else _produced_dtype(site)
     if dtype not in INTEGER_RANGES:
         return f"{dtype} has no integer range"
     qmin, qmax = INTEGER_RANGES[dtype]
@@ -133,6 +133,17 @@ def _clamp(site: Site) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None] 
     broadcast = (-1,) + (1,) * (rank - 1 - axis)
     n = max(lo.size, hi.size)
     return np.broadcast_to(lo.ravel(), (n,)).copy(), np.broadcast_to(hi.ravel(), (n,)).copy(), broadcast
+
+
+def _produced_dtype(site: Site) -> str:
+    producer = site.scope.producer(site.input(0))
+    if producer is None:
+        return "unknown"
+    if len(producer.input) > 2 and producer.input[2]:
+        elem = site.elem_type(producer.input[2])
+        return dtype_name(elem) if elem else "unknown"
+    output_dtype = _attrs(producer).get("output_dtype", 0)
+    return dtype_name(output_dtype) if output_dtype else "uint8"
 
 
 class QDQToFloatBuilder:
