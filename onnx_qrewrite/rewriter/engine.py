@@ -642,15 +642,19 @@ def _run(
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
-    applied: list[_Applied] = []
-    result = _pass(model, catalogue, options, external, progress, report, applied, None)
     later_ops = frozenset(
         ref.op for rule in catalogue if rule.on_replacements for ref in rule.match if ref.domain in ("", "ai.onnx")
     )
+    if options.node_rules is not None:
+        later_ops = frozenset()
+    # What each rewrite created, kept only when a later pass may need it (it costs memory per
+    # created node on large models, which the default catalogue's single pass never needs).
+    applied: list[_Applied] | None = [] if later_ops else None
+    result = _pass(model, catalogue, options, external, progress, report, applied, None)
     lineage: dict[tuple[str, str], frozenset[str]] = {}
     typed: list[str] = []
     passes = 0
-    while later_ops and options.node_rules is None and any(later_ops.intersection(a.created_ops) for a in applied):
+    while applied and any(later_ops.intersection(a.created_ops) for a in applied):
         passes += 1
         if passes > _MAX_LATER_PASSES:
             raise InternalError(f"rules on replacements did not settle after {_MAX_LATER_PASSES} passes")
@@ -708,7 +712,7 @@ def _pass(
     external: ExternalData | None,
     progress: ProgressSink | None,
     report: RewriteReport,
-    applied: list[_Applied],
+    applied: list[_Applied] | None,
     restrict: Mapping[tuple[str, str], frozenset[str]] | None,
 ) -> onnx.ModelProto | EncodedModel:
     """Match and apply once (``restrict``: a later pass, see :func:`_match`); the report gathers
