@@ -188,3 +188,25 @@ def test_int32_dequantize_with_a_non_zero_zero_point_gives_way():
     """onnxruntime subtracts in int32, wrapping around: not what float arithmetic computes."""
     result = onnx_qrewrite.rewrite(_int32_dequantize(5), rules=FORM)
     assert not result.report.rewrites
+
+
+def test_bounded_replacements_keep_their_check_when_their_quantizers_are_emulated():
+    """Form qdq writes bounded replacements holding QuantizeLinear/DequantizeLinear; emulating those
+    keeps the replacement's name prefix and provenance, so verify still finds every bounded
+    replacement and checks it at its output (in both provenance modes that record bounds)."""
+    from onnx_qrewrite.verify import verify
+    from onnx_qrewrite.verify.bounds import bounded_rewrites
+
+    path = REAL_MODELS / "ortdyn_cnn_op17_w8u.onnx"
+    model = onnx.load(path)
+    qdq = load_catalogue([named_form("qdq")])
+    both = load_catalogue([named_form("qdq"), named_form("float-emulation")])
+    for provenance in ("compact", "full"):
+        alone = onnx_qrewrite.rewrite(model, rules=qdq, provenance=provenance).model
+        emulated = onnx_qrewrite.rewrite(model, rules=both, provenance=provenance).model
+        assert not _left(emulated), _left(emulated)
+        expected = [(r.origin, r.bound, r.outputs) for r in bounded_rewrites(model, alone)]
+        assert expected and [(r.origin, r.bound, r.outputs) for r in bounded_rewrites(model, emulated)] == expected
+    report = verify(model, emulated, samples=2)
+    assert report.passed, report.to_table()
+    assert sum("bound" in o.name for o in report.outputs) == len(expected)
