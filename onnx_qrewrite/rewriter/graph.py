@@ -213,33 +213,49 @@ class Scope:
                 return initializers[name]
         return None
 
+    def _definition(self, name: str) -> onnx.TensorProto | onnx.NodeProto | None:
+        """What defines ``name`` here, in ONNX's resolution order: the innermost initializer or
+        producing node; None when a graph input shadows outer names, or nothing defines it."""
+        for scope in self._outward():
+            tensor = scope._own().initializers.get(name)
+            if tensor is not None:
+                return tensor
+            node = scope.producer(name)
+            if node is not None:
+                return node
+            if isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input):
+                return None
+        return None
+
+    def _external(self, tensor: onnx.TensorProto) -> ExternalData:
+        external = self.root.external
+        if external is None:
+            raise InvalidModelError(
+                f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
+            )
+        return external
+
+    @staticmethod
+    def _node_value(node: onnx.NodeProto) -> np.ndarray | None:
+        """A Constant node's ``value``; None for any other producer (computed at run time)."""
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+        return None
+
     def constant(self, name: str) -> np.ndarray | None:
         """Value of an initializer or Constant output visible here; None when computed at run time.
 
         Only small tensors (scales, zero points) are asked for, so reading one external tensor
         here does not defeat lazy loading of the weights.
         """
-        for scope in self._outward():
-            tensor = scope._own().initializers.get(name)
-            if tensor is not None:
-                if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    external = self.root.external
-                    if external is None:
-                        raise InvalidModelError(
-                            f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
-                        )
-                    return external.to_array(tensor)
-                return numpy_helper.to_array(tensor)
-            node = scope.producer(name)
-            if node is not None:
-                if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                    for attr in node.attribute:
-                        if attr.name == "value":
-                            return numpy_helper.to_array(attr.t)
-                return None
-            if isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input):
-                return None  # a graph input shadows outer names
-        return None
+        found = self._definition(name)
+        if isinstance(found, onnx.TensorProto):
+            if found.data_location == onnx.TensorProto.EXTERNAL:
+                return self._external(found).to_array(found)
+            return numpy_helper.to_array(found)
+        return None if found is None else self._node_value(found)
 
     def constant_slabs(self, name: str, max_bytes: int | None = None) -> ConstantSlabs | None:
         """The value of an initializer or Constant output visible here as consecutive slabs
@@ -252,23 +268,13 @@ class Scope:
         from onnx_qrewrite.io.external_data import SLAB_BYTES
 
         size = SLAB_BYTES if max_bytes is None else max_bytes
-        for scope in self._outward():
-            tensor = scope._own().initializers.get(name)
-            if tensor is not None:
-                if tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    external = self.root.external
-                    if external is None:
-                        raise InvalidModelError(
-                            f"tensor {tensor.name!r} is stored as external data but the model's folder is unknown"
-                        )
-                    return ConstantSlabs(tuple(tensor.dims), external.iter_slabs(tensor, size))
-                array = numpy_helper.to_array(tensor)
-                return ConstantSlabs(array.shape, split_slabs(array, size))
-            if scope.producer(name) is not None or (
-                isinstance(scope.container, onnx.GraphProto) and any(i.name == name for i in scope.container.input)
-            ):
-                break
-        value = self.constant(name)
+        found = self._definition(name)
+        if isinstance(found, onnx.TensorProto):
+            if found.data_location == onnx.TensorProto.EXTERNAL:
+                return ConstantSlabs(tuple(found.dims), self._external(found).iter_slabs(found, size))
+            value: np.ndarray | None = numpy_helper.to_array(found)
+        else:
+            value = None if found is None else self._node_value(found)
         return None if value is None else ConstantSlabs(value.shape, split_slabs(value, size))
 
 
