@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["INT16", "pair_excess", "saturating_operands"]
+__all__ = ["INT16", "pair_excess", "rows", "saturating_operands"]
 
 INT16 = (-32768, 32767)
 #: Elements per step when reading large weights (bounded memory).
@@ -44,6 +44,17 @@ def saturating_operands(activation: str, weights: str, *, conv: bool) -> bool:
     if conv:
         return activation == "int8" and weights == "uint8"
     return activation == "uint8" and weights == "int8"
+
+
+def rows(weights: np.ndarray, conv: bool) -> np.ndarray:
+    """The weights as [output column or channel, K], the order the kernel pairs them along K (a view
+    where possible): Conv's w flattened over (channel, kernel row, kernel column); MatMul's B
+    transposed, batched B's matrices one after another."""
+    if conv:
+        return weights.reshape(weights.shape[0], -1)
+    if weights.ndim < 2:
+        return weights.reshape(1, -1)
+    return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
 
 
 def pair_excess(rows: np.ndarray, weights_dtype: str, *, any_pairing: bool = False) -> np.ndarray:

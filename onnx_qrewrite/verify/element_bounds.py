@@ -67,21 +67,12 @@ def _input(node: onnx.NodeProto, values: Mapping[str, np.ndarray], index: int) -
 
 
 def _column_axis(weights: np.ndarray, conv: bool, out_ndim: int) -> Callable[[np.ndarray], np.ndarray]:
-    """How per-row values of the weights (as :func:`_rows` lays them out) broadcast onto the output."""
+    """How per-row values of the weights (as :func:`u8s8.rows` lays them out) broadcast onto the output."""
     if conv:
         return lambda per_row: per_row.reshape((1, weights.shape[0], *(1,) * (out_ndim - 2)))
     if weights.ndim < 2:
         return lambda per_row: per_row.reshape(())
     return lambda per_row: per_row.reshape((*weights.shape[:-2], 1, weights.shape[-1]))
-
-
-def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
-    """The weights as [output column or channel, K], the order the kernel pairs them along K."""
-    if conv:
-        return weights.reshape(weights.shape[0], -1)
-    if weights.ndim < 2:
-        return weights.reshape(1, -1)
-    return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
 
 
 def _u8s8_pairs(
@@ -96,7 +87,7 @@ def _u8s8_pairs(
         excess = np.zeros(1, np.float64)
         place = _column_axis(np.zeros(1), False, expected.ndim)
     else:
-        excess = u8s8.pair_excess(_rows(b, conv), b.dtype.name).astype(np.float64)
+        excess = u8s8.pair_excess(u8s8.rows(b, conv), b.dtype.name).astype(np.float64)
         place = _column_axis(b, conv, expected.ndim)
     if node.op_type in ("MatMulInteger", "ConvInteger"):
         return np.floor(place(excess) + base)

@@ -33,7 +33,7 @@ from onnx_qrewrite.rewriter.builders import NotApplicable
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name
 
 if TYPE_CHECKING:
-    from onnx_qrewrite.rewriter.builders import Emitter
+    from onnx_qrewrite.rewriter.builders import Emitter, Site
 
 __all__ = [
     "CHAIN_OPS",
@@ -42,6 +42,7 @@ __all__ = [
     "Anchor",
     "Weights",
     "analysis",
+    "anchor_weights_dtype",
     "attribute",
     "dequantize_weights",
     "producer",
@@ -103,6 +104,13 @@ def analysis(scope: Scope) -> Analysis:
     if found is None:
         found = _ANALYSES[scope] = _analyse(scope)
     return found
+
+
+def anchor_weights_dtype(site: Site) -> str | None:
+    """The weights' dtype of the pattern ``site``'s node ends, if it ends one: what the builders
+    built on these patterns report as their quantized dtype."""
+    anchor = analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None
+    return anchor.weights.dtype if isinstance(anchor, Anchor) else None
 
 
 def _analyse(scope: Scope) -> Analysis:

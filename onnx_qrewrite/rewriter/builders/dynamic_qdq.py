@@ -51,9 +51,16 @@ from typing import Any
 
 import numpy as np
 
-from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._dynamic_patterns import CHAIN_OPS, STANDARD, Anchor, analysis, dequantize_weights
+from onnx_qrewrite.rewriter.builders._dynamic_patterns import (
+    CHAIN_OPS,
+    STANDARD,
+    Anchor,
+    analysis,
+    anchor_weights_dtype,
+    dequantize_weights,
+)
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
 from onnx_qrewrite.rewriter.graph import Scope
@@ -91,11 +98,6 @@ def _removed(scope: Scope) -> frozenset[str]:
                 names.update(c for c in anchor.chain if c not in anchor.activation)
         found = _REMOVED[scope] = frozenset(names)
     return found
-
-
-def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
-    """[output column or channel, K]."""
-    return weights.reshape(weights.shape[0], -1) if conv else weights.T
 
 
 #: Elements per step: statistics of large weights (LLM projections) in bounded memory.
@@ -141,8 +143,7 @@ class DynamicQdqBuilder:
     contract = CONTRACTS["dynamic_qdq"]
 
     def quantized_dtype(self, site: Site) -> str | None:
-        anchor = analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None
-        return anchor.weights.dtype if isinstance(anchor, Anchor) else None
+        return anchor_weights_dtype(site)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         node = site.node
@@ -168,7 +169,7 @@ class DynamicQdqBuilder:
         value = site.constant(weights.name)
         assert value is not None  # the pattern reader checked: a constant
         conv = anchor.op == "Conv"
-        rows = _rows(value, conv)
+        rows = u8s8.rows(value, conv)
         if weights.dtype == "int8" and not conv and _may_saturate(rows):
             raise NotApplicable(
                 "uint8 x int8 weights beyond [-64, 64] in adjacent pairs: onnxruntime's kernel saturates pairs of "

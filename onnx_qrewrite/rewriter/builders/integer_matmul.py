@@ -143,15 +143,6 @@ def _recorded_or_implied_type(site: Site, name: str, zero_point: str) -> str | N
     return None
 
 
-def _rows(weights: np.ndarray, conv: bool) -> np.ndarray:
-    """The weights as [output column or channel, K] (a view where possible)."""
-    if conv:
-        return weights.reshape(weights.shape[0], -1)
-    if weights.ndim < 2:
-        return weights.reshape(1, -1)
-    return np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
-
-
 def _zero_points(b: _Operand) -> np.ndarray:
     """B's zero point(s) as a flat int16 array (0 when there is none)."""
     return np.zeros(1, np.int16) if b.zp_value is None else b.zp_value.astype(np.int16).reshape(-1)
@@ -215,7 +206,7 @@ class _WeightStatistics:
             slab = slab.reshape(slab.shape[0], -1) if slab.ndim == 2 else slab.reshape(-1, 1)
             self._add_k_major(slab)
         else:
-            rows = _rows(slab, self._conv)
+            rows = u8s8.rows(slab, self._conv)
             self._add_rows(rows)
 
     def _add_k_major(self, slab: np.ndarray) -> None:
@@ -301,7 +292,7 @@ def _saturation_excess(weights: np.ndarray | None, read: _Read, k: int | None) -
         return None, worst
     if weights.dtype != np.dtype(w_type):
         return 0, 0
-    return int(u8s8.pair_excess(_rows(weights, read.conv), w_type).max(initial=0)), worst
+    return int(u8s8.pair_excess(u8s8.rows(weights, read.conv), w_type).max(initial=0)), worst
 
 
 #: The per-element bound formula verify evaluates for these rewrites (verify/element_bounds.py).

@@ -55,6 +55,7 @@ from onnx_qrewrite.rewriter.builders._dynamic_patterns import (
     Anchor,
     Weights,
     analysis,
+    anchor_weights_dtype,
     dequantize_weights,
 )
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -83,8 +84,7 @@ class WeightOnlyBuilder:
     contract = CONTRACTS["weight_only"]
 
     def quantized_dtype(self, site: Site) -> str | None:
-        anchor = analysis(site.scope).anchors.get(site.node.output[0]) if site.node.output else None
-        return anchor.weights.dtype if isinstance(anchor, Anchor) else None
+        return anchor_weights_dtype(site)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         node = site.node
