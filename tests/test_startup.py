@@ -98,3 +98,28 @@ def test_verifying_one_pair_starts_no_worker_machinery(tmp_path):
     )
     assert "onnx_qrewrite.verify" in loaded and "onnxruntime" in loaded  # it did verify
     assert "onnx_qrewrite.cli.batch" not in loaded and "multiprocessing" not in loaded
+
+
+def test_inspect_and_rewrite_start_no_process(tmp_path):
+    """Neither command runs a helper program: giving memory back to the system looks
+    ``malloc_trim`` up in the loaded symbols, where ``ctypes.util.find_library`` would run
+    ``ldconfig`` in a subprocess on every start."""
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
+    out = tmp_path / "mlp.portable.onnx"
+    code = (
+        "import sys\n"
+        "spawned = []\n"
+        "sys.addaudithook(lambda event, args: spawned.append(event) if event in "
+        "('subprocess.Popen', 'os.posix_spawn', 'os.fork', 'os.exec') else None)\n"
+        "from onnx_qrewrite.cli import main\n"
+        f"for args in (['inspect', {str(model)!r}], ['-q', 'rewrite', {str(model)!r}, '-o', {str(out)!r}]):\n"
+        "    try:\n        main(args)\n    except SystemExit as exit:\n        assert not exit.code, exit.code\n"
+        "assert not spawned, spawned\n"
+        "print('engine ran:', 'onnx_qrewrite.rewriter.engine' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("engine ran: True")
+    assert out.exists()
