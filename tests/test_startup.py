@@ -40,6 +40,7 @@ def test_rules_loads_no_onnx_numpy_or_builder_code():
     )
     assert "onnx_qrewrite.rewriter.catalogue" in loaded  # it did list the rules
     assert "onnx" not in loaded and "numpy" not in loaded
+    assert "difflib" not in loaded  # only a bad rule file needs its suggestions
     builder_code = {m for m in loaded if m.startswith("onnx_qrewrite.rewriter.builders.")}
     assert builder_code == {"onnx_qrewrite.rewriter.builders.contracts"}
 
@@ -123,3 +124,36 @@ def test_inspect_and_rewrite_start_no_process(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("engine ran: True")
     assert out.exists()
+
+
+def test_verify_reads_the_models_for_the_clash_check_only_when_it_writes(tmp_path, monkeypatch):
+    """The clash check finds the external data the models reference by reading every model file
+    once more; a ``verify`` that writes nothing skips it (it could refuse nothing), one that writes
+    a report still makes it."""
+    from pathlib import Path
+
+    import pytest
+
+    import onnx_qrewrite
+    from onnx_qrewrite.cli import verify as verify_cli
+
+    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
+    out = tmp_path / "mlp.portable.onnx"
+    onnx_qrewrite.rewrite(str(model)).save(str(out))
+    scanned: list[str] = []
+    real = verify_cli.model_reads
+
+    def spy(path):
+        scanned.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(verify_cli, "model_reads", spy)
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["-q", "verify", str(model), str(out)])
+    assert exit.value.code == 0 and scanned == []
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["-q", "verify", str(model), str(out), "--report", str(tmp_path / "report.json")])
+    assert exit.value.code == 0 and scanned == [str(model), str(out)]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["-q", "verify", str(model), str(out), "--report", str(model)])
+    assert exit.value.code == 2

@@ -401,18 +401,20 @@ def verify_command(
         save_outputs=options.get("save_outputs"),
     )
     # ... nor the external data those models reference, nor a FIFO or device (clash.check_writes).
-    reads: dict[tuple[int, int], Path] = {}
-    for pair in pairs:
-        for model in pair:
-            if model is not None:
-                reads.update(model_reads(model))
-    for option in ("inputs_file", "load_outputs"):
-        given = options.get(option) if option != "load_outputs" else load_outputs
-        if given:
-            reads.update(model_reads(given))
+    # Finding that data reads every model file once more: only worth it when something is written.
     writes = [("--report", report_path), ("--junit", junit_path)]
     writes += [("--save-inputs", options.get("save_inputs")), ("--save-outputs", options.get("save_outputs"))]
-    check_writes(writes, reads)
+    if any(path for _, path in writes):
+        reads: dict[tuple[int, int], Path] = {}
+        for pair in pairs:
+            for model in pair:
+                if model is not None:
+                    reads.update(model_reads(model))
+        for option in ("inputs_file", "load_outputs"):
+            given = options.get(option) if option != "load_outputs" else load_outputs
+            if given:
+                reads.update(model_reads(given))
+        check_writes(writes, reads)
     kwargs = verify_kwargs(**options)
     if load_outputs is not None:
         kwargs["load_outputs"] = load_outputs

@@ -26,7 +26,6 @@ Exactness levels, each rule declares one and it must be the builder's:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
@@ -51,6 +50,8 @@ EXACTNESS = (EXACT, BOUNDED, APPROXIMATE)
 
 def closest(name: str, valid: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest valid name, or '' when none is close."""
+    import difflib  # only a bad rule file needs it: not imported on every start
+
     match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
