@@ -27,9 +27,9 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import numpy as np
 
@@ -38,7 +38,7 @@ from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.verify._ort import ort
 from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
-from onnx_qrewrite.verify.drift import DriftThresholds, decide
+from onnx_qrewrite.verify.drift import DriftDecision, DriftThresholds, decide
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from onnx_qrewrite.io.wire_model import WireMessage
     from onnx_qrewrite.verify.hazards import Hazard
     from onnx_qrewrite.verify.localize import Localization
+    from onnx_qrewrite.verify.runtimes import RuntimeInfo
 
 __all__ = [
     "OPT_LEVELS",
@@ -96,6 +97,9 @@ logger = logging.getLogger(__name__)
 
 ModelLike = Union[str, os.PathLike, "onnx.ModelProto"]
 InputsLike = str | os.PathLike | Mapping[str, np.ndarray] | Sequence[Sample] | None
+
+
+# --- reading the models: from a file (fast: its bytes and a wire view) or a ModelProto ------------
 
 
 #: Domains whose ops stock onnxruntime runs: a model importing only these holds no vendor op that
@@ -237,6 +241,9 @@ def _provenance_key_absent(source: _Source, key: str) -> bool:
     return source.data is not None and key.encode() not in source.data
 
 
+# --- versions the report states -------------------------------------------------------------------
+
+
 def _distribution_version(name: str) -> str | None:
     """The installed distribution's version, as ``importlib.metadata.version`` reads it (the
     ``Version`` of the first ``<name>-<version>.dist-info`` on ``sys.path``), without importing
@@ -293,6 +300,420 @@ def _versions(reference_kernels: bool) -> dict[str, str | None]:
     return versions
 
 
+# --- verify: the public entry point ---------------------------------------------------------------
+
+
+def _same_file(original: ModelLike, rewritten: ModelLike) -> bool:
+    """Both arguments name one file (or are one object): a comparison that proves nothing."""
+    if original is rewritten:
+        return True
+    if isinstance(original, (str, os.PathLike)) and isinstance(rewritten, (str, os.PathLike)):
+        try:
+            return os.path.samefile(original, rewritten)
+        except OSError:
+            return False
+    return False
+
+
+def verify(
+    original: ModelLike | None,
+    rewritten: ModelLike,
+    *,
+    inputs: InputsLike = None,
+    samples: int = 2,
+    seed: int = 0,
+    int_range: tuple[int, int] | None = None,
+    value_ranges: Mapping[str, tuple[float, float]] | None = None,
+    input_shapes: Mapping[str, Sequence[int]] | None = None,
+    battery: bool = True,
+    tolerances: Tolerances | None = None,
+    opt_level: str = "disable",
+    threads: int = 1,
+    custom_op_library: str | os.PathLike[str] | None = None,
+    localize_failures: bool = True,
+    save_inputs: str | os.PathLike[str] | None = None,
+    save_outputs: str | os.PathLike[str] | None = None,
+    load_outputs: str | os.PathLike[str] | None = None,
+    progress: ProgressSink | None = None,
+    runtime: str = "onnxruntime",
+    providers: Sequence[str] | None = None,
+    drift: DriftThresholds | None = None,
+) -> VerifyReport:
+    """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
+
+    ``inputs``: an ``.npz`` path, a mapping of input name to array (one sample) or a list of
+    :class:`Sample`; when omitted, ``samples`` random samples (``seed``; value ranges from
+    ``value_ranges`` (input name, or ``""`` for every input, -> (low, high)), integers in
+    ``int_range`` or by the defaults of :mod:`.inputs`; symbolic dimensions from ``input_shapes`` or
+    1) plus the quantization battery (``battery``). ``tolerances``: see :class:`Tolerances`
+    (default: exact for integers, tight per float dtype, the ``numpy`` rule).
+    ``custom_op_library``: run the original's vendor ops with the vendor's library instead of the
+    reference kernels. ``save_outputs``: write the inputs and the original's outputs (see
+    :mod:`.stored`); ``load_outputs``: compare ``rewritten`` with such a file instead of running an
+    original (``original`` must then be None). ``progress``: a ``(phase, done, total)`` callable.
+    Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
+    that cannot be loaded or run and for bad options; a disagreement is a report with
+    ``passed == False``, never an exception, and so is a run that compared nothing
+    (``verdict == "inconclusive"``).
+
+    ``runtime``: run ``rewritten`` on onnxruntime (default; ``providers`` picks its execution
+    providers), ``openvino``, ``tract`` or ``qnn`` (see :mod:`.runtimes`: their settings are in the
+    report, and their default float tolerances account for their arithmetic); the original always
+    runs in onnxruntime on the CPU. A runtime that is not installed is a
+    :class:`~onnx_qrewrite.errors.MissingDependencyError` naming the extra to install.
+
+    ``drift``: when (``mode``: ``auto``, the default, when the rewritten model's provenance marks
+    approximate rewrites; ``always``; ``never``) and against which thresholds (relative L2 error,
+    cosine similarity, argmax agreement, optional max abs error) the outputs are judged by their
+    drift instead of element by element; see :mod:`.drift`. Exact and bounded rewrites keep the
+    element-wise checks (and the per-node bound check).
+    """
+    options = _resolve_options(
+        started=time.perf_counter(),
+        inputs=inputs,
+        samples=samples,
+        seed=seed,
+        int_range=int_range,
+        value_ranges=value_ranges,
+        input_shapes=input_shapes,
+        battery=battery,
+        tolerances=tolerances,
+        opt_level=opt_level,
+        threads=threads,
+        custom_op_library=custom_op_library,
+        localize_failures=localize_failures,
+        save_inputs=save_inputs,
+        save_outputs=save_outputs,
+        progress=progress,
+        runtime=runtime,
+        providers=providers,
+        drift=drift,
+    )
+    if load_outputs is not None:
+        _check_stored_request(original, options)
+        return _verify_stored(rewritten, load_outputs, options)
+    if original is None:
+        raise UsageError("verify needs the original model (or --load-outputs FILE)")
+    same_file = _same_file(original, rewritten)
+    # The fast path: onnxruntime gets the files' bytes; onnx is imported (and the models parsed)
+    # only if a check needs the graphs. It serves plain onnxruntime runs of models read from files;
+    # when it cannot give the answer the full path would, the full path runs from the start.
+    if runtime == "onnxruntime" and options.session.custom_op_library is None:
+        try:
+            return _compare(original, rewritten, options, same_file=same_file, fast=True)
+        except _NotFast as why:
+            logger.debug("verify: parsing the models (%s)", why)
+    return _compare(original, rewritten, options, same_file=same_file, fast=False)
+
+
+# --- settings: verify's keyword options, checked and resolved once --------------------------------
+
+
+# The records passed between the steps are NamedTuples: defining one at import costs a tenth of
+# a dataclass, and this module is on the start-up path of every verification.
+class _Options(NamedTuple):
+    """What one verification was asked to do, resolved from ``verify``'s keyword options: every
+    step reads its settings from here, so the fast attempt and the full one see the same."""
+
+    started: float  # time.perf_counter() when verify was called (the report's duration)
+    session: SessionSettings
+    tolerances: Tolerances
+    drift: DriftThresholds
+    generation: GenerationOptions
+    runtime: str
+    runtime_info: RuntimeInfo
+    providers: Sequence[str] | None
+    threads: int
+    inputs: InputsLike
+    localize_failures: bool
+    save_inputs: str | os.PathLike[str] | None
+    save_outputs: str | os.PathLike[str] | None
+    progress: ProgressSink | None
+
+
+def _resolve_options(
+    *,
+    started: float,
+    inputs: InputsLike,
+    samples: int,
+    seed: int,
+    int_range: tuple[int, int] | None,
+    value_ranges: Mapping[str, tuple[float, float]] | None,
+    input_shapes: Mapping[str, Sequence[int]] | None,
+    battery: bool,
+    tolerances: Tolerances | None,
+    opt_level: str,
+    threads: int,
+    custom_op_library: str | os.PathLike[str] | None,
+    localize_failures: bool,
+    save_inputs: str | os.PathLike[str] | None,
+    save_outputs: str | os.PathLike[str] | None,
+    progress: ProgressSink | None,
+    runtime: str,
+    providers: Sequence[str] | None,
+    drift: DriftThresholds | None,
+) -> _Options:
+    """``verify``'s options with their defaults filled in; a bad option (providers for another
+    runtime, a runtime not installed, an unknown optimisation level) fails here, before any model
+    is read. A runtime's own default float tolerances apply where the caller set none."""
+    from onnx_qrewrite.verify.runtimes import runtime_info
+
+    if providers and runtime != "onnxruntime":
+        raise UsageError(
+            f"--providers chooses onnxruntime's execution providers; it does not apply to --runtime {runtime}"
+        )
+    rt = runtime_info(runtime, providers or (), threads)
+    tolerances = tolerances or Tolerances()
+    if rt.atol is not None and tolerances.atol is None:
+        tolerances = dataclasses.replace(tolerances, atol=rt.atol)
+    if rt.rtol is not None and tolerances.rtol is None:
+        tolerances = dataclasses.replace(tolerances, rtol=rt.rtol)
+    session = SessionSettings(
+        opt_level=opt_level,
+        threads=threads,
+        custom_op_library=None if custom_op_library is None else Path(custom_op_library),
+    )
+    generation = GenerationOptions(
+        samples=samples,
+        seed=seed,
+        int_range=None if int_range is None else (int(int_range[0]), int(int_range[1])),
+        shapes={k: tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()},
+        battery=battery,
+        value_ranges={k: (float(lo), float(hi)) for k, (lo, hi) in (value_ranges or {}).items()},
+    )
+    return _Options(
+        started=started,
+        session=session,
+        tolerances=tolerances,
+        drift=drift or DriftThresholds(),
+        generation=generation,
+        runtime=runtime,
+        runtime_info=rt,
+        providers=providers,
+        threads=threads,
+        inputs=inputs,
+        localize_failures=localize_failures,
+        save_inputs=save_inputs,
+        save_outputs=save_outputs,
+        progress=progress,
+    )
+
+
+def _check_stored_request(original: ModelLike | None, options: _Options) -> None:
+    """``--load-outputs`` replaces the original and its inputs, and runs on onnxruntime's CPU:
+    the options that would contradict it are usage errors, not silently ignored."""
+    if options.runtime != "onnxruntime" or options.providers:
+        raise UsageError("--load-outputs runs the model in onnxruntime on the CPU; drop --runtime/--providers")
+    if original is not None:
+        raise UsageError("--load-outputs compares one model with stored outputs; give only that model")
+    if options.inputs is not None:
+        raise UsageError("--load-outputs: the file holds the inputs its outputs came from; drop --inputs")
+    if options.save_outputs is not None:
+        raise UsageError("--save-outputs and --load-outputs cannot be combined")
+
+
+def _check_output_names(tolerances: Tolerances, drift: DriftThresholds, names: Iterable[str], holder: str) -> None:
+    """Per-output tolerances and drift thresholds name outputs that exist: a typo would otherwise
+    leave an output judged by the defaults without a word. ``holder`` names what has the outputs."""
+    known = set(names)
+    unknown = tolerances.output_names() - known
+    if unknown:
+        raise UsageError(f"--atol/--rtol/--lsb: {holder} no output named {sorted(unknown)[0]!r}")
+    unknown = drift.output_names() - known
+    if unknown:
+        raise UsageError(f"--drift-*: {holder} no output named {sorted(unknown)[0]!r}")
+
+
+# --- the comparison, step by step: load, run, judge, report ---------------------------------------
+
+
+def _compare(
+    original: ModelLike, rewritten: ModelLike, options: _Options, *, same_file: bool, fast: bool
+) -> VerifyReport:
+    """The verification; ``fast``: from the files' bytes, without parsing the models unless a
+    check needs their graphs (:class:`_NotFast` when it cannot give the full path's answer)."""
+    models = _load_models(original, rewritten, options, fast=fast)
+    make_runner = _RunnerFactory(options, models.original.label, models.rewritten.label, models.reference_kernels)
+    original_runner, rewritten_runner = _start_sessions(models, make_runner, options, same_file=same_file, fast=fast)
+    _check_output_names(options.tolerances, options.drift, original_runner.output_types, "the model has")
+    decision = _drift_decision(models.rewritten, options.drift)
+    given = _resolve_samples(options.inputs, models.original.readable, options.generation)
+    if options.save_inputs is not None:
+        save_samples(options.save_inputs, given.samples)
+    logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(given.samples))
+    kept: dict[str, dict[str, np.ndarray]] | None = {} if options.save_outputs is not None else None
+    if same_file:
+        judgement = _compared_with_itself(original_runner, given.samples, kept)
+    else:
+        judge = options.drift if decision.judged else None
+        judgement = _judge(models, original_runner, rewritten_runner, make_runner, given.samples, options, judge, kept)
+    if options.save_outputs is not None and kept is not None:
+        from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
+
+        save_stored_outputs(options.save_outputs, given.samples, kept, models.original.label)
+    localization = None
+    if options.localize_failures and not all(o.passed for o in judgement.outputs):
+        localization = _localize_failure(models, judgement, given.samples, options, make_runner, decision)
+    return _report(models, judgement, given, decision, localization, options)
+
+
+# --- load: the models, as read and as they run; the samples ---------------------------------------
+
+
+class _Models(NamedTuple):
+    """Both models as read (what the report names and the checks read) and as they run (the
+    uint8 x int8 integer ops of either side may run converted, see :func:`_as_run`)."""
+
+    original: _Source
+    rewritten: _Source
+    reference: _Source  # the original as it runs
+    rewritten_run: _Source  # the rewritten model as it runs
+    vendor_nodes: int
+    u8s8_nodes: int
+    reference_kernels: bool  # the original's vendor nodes run on the numpy reference kernels
+
+
+def _load_models(original: ModelLike, rewritten: ModelLike, options: _Options, *, fast: bool) -> _Models:
+    """Read both models (``fast``: their bytes, see :func:`_load_fast`) and decide how each runs."""
+    with stage(options.progress, "loading models"):
+        load = _load_fast if fast else _load
+        original_src = load(original, "original")
+        rewritten_src = load(rewritten, "rewritten")
+    vendor_nodes = _count_vendor_nodes(original_src, options.session, fast=fast)
+    reference_kernels = options.session.custom_op_library is None and vendor_nodes > 0
+    if fast and any(_may_convert(src) for src in (original_src, rewritten_src)):
+        raise _NotFast("the models may hold uint8 x int8 integer ops with int8 weights")
+    reference, rewritten_run, u8s8_nodes = original_src, rewritten_src, 0
+    if not fast:
+        reference, rewritten_run, u8s8_nodes = _as_run(original_src, rewritten_src, options.runtime)
+    return _Models(original_src, rewritten_src, reference, rewritten_run, vendor_nodes, u8s8_nodes, reference_kernels)
+
+
+def _count_vendor_nodes(source: _Source, session: SessionSettings, *, fast: bool) -> int:
+    """How many of the original's nodes are vendor ops (that the reference kernels run unless the
+    vendor's library is given). The fast path only serves models that can hold none."""
+    if fast:
+        if not _vendor_free(source.view):  # type: ignore[arg-type]
+            raise _NotFast("the original may hold vendor ops")
+        return 0
+    from onnx_qrewrite.verify.reference_ops import find_vendor_nodes
+
+    try:
+        return len(find_vendor_nodes(source.proto))
+    except InvalidModelError as exc:
+        if session.custom_op_library is None:
+            raise InvalidModelError(f"{source.label}: {exc}") from None
+        return 0
+
+
+def _as_run(original: _Source, rewritten: _Source, runtime: str) -> tuple[_Source, _Source, int]:
+    """The original and the rewritten model as they run, and how many of the original's nodes changed.
+
+    uint8 x int8 integer ops run as onnxruntime's session.x64quantprecision runs them, on both
+    sides (.u8s8_reference): the outputs are compared with the ONNX definition, and each bounded
+    replacement of such a node is checked against the default, saturating kernel at its node
+    (check_bounds, on the models as they are). Another runtime runs the rewritten model as it is."""
+    from onnx_qrewrite.verify.u8s8_reference import without_saturation
+
+    reference, u8s8_nodes = without_saturation(original.proto)
+    reference_src = _Source(original.label, proto=reference) if u8s8_nodes else original
+    rewritten_run = rewritten
+    if runtime == "onnxruntime":
+        as_run, changed = without_saturation(rewritten.proto)
+        rewritten_run = _Source(rewritten.label, proto=as_run) if changed else rewritten
+    return reference_src, rewritten_run, u8s8_nodes
+
+
+def _drift_decision(rewritten: _Source, drift: DriftThresholds) -> DriftDecision:
+    """Whether the outputs are judged by drift (approximate rewrites); a model whose bytes cannot
+    hold the exactness key has no approximate rewrite, which spares walking its nodes."""
+    no_approximate = _provenance_key_absent(rewritten, provenance.EXACTNESS_KEY)
+    return decide(drift.mode, rewritten.readable, {} if no_approximate else None)
+
+
+class _GivenSamples(NamedTuple):
+    """The samples both models run on, and how they came to be (for the report's settings)."""
+
+    samples: list[Sample]
+    generation: GenerationOptions | None  # None: the samples were given
+    inputs_file: str | None
+    ranges: dict[str, ValueRange]
+
+
+def _resolve_samples(inputs: InputsLike, model: onnx.ModelProto, generation: GenerationOptions) -> _GivenSamples:
+    """The caller's samples (a ``.npz`` file, one mapping, a list), else generated ones from the
+    model's input specs and ``generation``."""
+    specs = input_specs(model)
+    if inputs is None:
+        ranges = resolve_value_ranges(specs, generation, gather_index_limits(model))
+        return _GivenSamples(generate_samples(specs, generation, ranges), generation, None, ranges)
+    if isinstance(inputs, (str, os.PathLike)):
+        return _GivenSamples(load_samples(inputs, specs), None, str(inputs), {})
+    if isinstance(inputs, Mapping):
+        return _GivenSamples([Sample("inputs", dict(inputs))], None, None, {})
+    return _GivenSamples(list(inputs), None, None, {})
+
+
+# --- run: the sessions ----------------------------------------------------------------------------
+
+
+class _RunnerFactory:
+    """Opens a runner for either side with the comparison's settings: ``(model, side)`` with side
+    "original" or "rewritten". The checks after the main run (NaN hazards, bounds, localisation)
+    open more runners on cut-out or edited models, and must run them exactly as the main run did."""
+
+    def __init__(self, options: _Options, original_label: str, rewritten_label: str, reference_kernels: bool) -> None:
+        self.options = options
+        self.original_label = original_label
+        self.rewritten_label = rewritten_label
+        self.reference_kernels = reference_kernels
+
+    def __call__(self, model: onnx.ModelProto | bytes, side: str) -> ModelRunner:
+        options = self.options
+        if side == "original":
+            return ModelRunner(
+                model,
+                label=self.original_label,
+                settings=options.session,
+                reference_kernels=self.reference_kernels,
+                register_custom_library=True,
+            )
+        if options.runtime != "onnxruntime":
+            from onnx_qrewrite.verify.runtimes import make_runner as make_runtime_runner
+
+            assert not isinstance(model, bytes)  # the fast path runs onnxruntime only
+            return make_runtime_runner(
+                options.runtime,
+                model,
+                label=self.rewritten_label,
+                threads=options.threads,
+                shapes=options.generation.shapes,
+            )
+        return ModelRunner(
+            model,
+            label=self.rewritten_label,
+            settings=options.session,
+            providers=options.providers or ("CPUExecutionProvider",),
+        )
+
+
+def _start_sessions(
+    models: _Models, make_runner: _RunnerFactory, options: _Options, *, same_file: bool, fast: bool
+) -> tuple[ModelRunner, Any]:
+    """Both models' runners, checked to take the same inputs. On the fast path a model
+    onnxruntime refuses goes to the full path, which parses it and says what is wrong."""
+    with stage(options.progress, "starting onnxruntime"):
+        try:
+            original_runner = make_runner(models.reference.runnable, "original")
+            rewritten_runner = original_runner if same_file else _open_rewritten(models.rewritten_run, make_runner)
+        except InvalidModelError as exc:
+            if fast:
+                raise _NotFast(str(exc)) from None
+            raise
+    _check_interfaces(original_runner, rewritten_runner)
+    return original_runner, rewritten_runner
+
+
 def _input_types(runner: Any) -> dict[str, str]:
     if isinstance(runner, ModelRunner):
         return {i.name: i.type for i in runner.session.get_inputs()}
@@ -310,18 +731,154 @@ def _check_interfaces(original: ModelRunner, rewritten: Any) -> None:
         )
 
 
-def _resolve_samples(
-    inputs: InputsLike, model: onnx.ModelProto, generation: GenerationOptions
-) -> tuple[list[Sample], GenerationOptions | None, str | None, dict[str, ValueRange]]:
-    specs = input_specs(model)
-    if inputs is None:
-        ranges = resolve_value_ranges(specs, generation, gather_index_limits(model))
-        return generate_samples(specs, generation, ranges), generation, None, ranges
-    if isinstance(inputs, (str, os.PathLike)):
-        return load_samples(inputs, specs), None, str(inputs), {}
-    if isinstance(inputs, Mapping):
-        return [Sample("inputs", dict(inputs))], None, None, {}
-    return list(inputs), None, None, {}
+def _open_rewritten(source: _Source, make_runner: Callable[[Any, str], ModelRunner]) -> ModelRunner:
+    """The rewritten model's session; when onnxruntime refuses it, say which op is left over (on
+    the fast path, the refusal is passed on: the full path then says it)."""
+    try:
+        return make_runner(source.runnable, "rewritten")
+    except InvalidModelError as exc:
+        if source.fast:
+            raise
+        from onnx_qrewrite.verify.reference_ops import iter_all_nodes
+
+        leftover = [n for n in iter_all_nodes(source.proto) if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]
+        if not leftover:
+            raise
+        first = leftover[0]
+        raise InvalidModelError(
+            f"{exc} (the rewritten model must run in stock onnxruntime, but it still holds {len(leftover)} "
+            f"non-standard node(s), the first {first.name or first.output[0]!r} ({first.domain}::{first.op_type}))"
+        ) from None
+
+
+# --- judge: compare the outputs, set aside NaN hazards, check the bounds --------------------------
+
+
+class _Judgement(NamedTuple):
+    """One comparison per output (and per bounded replacement), and the samples set aside."""
+
+    outputs: list[ValueComparison]
+    hazards: list[Hazard]
+    not_compared: str | None = None  # why nothing was compared, when nothing was
+
+
+def _compared_with_itself(
+    runner: ModelRunner, samples: Sequence[Sample], kept: dict[str, dict[str, np.ndarray]] | None
+) -> _Judgement:
+    """ORIGINAL and REWRITTEN are one file: nothing is compared (a model agrees with itself), but
+    ``--save-outputs`` still gets the outputs it asked for."""
+    outputs = [_not_compared(name, type_name) for name, type_name in runner.output_types.items()]
+    if kept is not None:
+        kept.update({sample.name: runner.run(sample.feeds) for sample in samples})
+    why = "ORIGINAL and REWRITTEN are the same file: a model compared with itself proves nothing"
+    return _Judgement(outputs, [], why)
+
+
+def _judge(
+    models: _Models,
+    original_runner: ModelRunner,
+    rewritten_runner: Any,
+    make_runner: _RunnerFactory,
+    samples: Sequence[Sample],
+    options: _Options,
+    drift: DriftThresholds | None,
+    kept: dict[str, dict[str, np.ndarray]] | None,
+) -> _Judgement:
+    """Every output of every sample compared (``drift``: judged by drift), the failing samples that
+    a NaN hazard makes inconclusive set aside, then each bounded replacement checked at its node."""
+    per_output = _run_samples(
+        lambda sample: original_runner.run(sample.feeds),
+        rewritten_runner,
+        list(original_runner.output_types),
+        samples,
+        options.tolerances,
+        options.progress,
+        kept,
+        drift,
+    )
+    hazards = _nan_hazards(per_output, samples, models.reference, make_runner)
+    outputs = _merge(
+        per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
+    )
+    if options.runtime == "onnxruntime" and not _provenance_key_absent(models.rewritten, provenance.BOUND_KEY):
+        from onnx_qrewrite.verify.bounds import check_bounds
+
+        # Bounded rewrites: each replacement within its recorded bound, on the original's own
+        # inputs (the bounds are stated against onnxruntime's kernels).
+        outputs += check_bounds(models.original.proto, models.rewritten.proto, samples, make_runner)
+    return _Judgement(outputs, hazards)
+
+
+def _nan_hazards(
+    per_output: Mapping[str, Sequence[tuple[str, ValueComparison]]],
+    samples: Sequence[Sample],
+    reference: _Source,
+    make_runner: _RunnerFactory,
+) -> list[Hazard]:
+    """The failing samples whose difference a NaN reaching a kernel that is not deterministic on
+    NaN explains: inconclusive, not a disagreement (see :mod:`.hazards`)."""
+    failing = _failing_samples(per_output)
+    if not failing:
+        return []
+    feeds = {sample.name: sample.feeds for sample in samples}
+    from onnx_qrewrite.verify.hazards import NanHazardCheck
+
+    nan_check = NanHazardCheck(reference.proto, lambda model: make_runner(model, "original"))
+    hazards = []
+    for name in failing:
+        hazard = nan_check.check(name, feeds[name])
+        if hazard is not None:
+            logger.info("sample %s is inconclusive: %s", name, hazard.describe())
+            hazards.append(hazard)
+    return hazards
+
+
+def _localize_failure(
+    models: _Models,
+    judgement: _Judgement,
+    samples: Sequence[Sample],
+    options: _Options,
+    make_runner: _RunnerFactory,
+    decision: DriftDecision,
+) -> Localization:
+    """The first node of the rewritten model where the values depart, on a failing sample.
+
+    The original's intermediate values always come from onnxruntime; the rewritten model's from
+    the runtime that ran it, so on another runtime this names where *that runtime* departs (the
+    rewrite's node or its own arithmetic), when it can run the model with them as outputs."""
+    sample = _sample_to_localize(judgement, samples, options.runtime)
+    with stage(options.progress, "localizing"):
+        # On another runtime, intermediate values are judged by drift (its rounding differs
+        # everywhere by a little): what is named is where its numbers go wrong.
+        from onnx_qrewrite.verify.localize import localize
+
+        return localize(
+            models.reference.proto,
+            models.rewritten_run.proto,
+            sample,
+            options.tolerances,
+            make_runner,
+            options.drift if decision.judged else None,
+            runtime=options.runtime,
+            runtime_drift=None if options.runtime == "onnxruntime" else options.drift,
+        )
+
+
+def _sample_to_localize(judgement: _Judgement, samples: Sequence[Sample], runtime: str) -> Sample:
+    """The first failing sample that no hazard set aside (else the first sample); on another
+    runtime, the sample with the largest error, if it fails."""
+    excluded = {h.sample for h in judgement.hazards}
+    failing_now = {s for o in judgement.outputs for s in o.failed_samples if s not in excluded}
+    sample = next((s for s in samples if s.name in failing_now), samples[0])
+    if runtime != "onnxruntime":
+        # Another runtime's rounding differs a little on every sample; where it goes wrong shows
+        # best on the sample with the largest error.
+        worst = max(
+            (o for o in judgement.outputs if not o.passed and o.worst), key=lambda o: o.max_abs_error, default=None
+        )
+        if worst is not None and worst.worst is not None and worst.worst.sample in failing_now:
+            sample = next(s for s in samples if s.name == worst.worst.sample)
+    return sample
 
 
 Expected = Callable[[Sample], Mapping[str, np.ndarray]]
@@ -395,325 +952,6 @@ def _interface_problem(name: str, type_name: str, problem: str) -> ValueComparis
     )
 
 
-def _open_rewritten(source: _Source, make_runner: Callable[[Any, str], ModelRunner]) -> ModelRunner:
-    """The rewritten model's session; when onnxruntime refuses it, say which op is left over (on
-    the fast path, the refusal is passed on: the full path then says it)."""
-    try:
-        return make_runner(source.runnable, "rewritten")
-    except InvalidModelError as exc:
-        if source.fast:
-            raise
-        from onnx_qrewrite.verify.reference_ops import iter_all_nodes
-
-        leftover = [n for n in iter_all_nodes(source.proto) if n.domain not in ("", "ai.onnx", "ai.onnx.ml")]
-        if not leftover:
-            raise
-        first = leftover[0]
-        raise InvalidModelError(
-            f"{exc} (the rewritten model must run in stock onnxruntime, but it still holds {len(leftover)} "
-            f"non-standard node(s), the first {first.name or first.output[0]!r} ({first.domain}::{first.op_type}))"
-        ) from None
-
-
-def _same_file(original: ModelLike, rewritten: ModelLike) -> bool:
-    """Both arguments name one file (or are one object): a comparison that proves nothing."""
-    if original is rewritten:
-        return True
-    if isinstance(original, (str, os.PathLike)) and isinstance(rewritten, (str, os.PathLike)):
-        try:
-            return os.path.samefile(original, rewritten)
-        except OSError:
-            return False
-    return False
-
-
-def verify(
-    original: ModelLike | None,
-    rewritten: ModelLike,
-    *,
-    inputs: InputsLike = None,
-    samples: int = 2,
-    seed: int = 0,
-    int_range: tuple[int, int] | None = None,
-    value_ranges: Mapping[str, tuple[float, float]] | None = None,
-    input_shapes: Mapping[str, Sequence[int]] | None = None,
-    battery: bool = True,
-    tolerances: Tolerances | None = None,
-    opt_level: str = "disable",
-    threads: int = 1,
-    custom_op_library: str | os.PathLike[str] | None = None,
-    localize_failures: bool = True,
-    save_inputs: str | os.PathLike[str] | None = None,
-    save_outputs: str | os.PathLike[str] | None = None,
-    load_outputs: str | os.PathLike[str] | None = None,
-    progress: ProgressSink | None = None,
-    runtime: str = "onnxruntime",
-    providers: Sequence[str] | None = None,
-    drift: DriftThresholds | None = None,
-) -> VerifyReport:
-    """Run ``original`` and ``rewritten`` (paths or ModelProtos) on the same inputs and compare.
-
-    ``inputs``: an ``.npz`` path, a mapping of input name to array (one sample) or a list of
-    :class:`Sample`; when omitted, ``samples`` random samples (``seed``; value ranges from
-    ``value_ranges`` (input name, or ``""`` for every input, -> (low, high)), integers in
-    ``int_range`` or by the defaults of :mod:`.inputs`; symbolic dimensions from ``input_shapes`` or
-    1) plus the quantization battery (``battery``). ``tolerances``: see :class:`Tolerances`
-    (default: exact for integers, tight per float dtype, the ``numpy`` rule).
-    ``custom_op_library``: run the original's vendor ops with the vendor's library instead of the
-    reference kernels. ``save_outputs``: write the inputs and the original's outputs (see
-    :mod:`.stored`); ``load_outputs``: compare ``rewritten`` with such a file instead of running an
-    original (``original`` must then be None). ``progress``: a ``(phase, done, total)`` callable.
-    Raises :class:`~onnx_qrewrite.errors.QRewriteError` subclasses for models
-    that cannot be loaded or run and for bad options; a disagreement is a report with
-    ``passed == False``, never an exception, and so is a run that compared nothing
-    (``verdict == "inconclusive"``).
-
-    ``runtime``: run ``rewritten`` on onnxruntime (default; ``providers`` picks its execution
-    providers), ``openvino``, ``tract`` or ``qnn`` (see :mod:`.runtimes`: their settings are in the
-    report, and their default float tolerances account for their arithmetic); the original always
-    runs in onnxruntime on the CPU. A runtime that is not installed is a
-    :class:`~onnx_qrewrite.errors.MissingDependencyError` naming the extra to install.
-
-    ``drift``: when (``mode``: ``auto``, the default, when the rewritten model's provenance marks
-    approximate rewrites; ``always``; ``never``) and against which thresholds (relative L2 error,
-    cosine similarity, argmax agreement, optional max abs error) the outputs are judged by their
-    drift instead of element by element; see :mod:`.drift`. Exact and bounded rewrites keep the
-    element-wise checks (and the per-node bound check).
-    """
-    from onnx_qrewrite.verify.runtimes import make_runner as make_runtime_runner
-    from onnx_qrewrite.verify.runtimes import runtime_info
-
-    started = time.perf_counter()
-    if providers and runtime != "onnxruntime":
-        raise UsageError(
-            f"--providers chooses onnxruntime's execution providers; it does not apply to --runtime {runtime}"
-        )
-    rt = runtime_info(runtime, providers or (), threads)
-    tolerances = tolerances or Tolerances()
-    drift = drift or DriftThresholds()
-    if rt.atol is not None and tolerances.atol is None:
-        tolerances = dataclasses.replace(tolerances, atol=rt.atol)
-    if rt.rtol is not None and tolerances.rtol is None:
-        tolerances = dataclasses.replace(tolerances, rtol=rt.rtol)
-    session = SessionSettings(
-        opt_level=opt_level,
-        threads=threads,
-        custom_op_library=None if custom_op_library is None else Path(custom_op_library),
-    )
-    generation = GenerationOptions(
-        samples=samples,
-        seed=seed,
-        int_range=None if int_range is None else (int(int_range[0]), int(int_range[1])),
-        shapes={k: tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()},
-        battery=battery,
-        value_ranges={k: (float(lo), float(hi)) for k, (lo, hi) in (value_ranges or {}).items()},
-    )
-    if load_outputs is not None:
-        if runtime != "onnxruntime" or providers:
-            raise UsageError("--load-outputs runs the model in onnxruntime on the CPU; drop --runtime/--providers")
-        if original is not None:
-            raise UsageError("--load-outputs compares one model with stored outputs; give only that model")
-        if inputs is not None:
-            raise UsageError("--load-outputs: the file holds the inputs its outputs came from; drop --inputs")
-        if save_outputs is not None:
-            raise UsageError("--save-outputs and --load-outputs cannot be combined")
-        return _verify_stored(rewritten, load_outputs, session, tolerances, save_inputs, progress, started, drift)
-    if original is None:
-        raise UsageError("verify needs the original model (or --load-outputs FILE)")
-    same_file = _same_file(original, rewritten)
-
-    def compare(fast: bool) -> VerifyReport:
-        """The verification; ``fast``: from the files' bytes, without parsing the models unless a
-        check needs their graphs (:class:`_NotFast` when it cannot give the full path's answer)."""
-        with stage(progress, "loading models"):
-            load = _load_fast if fast else _load
-            original_src = load(original, "original")
-            rewritten_src = load(rewritten, "rewritten")
-        original_label, rewritten_label = original_src.label, rewritten_src.label
-        if fast:
-            if not _vendor_free(original_src.view):  # type: ignore[arg-type]
-                raise _NotFast("the original may hold vendor ops")
-            vendor_nodes = 0
-        else:
-            from onnx_qrewrite.verify.reference_ops import find_vendor_nodes
-
-            try:
-                vendor_nodes = len(find_vendor_nodes(original_src.proto))
-            except InvalidModelError as exc:
-                if session.custom_op_library is None:
-                    raise InvalidModelError(f"{original_label}: {exc}") from None
-                vendor_nodes = 0
-        reference_kernels = session.custom_op_library is None and vendor_nodes > 0
-        # uint8 x int8 integer ops run as onnxruntime's session.x64quantprecision runs them, on both
-        # sides (.u8s8_reference): the outputs are compared with the ONNX definition, and each bounded
-        # replacement of such a node is checked against the default, saturating kernel at its node
-        # (check_bounds, on the models as they are).
-        if fast and any(_may_convert(src) for src in (original_src, rewritten_src)):
-            raise _NotFast("the models may hold uint8 x int8 integer ops with int8 weights")
-        reference_src, rewritten_run, u8s8_nodes = original_src, rewritten_src, 0
-        if not fast:
-            from onnx_qrewrite.verify.u8s8_reference import without_saturation
-
-            reference, u8s8_nodes = without_saturation(original_src.proto)
-            reference_src = _Source(original_label, proto=reference) if u8s8_nodes else original_src
-            if runtime == "onnxruntime":
-                as_run, changed = without_saturation(rewritten_src.proto)
-                rewritten_run = _Source(rewritten_label, proto=as_run) if changed else rewritten_src
-
-        def make_runner(model: onnx.ModelProto | bytes, side: str) -> ModelRunner:
-            if side == "original":
-                return ModelRunner(
-                    model,
-                    label=original_label,
-                    settings=session,
-                    reference_kernels=reference_kernels,
-                    register_custom_library=True,
-                )
-            if runtime != "onnxruntime":
-                assert not isinstance(model, bytes)  # the fast path runs onnxruntime only
-                return make_runtime_runner(
-                    runtime, model, label=rewritten_label, threads=threads, shapes=generation.shapes
-                )
-            return ModelRunner(
-                model, label=rewritten_label, settings=session, providers=providers or ("CPUExecutionProvider",)
-            )
-
-        with stage(progress, "starting onnxruntime"):
-            try:
-                original_runner = make_runner(reference_src.runnable, "original")
-                rewritten_runner = original_runner if same_file else _open_rewritten(rewritten_run, make_runner)
-            except InvalidModelError as exc:
-                if fast:  # the full path parses the models and says what is wrong, as it always did
-                    raise _NotFast(str(exc)) from None
-                raise
-        _check_interfaces(original_runner, rewritten_runner)
-        unknown = tolerances.output_names() - set(original_runner.output_types)
-        if unknown:
-            raise UsageError(f"--atol/--rtol/--lsb: the model has no output named {sorted(unknown)[0]!r}")
-        unknown = drift.output_names() - set(original_runner.output_types)
-        if unknown:
-            raise UsageError(f"--drift-*: the model has no output named {sorted(unknown)[0]!r}")
-        no_approximate = _provenance_key_absent(rewritten_src, provenance.EXACTNESS_KEY)
-        decision = decide(drift.mode, rewritten_src.readable, {} if no_approximate else None)
-        judge = drift if decision.judged else None
-
-        used, generation_used, inputs_file, ranges = _resolve_samples(inputs, original_src.readable, generation)
-        if save_inputs is not None:
-            save_samples(save_inputs, used)
-        logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(used))
-        names = list(original_runner.output_types)
-        hazards: list[Hazard] = []
-        not_compared = None
-        kept: dict[str, dict[str, np.ndarray]] | None = {} if save_outputs is not None else None
-        if same_file:
-            not_compared = "ORIGINAL and REWRITTEN are the same file: a model compared with itself proves nothing"
-            outputs = [_not_compared(name, type_name) for name, type_name in original_runner.output_types.items()]
-            if kept is not None:
-                kept.update({sample.name: original_runner.run(sample.feeds) for sample in used})
-        else:
-            per_output = _run_samples(
-                lambda sample: original_runner.run(sample.feeds),
-                rewritten_runner,
-                names,
-                used,
-                tolerances,
-                progress,
-                kept,
-                judge,
-            )
-            failing = _failing_samples(per_output)
-            if failing:
-                feeds = {sample.name: sample.feeds for sample in used}
-                from onnx_qrewrite.verify.hazards import NanHazardCheck
-
-                nan_check = NanHazardCheck(reference_src.proto, lambda model: make_runner(model, "original"))
-                for name in failing:
-                    hazard = nan_check.check(name, feeds[name])
-                    if hazard is not None:
-                        logger.info("sample %s is inconclusive: %s", name, hazard.describe())
-                        hazards.append(hazard)
-            outputs = _merge(
-                per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
-            )
-            if runtime == "onnxruntime" and not _provenance_key_absent(rewritten_src, provenance.BOUND_KEY):
-                from onnx_qrewrite.verify.bounds import check_bounds
-
-                # Bounded rewrites: each replacement within its recorded bound, on the original's own
-                # inputs (the bounds are stated against onnxruntime's kernels).
-                outputs += check_bounds(original_src.proto, rewritten_src.proto, used, make_runner)
-        if save_outputs is not None and kept is not None:
-            from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
-
-            save_stored_outputs(save_outputs, used, kept, original_label)
-
-        localization = None
-        # The original's intermediate values always come from onnxruntime; the rewritten model's from
-        # the runtime that ran it, so on another runtime this names where *that runtime* departs (the
-        # rewrite's node or its own arithmetic), when it can run the model with them as outputs.
-        if localize_failures and not all(o.passed for o in outputs):
-            excluded = {h.sample for h in hazards}
-            failing_now = {s for o in outputs for s in o.failed_samples if s not in excluded}
-            sample = next((s for s in used if s.name in failing_now), used[0])
-            if runtime != "onnxruntime":
-                # Another runtime's rounding differs a little on every sample; where it goes wrong shows
-                # best on the sample with the largest error.
-                worst = max(
-                    (o for o in outputs if not o.passed and o.worst), key=lambda o: o.max_abs_error, default=None
-                )
-                if worst is not None and worst.worst is not None and worst.worst.sample in failing_now:
-                    sample = next(s for s in used if s.name == worst.worst.sample)
-            with stage(progress, "localizing"):
-                # On another runtime, intermediate values are judged by drift (its rounding differs
-                # everywhere by a little): what is named is where its numbers go wrong.
-                from onnx_qrewrite.verify.localize import localize
-
-                localization = localize(
-                    reference_src.proto,
-                    rewritten_run.proto,
-                    sample,
-                    tolerances,
-                    make_runner,
-                    judge,
-                    runtime=runtime,
-                    runtime_drift=None if runtime == "onnxruntime" else drift,
-                )
-
-        return VerifyReport(
-            original=original_label,
-            rewritten=rewritten_label,
-            outputs=tuple(outputs),
-            samples=tuple(used),
-            settings=VerifySettings(
-                session,
-                tolerances,
-                generation_used,
-                inputs_file,
-                reference_kernels,
-                vendor_nodes,
-                value_ranges=ranges,
-                runtime=rt,
-                drift=drift,
-                drift_decision=decision,
-                u8s8_reference_nodes=u8s8_nodes,
-            ),
-            versions=_versions(reference_kernels),
-            localization=localization,
-            duration_seconds=time.perf_counter() - started,
-            excluded=tuple(hazards),
-            not_compared=not_compared,
-        )
-
-    # The fast path: onnxruntime gets the files' bytes; onnx is imported (and the models parsed)
-    # only if a check needs the graphs. It serves plain onnxruntime runs of models read from files;
-    # when it cannot give the answer the full path would, the full path runs from the start.
-    if runtime == "onnxruntime" and session.custom_op_library is None:
-        try:
-            return compare(fast=True)
-        except _NotFast as why:
-            logger.debug("verify: parsing the models (%s)", why)
-    return compare(fast=False)
-
-
 def _not_compared(name: str, type_name: str) -> ValueComparison:
     from onnx_qrewrite.verify.compare import Tolerance
 
@@ -721,20 +959,53 @@ def _not_compared(name: str, type_name: str) -> ValueComparison:
     return ValueComparison(name=name, dtype=dtype, shape=(), tolerance=Tolerance(0.0, 0.0, 0), integer=False)
 
 
-def _verify_stored(
-    rewritten: ModelLike,
-    path: str | os.PathLike[str],
-    session: SessionSettings,
-    tolerances: Tolerances,
-    save_inputs: str | os.PathLike[str] | None,
-    progress: ProgressSink | None,
-    started: float,
-    drift: DriftThresholds,
+# --- report ---------------------------------------------------------------------------------------
+
+
+def _report(
+    models: _Models,
+    judgement: _Judgement,
+    given: _GivenSamples,
+    decision: DriftDecision,
+    localization: Localization | None,
+    options: _Options,
 ) -> VerifyReport:
+    """The report: the verdict's evidence and every setting that decided it."""
+    return VerifyReport(
+        original=models.original.label,
+        rewritten=models.rewritten.label,
+        outputs=tuple(judgement.outputs),
+        samples=tuple(given.samples),
+        settings=VerifySettings(
+            options.session,
+            options.tolerances,
+            given.generation,
+            given.inputs_file,
+            models.reference_kernels,
+            models.vendor_nodes,
+            value_ranges=given.ranges,
+            runtime=options.runtime_info,
+            drift=options.drift,
+            drift_decision=decision,
+            u8s8_reference_nodes=models.u8s8_nodes,
+        ),
+        versions=_versions(models.reference_kernels),
+        localization=localization,
+        duration_seconds=time.perf_counter() - options.started,
+        excluded=tuple(judgement.hazards),
+        not_compared=judgement.not_compared,
+    )
+
+
+# --- --load-outputs: the rewritten model against stored outputs -----------------------------------
+
+
+def _verify_stored(rewritten: ModelLike, path: str | os.PathLike[str], options: _Options) -> VerifyReport:
     """``--load-outputs``: the rewritten model against outputs stored by ``--save-outputs``."""
     from onnx_qrewrite.verify.localize import Localization
     from onnx_qrewrite.verify.stored import load_outputs as load_stored_outputs
 
+    session, tolerances, drift, progress = options.session, options.tolerances, options.drift, options.progress
     stored = load_stored_outputs(path)
     with stage(progress, "loading models"):
         source = _load(rewritten, "rewritten")
@@ -749,15 +1020,10 @@ def _verify_stored(
             where = "is not an input of the model" if name in given else "has no stored value"
             raise UsageError(f"--load-outputs: {path}: sample {sample.name!r}: input {name!r} {where}")
     names = stored.output_names
-    unknown = tolerances.output_names() - set(names)
-    if unknown:
-        raise UsageError(f"--atol/--rtol/--lsb: the stored outputs have no output named {sorted(unknown)[0]!r}")
-    unknown = drift.output_names() - set(names)
-    if unknown:
-        raise UsageError(f"--drift-*: the stored outputs have no output named {sorted(unknown)[0]!r}")
+    _check_output_names(tolerances, drift, names, "the stored outputs have")
     decision = decide(drift.mode, rewritten_model)
-    if save_inputs is not None:
-        save_samples(save_inputs, stored.samples)
+    if options.save_inputs is not None:
+        save_samples(options.save_inputs, stored.samples)
     per_output = _run_samples(
         stored.run, runner, names, stored.samples, tolerances, progress, drift=drift if decision.judged else None
     )
@@ -778,7 +1044,7 @@ def _verify_stored(
         settings=VerifySettings(session, tolerances, None, str(path), False, 0, drift=drift, drift_decision=decision),
         versions=_versions(False),
         localization=localization,
-        duration_seconds=time.perf_counter() - started,
+        duration_seconds=time.perf_counter() - options.started,
     )
 
 
