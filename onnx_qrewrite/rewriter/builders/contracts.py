@@ -37,6 +37,7 @@ __all__ = [
     "NBITS_UNPACKED",
     "NORM_FORMS",
     "QDQ_TO_FLOAT_FORMS",
+    "QDQ_WRAP_OPS",
     "QOPERATOR_EXACTNESS",
     "REQUIRE_ZERO_POINT",
     "SEMANTICS",
@@ -142,6 +143,23 @@ QOPERATOR_EXACTNESS: dict[str, str] = {
     "QLinearSigmoid": EXACT,
     "QLinearSoftmax": BOUNDED,
 }
+
+#: qdq_wrap: the ops that only select and reorder values (the same on float as on uint8/int8), which it
+#: wraps in DequantizeLinear -> op -> QuantizeLinear.
+QDQ_WRAP_OPS = (
+    "Reshape",
+    "Transpose",
+    "Squeeze",
+    "Unsqueeze",
+    "Flatten",
+    "Gather",
+    "Slice",
+    "Concat",
+    "Expand",
+    "Tile",
+    "DepthToSpace",
+    "SpaceToDepth",
+)
 
 # --- the contracts ------------------------------------------------------------------------------
 
@@ -576,6 +594,14 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "1/y_scale (two); more only where float32 accumulation of the dot products cannot be bounded below "
             "one step (computed per node from the weights: floor(d) + 1 steps)",
             opset=_qoperator_opset,
+        ),
+    ),
+    "qdq_wrap": (
+        "qdq_wrap",
+        Contract(
+            options=(),
+            emits=frozenset({"DequantizeLinear", "QuantizeLinear", *QDQ_WRAP_OPS}),
+            opset=lambda options, dtypes: kernel_opsets.describe(True, sorted(dtypes) if dtypes is not None else None),
         ),
     ),
     "standard_qdq": (
