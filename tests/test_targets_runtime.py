@@ -306,3 +306,32 @@ def test_inspect_target_and_targets_need_no_runtime():
         proc = without(blocked, *args)
         assert proc.returncode == 0, (args, proc.stderr)
         assert "import-attempt" not in proc.stderr, (args, proc.stderr)
+
+
+def test_tract_hands_out_shape_values_as_int64():
+    """tract computes Shape (and values derived from it) as TDim, which its public API does not
+    hand out; verify's localiser asks for such intermediate values (a QOperator BERT slices its
+    positions by a Shape). The runner converts them to the int64 they are in ONNX."""
+    _runtime("tract")
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "one"], ["n"], axis=0),
+        helper.make_node("Relu", ["x"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"]),
+            helper.make_tensor_value_info("s", TensorProto.INT64, [2]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+        ],
+        [helper.make_tensor("one", TensorProto.INT64, [], [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    got = make_runner("tract", model, label="shape model").run({"x": np.ones((2, 5), np.float32)})
+    assert got["s"].dtype == np.int64 and got["s"].tolist() == [2, 5]
+    assert got["n"].dtype == np.int64 and int(got["n"]) == 5

@@ -306,9 +306,25 @@ class TractRunner(_Runner):
             result = runnable.run(arrays)
         except Exception as exc:  # noqa: BLE001
             raise self._fail("failed while running the model", exc) from None
-        values = {name: r.to_numpy() for name, r in zip(self.output_types, result, strict=True)}
+        values = {name: self._to_numpy(name, r) for name, r in zip(self.output_types, result, strict=True)}
         wanted = list(outputs) if outputs is not None else list(self.output_types)
         return {n: values[n] for n in wanted}
+
+    def _to_numpy(self, name: str, tensor: Any) -> np.ndarray:
+        """tract computes Shape and what is derived from it (Gather of a shape, Concat of dims) as
+        TDim, its symbolic dimension type, which its public API does not hand out ("Unsupported
+        DatumType in the public API TDim", tract 0.23.9): such a value, asked for as an output (the
+        localiser asks for intermediate values, verify/localize.py), is converted to int64, the
+        ONNX type it has. Found on a QOperator BERT whose embeddings slice positions by a Shape."""
+        try:
+            return tensor.to_numpy()
+        except Exception as exc:  # noqa: BLE001 - tract raises TractError
+            if "TDim" not in str(exc):
+                raise self._fail(f"cannot read output {name!r}", exc) from None
+            try:
+                return tensor.convert_to(self._tract.DatumType.I64).to_numpy()
+            except Exception as again:  # noqa: BLE001
+                raise self._fail(f"cannot read output {name!r} (a tract TDim) as int64", again) from None
 
 
 def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
