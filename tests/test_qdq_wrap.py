@@ -197,3 +197,40 @@ def test_float_moves_and_unknown_quantization_are_left_as_they_are():
     del f.graph.output[0]
     result = onnx_qrewrite.rewrite(f, rules=FORM)
     assert not result.report.rewrites
+
+
+def _lookup(transpose_too: bool) -> onnx.ModelProto:
+    """DequantizeLinear(Gather(uint8 table, ids)), as quantize_dynamic writes the embedding lookup;
+    ``transpose_too``: a Transpose reads the gathered uint8 rows as well."""
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["rows"], name="lookup"),
+        helper.make_node("DequantizeLinear", ["rows", "s", "z"], ["y"], name="dequant"),
+    ]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])]
+    if transpose_too:
+        nodes.append(helper.make_node("Transpose", ["rows"], ["rows_t"], name="move", perm=[1, 0]))
+        outputs.append(helper.make_tensor_value_info("rows_t", TensorProto.UINT8, [4, 3]))
+    inits = [
+        numpy_helper.from_array(np.arange(40, dtype=np.uint8).reshape(10, 4), "table"),
+        numpy_helper.from_array(np.array(0.5, np.float32), "s"),
+        numpy_helper.from_array(np.array(3, np.uint8), "z"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])], outputs, inits
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@rule_marker("qdq-wrap-move", "negative")
+def test_the_dequantized_embedding_lookup_is_left_to_the_weight_only_gather():
+    """quantize_dynamic's DequantizeLinear(Gather(uint8 table)): the weight-only form's exact
+    gather rule takes it (no Q/DQ left); this form gives way. With another reader of the gathered
+    uint8 rows the lookup is wrapped (as ortqop_bert's, read by a QLinearAdd)."""
+    assert not onnx_qrewrite.rewrite(_lookup(False), rules=FORM).report.rewrites
+    model = _lookup(True)
+    result = onnx_qrewrite.rewrite(model, rules=FORM)
+    assert sorted(r.node for r in result.report.rewrites) == ["lookup", "move"]
+    feeds = {"ids": np.array([9, 0, -1], np.int64)}
+    want, got = run(model, feeds), run(result.model, feeds)
+    assert_bitwise_equal(got["rows_t"], want["rows_t"])
+    assert_bitwise_equal(got["y"], want["y"])

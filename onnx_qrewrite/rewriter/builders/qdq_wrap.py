@@ -25,7 +25,9 @@ zero point) and forwards to what reads it (DequantizeLinear, a QOperator op's in
 point). Any valid per-tensor pair would be exact; the tensor's own one makes the new Q/DQ match the
 neighbours' (what a backend's node units expect). Not rewritten (the rule gives way): no constant
 per-tensor float32 scale and zero point found, a scale outside the range above, a Concat whose
-inputs are quantized differently, a type other than uint8/int8.
+inputs are quantized differently, a type other than uint8/int8, and quantize_dynamic's embedding
+lookup ``DequantizeLinear(Gather(constant table))``, which the weight-only form's exact gather rule
+writes without any Q/DQ.
 """
 
 from __future__ import annotations
@@ -190,6 +192,19 @@ class QdqWrapBuilder:
         dtype = _dtype(site, site.input(0))
         if dtype not in _QUANTIZED:
             raise NotApplicable(f"{node.op_type} on {dtype or 'a tensor of unknown type'}, not uint8/int8")
+        readers = _readers(site.scope).get(node.output[0], [])
+        if (
+            node.op_type == "Gather"
+            and site.constant(node.input[0]) is not None
+            and readers
+            and all(r.op_type == "DequantizeLinear" and r.domain in _STANDARD for r in readers)
+        ):
+            # quantize_dynamic's embedding lookup, DequantizeLinear(Gather(table)): the weight-only
+            # form's exact gather rule writes it with no Q/DQ at all and, with its pattern, removes
+            # what the lookup's DynamicQuantizeLinear chain leaves dead. Wrapped here instead, a
+            # target plan that takes that form's matmul rules per node left the chain's
+            # DynamicQuantizeLinear unread, which QNN refuses (ortdyn_bert_optimized, observed).
+            raise NotApplicable("DequantizeLinear(Gather(constant table)): the weight-only form's gather rule")
         found = _params(site, node.output[0], dtype)
         if isinstance(found, str):
             raise NotApplicable(found)
