@@ -161,3 +161,40 @@ def test_encoded_output_is_protobufs_own_serialization_in_every_scope(tmp_path):
     result.save(tmp_path / "out.onnx")
     assert (tmp_path / "out.onnx").read_bytes() == encoded
     assert result.model.SerializeToString() == encoded
+
+
+def _repeated_quantizers_model() -> onnx.ModelProto:
+    """Quantizers whose names repeat in length (a stamp's bytes then come from one compiled format
+    per length signature, builders/_stamp.py), with "%" and multi-byte UTF-8 in them, in the main
+    graph and in a local function (whose node field has another tag)."""
+    h = onnx.helper
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4])
+
+    def quantizers(names: list[str]) -> list[onnx.NodeProto]:
+        return [h.make_node("DynamicQuantizeLinear", ["x"], [f"{n}y", f"{n}s", f"{n}z"], name=n) for n in names]
+
+    main_names = [f"q{i}%é" for i in range(5)] + [f"quant{i}%%ü" for i in range(3)] + ["a%b"]
+    body = quantizers([f"f{i}%" for i in range(4)])
+    body.append(h.make_node("Identity", ["f0%y"], ["out"]))
+    function = h.make_function("local", "F", ["x"], ["out"], body, [h.make_opsetid("", 17)])
+    nodes = [*quantizers(main_names), h.make_node("F", ["x"], ["fy"], domain="local")]
+    outputs = [h.make_tensor_value_info(f"{n}y", onnx.TensorProto.UINT8, [4]) for n in main_names]
+    outputs.append(h.make_tensor_value_info("fy", onnx.TensorProto.UINT8, [4]))
+    graph = h.make_graph(nodes, "g", [x], outputs)
+    opsets = [h.make_opsetid("", 17), h.make_opsetid("local", 1)]
+    return h.make_model(graph, opset_imports=opsets, functions=[function], ir_version=8)
+
+
+@pytest.mark.parametrize("provenance", ["compact", "full", "none"])
+def test_compiled_stamps_equal_built_replacements_byte_for_byte(provenance):
+    model = _repeated_quantizers_model()
+    outputs = []
+    for stamp in (True, False):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        options = engine.EngineOptions(stamp_templates=stamp, provenance=provenance)
+        rewritten, report = engine.run(copy, onnx_qrewrite.load_rules(), options)
+        outputs.append((to_bytes(rewritten), report.to_dict()))
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0][1]["rewrites"]) == 13
+    onnx.checker.check_model(onnx.load_from_string(outputs[0][0]), full_check=True)

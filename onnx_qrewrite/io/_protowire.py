@@ -22,10 +22,13 @@ from onnx_qrewrite.io.wire_model import read_varint
 
 __all__ = [
     "encode_attribute",
+    "encode_metadata",
+    "encode_metadata_entry",
     "encode_node",
     "encode_node_chunks",
     "encode_node_list",
     "frame_nodes",
+    "node_field_tag",
     "replace_nodes",
     "splice_graph_chunks",
     "splice_graph_nodes",
@@ -62,9 +65,21 @@ def encode_attribute(attribute: onnx.AttributeProto) -> bytes:
 
 def encode_metadata(entries: Sequence[tuple[str, str]]) -> bytes:
     """Metadata entries of a node (shared by every node one rewrite creates)."""
-    return b"".join(
-        _field(_NODE_META, _field(_ENTRY_KEY, k.encode()) + _field(_ENTRY_VALUE, v.encode())) for k, v in entries
-    )
+    return b"".join([encode_metadata_entry(k, v) for k, v in entries])
+
+
+#: A metadata key -> its encoded key field (a handful of keys, written on every rewrite).
+_ENTRY_KEYS: dict[str, bytes] = {}
+
+
+def encode_metadata_entry(key: str, value: str) -> bytes:
+    """One metadata entry of a node, as :func:`encode_metadata` writes each."""
+    key_field = _ENTRY_KEYS.get(key)
+    if key_field is None:
+        key_field = _field(_ENTRY_KEY, key.encode())
+        if len(_ENTRY_KEYS) < 64:  # the keys a rewrite writes; an input's own keys may be many
+            _ENTRY_KEYS[key] = key_field
+    return _field(_NODE_META, key_field + _field(_ENTRY_VALUE, value.encode()))
 
 
 #: (op_type, domain) -> the encoded op_type field and the encoded domain field (empty if default).
@@ -110,10 +125,15 @@ def node_tail(op_type: str, domain: str, attributes: bytes) -> bytes:
     return op_fields[0] + attributes + op_fields[1]
 
 
+def node_field_tag(container: onnx.GraphProto | onnx.FunctionProto) -> bytes:
+    """The tag of ``container``'s ``node`` field (GraphProto's and FunctionProto's differ)."""
+    return _FUNCTION_NODE if isinstance(container, onnx.FunctionProto) else _GRAPH_NODE
+
+
 def frame_nodes(container: onnx.GraphProto | onnx.FunctionProto, bodies: Iterable[bytes]) -> bytes:
     """``container``'s ``node`` fields (tag, length, body) for each of ``bodies``, as one piece:
     how the engine keeps a replacement, one object instead of three per created node."""
-    tag = _FUNCTION_NODE if isinstance(container, onnx.FunctionProto) else _GRAPH_NODE
+    tag = node_field_tag(container)
     small = _SMALL_VARINTS
     parts: list[bytes] = []
     extend = parts.extend
@@ -149,11 +169,13 @@ def encode_node_chunks(
     get = replacements.get
     for body in prepend:
         extend((tag, _varint(len(body)), body))
+    small = _SMALL_VARINTS
     for index, node in enumerate(container.node):
         new = get(index)
         if new is None:
             body = node.SerializeToString()
-            extend((tag, _varint(len(body)), body))
+            n = len(body)
+            extend((tag, small[n] if n < 16384 else _varint(n), body))
         else:
             append(new)
     return chunks

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import logging
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import onnx
 
@@ -80,7 +81,7 @@ class EngineOptions:
     node_rules: Mapping[tuple[str, int], tuple[str, ...]] | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Match:
     site: Site
     index: int
@@ -212,7 +213,7 @@ def _match(
             site = Site(node, scope, same_shape_ops)
             reasons: list[str] = []
             # A standard-domain node every candidate declines as "not applicable" is fine as it is.
-            quiet = node.domain in ("", "ai.onnx")
+            quiet = key[0] in ("", "ai.onnx")
             rule, plan, position, quiet = _first_applicable(site, candidates, options, reasons, quiet, removal=True)
             if plan is not None and plan.remove_if_dead:
                 assert rule is not None
@@ -314,7 +315,7 @@ def _apply(
     done = 0
     if progress is not None:
         progress("rewriting nodes", 0, total)
-    names = NameAllocator(model)
+    names = NameAllocator(model, scopes)
     pools: dict[int, ConstantPool] = {}
     built: dict[int, dict[int, bytes]] = {}
     #: Initializers some replaced node read and its replacement does not: removal candidates.
@@ -327,6 +328,9 @@ def _apply(
     removed: dict[int, set[str]] = {}
     read_by_rewrites: dict[int, set[str]] = {}
     guard = any(m.plan.remove_if_dead for ms in matches.values() for m in ms)
+    builders: dict[str, Any] = {}  # rule id -> its builder (``Rule.implementation`` looks it up)
+    replaced_ops: collections.Counter[tuple[str, str]] = collections.Counter()
+    created_counts: collections.Counter[tuple[str, ...]] = collections.Counter()
     for s, scope in enumerate(scopes):
         root = scope.root
         pool = pools.get(id(root))
@@ -337,79 +341,97 @@ def _apply(
         pending.reverse()
         while pending:
             m = pending.pop()
-            builder = m.rule.implementation
+            site, rule, plan = m.site, m.rule, m.plan
+            node = site.node
+            builder = builders.get(rule.id)
+            if builder is None:
+                builder = builders[rule.id] = rule.implementation
             if later:
-                metadata = _inherited_metadata(m.site.node, provenance)
-                prefix = m.site.node.name.rpartition("/")[0] or Emitter.prefix_for(m.site.node)
+                metadata = _inherited_metadata(node, provenance)
+                prefix = node.name.rpartition("/")[0] or Emitter.prefix_for(node)
             else:
                 metadata = Emitter.metadata_for(
-                    m.rule.id,
-                    m.site.node,
-                    m.rule.exactness,
-                    m.plan.bound,
-                    provenance,
-                    m.plan.bound_scale,
-                    m.plan.bound_formula,
+                    rule.id, node, rule.exactness, plan.bound, provenance, plan.bound_scale, plan.bound_formula
                 )
-                prefix = Emitter.prefix_for(m.site.node)
+                prefix = Emitter.prefix_for(node)
             key = None
             if stamp_templates and hasattr(builder, "template_key"):
-                key = builder.template_key(m.site, m.rule.options, m.plan)
-                key = None if key is None else (m.rule.id, id(pool), key)
+                key = builder.template_key(site, rule.options, plan)
+                key = None if key is None else (rule.id, id(pool), key)
             template = templates.get(key) if key is not None else None
+            reads: set[str] | None
             if template is not None:
-                nodes, created_nodes = template.stamp(m.site, names, prefix, metadata)
-                created_ops = template.ops
-                reads = template.site_inputs_read(m.site)
-            else:
-                emit = Emitter(
-                    m.site, m.rule.id, names, pool, emits=builder.contract.emits, metadata=metadata, prefix=prefix
+                replacements[m.index], created_nodes = template.stamp_framed(
+                    site, names, prefix, metadata, scope.container
                 )
-                builder.build(m.site, emit, m.rule.options, m.plan)
+                created_ops = template.ops
+                # Which inputs the stamp reads is the template's: no set of names per stamp.
+                inputs = site.inputs
+                kept, left = template.input_use
+                for i in kept:
+                    still_read.add(inputs[i])
+                for i in left:  # a name also read at a kept position stays: dropped - still_read
+                    name = inputs[i]
+                    if name and scope.initializer(name) is not None:
+                        dropped.add(name)
+                reads = None
+            else:
+                emits = builder.contract.emits
+                emit = Emitter(site, rule.id, names, pool, emits=emits, metadata=metadata, prefix=prefix)
+                builder.build(site, emit, rule.options, plan)
                 nodes = emit.nodes
                 created_nodes = tuple(n for n, _ in emit.created)
                 created_ops = tuple(op for _, op in emit.created)
                 reads = emit.names_read()
                 if key is not None:
                     templates[key] = Template.record(emit)
-            replacements[m.index] = frame_nodes(scope.container, nodes)
-            del nodes
-            for name in m.site.node.input:
-                if not name:
-                    continue
-                if name in reads:
-                    still_read.add(name)
-                elif scope.initializer(name) is not None:
-                    dropped.add(name)
-            if m.plan.reads is not None:  # it reads more than its node's inputs: all of it stays
-                still_read.update(reads)
-            if m.plan.remove_if_dead:
-                removed.setdefault(id(root), set()).update(o for o in m.site.node.output if o)
-            elif guard:
-                read_by_rewrites.setdefault(id(root), set()).update(reads)
+                replacements[m.index] = frame_nodes(scope.container, nodes)
+                del nodes
+                for name in site.inputs:
+                    if not name:
+                        continue
+                    if name in reads:
+                        still_read.add(name)
+                    elif scope.initializer(name) is not None:
+                        dropped.add(name)
+            if plan.reads is not None or plan.remove_if_dead or guard:
+                if reads is None:
+                    reads = template.site_inputs_read(site)  # type: ignore[union-attr]
+                if plan.reads is not None:  # it reads more than its node's inputs: all of it stays
+                    still_read.update(reads)
+                if plan.remove_if_dead:
+                    removed.setdefault(id(root), set()).update(o for o in site.outputs if o)
+                elif guard:
+                    read_by_rewrites.setdefault(id(root), set()).update(reads)
             done += 1
             if progress is not None and (done % 1024 == 0 or done == total):
                 progress("rewriting nodes", done, total)
-            delta[op_key(m.site.node.domain, m.site.node.op_type)] -= 1
-            for op in created_ops:
-                delta[op] += 1
+            op_type, domain = node.op_type, node.domain
+            replaced_ops[domain, op_type] += 1
+            created_counts[created_ops] += 1
             if applied is not None:
-                applied.append(_Applied(scope.path, m.site.node.name, m.rule.id, tuple(created_nodes), created_ops))
+                applied.append(_Applied(scope.path, node.name, rule.id, tuple(created_nodes), created_ops))
             report.rewrites.append(
                 AppliedRewrite(
-                    rule=m.rule.id,
-                    node=m.site.label,
-                    op_type=m.site.node.op_type,
-                    domain=m.site.node.domain,
+                    rule=rule.id,
+                    node=site.label,
+                    op_type=op_type,
+                    domain=domain,
                     scope=scope.path,
                     created_nodes=created_nodes,
                     created_ops=created_ops,
-                    notes=m.plan.notes,
-                    exactness=m.rule.exactness,
-                    bound=m.plan.bound,
+                    notes=plan.notes,
+                    exactness=rule.exactness,
+                    bound=plan.bound,
                 )
             )
         built[s] = replacements
+    # Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
+    for (domain, op_type), n in replaced_ops.items():
+        delta[op_key(domain, op_type)] -= n
+    for ops, n in created_counts.items():
+        for op in ops:
+            delta[op] += n
     delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
     with stage(progress, "assembling the graph"):
         if removed:
@@ -486,7 +508,8 @@ def _remove_unread_initializers(
         replaced = built.get(s, {})
         c = scope.container
         for index, node in enumerate(c.node):
-            if index not in replaced:
+            # Only the candidates' readers matter: no set of every name read.
+            if index not in replaced and not candidates.isdisjoint(node.input):
                 read.update(node.input)
         if isinstance(c, onnx.GraphProto):
             read.update(o.name for o in c.output)

@@ -122,9 +122,10 @@ class Scope:
 
     def _own(self) -> _Records:
         """This scope's own records, indexed on first use (and again after :meth:`invalidate`)."""
-        if self._records is None:
-            self._records = self._index_records()
-        return self._records
+        records = self._records
+        if records is None:
+            records = self._records = self._index_records()
+        return records
 
     def _index_records(self) -> _Records:
         types: dict[str, int] = {}
@@ -160,6 +161,20 @@ class Scope:
             self._producers = {out: node for node in self.container.node for out in node.output if out}
         return self._producers
 
+    def add_initializer(self, tensor: onnx.TensorProto) -> None:
+        """Append ``tensor`` to this graph's initializers, keeping the indexes: an added
+        initializer changes only its own name's records (re-indexing the scope instead reads
+        every node again, once per constant a rewrite adds)."""
+        container = self.container
+        assert isinstance(container, onnx.GraphProto)
+        container.initializer.append(tensor)
+        records = self._records
+        if records is not None:
+            stored = container.initializer[-1]
+            records.types[stored.name] = stored.data_type
+            records.shapes[stored.name] = tuple(stored.dims)
+            records.initializers[stored.name] = stored
+
     def invalidate(self) -> None:
         """Forget cached indexes after the node list or value_info changed."""
         self._records = None
@@ -185,6 +200,8 @@ class Scope:
 
     def elem_type(self, name: str) -> int | None:
         """Element type of a value visible here, or None when the model does not say."""
+        if self.parent is None:  # the common case, without a generator (once per node and input)
+            return self._own().types.get(name)
         for scope in self._outward():
             types = scope._own().types
             if name in types:
@@ -203,10 +220,13 @@ class Scope:
         return self._own().shapes
 
     def producer(self, name: str) -> onnx.NodeProto | None:
-        return self._producer_index().get(name)
+        producers = self._producers
+        return (producers if producers is not None else self._producer_index()).get(name)
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""
+        if self.parent is None:
+            return self._own().initializers.get(name)
         for scope in self._outward():
             initializers = scope._own().initializers
             if name in initializers:
@@ -348,10 +368,11 @@ class NameAllocator:
     family holds ``/<tail>``.
     """
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, scopes: Sequence[Scope] | None = None):
+        """``scopes``: the model's (:func:`iter_scopes`), when the caller has them already."""
         used: set[str] = set()
         chain = itertools.chain.from_iterable
-        for scope in iter_scopes(model):
+        for scope in iter_scopes(model) if scopes is None else scopes:
             c = scope.container
             if isinstance(c, onnx.GraphProto):
                 used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info))
@@ -360,8 +381,11 @@ class NameAllocator:
                 used.update(c.input)
                 used.update(c.output)
             nodes = c.node
-            # Every value is some node's output or a graph input (added above), so outputs suffice.
-            used.update(chain(n.output for n in nodes))
+            # Every value is some node's output or a graph input (added above), so outputs suffice;
+            # matching has usually indexed them already (reading them again is a tenth of a
+            # second on a 100k-node graph).
+            producers = scope._producers
+            used.update(chain(n.output for n in nodes) if producers is None else producers)
             used.update(n.name for n in nodes)
         used.discard("")
         self._used = used
@@ -392,6 +416,16 @@ class NameAllocator:
             ok = len(set(key)) == len(key) and all(h.startswith("/") and h.count("/") == 1 for h in key)
             found = self._family_hints[key] = frozenset(key) if ok else None
         return found  # type: ignore[return-value]
+
+    def claim_family(self, prefix: str, hints: Sequence[str]) -> bool:
+        """Take ``prefix + hint`` for every hint as one family when none of them is taken and they
+        can form one (what :meth:`fresh_all` does in its common case, without making the names);
+        False, with nothing taken, otherwise."""
+        family = self._family_of(hints)
+        if family is None or prefix in self._families or not self._used.isdisjoint(map(prefix.__add__, hints)):
+            return False
+        self._families[prefix] = family
+        return True
 
     def fresh_all(self, prefix: str, hints: Sequence[str]) -> tuple[list[str], bool]:
         """``fresh(prefix + hint)`` for each hint, and whether any name had to differ from that

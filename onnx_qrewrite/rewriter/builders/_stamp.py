@@ -13,14 +13,17 @@ fraction of the cost (no attribute encoding, no per-field function calls).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from onnx_qrewrite.io._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT
+from onnx_qrewrite.io._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT, frame_nodes, node_field_tag
 from onnx_qrewrite.io._wire import SMALL_VARINTS, length_prefixed, varint
 from onnx_qrewrite.rewriter.report import CreatedNames
 
 if TYPE_CHECKING:
+    import onnx
+
     from onnx_qrewrite.rewriter.builders import Emitter, Site
     from onnx_qrewrite.rewriter.graph import NameAllocator
 
@@ -46,7 +49,7 @@ class Template:
     ``[names..., static pieces..., first node's metadata, other nodes' metadata]``."""
 
     def __init__(self, hints: list[str], nodes: list[_NodeSpec], n_inputs: int, n_outputs: int):
-        self._hints = hints  # fresh-name suffixes, in the order the recording drew them
+        self._hints = tuple(hints)  # fresh-name suffixes, in the order the recording drew them
         self._ops = tuple((spec.op_type if not spec.domain else f"{spec.domain}::{spec.op_type}") for spec in nodes)
         self._n_in, self._n_out = n_inputs, n_outputs
         fresh, n_dynamic = len(hints), len(hints) + n_inputs + n_outputs
@@ -85,8 +88,13 @@ class Template:
             self._name_slots.append(spec.head[-1][1])
         self._static = static
         self._inputs_read = sorted(inputs_read)
+        self._inputs_left = [i for i in range(n_inputs) if i not in inputs_read]
         if all(kind == "fresh" for kind, _ in self._name_slots):
             self._node_hints = tuple(hints[slot] for _, slot in self._name_slots)
+        #: Per length signature (see :meth:`stamp_framed`): the replacement as one bytes format,
+        #: and what picks its ``%b`` fields from (prefix, inputs..., outputs..., metadata x2).
+        self._formats: dict[tuple, tuple[bytes, Callable[[Sequence[bytes]], tuple]]] = {}
+        self._seen: set[tuple] = set()
 
     @classmethod
     def record(cls, emit: Emitter) -> Template | None:
@@ -119,24 +127,121 @@ class Template:
             specs.append(_NodeSpec(op_type, domain, head, tail))
         return cls(list(emit.fresh_hints), specs, len(node.input), len(node.output))
 
+    @property
+    def input_use(self) -> tuple[list[int], list[int]]:
+        """The positions of the replaced node's inputs that the stamped nodes read, and the others."""
+        return self._inputs_read, self._inputs_left
+
     def site_inputs_read(self, site: Site) -> set[str]:
         """The replaced node's inputs that the stamped nodes take as input."""
-        return {site.node.input[i] for i in self._inputs_read}
+        inputs = site.inputs
+        return {inputs[i] for i in self._inputs_read}
 
     @property
     def ops(self) -> tuple[str, ...]:
         """The op of each node a stamp creates (as reports write ops), shared by every stamp."""
         return self._ops
 
+    def stamp_framed(
+        self,
+        site: Site,
+        names: NameAllocator,
+        prefix: str,
+        metadata: tuple[bytes, bytes],
+        container: onnx.GraphProto | onnx.FunctionProto,
+    ) -> tuple[bytes, Sequence[str]]:
+        """:meth:`stamp`, framed as the container's ``node`` fields (``tag``: its node field's tag)
+        (graph or function) in one piece, as :func:`~onnx_qrewrite.io._protowire.frame_nodes` frames a build.
+
+        Every length in the replacement (of each name, so of each node) follows from the lengths
+        of the prefix, of the node's input and output names and of the metadata: per such length
+        signature the whole replacement is one bytes format, and a stamp is one ``%`` over a
+        mapping of those few pieces instead of a join per created node and a name per hint. A
+        signature is compiled when it is met the second time (a model whose names all differ in
+        length pays only a set look-up); clashing names take :meth:`stamp`."""
+        inputs, outputs = site.inputs, site.outputs
+        tag = node_field_tag(container)
+        if (
+            self._node_hints is None
+            or len(inputs) != self._n_in
+            or len(outputs) != self._n_out
+            or not names.claim_family(prefix, self._hints)
+        ):
+            nodes, created = self.stamp(site, names, prefix, metadata)
+            return frame_nodes(container, nodes), created
+        values = [prefix.encode(), *[n.encode() for n in inputs], *[n.encode() for n in outputs], *metadata]
+        signature = (tag, *map(len, values))
+        compiled = self._formats.get(signature)
+        if compiled is None:
+            if signature not in self._seen:
+                self._seen.add(signature)
+                table = self._name_table(values)
+                nodes = [b"".join([table[i] for i in indices]) for indices in self._indices]
+                return frame_nodes(container, nodes), CreatedNames(prefix, self._node_hints)
+            compiled = self._formats[signature] = self._compile(signature)
+        fmt, pick = compiled
+        return fmt % pick(values), CreatedNames(prefix, self._node_hints)
+
+    def _name_table(self, values: list[bytes]) -> list[bytes]:
+        """The table :meth:`stamp` joins from, for ``values`` = (prefix, inputs, outputs, metadata)
+        encoded, when every fresh name is ``prefix + hint``."""
+        prefix = values[0]
+        encoded = [prefix + hint.encode() for hint in self._hints] + values[1:-2]
+        table = [length_prefixed(e) for e in encoded]
+        table += self._static
+        table.extend(values[-2:])
+        return table
+
+    def _compile(self, signature: tuple) -> tuple[bytes, Callable[[Sequence[bytes]], tuple]]:
+        """The bytes format of a whole framed replacement for one length signature, and what
+        picks its fields: the prefix, inputs, outputs and metadata are ``%b`` fields of known
+        length; everything else (hints, tags, lengths, op types, attributes) is written out,
+        ``%`` escaped."""
+        tag, lengths = signature[0], signature[1:]
+        fresh, n_dynamic = len(self._hints), len(self._hints) + self._n_in + self._n_out
+        order: list[int] = []  # per field, its index in (prefix, inputs, outputs, metadata x2)
+
+        def escaped(b: bytes) -> bytes:
+            return b.replace(b"%", b"%%")
+
+        def named(k: int, n: int, suffix: bytes = b"") -> tuple[bytes, int]:
+            """A name of ``n`` bytes: its length, field ``k``, then ``suffix``."""
+            order.append(k)
+            head = SMALL_VARINTS[n] if n < 16384 else varint(n)
+            return escaped(head) + b"%b" + escaped(suffix), len(head) + n
+
+        def piece(i: int) -> tuple[bytes, int]:
+            """Format and byte length of table entry ``i`` (see :meth:`stamp`)."""
+            if i < 0:  # metadata: -2 the first node's, -1 the others'
+                k = len(lengths) + i
+                order.append(k)
+                return b"%b", lengths[k]
+            if i < fresh:
+                hint = self._hints[i].encode()
+                return named(0, lengths[0] + len(hint), hint)
+            if i < n_dynamic:
+                return named(1 + i - fresh, lengths[1 + i - fresh])
+            static = self._static[i - n_dynamic]
+            return escaped(static), len(static)
+
+        out = []
+        for indices in self._indices:
+            parts = [piece(i) for i in indices]
+            size = sum(n for _, n in parts)
+            out.append(escaped(tag + (SMALL_VARINTS[size] if size < 16384 else varint(size))))
+            out.extend(f for f, _ in parts)
+        pick = operator.itemgetter(*order) if len(order) > 1 else (lambda values: (values[order[0]],))
+        return b"".join(out), pick
+
     def stamp(
         self, site: Site, names: NameAllocator, prefix: str, metadata: tuple[bytes, bytes]
     ) -> tuple[list[bytes], Sequence[str]]:
         """Encoded nodes and created node names for ``site``, as a build would have produced them."""
-        if len(site.node.input) != self._n_in or len(site.node.output) != self._n_out:
+        if len(site.inputs) != self._n_in or len(site.outputs) != self._n_out:
             raise ValueError("template_key promised a structure this node does not have")
         fresh, clashed = names.fresh_all(prefix, self._hints)
         small = SMALL_VARINTS
-        encoded = [n.encode() for n in (*fresh, *site.node.input, *site.node.output)]
+        encoded = [n.encode() for n in (*fresh, *site.inputs, *site.outputs)]
         table = [small[len(e)] + e if len(e) < 16384 else varint(len(e)) + e for e in encoded]
         table += self._static
         table.extend(metadata)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
@@ -94,6 +95,19 @@ def spec_body(opset: int) -> onnx.FunctionProto:
     return function
 
 
+@functools.cache
+def _plan(semantics: str, skip_nan: bool) -> Plan:
+    """The plan of every node with these facts: one shared (immutable) object, not one per node."""
+    notes = [f"semantics={semantics}"]
+    if skip_nan:
+        notes.append(SKIP_NAN_NOTE)
+    return Plan(
+        min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"],
+        notes=tuple(notes),
+        data=types.MappingProxyType({"skip_nan": skip_nan}),
+    )
+
+
 class DynamicQuantizeLinearBuilder:
     """Expands DynamicQuantizeLinear into primitive ops valid at the model's opset (11-26)."""
 
@@ -105,25 +119,21 @@ class DynamicQuantizeLinearBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         semantics = options["semantics"]
-        if len(site.node.input) != 1 or not site.node.input[0]:
+        inputs = site.inputs
+        if len(inputs) != 1 or not inputs[0]:
             raise InvalidModelError(f"node {site.label}: DynamicQuantizeLinear takes exactly one input")
-        elem = site.elem_type(site.node.input[0])
+        elem = site.elem_type(inputs[0])
         if elem is not None and elem != onnx.TensorProto.FLOAT:
             raise InvalidModelError(
-                f"node {site.label}: DynamicQuantizeLinear input {site.node.input[0]!r} is "
+                f"node {site.label}: DynamicQuantizeLinear input {inputs[0]!r} is "
                 f"{dtype_name(elem)}; the operator takes float32 only"
             )
-        notes = [f"semantics={semantics}"]
-        skip_nan = semantics == "onnxruntime" and skips_nan(site, site.node.input[0])
-        if skip_nan:
-            notes.append(SKIP_NAN_NOTE)
-        return Plan(
-            min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"], notes=tuple(notes), data={"skip_nan": skip_nan}
-        )
+        skip_nan = semantics == "onnxruntime" and skips_nan(site, inputs[0])
+        return _plan(semantics, skip_nan)
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
-        present = tuple(bool(o) for o in site.node.output)
+        present = tuple(bool(o) for o in site.outputs)
         return (options["semantics"], site.scope.default_opset, present, plan.data.get("skip_nan", False))
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:

@@ -45,6 +45,7 @@ excess.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -89,6 +90,14 @@ class _Operand:
     zp_value: np.ndarray | None
     zp_size: int | None
     zp_scalar: bool = False  # a rank-0 zero point (used as it is)
+
+    @functools.cached_property
+    def template_key(self) -> tuple:
+        """What of this operand decides the nodes a build emits (see the builder's
+        ``template_key``); kept, since B's operand is shared by every node reading the weight."""
+        zp = self.zp_value
+        constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
+        return (self.dtype, bool(self.zero_point), constant, self.zp_size, self.zp_scalar)
 
     def largest_shift(self) -> int:
         """max |x - zp| over every x of the type (and every zero point when it is not constant)."""
@@ -358,53 +367,58 @@ class IntegerMatMulBuilder:
         return site.scope.memo(("integer-matmul-operand", name, zp, what), lambda: self._operand(site, name, zp, what))
 
     def _read(self, site: Site) -> _Read:
-        node = site.node
-        op = node.op_type
-        if len(node.output) != 1 or not node.output[0]:
-            raise NoMatch(f"malformed node: {op} has one output, it has {len(node.output)}")
+        op = site.node.op_type
+        outputs = site.outputs
+        if len(outputs) != 1 or not outputs[0]:
+            raise NoMatch(f"malformed node: {op} has one output, it has {len(outputs)}")
+        inputs = site.inputs + ("",) * (7 - len(site.inputs))  # absent optional inputs are ''
+        extra: dict[str, Any] = {}
         if op == "MatMulInteger":
-            a = self._operand(site, site.input(0), site.input(2), "A")
-            b = self._weights(site, site.input(1), site.input(3), "B")
-            read = _Read(False, a, b, None, None)
+            conv = False
+            a = self._operand(site, inputs[0], inputs[2], "A")
+            b = self._weights(site, inputs[1], inputs[3], "B")
         elif op == "ConvInteger":
-            a = self._operand(site, site.input(0), site.input(2), "x")
-            b = self._weights(site, site.input(1), site.input(3), "w")
-            read = _Read(True, a, b, None, None)
+            conv = True
+            a = self._operand(site, inputs[0], inputs[2], "x")
+            b = self._weights(site, inputs[1], inputs[3], "w")
         elif op == "MatMulIntegerToFloat":
-            a = self._operand(site, site.input(0), site.input(4), "A")
-            b = self._weights(site, site.input(1), site.input(5), "B")
-            read = _Read(
-                False, a, b, None, None, a_scale=site.input(2), b_scale=site.input(3), bias=site.input(6), to_float=True
-            )
-            if not read.a_scale or not read.b_scale:
+            conv = False
+            a = self._operand(site, inputs[0], inputs[4], "A")
+            b = self._weights(site, inputs[1], inputs[5], "B")
+            extra = {"a_scale": inputs[2], "b_scale": inputs[3], "bias": inputs[6], "to_float": True}
+            if not inputs[2] or not inputs[3]:
                 raise NoMatch("malformed node: MatMulIntegerToFloat needs a_scale and b_scale")
         elif op == "DynamicQuantizeMatMul":
-            elem = site.elem_type(site.input(0))
+            conv = False
+            elem = site.elem_type(inputs[0])
             if elem is not None and elem != _T.FLOAT:
-                raise NoMatch(f"A {site.input(0)!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
-            a = _Operand(site.input(0), "<dynamic>", "uint8", None, 1, True)
-            b = self._weights(site, site.input(1), site.input(3), "B")
-            read = _Read(
-                False, a, b, None, None, b_scale=site.input(2), bias=site.input(4), dynamic=True, to_float=True
-            )
-            if not read.b_scale:
+                raise NoMatch(f"A {inputs[0]!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
+            a = _Operand(inputs[0], "<dynamic>", "uint8", None, 1, True)
+            b = self._weights(site, inputs[1], inputs[3], "B")
+            extra = {"b_scale": inputs[2], "bias": inputs[4], "dynamic": True, "to_float": True}
+            if not inputs[2]:
                 raise NoMatch("malformed node: DynamicQuantizeMatMul needs b_scale")
         else:
             raise NoMatch(f"{op} is not an integer matmul or convolution")
         # One weight often feeds many nodes (every block of a chain; a layer's weight under several
-        # quantizers): its statistics are worked out once per scope, from everything they depend on.
-        weight_key = ("integer-matmul-weights", b.name, b.zero_point, read.conv, a.dtype, b.dtype)
-        b_shape, columns, excess, worst_excess = site.scope.memo(weight_key, lambda: self._weight_facts(site, read))
-        k = _reduction_length(b_shape, read.conv)
-        a_shape = value_shape(site.scope, read.a.name, site.same_shape_ops) if not read.dynamic else None
-        return dataclasses.replace(
-            read,
+        # quantizers): its statistics are worked out once per scope, from everything they depend on
+        # (the weights' own facts, and the operands' types, which decide the kernel's pairing).
+        weight_key = ("integer-matmul-weights", b.name, b.zero_point, conv, a.dtype, b.dtype)
+        b_shape, columns, excess, worst_excess = site.scope.memo(
+            weight_key, lambda: self._weight_facts(site, _Read(conv, a, b, None, None, **extra))
+        )
+        a_shape = None if extra.get("dynamic") else value_shape(site.scope, a.name, site.same_shape_ops)
+        return _Read(
+            conv,
+            a,
+            b,
+            _reduction_length(b_shape, conv),
+            None if b_shape is None else len(b_shape),
+            a_rank=None if a_shape is None else len(a_shape),
             columns=columns,
             excess=excess,
             worst_excess=worst_excess,
-            k=k,
-            b_rank=None if b_shape is None else len(b_shape),
-            a_rank=None if a_shape is None else len(a_shape),
+            **extra,
         )
 
     def _weight_facts(
@@ -543,20 +557,14 @@ class IntegerMatMulBuilder:
         """Equal keys build the same nodes (builders/_stamp.py): everything ``build`` branches on,
         and the constants it emits (scalar zero points). The bound goes into the metadata."""
         read: _Read = plan.data["read"]
-
-        def operand_key(o: _Operand) -> tuple:
-            zp = o.zp_value
-            constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
-            return (o.dtype, bool(o.zero_point), constant, o.zp_size, o.zp_scalar)
-
-        inputs = list(site.node.input)
+        inputs = site.inputs
         wiring = tuple(inputs.index(name) if name else -1 for name in inputs)
         attributes = tuple(a.SerializeToString() for a in site.node.attribute)
         return (
             site.node.op_type,
             plan.data["form"],
-            operand_key(read.a),
-            operand_key(read.b),
+            read.a.template_key,
+            read.b.template_key,
             read.a_rank,
             read.b_rank,
             read.to_float,
