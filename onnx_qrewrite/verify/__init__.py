@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from onnx_qrewrite.io.wire_model import WireMessage
     from onnx_qrewrite.verify.hazards import Hazard
     from onnx_qrewrite.verify.localize import Localization
+    from onnx_qrewrite.verify.reanchor import Anchored
     from onnx_qrewrite.verify.runtimes import RuntimeInfo
 
 __all__ = [
@@ -760,6 +761,8 @@ class _Judgement(NamedTuple):
     outputs: list[ValueComparison]
     hazards: list[Hazard]
     not_compared: str | None = None  # why nothing was compared, when nothing was
+    #: The original cut at the bounded replacements, when it decided the outputs (verify/reanchor.py).
+    anchored: Anchored | None = None
 
 
 def _compared_with_itself(
@@ -785,28 +788,65 @@ def _judge(
     kept: dict[str, dict[str, np.ndarray]] | None,
 ) -> _Judgement:
     """Every output of every sample compared (``drift``: judged by drift), the failing samples that
-    a NaN hazard makes inconclusive set aside, then each bounded replacement checked at its node."""
+    a NaN hazard makes inconclusive set aside, then each bounded replacement checked at its node.
+    With bounded replacements (onnxruntime, no drift), the outputs without an explicit tolerance
+    are judged against the original re-anchored at their values (:func:`_reanchor`)."""
+    names = list(original_runner.output_types)
     per_output = _run_samples(
         lambda sample: original_runner.run(sample.feeds),
         rewritten_runner,
-        list(original_runner.output_types),
+        names,
         samples,
         options.tolerances,
         options.progress,
         kept,
         drift,
     )
+    bounded = options.runtime == "onnxruntime" and not _provenance_key_absent(models.rewritten, provenance.BOUND_KEY)
+    anchored = _reanchor(models, names, samples, options, make_runner) if bounded and drift is None else None
+    if anchored is not None:
+        from onnx_qrewrite.verify.reanchor import judged_outputs
+
+        per_output = judged_outputs(per_output, anchored, options.tolerances)
     hazards = _nan_hazards(per_output, samples, models.reference, make_runner)
     outputs = _merge(
         per_output, original_runner.output_types, rewritten_runner.output_types, {h.sample for h in hazards}
     )
-    if options.runtime == "onnxruntime" and not _provenance_key_absent(models.rewritten, provenance.BOUND_KEY):
+    if anchored is not None:
+        outputs += anchored.boundary_rows()
+    if bounded:
         from onnx_qrewrite.verify.bounds import check_bounds
 
-        # Bounded rewrites: each replacement within its recorded bound, on the original's own
-        # inputs (the bounds are stated against onnxruntime's kernels).
-        outputs += check_bounds(models.original.proto, models.rewritten.proto, samples, make_runner)
-    return _Judgement(outputs, hazards)
+        # Bounded rewrites: each replacement within its recorded bound, on the original's own inputs
+        # and on the cut original's (the bounds are stated against onnxruntime's kernels).
+        outputs += check_bounds(models.original.proto, models.rewritten.proto, samples, make_runner, anchored)
+    return _Judgement(outputs, hazards, anchored=anchored)
+
+
+def _reanchor(
+    models: _Models, names: Sequence[str], samples: Sequence[Sample], options: _Options, make_runner: _RunnerFactory
+) -> Anchored | None:
+    """The original (as the outputs are compared with it) cut at the bounded replacements' outputs
+    and run from the rewritten model's values there, with the outputs and the values the
+    replacements read compared (verify/reanchor.py); None when no replacement is bounded."""
+    from onnx_qrewrite.verify.bounds import bounded_rewrites
+    from onnx_qrewrite.verify.reanchor import boundary_values, run_anchored
+
+    rewrites = bounded_rewrites(models.original.proto, models.rewritten.proto)
+    anchors = [n for r in rewrites for n in r.outputs]
+    if not anchors:
+        return None
+    boundary = boundary_values(models.original.proto, models.rewritten.proto, rewrites)
+    return run_anchored(
+        models.reference.proto,
+        models.rewritten_run.proto,
+        anchors,
+        names,
+        samples,
+        options.tolerances,
+        make_runner,
+        boundary,
+    )
 
 
 def _nan_hazards(
@@ -846,16 +886,22 @@ def _localize_failure(
     The original's intermediate values always come from onnxruntime; the rewritten model's from
     the runtime that ran it, so on another runtime this names where *that runtime* departs (the
     rewrite's node or its own arithmetic), when it can run the model with them as outputs."""
+    from onnx_qrewrite.verify.reanchor import localize_against_cut
+
     sample = _sample_to_localize(judgement, samples, options.runtime)
+    # Every failure seen against the cut original (reanchor.localize_against_cut): the difference is
+    # in the exact part of the rewrite, found against that original (against the plain one, a bounded
+    # replacement upstream, within its bound, would be named).
+    cut = judgement.anchored if judgement.anchored is not None and localize_against_cut(judgement.outputs) else None
     with stage(options.progress, "localizing"):
         # On another runtime, intermediate values are judged by drift (its rounding differs
         # everywhere by a little): what is named is where its numbers go wrong.
         from onnx_qrewrite.verify.localize import localize
 
         return localize(
-            models.reference.proto,
+            models.reference.proto if cut is None else cut.cut,
             models.rewritten_run.proto,
-            sample,
+            sample if cut is None else cut.sample(sample),
             options.tolerances,
             make_runner,
             options.drift if decision.judged else None,
@@ -867,8 +913,13 @@ def _localize_failure(
 def _sample_to_localize(judgement: _Judgement, samples: Sequence[Sample], runtime: str) -> Sample:
     """The first failing sample that no hazard set aside (else the first sample); on another
     runtime, the sample with the largest error, if it fails."""
+    from onnx_qrewrite.verify.reanchor import SAMPLE_SUFFIX
+
     excluded = {h.sample for h in judgement.hazards}
-    failing_now = {s for o in judgement.outputs for s in o.failed_samples if s not in excluded}
+    # (a bound row names a sample checked on the cut original's inputs with a suffix)
+    failing_now = {
+        s.removesuffix(SAMPLE_SUFFIX) for o in judgement.outputs for s in o.failed_samples if s not in excluded
+    }
     sample = next((s for s in samples if s.name in failing_now), samples[0])
     if runtime != "onnxruntime":
         # Another runtime's rounding differs a little on every sample; where it goes wrong shows
@@ -988,6 +1039,7 @@ def _report(
             drift=options.drift,
             drift_decision=decision,
             u8s8_reference_nodes=models.u8s8_nodes,
+            anchors=() if judgement.anchored is None else judgement.anchored.anchors,
         ),
         versions=_versions(models.reference_kernels),
         localization=localization,

@@ -30,10 +30,11 @@ from onnx import helper, numpy_helper
 
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.rewriter.builders import Emitter
-from onnx_qrewrite.verify import element_bounds
+from onnx_qrewrite.verify import element_bounds, reanchor
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
+from onnx_qrewrite.verify.reanchor import Anchored
 from onnx_qrewrite.verify.session import ModelRunner
 
 __all__ = ["BoundedRewrite", "bounded_rewrites", "check_bounds"]
@@ -155,9 +156,17 @@ def check_bounds(
     rewritten: onnx.ModelProto,
     samples: Sequence[Sample],
     make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+    anchored: Anchored | None = None,
 ) -> list[ValueComparison]:
     """One comparison per bounded replacement's output, merged over ``samples``; empty when the
-    rewritten model has no bounded replacement."""
+    rewritten model has no bounded replacement.
+
+    Each replacement is run alone on the original's values of its inputs and, with ``anchored``
+    (:mod:`.reanchor`), also on the values the original cut at the bounded outputs computes for them
+    from the rewritten model's values upstream (samples named ``<sample> (re-anchored)``), against
+    the original kernel on the same inputs: the inputs each bounded replacement sees in the
+    rewritten model, up to the exact part's tolerance (which :mod:`.reanchor` checks at the
+    replacements' inputs)."""
     rewrites = bounded_rewrites(original, rewritten)
     if not rewrites:
         return []
@@ -182,37 +191,59 @@ def check_bounds(
             + [n for names in formula_reads.values() for n in names if n not in constants]
         )
     )
-    runner = make_runner(with_outputs(original, needed), "original")
-    graph_inputs = {i.name for i in original.graph.input}
-    fetch = [n for n in needed if n not in graph_inputs]
     per_value: dict[str, list[ValueComparison]] = {}
     alone_runners: dict[int, ModelRunner] = {}
-    for sample in samples:
-        values = dict(sample.feeds)
-        values.update(runner.run(sample.feeds, fetch))
-        for index, rewrite in enumerate(rewrites):
-            feeds = {n: values[n] for n in rewrite.inputs if n not in initializers}
-            if index not in alone_runners:
-                alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
-            actual = alone_runners[index].run(feeds, list(rewrite.outputs))
-            bound = rewrite.bound_for(values)
-            node = originals.get(id(rewrite))
-            for name in rewrite.outputs:
-                expected = values[name]
-                integer = expected.dtype.kind in "iub"
-                tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
-                per_element = None
-                if rewrite.formula and node is not None and len(rewrite.outputs) == 1:
-                    reads = {n: constants[n] if n in constants else values[n] for n in formula_reads[id(rewrite)]}
-                    per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual[name])
-                if per_element is not None and rewrite.formula:
-                    largest = float(np.max(per_element, initial=0.0))
-                    text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
-                    tol = Tolerance(0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text)
-                label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
-                per_value.setdefault(label, []).append(
-                    compare_values(label, sample.name, expected, actual[name], tol, element_bound=per_element)
-                )
+    # (model giving the original's values, its feeds per sample, sample suffix, where it holds an output's value)
+    runs: list[tuple[onnx.ModelProto, Callable[[Sample], Sample], str, Callable[[str], str]]] = [
+        (original, lambda s: s, "", lambda name: name)
+    ]
+    if anchored is not None:
+        # Cut this original (the one with the kernels the bounds are stated against), not the one the
+        # outputs were compared with (whose uint8 x int8 nodes may run without saturation).
+        first = anchored.values[samples[0].name]
+        cut_model = reanchor.cut_at(original, {a: first[a].dtype for a in anchored.anchors})
+        cut = set(anchored.anchors)
+        runs.append(
+            (cut_model, anchored.sample, reanchor.SAMPLE_SUFFIX, lambda n: reanchor.renamed(n) if n in cut else n)
+        )
+    for model, feeds_of, suffix, expected_name in runs:
+        # In the cut model a replacement's output is a graph input (the rewritten model's value, what
+        # a replacement downstream reads) and the original kernel's value of it is expected_name(it).
+        wanted = list(dict.fromkeys([*needed, *(expected_name(n) for r in rewrites for n in r.outputs)]))
+        runner = make_runner(with_outputs(model, wanted), "original")
+        graph_inputs = {i.name for i in model.graph.input}
+        fetch = [n for n in wanted if n not in graph_inputs]
+        for given in samples:
+            sample = feeds_of(given)
+            values = dict(sample.feeds)
+            values.update(runner.run(sample.feeds, fetch))
+            for index, rewrite in enumerate(rewrites):
+                feeds = {n: values[n] for n in rewrite.inputs if n not in initializers}
+                if index not in alone_runners:
+                    alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
+                actual = alone_runners[index].run(feeds, list(rewrite.outputs))
+                bound = rewrite.bound_for(values)
+                node = originals.get(id(rewrite))
+                for name in rewrite.outputs:
+                    expected = values[expected_name(name)]
+                    integer = expected.dtype.kind in "iub"
+                    tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
+                    per_element = None
+                    if rewrite.formula and node is not None and len(rewrite.outputs) == 1:
+                        reads = {n: constants[n] if n in constants else values[n] for n in formula_reads[id(rewrite)]}
+                        per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual[name])
+                    if per_element is not None and rewrite.formula:
+                        largest = float(np.max(per_element, initial=0.0))
+                        text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
+                        tol = Tolerance(
+                            0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text
+                        )
+                    label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
+                    per_value.setdefault(label, []).append(
+                        compare_values(
+                            label, sample.name + suffix, expected, actual[name], tol, element_bound=per_element
+                        )
+                    )
     # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
     return [
         dataclasses.replace(merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size))

@@ -123,6 +123,12 @@ class Tolerances:
         lsb_default, lsb_per = parse_tolerance_option(lsb, "--lsb", int)
         return cls(atol_default, rtol_default, int(lsb_default or 0), atol_per, rtol_per, lsb_per, rule)
 
+    def explicit(self, name: str) -> bool:
+        """Whether the caller set a tolerance for the output ``name`` (its own, or ``--atol`` /
+        ``--rtol`` / a non-zero ``--lsb`` for every output): it then keeps its meaning, a
+        tolerance against the original model (no re-anchored reference, :mod:`.reanchor`)."""
+        return self.atol is not None or self.rtol is not None or self.lsb != 0 or name in self.output_names()
+
     def output_names(self) -> set[str]:
         """Names of the outputs given their own tolerance (``NAME:VALUE``)."""
         return {*self.output_atol, *self.output_rtol, *self.output_lsb}
@@ -197,6 +203,13 @@ class ValueComparison:
     #: Set when the value is judged by its drift (approximate rewrites, :mod:`.drift`) instead of
     #: element by element; ``mismatches`` then only informs.
     drift: Drift | None = None
+    #: What the rewritten value was compared with: ``original`` (the original model's value) or
+    #: ``re-anchored`` (the original re-run from the rewritten model's values at its bounded
+    #: replacements, :mod:`.reanchor`).
+    reference: str = "original"
+    #: With a re-anchored reference: the same value compared with the plain original, for
+    #: information (its drift through the bounded replacements); it does not decide the verdict.
+    against_original: ValueComparison | None = None
 
     @property
     def passed(self) -> bool:
@@ -357,6 +370,7 @@ def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
     problems = [p for p in parts if p.problem]
     worst_part = max(parts, key=lambda p: p.max_abs_error)
     drifts = [p.drift for p in parts if p.drift is not None]
+    plain = [p.against_original for p in parts if p.against_original is not None]
     return dataclasses.replace(
         first,
         elements=sum(p.elements for p in parts),
@@ -372,4 +386,5 @@ def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
         problem=problems[0].problem if problems else None,
         failed_samples=tuple(s for p in parts for s in p.failed_samples),
         drift=merge_drifts(drifts) if drifts else None,
+        against_original=merge_comparisons(plain) if plain else None,
     )

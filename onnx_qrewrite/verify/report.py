@@ -36,6 +36,14 @@ SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
 TOOL_NAME = "onnx-qrewrite"
 
 
+_REANCHOR_LINE = (
+    "reference: outputs marked re-anchored are compared with the original re-run from the rewritten model's "
+    "values at its {n} bounded replacement output(s), so only its exact part is held to the tolerance; their "
+    "drift from the plain original ('vs original') is for information; every bounded replacement is checked "
+    "against its own bound at its node, on the original's inputs and on the cut original's, and the values "
+    "they read are compared with the cut original's"
+)
+
 _U8S8_LINE = (
     "reference: {n} uint8 x int8 node(s) of the original (and any such node the rewritten model kept) ran with "
     "their int8 weights as uint8 (w + 128, zp + 128), as onnxruntime's session.x64quantprecision runs them: the "
@@ -61,6 +69,9 @@ class VerifySettings:
     #: Nodes of the original whose int8 weights ran as uint8 for the output comparison, as onnxruntime's
     #: session.x64quantprecision runs them (no int16 pair saturation; verify/u8s8_reference.py).
     u8s8_reference_nodes: int = 0
+    #: The bounded replacements' output values the original was cut at for the re-anchored
+    #: reference (verify/reanchor.py); empty when every output was compared with the plain original.
+    anchors: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +144,9 @@ class VerifyReport:
             return f"INCONCLUSIVE | nothing was compared: {reason}"
         judged = self.settings.drift_decision is not None and self.settings.drift_decision.judged
         drift = "; judged by drift (approximate rewrite)" if judged else ""
+        anchored = sum(o.reference == "re-anchored" for o in self.outputs)
+        if anchored:
+            drift += f"; {anchored} against the re-anchored original (bounded rewrites)"
         if self.passed:
             n = len(self.outputs)
             empty = sum(o.verdict == "empty" for o in self.outputs)
@@ -168,6 +182,7 @@ class VerifyReport:
                 "reference_kernels": s.reference_kernels,
                 "vendor_nodes": s.vendor_nodes,
                 "u8s8_reference_nodes": s.u8s8_reference_nodes,
+                "re_anchored_at": list(s.anchors),
                 "runtime": _runtime_dict(s.runtime),
                 "drift": _drift_settings(s.drift, s.drift_decision),
                 "tolerances": {
@@ -282,6 +297,11 @@ class VerifyReport:
             f"samples: {', '.join(sample.name for sample in self.samples)}",
             *_runtime_lines(s.runtime),
             *([_U8S8_LINE.format(n=s.u8s8_reference_nodes)] if s.u8s8_reference_nodes else []),
+            *(
+                [_REANCHOR_LINE.format(n=len(s.anchors))]
+                if any(o.reference == "re-anchored" for o in self.outputs)
+                else []
+            ),
             *([f"drift:     {line}"] if (line := _drift_line(s.drift, s.drift_decision)) else []),
             "",
         ]
@@ -305,7 +325,7 @@ class VerifyReport:
                     o.dtype,
                     _fmt_shape(o.shape),
                     o.verdict.upper(),
-                    o.tolerance_text,
+                    o.tolerance_text + (" vs re-anchored" if o.reference == "re-anchored" else ""),
                     _fmt(o.max_abs_error),
                     _fmt(o.max_rel_error),
                     _fmt_worst(o) if o.problem is None else o.problem,
@@ -331,6 +351,11 @@ class VerifyReport:
                 )
             if o.drift is not None:
                 rows.append(("", "", "", "", "", "", "", f"drift: {o.drift.describe()}", "", ""))
+            if o.against_original is not None:
+                rows.append(("", "", "", "", "", "", "", _against_original_text(o.against_original), "", ""))
+                if o.name in s.anchors:
+                    note = "itself a bounded replacement's output: its row below (node ..., bound ...) decides"
+                    rows.append(("", "", "", "", "", "", "", note, "", ""))
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         loc_lines = _localization_lines(self.localization)
@@ -443,6 +468,8 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "problem": o.problem,
         "failed_samples": list(dict.fromkeys(o.failed_samples)),
         "drift": None if o.drift is None else _drift_dict(o.drift),
+        "reference": o.reference,
+        "against_original": None if o.against_original is None else _comparison_dict(o.against_original),
     }
 
 
@@ -515,15 +542,25 @@ def _failure_message(o: ValueComparison) -> str:
     )
 
 
+def _against_original_text(plain: ValueComparison) -> str:
+    """The plain comparison beside a re-anchored one: informational."""
+    return (
+        f"vs original (informational): max abs err {_fmt(plain.max_abs_error)}, max rel err "
+        f"{_fmt(plain.max_rel_error)}, {plain.mismatches}/{plain.elements} beyond {plain.tolerance_text}"
+    )
+
+
 def _stats_lines(o: ValueComparison) -> list[str]:
     return [
         f"output {o.name}: {o.dtype} {_fmt_shape(o.shape)}, tolerance {o.tolerance_text}",
+        *([f"reference: {o.reference} original"] if o.reference != "original" else []),
         _failure_message(o),
         f"worst element: {_fmt_worst(o)}",
         f"exact matches: {o.exact_matches}/{o.elements} ({100 * o.exact_match_rate:.2f}%)",
         f"NaN original/rewritten: {o.nan_original}/{o.nan_rewritten}; inf: {o.inf_original}/{o.inf_rewritten}",
         f"failing samples: {', '.join(dict.fromkeys(o.failed_samples)) or '-'}",
         *([f"drift: {o.drift.describe()}"] if o.drift is not None else []),
+        *([_against_original_text(o.against_original)] if o.against_original is not None else []),
     ]
 
 
