@@ -435,7 +435,7 @@ def _table() -> None:
             result = onnx_qrewrite.rewrite(path, rules=FORM)
             report = _verify_real(path, result.model, Path(folder))
             rows = [o for o in report.outputs if "(node " in o.name]
-            finals = [o for o in report.outputs if "(node " not in o.name]
+            finals = [o for o in report.outputs if " (" not in o.name]
             worst = max((o.max_abs_error / o.tolerance.atol for o in rows), default=0.0)
             rules = ", ".join(f"{k} {v}" for k, v in sorted(result.report.by_rule().items()))
             plain = [o.against_original or o for o in finals]

@@ -42,7 +42,7 @@ def _outputs(report):
 
 
 def _boundary_rows(report):
-    return [o for o in report.outputs if "(read by bounded node " in o.name]
+    return [o for o in report.outputs if "(read by the replacement of " in o.name]
 
 
 def _bound_rows(report):
@@ -145,7 +145,7 @@ def test_a_broken_exact_node_between_two_bounded_ones_fails_where_the_next_one_r
     assert report.exit_code == EXIT_DISAGREE
     failing = [o for o in report.outputs if not o.passed]
     assert failing and all(o in _boundary_rows(report) for o in failing), report.to_table()
-    assert all(o.reference == "re-anchored" and "read by bounded node y" in o.name for o in failing)
+    assert all(o.reference == "re-anchored" and "read by the replacement of y" in o.name for o in failing)
     # On the wide-range sample the first bounded matmul already differs from the plain original
     # beyond the default tolerance (within its bound): localised against the plain original, it
     # would be named.

@@ -128,7 +128,7 @@ def boundary_values(original: onnx.ModelProto, rewritten: onnx.ModelProto, rewri
         for name in rewrite.inputs:
             if name in produced and name not in skip:
                 found.setdefault(name, []).append(rewrite.origin or rewrite.outputs[0])
-    return {name: f"{name} (read by bounded node {', '.join(dict.fromkeys(by))})" for name, by in found.items()}
+    return {name: f"{name} (read by the replacement of {', '.join(dict.fromkeys(by))})" for name, by in found.items()}
 
 
 def run_anchored(
