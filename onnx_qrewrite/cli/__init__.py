@@ -95,13 +95,16 @@ class _LazyGroup(click.Group):
         "Aborted!" and exit 1, which our exit codes read as "verification disagreed". Run click
         non-standalone and end the process here instead: the same exits as click's for everything
         else, and 130/143 with the one line a subcommand prints for SIGINT/SIGTERM. The SIGTERM
-        handler the group installs is given back when the command ends, for in-process callers."""
+        handler installed here is given back when the command ends, for in-process callers. It is
+        installed before a subcommand's module is imported: that import initialises onnx's native
+        module, which an interrupt must not land in (:mod:`onnx_qrewrite.io.signals`)."""
+        from onnx_qrewrite.io import signals
+
+        signals.install()
         try:
             return self._main(args, prog_name, complete_var, standalone_mode, **extra)
         finally:
-            signals = sys.modules.get("onnx_qrewrite.io.signals")  # imported by the group if it ran
-            if signals is not None:
-                signals.uninstall()
+            signals.uninstall()
 
     def _main(
         self,
@@ -193,9 +196,6 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
 
     configure_logging(verbose, quiet)
     ctx.obj = {"quiet": quiet, "verbose": verbose}
-    from onnx_qrewrite.io import signals
-
-    signals.install()
 
 
 if __name__ == "__main__":  # pragma: no cover
