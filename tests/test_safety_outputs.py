@@ -295,37 +295,53 @@ def test_a_trailing_slash_names_a_new_output_folder(tmp_path):
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["model.onnx", "model.onnx.data"]
 
 
-def test_an_interrupt_waits_for_an_extension_module_to_initialise(tmp_path):
-    """SIGINT landing while a native module initialises is held until the module is ready (onnx's
-    crashed with SIGSEGV there), then raised as usual; outside that window it is not held."""
+def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
+    """SIGINT landing while a module's body runs, or a native module initialises, is held until
+    the import is complete (half-made modules broke: exit 5, and a SIGSEGV in onnx's C++ module),
+    then raised as usual; outside imports, and once the handlers are given back, it is not held."""
+    (tmp_path / "slow_module.py").write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys
+            os.kill(os.getpid(), signal.SIGINT)  # lands while this body runs
+            sys.seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            sys.seen.append("body complete")
+            """
+        )
+    )
     script = tmp_path / "held.py"
     script.write_text(
         textwrap.dedent(
             """
-            import importlib, os, signal, sys
+            import importlib, importlib.machinery, os, signal, sys
             from onnx_qrewrite.io import signals
 
-            name = next(m for m in ("_bz2", "_lzma", "_decimal", "_csv") if m not in sys.modules)
-            create, execute = signals._unheld
-            seen = []
+            sys.seen = seen = []
+            loader = importlib.machinery.ExtensionFileLoader
+            create = loader.create_module
 
             def create_and_interrupt(self, spec):
                 os.kill(os.getpid(), signal.SIGINT)  # lands while the module initialises
                 seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
                 return create(self, spec)
 
-            signals._unheld = (create_and_interrupt, execute)
+            loader.create_module = create_and_interrupt
             signals.install()
-            try:
-                importlib.import_module(name)
-            except KeyboardInterrupt:
-                seen.append("interrupted")
-            signals.uninstall()
+            native = next(m for m in ("_bz2", "_lzma", "_decimal", "_csv") if m not in sys.modules)
+            for name in (native, "slow_module"):
+                try:
+                    importlib.import_module(name)
+                except KeyboardInterrupt:
+                    seen.append("interrupted")
             seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            signals.uninstall()
+            seen.append(loader.create_module is create_and_interrupt)
             print(seen)
             """
         )
     )
-    proc = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [PY, str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)}
+    )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[True, 'interrupted', False]"
+    assert proc.stdout.strip() == "[True, 'interrupted', True, 'body complete', 'interrupted', False, True]"
