@@ -22,6 +22,7 @@ from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
+from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.verify import verify
 from onnx_qrewrite.verify.u8s8_reference import without_saturation
 
@@ -624,6 +625,34 @@ def test_qattention_with_weights_the_avx2_kernel_saturates():
     assert_bitwise_equal(run(result.model, feeds)["y"], run(reference, feeds)["y"], "vs x64quantprecision form")
     report = verify(model, result.model, inputs=feeds)
     assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
+    # The saturation is checked at the node, against the default (saturating) kernel, per element.
+    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    assert "u8s8-attention" in row.name and row.passed
+
+
+@rule_marker("unfuse-qattention", "positive")
+def test_qattention_saturation_bound_is_checked_at_the_node_and_catches_a_dropped_zero_point():
+    """One pair of one projection column beyond int16 (excess 128): the bound carried through the
+    scores, softmax and values stays finite, the rewrite is within it against onnxruntime's default
+    kernel, and the same rewrite with its weight zero point dropped breaks it at the node."""
+    model = qattention_model(2, 8, 64, 4, "int8", weight_range=64)
+    w = numpy_helper.to_array(model.graph.initializer[0]).copy()
+    w[0, 5], w[1, 5] = 127, 2
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "w"))
+    (zp,) = [t for t in model.graph.initializer if t.name == "wzp"]
+    zp.CopyFrom(numpy_helper.from_array(np.array(-3, np.int8), "wzp"))
+    result = onnx_qrewrite.rewrite(model)
+    feeds = qattention_feeds(2, 8, 64, None)
+    report = verify(model, result.model, inputs=feeds)
+    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    assert report.passed and row.passed and np.isfinite(row.tolerance.atol), report.to_table()
+    broken = onnx.ModelProto()
+    broken.CopyFrom(result.model)
+    (zp,) = [t for t in broken.graph.initializer if t.name == "wzp"]
+    zp.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(zp)), "wzp"))
+    report = verify(model, broken, inputs=feeds)
+    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
 
 
 @rule_marker("unfuse-qattention", "negative")

@@ -16,6 +16,10 @@ Formulas (``name`` or ``name:parameter``):
     (MatMulIntegerToFloat, DynamicQuantizeMatMul): 0 where the column has no excess (bit-exact),
     else the excess times the column's scale product plus ``2^-20`` of the value and bias for the
     float roundings after the integer sum (each at most one unit roundoff of its operand).
+``u8s8-attention``
+    com.microsoft QAttention where the uint8 x int8 projection can saturate: each projection
+    column's pair excess times its scale, carried through the scores, the softmax and the weighted
+    sum of values to every output element (the derivation is on ``_u8s8_attention``).
 ``float32-sum-order``
     com.microsoft MatMulNBits: the same dequantized weights, the same products summed in another
     order: ``2 * gamma(K + 1) * (|A| @ |W| + |bias|)`` per element, ``gamma(n) = n u / (1 - n u)``,
@@ -46,6 +50,7 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
         "DynamicQuantizeMatMul": (0, 1, 2, 4),
     },
     "float32-sum-order": {"MatMulNBits": (0, 1, 2, 3, 5)},
+    "u8s8-attention": {"QAttention": (0, 1, 2, 3, 4, 6, 7)},
 }
 
 
@@ -134,10 +139,60 @@ def _float32_sum_order(
     return bound
 
 
+def _u8s8_attention(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    """com.microsoft QAttention whose uint8 x int8 projection the kernel may saturate: each
+    projection column c moves by at most ``E_c = excess_c * |x_scale * W_scale_c|``; a score
+    ``q_i . k_j * scale`` then by at most ``m_ij = scale * sum_d (E^q_d |k_jd| + |q_id| E^k_d +
+    E^q_d E^k_d)``, which moves every softmax weight by a factor within ``exp(+-2 M_i)``
+    (``M_i = max_j m_ij``, masks add the same to both sides), so the weights move by at most
+    ``expm1(2 M_i)`` in total; the output ``sum_j p_ij v_j`` by at most ``expm1(2 M_i) *
+    (max_j |v_jd| + E^v_d) + E^v_d``. Plus the attention's own float32 roundings
+    (``2^-20 (1 + max|score|) max|v|``, the unfused Attention's bound) and ``2^-20`` of the value."""
+    x, w, bias = _input(node, values, 0), _input(node, values, 1), _input(node, values, 2)
+    x_scale, w_scale = _input(node, values, 3), _input(node, values, 4)
+    assert x is not None and w is not None and bias is not None and x_scale is not None and w_scale is not None
+    x_zp, w_zp = _input(node, values, 6), _input(node, values, 7)
+    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    heads = int(attributes["num_heads"])
+    columns = w.shape[1]
+    hidden = columns // 3
+    size = hidden // heads
+    scale = float(attributes.get("scale", 0.0)) or 1.0 / np.sqrt(size)
+    step = np.abs(np.asarray(x_scale, np.float64).reshape(()) * np.asarray(w_scale, np.float64).reshape(-1))
+    excess = (
+        u8s8.pair_excess(u8s8.rows(w, False), "int8").astype(np.float64)
+        if u8s8.saturating_operands(x.dtype.name, w.dtype.name, conv=False)
+        else np.zeros(columns)
+    )
+    moved = (excess * np.broadcast_to(step, (columns,))).reshape(1, 1, columns)  # E_c per projection column
+    shifted_x = x.astype(np.float64) - (0.0 if x_zp is None else float(np.asarray(x_zp).reshape(())))
+    shifted_w = w.astype(np.float64) - (0.0 if w_zp is None else np.asarray(w_zp, np.float64).reshape(1, -1))
+    projection = (shifted_x @ shifted_w) * np.broadcast_to(step, (columns,)) + np.asarray(bias, np.float64)
+
+    def heads_of(values_: np.ndarray, part: int) -> np.ndarray:  # (..., columns) -> (B, H, S, size)
+        piece = values_[..., part * hidden : (part + 1) * hidden]
+        return np.moveaxis(piece.reshape((*piece.shape[:-1], heads, size)), -2, -3)
+
+    q, k, v = (np.abs(heads_of(projection, i)) for i in range(3))
+    eq, ek, ev = (heads_of(moved, i) for i in range(3))  # (H, 1, size)
+    largest = scale * (np.max(k @ np.swapaxes(eq, -1, -2), axis=-2, keepdims=True) + q @ np.swapaxes(ek, -1, -2))
+    largest = largest + scale * np.sum(eq * ek, axis=-1, keepdims=True)  # (B, H, S, 1): M_i
+    v_most = np.max(v, axis=-2, keepdims=True) + ev  # (B, H, 1, size)
+    bound = np.expm1(2 * largest) * v_most + ev
+    scores = scale * np.max(q @ np.swapaxes(k, -1, -2), axis=(-1, -2), keepdims=True)
+    bound = bound + _ROUNDING * (1 + scores) * np.max(v, axis=(-1, -2), keepdims=True)
+    bound = np.moveaxis(bound, -3, -2).reshape(expected.shape)
+    larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
+    return bound + _ROUNDING * larger
+
+
 #: formula name -> evaluation(parameter, original node, its input values, expected, actual) -> bound
 FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     "u8s8-pairs": _u8s8_pairs,
     "float32-sum-order": _float32_sum_order,
+    "u8s8-attention": _u8s8_attention,
 }
 
 

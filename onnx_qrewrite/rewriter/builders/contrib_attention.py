@@ -113,6 +113,7 @@ class QAttentionBuilder:
                 f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
             )
         notes: tuple[str, ...] = ()
+        formula = None
         # onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) pairs products into int16 with
         # saturation: the policy of rules/50-integer-matmul.toml (u8s8.py), per projection column.
         excess = u8s8.pair_excess(weights.T, "int8") if weights.dtype == np.int8 else np.zeros(1, np.int64)
@@ -127,6 +128,8 @@ class QAttentionBuilder:
                 "per projection element before x_scale * W_scale (int16 pair saturation); the rewrite computes "
                 "the ONNX definition",
             )
+            if options["u8s8_saturation"] == "bound":  # verify checks it at the node, per element
+                formula = "u8s8-attention"
         elif options["u8s8_saturation"] == "ignore":
             raise NoMatch("no pair of products can saturate here: the bounded rule applies")
         zp = site.constant(site.input(7)) if site.input(7) else np.zeros(1, np.int64)
@@ -151,7 +154,7 @@ class QAttentionBuilder:
         causal = bool(site.attribute("unidirectional", 0))
         need = 13 if mask_rank is not None or causal else 11
         data = {"sizes": [hidden] * 3, "heads": heads, "mask_rank": mask_rank, "causal": causal}
-        return Plan(min_opset=need, notes=notes, data=data)
+        return Plan(min_opset=need, notes=notes, data=data, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
