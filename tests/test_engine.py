@@ -198,3 +198,40 @@ def test_compiled_stamps_equal_built_replacements_byte_for_byte(provenance):
     assert outputs[0] == outputs[1]
     assert len(outputs[0][1]["rewrites"]) == 13
     onnx.checker.check_model(onnx.load_from_string(outputs[0][0]), full_check=True)
+
+
+_FLAT = """
+<ir_version: 8, opset_import: ["" : 17]>
+g (float[N] x) => (float[N] y, uint8[N] b, float[N] z)
+{
+    y0 = Relu (x)
+    a, sa, za = DynamicQuantizeLinear (y0)
+    y1 = Neg (y0)
+    y = Abs (y1)
+    b, sb, zb = DynamicQuantizeLinear (y)
+    z = Sigmoid (y)
+}
+"""
+
+
+def test_a_main_graph_without_subgraphs_is_spooled_and_written_as_protobuf_would(tmp_path, monkeypatch):
+    """Without subgraphs the main graph's node list is written to a spool as its replacements are
+    built (io/spool.py): kept nodes before, between and after replaced ones, in 5-byte writes and
+    reads here so that pieces straddle blocks; the bytes, the saved file (twice) and the parsed model
+    must all be protobuf's own serialization."""
+    from onnx_qrewrite.io import spool
+    from onnx_qrewrite.io.encoded import EncodedModel
+
+    monkeypatch.setattr(spool, "_BLOCK", 5)
+    result = onnx_qrewrite.rewrite(onnx.parser.parse_model(_FLAT))
+    rewritten = result._rewritten
+    assert isinstance(rewritten, EncodedModel) and isinstance(rewritten.graph_nodes, spool.Spool)
+    encoded = to_bytes(rewritten)
+    assert onnx.ModelProto.FromString(encoded).SerializeToString() == encoded
+    assert rewritten.byte_size() >= len(encoded)
+    for name in ("a.onnx", "b.onnx"):  # the spool reads back as often as asked
+        result.save(tmp_path / name)
+        assert (tmp_path / name).read_bytes() == encoded
+    ops = [n.op_type for n in result.model.graph.node]
+    assert ops[0] == "Relu" and ops[-1] == "Sigmoid" and "DynamicQuantizeLinear" not in ops
+    assert result.model.SerializeToString() == encoded

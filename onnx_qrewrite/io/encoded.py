@@ -8,11 +8,12 @@ nodes as the wire bytes the engine produced and splices them into the file when 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import onnx
 
 from onnx_qrewrite.io._protowire import splice_graph_chunks, splice_graph_nodes
+from onnx_qrewrite.io.spool import Spool
 
 __all__ = ["EncodedModel", "skeleton_of", "to_bytes", "to_chunks", "to_proto"]
 
@@ -20,22 +21,27 @@ __all__ = ["EncodedModel", "skeleton_of", "to_bytes", "to_chunks", "to_proto"]
 class EncodedModel:
     """A model as its skeleton plus the wire bytes of its main graph's nodes (see the module docstring)."""
 
-    def __init__(self, skeleton: onnx.ModelProto, graph_nodes: Sequence[bytes]):
+    def __init__(self, skeleton: onnx.ModelProto, graph_nodes: Sequence[bytes] | Spool):
         #: The model without its main graph's nodes: initializers, I/O, functions, metadata.
         self.skeleton = skeleton
-        #: Encoded ``GraphProto.node`` fields of the main graph, in order, as pieces to concatenate
-        #: (the engine's per-node bytes themselves: joining them would hold the nodes twice).
+        #: Encoded ``GraphProto.node`` fields of the main graph, in order: pieces to concatenate
+        #: (the engine's per-node bytes themselves: joining them would hold the nodes twice), or
+        #: the :class:`Spool` the engine wrote them to as it built them (held on disk, not in memory).
         self.graph_nodes = graph_nodes
+
+    def _nodes_size(self) -> int:
+        nodes = self.graph_nodes
+        return nodes.size if isinstance(nodes, Spool) else sum(map(len, nodes))
 
     def byte_size(self) -> int:
         """Serialized size in bytes, without serializing (an upper bound by the 16 bytes of field framing)."""
-        return self.skeleton.ByteSize() + sum(map(len, self.graph_nodes)) + 16
+        return self.skeleton.ByteSize() + self._nodes_size() + 16
 
     def to_bytes(self) -> bytes:
         """The serialized ``ModelProto``: the skeleton with the encoded nodes spliced in."""
         return splice_graph_nodes(self.skeleton, self.graph_nodes)
 
-    def to_chunks(self) -> list[bytes]:
+    def to_chunks(self) -> Iterable[bytes]:
         """The serialized model as pieces to write one after another (no copy of the nodes)."""
         return splice_graph_chunks(self.skeleton, self.graph_nodes)
 
@@ -51,7 +57,7 @@ def to_bytes(model: onnx.ModelProto | EncodedModel) -> bytes:
     return model.to_bytes() if isinstance(model, EncodedModel) else model.SerializeToString()
 
 
-def to_chunks(model: onnx.ModelProto | EncodedModel) -> list[bytes]:
+def to_chunks(model: onnx.ModelProto | EncodedModel) -> Iterable[bytes]:
     """What :func:`to_bytes` joins, for writing without building the whole file in memory."""
     return model.to_chunks() if isinstance(model, EncodedModel) else [model.SerializeToString()]
 

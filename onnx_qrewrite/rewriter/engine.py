@@ -26,6 +26,7 @@ from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError
 from onnx_qrewrite.io._protowire import encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
 from onnx_qrewrite.io.encoded import EncodedModel, to_proto
 from onnx_qrewrite.io.external_data import ExternalData
+from onnx_qrewrite.io.spool import Spool
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter import provenance as provenance_mod
@@ -295,7 +296,7 @@ def _apply(
     provenance: str = provenance_mod.DEFAULT_MODE,
     applied: list[_Applied] | None = None,
     later: bool = False,
-) -> tuple[collections.Counter[str], list[bytes] | None]:
+) -> tuple[collections.Counter[str], list[bytes] | Spool | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
 
     ``applied`` collects what each rewrite replaced and created (for a later pass). ``later``: the
@@ -331,6 +332,12 @@ def _apply(
     builders: dict[str, Any] = {}  # rule id -> its builder (``Rule.implementation`` looks it up)
     replaced_ops: collections.Counter[tuple[str, str]] = collections.Counter()
     created_counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+    #: The main graph's new node list, written out as its replacements are built instead of held
+    #: (io/spool.py: they were ~40 MB of a 100k-node chain's peak), when the nodes left as they are
+    #: can be encoded as they are reached: no scope is a subgraph (a node holding one is encoded
+    #: only after its bodies are rewritten, at the splice) and no Constant holds external data.
+    spool: Spool | None = None
+    can_spool = all(sc.parent is None for sc in scopes) and not _main_graph_has_external_constants(model)
     for s, scope in enumerate(scopes):
         root = scope.root
         pool = pools.get(id(root))
@@ -339,6 +346,11 @@ def _apply(
         replacements: dict[int, bytes] = {}
         pending = matches.pop(s, [])
         pending.reverse()
+        node_list = scope.container.node
+        spooled = can_spool and bool(pending) and scope.container is model.graph
+        if spooled:
+            spool = Spool()
+        cursor = 0  # the first node of the spooled list not yet written
         while pending:
             m = pending.pop()
             site, rule, plan = m.site, m.rule, m.plan
@@ -361,9 +373,7 @@ def _apply(
             template = templates.get(key) if key is not None else None
             reads: set[str] | None
             if template is not None:
-                replacements[m.index], created_nodes = template.stamp_framed(
-                    site, names, prefix, metadata, scope.container
-                )
+                piece, created_nodes = template.stamp_framed(site, names, prefix, metadata, scope.container)
                 created_ops = template.ops
                 # Which inputs the stamp reads is the template's: no set of names per stamp.
                 inputs = site.inputs
@@ -385,7 +395,7 @@ def _apply(
                 reads = emit.names_read()
                 if key is not None:
                     templates[key] = Template.record(emit)
-                replacements[m.index] = frame_nodes(scope.container, nodes)
+                piece = frame_nodes(scope.container, nodes)
                 del nodes
                 for name in site.inputs:
                     if not name:
@@ -394,6 +404,13 @@ def _apply(
                         still_read.add(name)
                     elif scope.initializer(name) is not None:
                         dropped.add(name)
+            if spool is not None and spooled:
+                for i in range(cursor, m.index):
+                    spool.write(frame_nodes(scope.container, (node_list[i].SerializeToString(),)))
+                spool.write(piece)
+                cursor = m.index + 1
+                piece = b""  # replaced: its replacement is in the spool
+            replacements[m.index] = piece
             if plan.reads is not None or plan.remove_if_dead or guard:
                 if reads is None:
                     reads = template.site_inputs_read(site)  # type: ignore[union-attr]
@@ -425,6 +442,9 @@ def _apply(
                     bound=plan.bound,
                 )
             )
+        if spool is not None and spooled:
+            for i in range(cursor, len(node_list)):
+                spool.write(frame_nodes(scope.container, (node_list[i].SerializeToString(),)))
         built[s] = replacements
     # Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
     for (domain, op_type), n in replaced_ops.items():
@@ -440,7 +460,7 @@ def _apply(
             _remove_unread_initializers(scopes, built, dropped - still_read, report)
         names.release()  # every name is drawn; the set of them is a large part of the peak memory
         _return_freed_memory()
-        return delta, _splice(model, scopes, built, pools)
+        return delta, _splice(model, scopes, built, pools, spool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,18 +554,26 @@ def _splice(
     scopes: list[Scope],
     built: dict[int, dict[int, bytes]],
     pools: dict[int, ConstantPool],
-) -> list[bytes] | None:
+    spool: Spool | None = None,
+) -> list[bytes] | Spool | None:
     """Put the replacements in place, innermost scope first (a parent node is serialized with its
     bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back,
-    unless a Constant there holds external data (model_io must then see it as an object)."""
+    unless a Constant there holds external data (model_io must then see it as an object); as the
+    ``spool`` :func:`_apply` wrote them to, when it did."""
     keep_main_encoded = not _main_graph_has_external_constants(model)
-    main_nodes: list[bytes] | None = None
+    main_nodes: list[bytes] | Spool | None = None
     for s, scope in enumerate(scopes):
         replacements = built.get(s, {})
         root = scope.root
         pool = pools.get(id(root))
         prepend = pool.constant_nodes if pool is not None and scope is root else []
-        if scope.container is model.graph and replacements and keep_main_encoded:
+        if scope.container is model.graph and spool is not None:
+            if prepend:  # the main graph's pool makes initializers, never Constant nodes
+                raise InternalError("constant nodes for the main graph, whose node list is already written")
+            main_nodes = spool
+            scope.container.ClearField("node")
+            scope.invalidate()
+        elif scope.container is model.graph and replacements and keep_main_encoded:
             main_nodes = encode_node_chunks(scope.container, replacements, prepend)
             scope.container.ClearField("node")
             scope.invalidate()
