@@ -454,11 +454,13 @@ def _apply(
             delta[op] += n
     delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
     with stage(progress, "assembling the graph"):
+        # Every name is drawn: the set of them is a large part of the peak memory, and the checks
+        # below build sets of the names nodes read.
+        names.release()
         if removed:
             _check_removed_are_unread(scopes, built, removed, read_by_rewrites)
         if dropped - still_read:
             _remove_unread_initializers(scopes, built, dropped - still_read, report)
-        names.release()  # every name is drawn; the set of them is a large part of the peak memory
         _return_freed_memory()
         return delta, _splice(model, scopes, built, pools, spool)
 

@@ -62,9 +62,9 @@ class CreatedNames(Sequence[str]):
         return repr(tuple(self))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class AppliedRewrite:
-    """One node replaced by one rule."""
+    """One node replaced by one rule (slotted: a large model's report holds one per rewrite)."""
 
     rule: str
     node: str
