@@ -5,24 +5,23 @@ or where the int32 value has another observer, the rules give way to the default
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import onnx
 import pytest
+from _int_matmul_helpers import (
+    CONV_CASES,
+    MATMUL_CASES,
+    ConvCase,
+    MatMulCase,
+    case_id,
+    matmul_model,
+    rng_for,
+    saturating_matmul,
+    values,
+)
 from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
-from test_lower_integer_matmul import (
-    _CONV_ATTRS,
-    _conv_model,
-    _conv_reference,
-    _matmul_model,
-    _rng,
-    _saturating_matmul,
-    _values,
-    _zero_point,
-)
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import UsageError
@@ -49,8 +48,8 @@ def _int32_values(model: onnx.ModelProto) -> list[str]:
     """Every int32 tensor of the model (shape inference fills in the types of intermediate values)."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     g = inferred.graph
-    values = [*g.input, *g.value_info, *g.output]
-    found = [v.name for v in values if v.type.tensor_type.elem_type == T.INT32]
+    typed = [*g.input, *g.value_info, *g.output]
+    found = [v.name for v in typed if v.type.tensor_type.elem_type == T.INT32]
     found += [t.name for t in g.initializer if t.data_type == T.INT32]
     casts = [
         n.name for n in g.node if n.op_type == "Cast" and any(a.name == "to" and a.i == T.INT32 for a in n.attribute)
@@ -58,39 +57,14 @@ def _int32_values(model: onnx.ModelProto) -> list[str]:
     return found + casts
 
 
-_MATMUL_CASES = [
-    *[
-        (ta, tb, azp, bzp, edge, (4, 9, 5), True, True)
-        for ta, tb in itertools.product(("uint8", "int8"), repeat=2)
-        for azp, bzp in (("absent", "absent"), ("zero", "zero"), ("nonzero", "nonzero"), ("extreme", "per-channel"))
-        for edge in ("random", "extremes")
-    ],
-    *[
-        (ta, tb, "nonzero", "per-channel", "random", (2, 3, 7, 6), b_const, zp_const)
-        for ta, tb in itertools.product(("uint8", "int8"), repeat=2)
-        for b_const, zp_const in ((False, False), (True, False))
-    ],
-    ("uint8", "uint8", "nonzero", "nonzero", "min", (3, 16, 4), True, True),
-    ("int8", "int8", "extreme", "extreme", "max", (3, 16, 4), True, True),
-]
-
-
 @rule_marker("float-emulation-int-matmul-cast", "positive")
 @rule_marker("float-emulation-int-matmul-folded", "positive")
-@pytest.mark.parametrize("ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const", _MATMUL_CASES)
-def test_matmul_integer_and_its_cast_become_one_float_matmul_bit_exact(
-    ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const
-):
-    rng = _rng("fold", ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const)
-    *batch, m, k, n = shape
-    a = _values(rng, ta, (*batch, m, k), edge)
-    b = _values(rng, tb, (k, n), "random" if edge == "random" else "extremes")
-    azp = _zero_point(rng, ta, azp_kind, m)
-    bzp = _zero_point(rng, tb, bzp_kind, n)
-    model, feeds = _matmul_model(ta, tb, a.shape, b, azp, bzp, b_const=b_const, zp_const=zp_const)
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=case_id)
+def test_matmul_integer_and_its_cast_become_one_float_matmul_bit_exact(case: MatMulCase):
+    model, feeds, a, b, azp, bzp, reference = case.build()
     model = _with_cast(model)
     result = onnx_qrewrite.rewrite(model, rules=FORM)
-    if ta == "uint8" and tb == "int8" and (not b_const or u8s8.pair_excess(b.T, "int8").max() > 0):
+    if case.ta == "uint8" and case.tb == "int8" and (not case.b_const or u8s8.pair_excess(b.T, "int8").max() > 0):
         # onnxruntime's u8 x s8 kernel can saturate pairs here (x86 without VNNI): no exact form,
         # the default bounded rule takes the node (rules/50-integer-matmul.toml) and the Cast stays.
         assert result.report.by_rule() == {"int-matmul-float-bounded": 1}
@@ -98,72 +72,42 @@ def test_matmul_integer_and_its_cast_become_one_float_matmul_bit_exact(
     assert result.report.by_rule() == FOLDED
     assert "MatMulInteger" not in op_types(result.model) and _int32_values(result.model) == []
     onnx.checker.check_model(result.model, full_check=True)
-    feeds = {"A": a, **feeds}
     got = run(result.model, feeds)["Z"]
-    spec = (
-        (a.astype(np.int64) - (0 if azp is None else azp.astype(np.int64)))
-        @ (b.astype(np.int64) - (0 if bzp is None else bzp.astype(np.int64)))
-    ).astype(np.float32)
+    spec = reference.astype(np.float32)
     assert_bitwise_equal(got, spec, "rewrite vs ONNX definition")
     original = run(model, feeds)["Z"]
-    if ta == "uint8" and tb == "int8" and not np.array_equal(original, spec):
+    if case.ta == "uint8" and case.tb == "int8" and not np.array_equal(original, spec):
         # onnxruntime's AVX2 u8 x s8 kernel saturates int16 pairs (docs/numerics.md): exactly as emulated.
-        assert_bitwise_equal(original, _saturating_matmul(a, b, azp, bzp).astype(np.float32), "u8s8 kernel")
+        assert_bitwise_equal(original, saturating_matmul(a, b, azp, bzp).astype(np.float32), "u8s8 kernel")
     else:
         assert_bitwise_equal(got, original, "rewrite vs onnxruntime's MatMulInteger -> Cast")
 
 
 @rule_marker("float-emulation-int-matmul-cast", "positive")
 @rule_marker("float-emulation-int-matmul-folded", "positive")
-@pytest.mark.parametrize(
-    "tx, tw, xzp_kind, wzp_kind, attrs_i",
-    [
-        (tx, tw, xzp, wzp, attrs_i)
-        for tx, tw in itertools.product(("uint8", "int8"), repeat=2)
-        for xzp, wzp in (("absent", "absent"), ("nonzero", "nonzero"), ("extreme", "zero"))
-        for attrs_i in range(len(_CONV_ATTRS))
-    ],
-)
-def test_conv_integer_and_its_cast_become_one_float_conv_bit_exact(tx, tw, xzp_kind, wzp_kind, attrs_i):
-    rng = _rng("fold", tx, tw, xzp_kind, wzp_kind, attrs_i)
-    attrs = _CONV_ATTRS[attrs_i]
-    x = _values(rng, tx, (2, 4, 6, 5), "random")
-    w = _values(rng, tw, (6, 4 // attrs["group"], 3, 3), "random")
-    if tx == "int8" and tw == "uint8":
-        w //= 2  # no int16 pair can saturate in onnxruntime's kernel: it is exact too
-    xzp, wzp = _zero_point(rng, tx, xzp_kind, 1), _zero_point(rng, tw, wzp_kind, 6)
-    model, feeds = _conv_model(tx, tw, x.shape, w, xzp, wzp, attrs)
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c.edge == "random"], ids=case_id)
+def test_conv_integer_and_its_cast_become_one_float_conv_bit_exact(case: ConvCase):
+    model, feeds, *_, reference = case.build()
     model = _with_cast(model)
     result = onnx_qrewrite.rewrite(model, rules=FORM)
     assert result.report.by_rule() == FOLDED
     assert "ConvInteger" not in op_types(result.model) and _int32_values(result.model) == []
-    feeds = {"X": x, **feeds}
     got = run(result.model, feeds)["Z"]
-    spec = _conv_reference(
-        x,
-        w,
-        xzp,
-        wzp,
-        pads=attrs["pads"],
-        strides=attrs.get("strides", [1, 1]),
-        dilations=attrs.get("dilations", [1, 1]),
-        group=attrs["group"],
-    )
-    assert_bitwise_equal(got, spec.astype(np.float32), "rewrite vs ONNX definition")
+    assert_bitwise_equal(got, reference.astype(np.float32), "rewrite vs ONNX definition")
     assert_bitwise_equal(got, run(model, feeds)["Z"], "rewrite vs onnxruntime's ConvInteger -> Cast")
 
 
 def _small_matmul(**kw) -> tuple[onnx.ModelProto, dict]:
-    rng = _rng("small")
-    b = np.clip(_values(rng, "int8", (9, 5), "random"), -64, 64).astype(np.int8)  # 7-bit: no u8s8 saturation
-    model, feeds = _matmul_model("uint8", "int8", (4, 9), b, np.array(3, np.uint8), None)
+    rng = rng_for("small")
+    b = np.clip(values(rng, "int8", (9, 5), "random"), -64, 64).astype(np.int8)  # 7-bit: no u8s8 saturation
+    model, feeds = matmul_model("uint8", "int8", (4, 9), b, np.array(3, np.uint8), None)
     return _with_cast(model, **kw), feeds
 
 
 @rule_marker("float-emulation-int-matmul-cast", "negative")
 @rule_marker("float-emulation-int-matmul-folded", "negative")
 def test_the_rules_give_way_where_the_int32_is_observed_or_the_bound_is_not_provable():
-    a = _values(_rng("a"), "uint8", (4, 9), "random")
+    a = values(rng_for("a"), "uint8", (4, 9), "random")
     # The int32 output is also a graph output: the default lowering keeps it, and the Cast.
     model, _ = _small_matmul(keep_int32_output=True)
     result = onnx_qrewrite.rewrite(model, rules=FORM)
@@ -176,7 +120,7 @@ def test_the_rules_give_way_where_the_int32_is_observed_or_the_bound_is_not_prov
     # Beyond 2^24 (K = 2048 full-range int8 weights): not provably exact; int32 MatMul, as by default.
     k = 2048
     b = np.full((k, 3), -128, np.int8)
-    model, _ = _matmul_model("int8", "int8", (2, k), b, None, None)
+    model, _ = matmul_model("int8", "int8", (2, k), b, None, None)
     result = onnx_qrewrite.rewrite(_with_cast(model), rules=FORM)
     assert result.report.by_rule() == {"int-matmul-int32": 1}
     # Without the form, nothing changes: the default lowering, with its int32 tensor.

@@ -1,10 +1,11 @@
 """MatMulInteger, ConvInteger, MatMulIntegerToFloat, DynamicQuantizeMatMul -> standard float (or
 int32) arithmetic, against onnxruntime's own kernels and the ONNX definition (int64 numpy).
 
-One parametrised battery in the style of onnxruntime's QDQ tests: every dtype pair, zero points
-absent / zero / non-zero / extreme, per-tensor and per-column/per-channel, constant and runtime
-weights and zero points, edge values (all qmin, all qmax), and shapes where the 2^24 bound holds and
-where it does not. Each case asserts exactly what the applied rule declares.
+The MatMulInteger and ConvInteger batteries run the tables of _int_matmul_helpers.py (every dtype
+pair, zero points absent / zero / non-zero / extreme, per-tensor and per-column/per-channel,
+constant and runtime weights and zero points, edge values), which the float-emulation form's tests
+(test_float_emulation_int_matmul.py) run too; the tests here add shapes where the 2^24 bound holds
+and where it does not. Each case asserts exactly what the applied rule declares.
 
 onnxruntime's uint8 x int8 kernels saturate adjacent product pairs to int16 on x86 without VNNI
 (rule file notes): where that can happen the original is compared with a numpy emulation of that
@@ -14,10 +15,25 @@ saturation as well, and the rewrite with the ONNX definition.
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import numpy as np
 import pytest
+from _int_matmul_helpers import (
+    CONV_CASES,
+    MATMUL_CASES,
+    NP,
+    ONNX,
+    ConvCase,
+    MatMulCase,
+    case_id,
+    conv_model,
+    conv_reference,
+    matmul_model,
+    rng_for,
+    saturating_matmul,
+    values,
+    zero_point,
+)
 from conftest import assert_bitwise_equal, op_types, rule_marker, run, session
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
@@ -27,81 +43,8 @@ from onnx_qrewrite.errors import LoweringError
 from onnx_qrewrite.rewriter import u8s8
 from onnx_qrewrite.rewriter.builders.integer_matmul import float32_sum_bound
 
-_NP = {"uint8": np.uint8, "int8": np.int8}
-_ONNX = {"uint8": T.UINT8, "int8": T.INT8}
-_RANGE = {"uint8": (0, 255), "int8": (-128, 127)}
 #: What must be gone: the integer ops, and DynamicQuantizeLinear (expanded when a fused op held one).
 _NOT_STANDARD_ENOUGH = {"MatMulInteger", "ConvInteger", "DynamicQuantizeLinear"}
-
-
-def _rng(*key) -> np.random.Generator:
-    """A generator seeded by the case itself (stable across runs, unlike hash())."""
-    return np.random.default_rng(zlib.crc32(repr(key).encode()))
-
-
-def _values(rng: np.random.Generator, dtype: str, shape, edge: str) -> np.ndarray:
-    lo, hi = _RANGE[dtype]
-    if edge == "min":
-        return np.full(shape, lo, _NP[dtype])
-    if edge == "max":
-        return np.full(shape, hi, _NP[dtype])
-    if edge == "extremes":
-        return np.where(rng.random(shape) < 0.5, lo, hi).astype(_NP[dtype])
-    return rng.integers(lo, hi + 1, shape).astype(_NP[dtype])
-
-
-def _zero_point(rng, dtype: str, kind: str, size: int) -> np.ndarray | None:
-    lo, hi = _RANGE[dtype]
-    if kind == "absent":
-        return None
-    if kind == "zero":
-        return np.zeros((), _NP[dtype])
-    if kind == "extreme":
-        return np.array(hi, _NP[dtype])
-    if kind == "nonzero":
-        return np.array(rng.integers(lo, hi + 1), _NP[dtype])
-    return rng.integers(lo, hi + 1, size).astype(_NP[dtype])  # "per-channel"
-
-
-def _saturating_matmul(a: np.ndarray, b: np.ndarray, azp, bzp) -> np.ndarray:
-    """onnxruntime's uint8 x int8 MatMulInteger on x86 without VNNI (measured on 200 random cases):
-    raw products summed in aligned pairs (k = 0,1 / 2,3 / ...) with int16 saturation, then the zero
-    point corrections in exact integers."""
-    a64, b64 = a.astype(np.int64), b.astype(np.int64)
-    k = a64.shape[-1]
-    prods = a64[..., :, :, None] * b64[..., None, :, :]
-    if k % 2:
-        prods = np.concatenate([prods, np.zeros_like(prods[..., :, :1, :])], axis=-2)
-    acc = np.clip(prods[..., :, 0::2, :] + prods[..., :, 1::2, :], -32768, 32767).sum(axis=-2)
-    azp = 0 if azp is None else np.asarray(azp, np.int64)
-    bzp = 0 if bzp is None else np.asarray(bzp, np.int64)
-    return (acc - azp * b64.sum(axis=-2, keepdims=True) - bzp * a64.sum(axis=-1, keepdims=True) + k * azp * bzp).astype(
-        np.int32
-    )
-
-
-def _matmul_model(ta, tb, a_shape, b, azp, bzp, *, b_const=True, zp_const=True):
-    """MatMulInteger with B (and the zero points) as initializers, or as graph inputs."""
-    inputs = [helper.make_tensor_value_info("A", _ONNX[ta], list(a_shape))]
-    inits, feeds, names = [], {}, ["A", "B", "", ""]
-    for i, (name, value, dtype, const) in enumerate(
-        (("B", b, tb, b_const), ("a_zp", azp, ta, zp_const), ("b_zp", bzp, tb, zp_const))
-    ):
-        if value is None:
-            continue
-        names[i + 1] = name
-        if const:
-            inits.append(numpy_helper.from_array(np.asarray(value), name))
-        else:
-            inputs.append(helper.make_tensor_value_info(name, _ONNX[dtype], list(np.shape(value))))
-            feeds[name] = np.asarray(value)
-    while names[-1] == "":
-        names.pop()
-    node = helper.make_node("MatMulInteger", names, ["Y"], name="mmi")
-    y = helper.make_tensor_value_info("Y", T.INT32, [None] * len(a_shape))
-    graph = helper.make_graph([node], "g", inputs, [y], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-    return model, feeds
 
 
 def _rewrite(model, **kw):
@@ -111,56 +54,28 @@ def _rewrite(model, **kw):
     return result
 
 
-_MATMUL_CASES = [
-    # (A type, B type, a_zp, b_zp, edge, (M, K, N), B constant, zero points constant)
-    *[
-        (ta, tb, azp, bzp, edge, (4, 9, 5), True, True)
-        for ta, tb in itertools.product(("uint8", "int8"), repeat=2)
-        for azp, bzp in (("absent", "absent"), ("zero", "zero"), ("nonzero", "nonzero"), ("extreme", "per-channel"))
-        for edge in ("random", "extremes")
-    ],
-    *[
-        (ta, tb, "nonzero", "per-channel", "random", (2, 3, 7, 6), b_const, zp_const)
-        for ta, tb in itertools.product(("uint8", "int8"), repeat=2)
-        for b_const, zp_const in ((False, False), (True, False), (False, True))
-    ],
-    ("uint8", "uint8", "nonzero", "nonzero", "min", (3, 16, 4), True, True),
-    ("int8", "int8", "extreme", "extreme", "max", (3, 16, 4), True, True),
-]
-
-
 @rule_marker("int-matmul-float", "positive")
 @rule_marker("int-matmul-float-bounded", "positive")
-@pytest.mark.parametrize("ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const", _MATMUL_CASES)
-def test_matmul_integer_float_form_is_bit_exact(ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const):
-    rng = _rng(ta, tb, azp_kind, bzp_kind, edge, shape, b_const, zp_const)
-    *batch, m, k, n = shape
-    a = _values(rng, ta, (*batch, m, k), edge)
-    b = _values(rng, tb, (k, n), "random" if edge == "random" else "extremes")
-    azp = _zero_point(rng, ta, azp_kind, m)
-    bzp = _zero_point(rng, tb, bzp_kind, n)
-    model, feeds = _matmul_model(ta, tb, a.shape, b, azp, bzp, b_const=b_const, zp_const=zp_const)
+@pytest.mark.parametrize("case", MATMUL_CASES, ids=case_id)
+def test_matmul_integer_float_form_is_bit_exact(case: MatMulCase):
+    ta, tb, n = case.ta, case.tb, case.shape[-1]
+    model, feeds, a, b, azp, bzp, reference = case.build()
     result = _rewrite(model)
     # onnxruntime's u8 x s8 kernel pairs products into int16 (x86 without VNNI): where the weights
     # allow a pair to leave int16 (or are not constant), the exact rule gives way to the bounded one,
     # whose bound is each column's pair excess; the rewrite itself is the ONNX definition either way.
     excess = u8s8.pair_excess(b.T, "int8") if ta == "uint8" and tb == "int8" else np.zeros(n, np.int64)
-    saturable = ta == "uint8" and tb == "int8" and (not b_const or excess.max() > 0)
+    saturable = ta == "uint8" and tb == "int8" and (not case.b_const or excess.max() > 0)
     assert result.report.by_rule() == {"int-matmul-float-bounded" if saturable else "int-matmul-float": 1}
-    feeds = {"A": a, **feeds}
     actual = run(result.model, feeds)["Y"]
-    spec = (
-        (a.astype(np.int64) - (0 if azp is None else azp.astype(np.int64)))
-        @ (b.astype(np.int64) - (0 if bzp is None else bzp.astype(np.int64)))
-    ).astype(np.int32)
-    assert_bitwise_equal(actual, spec, "rewrite vs ONNX definition")
+    assert_bitwise_equal(actual, reference.astype(np.int32), "rewrite vs ONNX definition")
     original = run(model, feeds)["Y"]
     if ta == "uint8" and tb == "int8":
         # This CPU (no VNNI) saturates int16 pairs: the original differs exactly as emulated, and
         # by at most each column's pair excess from the weights (0: bit-exact).
-        assert_bitwise_equal(original, _saturating_matmul(a, b, azp, bzp), "onnxruntime u8s8 kernel")
+        assert_bitwise_equal(original, saturating_matmul(a, b, azp, bzp), "onnxruntime u8s8 kernel")
         assert np.all(np.abs(original.astype(np.int64) - actual) <= excess), "beyond the pair excess"
-        if b_const and saturable:
+        if case.b_const and saturable:
             assert result.report.rewrites[0].bound == float(excess.max())
     else:
         assert_bitwise_equal(actual, original, "rewrite vs onnxruntime's MatMulInteger")
@@ -172,9 +87,9 @@ def test_matmul_integer_float_form_is_bit_exact(ta, tb, azp_kind, bzp_kind, edge
 def test_beyond_the_2_24_bound_the_float_form_declines_and_int32_matmul_is_exact(ta, tb):
     """K = 300 with runtime B and zero points: |sum| may reach 300 * 255 * 255 > 2^24."""
     rng = np.random.default_rng(7)
-    a, b = _values(rng, ta, (3, 300), "extremes"), _values(rng, tb, (300, 4), "extremes")
-    azp, bzp = _zero_point(rng, ta, "nonzero", 3), _zero_point(rng, tb, "nonzero", 4)
-    model, feeds = _matmul_model(ta, tb, a.shape, b, azp, bzp, b_const=False, zp_const=False)
+    a, b = values(rng, ta, (3, 300), "extremes"), values(rng, tb, (300, 4), "extremes")
+    azp, bzp = zero_point(rng, ta, "nonzero", 3), zero_point(rng, tb, "nonzero", 4)
+    model, feeds = matmul_model(ta, tb, a.shape, b, azp, bzp, b_const=False, zp_const=False)
     result = _rewrite(model)
     feeds = {"A": a, **feeds}
     spec = ((a.astype(np.int64) - azp.astype(np.int64)) @ (b.astype(np.int64) - bzp.astype(np.int64))).astype(np.int32)
@@ -193,7 +108,7 @@ def test_beyond_the_2_24_bound_the_float_form_declines_and_int32_matmul_is_exact
         onnx_qrewrite.rewrite(model, only=["int-matmul-float"])
     # The same K with constant, small weights is provably exact in float.
     small = np.clip(b, -3, 3).astype(b.dtype) if tb == "int8" else np.clip(b, 0, 3).astype(b.dtype)
-    const_model, _ = _matmul_model(ta, tb, a.shape, small, azp, None)
+    const_model, _ = matmul_model(ta, tb, a.shape, small, azp, None)
     assert _rewrite(const_model).report.by_rule() == {"int-matmul-float": 1}
 
 
@@ -206,7 +121,7 @@ def test_bounded_float_form_stays_within_its_bound_and_the_bound_catches_a_dropp
     a[1, ::3] = 1
     b = np.full((k, 3), 255, np.uint8)
     b[::5, 1] = 7
-    model, feeds = _matmul_model("uint8", "uint8", a.shape, b, None, None, b_const=False)
+    model, feeds = matmul_model("uint8", "uint8", a.shape, b, None, None, b_const=False)
     result = _rewrite(model, skip=["int-matmul-int32"])
     assert result.report.by_rule() == {"int-matmul-float-bounded": 1}
     (applied,) = result.report.rewrites
@@ -220,7 +135,7 @@ def test_bounded_float_form_stays_within_its_bound_and_the_bound_catches_a_dropp
     assert diff.max() > 0, "the float form rounds here: declaring it exact would be false"
     # A zero point of 1 dropped changes every output by a column sum: far beyond the bound.
     bzp = np.array(1, np.uint8)
-    with_zp, zp_feeds = _matmul_model("uint8", "uint8", a.shape, b, None, bzp, b_const=False)
+    with_zp, zp_feeds = matmul_model("uint8", "uint8", a.shape, b, None, bzp, b_const=False)
     broken = run(result.model, feeds)["Y"].astype(np.int64)
     assert np.abs(broken - run(with_zp, {"A": a, **zp_feeds})["Y"]).min() > applied.bound
 
@@ -228,7 +143,7 @@ def test_bounded_float_form_stays_within_its_bound_and_the_bound_catches_a_dropp
 @rule_marker("int-matmul-float-bounded", "negative")
 def test_bounded_form_needs_k_and_is_not_used_where_an_exact_rule_applies():
     a = np.zeros((2, 4), np.uint8)
-    model, _ = _matmul_model("uint8", "uint8", a.shape, np.zeros((4, 3), np.uint8), None, None)
+    model, _ = matmul_model("uint8", "uint8", a.shape, np.zeros((4, 3), np.uint8), None, None)
     assert _rewrite(model).report.by_rule() == {"int-matmul-float": 1}
     unknown_k = helper.make_model(
         helper.make_graph(
@@ -250,9 +165,9 @@ def test_bounded_form_needs_k_and_is_not_used_where_an_exact_rule_applies():
 def test_per_row_a_zero_point_follows_the_onnx_definition():
     """Valid ONNX that onnxruntime's kernel rejects: checked against numpy."""
     rng = np.random.default_rng(3)
-    a, b = _values(rng, "uint8", (4, 6), "random"), _values(rng, "int8", (6, 3), "random")
+    a, b = values(rng, "uint8", (4, 6), "random"), values(rng, "int8", (6, 3), "random")
     azp = rng.integers(0, 256, 4).astype(np.uint8)
-    model, _ = _matmul_model("uint8", "int8", a.shape, b, azp, None)
+    model, _ = matmul_model("uint8", "int8", a.shape, b, azp, None)
     result = _rewrite(model)
     assert any("per-row A zero point" in n for n in result.report.rewrites[0].notes)
     spec = ((a.astype(np.int64) - azp.astype(np.int64)[:, None]) @ b.astype(np.int64)).astype(np.int32)
@@ -262,12 +177,12 @@ def test_per_row_a_zero_point_follows_the_onnx_definition():
 @rule_marker("int-matmul-float", "negative")
 def test_exact_only_where_the_weights_rule_out_saturation_else_bounded_by_the_pair_excess():
     rng = np.random.default_rng(4)
-    a = _values(rng, "uint8", (2, 8), "random")
-    calm = np.clip(_values(rng, "int8", (8, 3), "random"), -64, 63).astype(np.int8)  # 7-bit: never saturates
+    a = values(rng, "uint8", (2, 8), "random")
+    calm = np.clip(values(rng, "int8", (8, 3), "random"), -64, 63).astype(np.int8)  # 7-bit: never saturates
     loud = np.full((8, 3), 127, np.int8)
     loud[:, 1] = 64  # 255 * (64 + 64) = 32640: this column cannot saturate
     for weights, rule in ((calm, "int-matmul-float"), (loud, "int-matmul-float-bounded")):
-        model, _ = _matmul_model("uint8", "int8", a.shape, weights, None, None)
+        model, _ = matmul_model("uint8", "int8", a.shape, weights, None, None)
         (applied,) = _rewrite(model).report.rewrites
         assert applied.rule == rule
         if rule == "int-matmul-float":
@@ -283,105 +198,22 @@ def test_exact_only_where_the_weights_rule_out_saturation_else_bounded_by_the_pa
 # -- ConvInteger --------------------------------------------------------------------------------
 
 
-def _conv_reference(x, w, xzp, wzp, *, pads, strides, dilations, group) -> np.ndarray:
-    """ConvInteger by its definition, in int64: pad (x - x_zp) with 0, correlate with (w - w_zp)."""
-    x = x.astype(np.int64) - (0 if xzp is None else np.asarray(xzp, np.int64).reshape(()))
-    w = w.astype(np.int64)
-    if wzp is not None:
-        wzp = np.asarray(wzp, np.int64)
-        w = w - (wzp.reshape(-1, 1, 1, 1) if wzp.size > 1 else wzp.reshape(()))
-    x = np.pad(x, ((0, 0), (0, 0), (pads[0], pads[2]), (pads[1], pads[3])))
-    n, _, h, wd = x.shape
-    m, cg, kh, kw = w.shape
-    oh = (h - dilations[0] * (kh - 1) - 1) // strides[0] + 1
-    ow = (wd - dilations[1] * (kw - 1) - 1) // strides[1] + 1
-    out = np.zeros((n, m, oh, ow), np.int64)
-    mg = m // group
-    for o in range(m):
-        g = o // mg
-        xs = x[:, g * cg : (g + 1) * cg]
-        for i, j in itertools.product(range(kh), range(kw)):
-            patch = xs[
-                :,
-                :,
-                i * dilations[0] : i * dilations[0] + strides[0] * (oh - 1) + 1 : strides[0],
-                j * dilations[1] : j * dilations[1] + strides[1] * (ow - 1) + 1 : strides[1],
-            ]
-            out[:, o] += np.einsum("nchw,c->nhw", patch, w[o, :, i, j])
-    return out.astype(np.int32)
-
-
-def _conv_model(tx, tw, x_shape, w, xzp, wzp, attrs, *, w_const=True):
-    inputs = [helper.make_tensor_value_info("X", _ONNX[tx], list(x_shape))]
-    inits, feeds, names = [], {}, ["X", "W", "", ""]
-    for i, (name, value, const) in enumerate((("W", w, w_const), ("x_zp", xzp, True), ("w_zp", wzp, True))):
-        if value is None:
-            continue
-        names[i + 1] = name
-        if const:
-            inits.append(numpy_helper.from_array(np.asarray(value), name))
-        else:
-            inputs.append(helper.make_tensor_value_info(name, _ONNX[tw], list(np.shape(value))))
-            feeds[name] = np.asarray(value)
-    while names[-1] == "":
-        names.pop()
-    node = helper.make_node("ConvInteger", names, ["Y"], name="convi", **attrs)
-    y = helper.make_tensor_value_info("Y", T.INT32, [None] * 4)
-    graph = helper.make_graph([node], "g", inputs, [y], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), feeds
-
-
-_CONV_ATTRS = [
-    {"pads": [1, 1, 1, 1], "group": 1},
-    {"pads": [0, 1, 2, 1], "strides": [2, 1], "group": 2},
-    {"pads": [1, 1, 1, 1], "dilations": [2, 2], "group": 1},
-]
-_CONV_CASES = [
-    (tx, tw, xzp, wzp, edge, attrs_i)
-    for tx, tw in itertools.product(("uint8", "int8"), repeat=2)
-    for xzp, wzp in (("absent", "absent"), ("nonzero", "nonzero"), ("extreme", "zero"))
-    for edge in ("random", "extremes")
-    for attrs_i in range(len(_CONV_ATTRS))
-]
-
-
 @rule_marker("int-matmul-float", "positive")
-@pytest.mark.parametrize("tx, tw, xzp_kind, wzp_kind, edge, attrs_i", _CONV_CASES)
-def test_conv_integer_float_form_is_bit_exact(tx, tw, xzp_kind, wzp_kind, edge, attrs_i):
-    rng = _rng(tx, tw, xzp_kind, wzp_kind, edge, attrs_i)
-    attrs = _CONV_ATTRS[attrs_i]
-    group = attrs["group"]
-    x = _values(rng, tx, (2, 4, 6, 5), edge)
-    w = _values(rng, tw, (6, 4 // group, 3, 3), edge)
-    saturating_pair = tx == "int8" and tw == "uint8"  # onnxruntime's int16 pairs (rule file notes)
-    if saturating_pair and edge == "random":
-        w //= 2  # w[k] + w[k+1] <= 254: no pair can saturate, so onnxruntime is exact too
-    xzp, wzp = _zero_point(rng, tx, xzp_kind, 1), _zero_point(rng, tw, wzp_kind, 6)
-    model, feeds = _conv_model(tx, tw, x.shape, w, xzp, wzp, attrs)
+@pytest.mark.parametrize("case", CONV_CASES, ids=case_id)
+def test_conv_integer_float_form_is_bit_exact(case: ConvCase):
+    model, feeds, *_, reference = case.build()
     result = _rewrite(model)
-    saturable = saturating_pair and edge == "extremes"
-    assert result.report.by_rule() == {"int-matmul-float-bounded" if saturable else "int-matmul-float": 1}
-    feeds = {"X": x, **feeds}
+    assert result.report.by_rule() == {"int-matmul-float-bounded" if case.saturable else "int-matmul-float": 1}
     actual = run(result.model, feeds)["Y"]
-    spec = _conv_reference(
-        x,
-        w,
-        xzp,
-        wzp,
-        pads=attrs["pads"],
-        strides=attrs.get("strides", [1, 1]),
-        dilations=attrs.get("dilations", [1, 1]),
-        group=group,
-    )
-    assert_bitwise_equal(actual, spec, "rewrite vs ONNX definition")
-    if not (saturating_pair and edge == "extremes"):  # that case: see the saturation test below
+    assert_bitwise_equal(actual, reference, "rewrite vs ONNX definition")
+    if not case.saturable:  # that case: see the saturation test below
         assert_bitwise_equal(actual, run(model, feeds)["Y"], "rewrite vs onnxruntime's ConvInteger")
 
 
 def test_conv_integer_int8_x_uint8_w_saturates_in_onnxruntime_and_the_rewrite_does_not():
     x = np.full((1, 2, 1, 1), -128, np.int8)
     w = np.full((1, 2, 1, 1), 255, np.uint8)
-    model, _ = _conv_model("int8", "uint8", x.shape, w, None, None, {})
+    model, _ = conv_model("int8", "uint8", x.shape, w, None, None, {})
     result = _rewrite(model)
     (applied,) = result.report.rewrites
     # One pair: -128 * (255 + 255) = -65280, 32512 below int16.
@@ -392,11 +224,11 @@ def test_conv_integer_int8_x_uint8_w_saturates_in_onnxruntime_and_the_rewrite_do
 
 def test_conv_integer_per_channel_w_zero_point_follows_the_onnx_definition():
     rng = np.random.default_rng(5)
-    x, w = _values(rng, "uint8", (1, 3, 5, 5), "random"), _values(rng, "uint8", (4, 3, 3, 3), "random")
+    x, w = values(rng, "uint8", (1, 3, 5, 5), "random"), values(rng, "uint8", (4, 3, 3, 3), "random")
     wzp = rng.integers(0, 256, 4).astype(np.uint8)
-    model, _ = _conv_model("uint8", "uint8", x.shape, w, np.array(9, np.uint8), wzp, {"pads": [1, 1, 1, 1]})
+    model, _ = conv_model("uint8", "uint8", x.shape, w, np.array(9, np.uint8), wzp, {"pads": [1, 1, 1, 1]})
     result = _rewrite(model)
-    spec = _conv_reference(x, w, 9, wzp, pads=[1, 1, 1, 1], strides=[1, 1], dilations=[1, 1], group=1)
+    spec = conv_reference(x, w, 9, wzp, pads=[1, 1, 1, 1], strides=[1, 1], dilations=[1, 1], group=1)
     assert_bitwise_equal(run(result.model, {"X": x})["Y"], spec)
 
 
@@ -406,7 +238,7 @@ def test_conv_integer_beyond_the_bound_uses_the_bounded_form_within_its_bound():
     x = np.full((1, 64, 4, 4), 255, np.uint8)
     x[0, ::3] = rng.integers(0, 256, x[0, ::3].shape)
     w = np.full((2, 64, 3, 3), 255, np.uint8)
-    model, feeds = _conv_model("uint8", "uint8", x.shape, w, None, None, {"pads": [1, 1, 1, 1]}, w_const=False)
+    model, feeds = conv_model("uint8", "uint8", x.shape, w, None, None, {"pads": [1, 1, 1, 1]}, w_const=False)
     result = _rewrite(model)
     assert result.report.by_rule() == {"int-matmul-float-bounded": 1}
     (applied,) = result.report.rewrites
@@ -421,7 +253,7 @@ def test_conv_integer_beyond_the_bound_uses_the_bounded_form_within_its_bound():
 
 @rule_marker("int-matmul-int32", "negative")
 def test_a_zero_point_of_another_type_than_its_operand_is_named_by_every_rule():
-    model, _ = _matmul_model("uint8", "uint8", (2, 4), np.ones((4, 3), np.uint8), np.array(1, np.int8), None)
+    model, _ = matmul_model("uint8", "uint8", (2, 4), np.ones((4, 3), np.uint8), np.array(1, np.int8), None)
     with pytest.raises(LoweringError) as info:
         onnx_qrewrite.rewrite(model)
     for rule in ("int-matmul-float", "int-matmul-int32", "int-matmul-float-bounded"):
@@ -501,27 +333,27 @@ def _ms_model(op, inputs_spec, inits, m, k):
 @pytest.mark.parametrize("k", [16, 4096])
 def test_fused_contrib_ops_are_bit_exact_with_their_kernels(op, ta, tb, per_column, zero_points, bias, k):
     """K = 16: the float form. K = 4096 with extreme weights: sums pass 2^24, the int32 form."""
-    rng = _rng(op, ta, tb, per_column, zero_points, bias, k)
+    rng = rng_for(op, ta, tb, per_column, zero_points, bias, k)
     m, n = 5, 6
     lo, hi = (-60, 60) if tb == "int8" else (0, 255)  # no int16 pair saturation in the kernel
-    b = rng.integers(lo, hi + 1, (k, n)).astype(_NP[tb])
+    b = rng.integers(lo, hi + 1, (k, n)).astype(NP[tb])
     if k > 16:
-        b = np.where(rng.random(b.shape) < 0.5, lo, hi).astype(_NP[tb])
+        b = np.where(rng.random(b.shape) < 0.5, lo, hi).astype(NP[tb])
     b_scale = (rng.random(n if per_column else 1) * 0.02 + 1e-3).astype(np.float32).reshape(-1 if per_column else ())
     inits = {"B": b, "b_scale": b_scale}
     if op == "MatMulIntegerToFloat":
         inits["a_scale"] = np.array(0.0123, np.float32)
-        spec = [("A", _ONNX[ta]), ("B", 0), ("a_scale", 0), ("b_scale", 0)]
+        spec = [("A", ONNX[ta]), ("B", 0), ("a_scale", 0), ("b_scale", 0)]
         if zero_points:
-            inits["a_zp"] = np.array(3 if ta == "uint8" else -2, _NP[ta])
-            inits["b_zp"] = rng.integers(lo, hi + 1, b_scale.shape).astype(_NP[tb])
+            inits["a_zp"] = np.array(3 if ta == "uint8" else -2, NP[ta])
+            inits["b_zp"] = rng.integers(lo, hi + 1, b_scale.shape).astype(NP[tb])
             spec += [("a_zp", 0), ("b_zp", 0)]
         elif bias:
             spec += [("", 0), ("", 0)]
     else:
         spec = [("A", 0), ("B", 0), ("b_scale", 0)]
         if zero_points:
-            inits["b_zp"] = rng.integers(lo, hi + 1, b_scale.shape).astype(_NP[tb])
+            inits["b_zp"] = rng.integers(lo, hi + 1, b_scale.shape).astype(NP[tb])
             spec.append(("b_zp", 0))
         elif bias:
             spec.append(("", 0))
@@ -539,7 +371,7 @@ def test_fused_contrib_ops_are_bit_exact_with_their_kernels(op, ta, tb, per_colu
             if trial == 2:
                 a[:] = 0.0  # DynamicQuantizeLinear's degenerate case: scale 1
         else:
-            a = _values(rng, ta, (m, k), ("random", "extremes", "max")[trial])
+            a = values(rng, ta, (m, k), ("random", "extremes", "max")[trial])
         assert_bitwise_equal(run(result.model, {"A": a})["Y"], run(model, {"A": a})["Y"], f"{op} trial {trial}")
 
 
@@ -587,11 +419,11 @@ def test_weight_statistics_shared_by_nodes_follow_each_nodes_zero_point_and_type
     nodes reading it; a node with another zero point or operand type must still get its own."""
     rng = np.random.default_rng(9)
     w = np.full((8, 3), 127, np.int8)
-    w[::2] = _values(rng, "int8", (4, 3), "random")
+    w[::2] = values(rng, "int8", (4, 3), "random")
     variants = [("uint8", None), ("uint8", np.int8(-100)), ("int8", None), ("uint8", None)]
     alone = []
     for ta, bzp in variants:
-        model, _ = _matmul_model(ta, "int8", (2, 8), w, None, bzp)
+        model, _ = matmul_model(ta, "int8", (2, 8), w, None, bzp)
         alone.append(_rewrite(model).report.rewrites[0].notes)
     inits = [numpy_helper.from_array(w, "B")]
     inputs, nodes, outputs = [], [], []
@@ -600,7 +432,7 @@ def test_weight_statistics_shared_by_nodes_follow_each_nodes_zero_point_and_type
         if bzp is not None:
             inits.append(numpy_helper.from_array(np.asarray(bzp), f"b_zp{i}"))
             names += ["", f"b_zp{i}"]
-        inputs.append(helper.make_tensor_value_info(f"A{i}", _ONNX[ta], [2, 8]))
+        inputs.append(helper.make_tensor_value_info(f"A{i}", ONNX[ta], [2, 8]))
         nodes.append(helper.make_node("MatMulInteger", names, [f"Y{i}"], name=f"mmi{i}"))
         outputs.append(helper.make_tensor_value_info(f"Y{i}", T.INT32, [None, None]))
     graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
@@ -612,7 +444,7 @@ def test_weight_statistics_shared_by_nodes_follow_each_nodes_zero_point_and_type
 
 def _dynamic_quantize_matmul(m: int, k: int):
     """DynamicQuantizeMatMul with A of m x k (shape recorded), a weight zero point and a bias."""
-    rng = _rng("dqmm-nan", m, k)
+    rng = rng_for("dqmm-nan", m, k)
     b = rng.integers(-60, 61, (k, 6)).astype(np.int8)
     inits = {
         "B": b,

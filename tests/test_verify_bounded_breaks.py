@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from _int_matmul_helpers import conv_model, matmul_model
 from onnx import TensorProto, helper, numpy_helper
-from test_lower_integer_matmul import _conv_model, _matmul_model
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
@@ -28,7 +28,7 @@ def _bounded_matmul_integer() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """MatMulInteger, K = 1024, uint8 with zero points 7 and 130: sums beyond 2^24, so (the int32
     rule skipped) the bounded float form applies."""
     b = np.random.default_rng(0).integers(0, 256, (1024, 8)).astype(np.uint8)
-    model, _ = _matmul_model("uint8", "uint8", (2, 1024), b, np.array(7, np.uint8), np.array(130, np.uint8))
+    model, _ = matmul_model("uint8", "uint8", (2, 1024), b, np.array(7, np.uint8), np.array(130, np.uint8))
     result = onnx_qrewrite.rewrite(model, skip=["int-matmul-int32"])
     assert result.report.by_rule() == {"int-matmul-float-bounded": 1}
     return model, result.model
@@ -38,7 +38,7 @@ def _bounded_conv_integer() -> tuple[onnx.ModelProto, onnx.ModelProto]:
     """ConvInteger over 64 channels x 3x3 (576 terms of up to 255^2) with W computed at run time
     (a graph input): ONNX Conv has no integer form, so bounded."""
     w = np.zeros((2, 64, 3, 3), np.uint8)  # only its shape and type: W is an input
-    model, _ = _conv_model(
+    model, _ = conv_model(
         "uint8",
         "uint8",
         (1, 64, 4, 4),
