@@ -667,6 +667,11 @@ def test_qattention_forms_not_lowered_say_why():
     model.graph.input[2].type.tensor_type.elem_type = TensorProto.INT8
     with pytest.raises(onnx_qrewrite.LoweringError, match="takes uint8 only"):
         onnx_qrewrite.rewrite(model)
+    # The mask is read as Attention's is (one shared plan): int32, as the op's schema says.
+    model = qattention_model(2, 8, 32, 2, mask_shape=(2,))
+    model.graph.input[-1].type.tensor_type.elem_type = TensorProto.INT64
+    with pytest.raises(onnx_qrewrite.LoweringError, match="mask_index is int64, not int32"):
+        onnx_qrewrite.rewrite(model)
 
 
 # --- a real model: a tiny BERT-like encoder fused by onnxruntime.transformers' optimizer ----------

@@ -28,6 +28,7 @@ bit-exact in every measured case.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -138,23 +139,8 @@ class QAttentionBuilder:
         shift = np.abs(weights.astype(np.int64) - zp.astype(np.int64).reshape(1, -1)).sum(axis=0).max()
         if 255 * int(shift) > _EXACT_FLOAT_INTEGERS:
             notes += ("integer sums may exceed 2^24: float32 rounds them (bounded)",)
-        mask_rank = None
-        if site.input(5):
-            shape = value_shape(site.scope, site.input(5), site.same_shape_ops)
-            if shape is None and _is_embed_mask_index(site, site.input(5)):
-                shape = (None,)
-            if shape is None:
-                raise NoMatch(
-                    f"the rank of mask_index {site.input(5)!r} is not recorded; run onnx shape inference on the "
-                    "model first (onnx.shape_inference.infer_shapes)"
-                )
-            mask_rank = len(shape)
-            if mask_rank not in (1, 2, 3):
-                raise NoMatch(f"a {mask_rank}-D mask_index is not lowered (1-D, 2-D and 3-D are)")
-        causal = bool(site.attribute("unidirectional", 0))
-        need = 13 if mask_rank is not None or causal else 11
-        data = {"sizes": [hidden] * 3, "heads": heads, "mask_rank": mask_rank, "causal": causal}
-        return Plan(min_opset=need, notes=notes, data=data, bound_formula=formula)
+        plan = _mask_plan(site, 5, "mask_index", [hidden] * 3, heads, notes)
+        return dataclasses.replace(plan, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
@@ -176,8 +162,8 @@ class QAttentionBuilder:
         emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0])
 
 
-def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int) -> Plan:
-    """The plan both attention rules share: the mask input ``index`` (int32, of a known rank 1-3;
+def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int, notes: tuple[str, ...] = ()) -> Plan:
+    """The plan every attention rule shares: the mask input ``index`` (int32, of a known rank 1-3;
     EmbedLayerNormalization's mask index counts as 1-D without shape inference) and the opset
     the rewrite needs (13 for the mask or the causal fill, 11 otherwise)."""
     mask_rank = None
@@ -199,7 +185,8 @@ def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int)
             raise NoMatch(f"a {mask_rank}-D {label} is not lowered (1-D, 2-D and 3-D are)")
     causal = bool(site.attribute("unidirectional", 0))
     need = 13 if mask_rank is not None or causal else 11
-    return Plan(min_opset=need, data={"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal})
+    data = {"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal}
+    return Plan(min_opset=need, notes=notes, data=data)
 
 
 register(QAttentionBuilder())
