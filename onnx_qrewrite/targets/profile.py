@@ -475,31 +475,79 @@ def parse_target(text: str, path: str) -> TargetProfile:
     proof = _string(path, "[target]", target, "proof")
     if proof not in PROOFS:
         raise _fail(path, "[target]", f"'proof' must be one of {', '.join(PROOFS)}, got {proof!r}")
+    # Each table is checked in this order, so a file with several problems names the same first one.
+    sources = _sources(path, data)
+    opset = _opset(path, data, sources)
+    ops = _ops(path, data, sources)
+    refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
+    quantization = _quantization(path, data, sources)
+    network = _network(path, data, sources)
+    rewrites = _rewrites(path, data, sources)
+    return TargetProfile(
+        id=target_id,
+        title=title,
+        version=version,
+        proof=proof,
+        path=path,
+        sources=sources,
+        ops=ops,
+        refusals=refusals,
+        quantization=quantization,
+        **opset,
+        **network,
+        **rewrites,
+        runtime=_optional_string(path, "[target]", target, "runtime"),
+        extra=_optional_string(path, "[target]", target, "extra"),
+    )
 
+
+# One function per table of a profile: each checks its table and returns what TargetProfile keeps
+# of it (a table left out keeps TargetProfile's defaults: its functions return no field).
+
+
+def _tables(path: str, table: Mapping[str, Any], key: str, name: str | None = None) -> list[tuple[str, Any]]:
+    """The entries of the array of tables ``key`` of ``table`` (none when absent), each with the
+    name messages give it: ``[[name]] #n`` (``name``: the key's full dotted name, default ``key``)."""
+    name = name or key
+    raw = table.get(key, [])
+    if not isinstance(raw, list):
+        raise _fail(path, f"[[{name}]]", "must be an array of tables")
+    return [(f"[[{name}]] #{i + 1}", item) for i, item in enumerate(raw)]
+
+
+def _sources(path: str, data: Mapping[str, Any]) -> dict[str, Source]:
+    """``[[source]]``: the documents every other entry cites (at least one, ids unique)."""
     raw_sources = data.get("source", [])
     if not isinstance(raw_sources, list) or not raw_sources:
         raise _fail(path, "[[source]]", "at least one [[source]] table is required")
     sources: dict[str, Source] = {}
-    for i, item in enumerate(raw_sources):
-        where = f"[[source]] #{i + 1}"
+    for where, item in _tables(path, data, "source"):
         raw = _check_keys(path, where, item, _SOURCE_KEYS)
         sid = _string(path, where, raw, "id")
         if sid in sources:
             raise _fail(path, where, f"source id {sid!r} is defined twice")
         sources[sid] = Source(sid, _string(path, where, raw, "document"), _string(path, where, raw, "version"))
+    return sources
 
-    opset_min = opset_max = opset_source = None
-    if "opset" in data:
-        opset = _check_keys(path, "[opset]", data["opset"], _OPSET_KEYS)
-        opset_source = _cited(path, "[opset]", opset, sources)
-        opset_min, opset_max = _int(path, "[opset]", opset, "min"), _int(path, "[opset]", opset, "max")
 
+def _opset(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[opset]``: the model opsets the target runs."""
+    if "opset" not in data:
+        return {}
+    opset = _check_keys(path, "[opset]", data["opset"], _OPSET_KEYS)
+    return {
+        "opset_source": _cited(path, "[opset]", opset, sources),
+        "opset_min": _int(path, "[opset]", opset, "min"),
+        "opset_max": _int(path, "[opset]", opset, "max"),
+    }
+
+
+def _ops(
+    path: str, data: Mapping[str, Any], sources: Mapping[str, Source]
+) -> dict[tuple[str, str], tuple[OpSupport, ...]]:
+    """``[[ops]]``: what the target runs, by (domain, op); one table may name several ops."""
     ops: dict[tuple[str, str], list[OpSupport]] = {}
-    raw_ops = data.get("ops", [])
-    if not isinstance(raw_ops, list):
-        raise _fail(path, "[[ops]]", "must be an array of tables")
-    for i, item in enumerate(raw_ops):
-        where = f"[[ops]] #{i + 1}"
+    for where, item in _tables(path, data, "ops"):
         raw = _check_keys(path, where, item, _OPS_KEYS)
         source = _cited(path, where, raw, sources)
         domain = raw.get("domain", "")
@@ -516,130 +564,108 @@ def parse_target(text: str, path: str) -> TargetProfile:
         for name in names:
             entry = OpSupport(_norm_domain(domain), name, source, types, lo, hi, note)
             ops.setdefault((entry.domain, name), []).append(entry)
+    return {k: tuple(v) for k, v in ops.items()}
 
-    refusals = []
-    raw_refuse = data.get("refuse", [])
-    if not isinstance(raw_refuse, list):
-        raise _fail(path, "[[refuse]]", "must be an array of tables")
-    for i, item in enumerate(raw_refuse):
-        where = f"[[refuse]] #{i + 1}"
-        raw = _check_keys(path, where, item, _REFUSE_KEYS)
-        source = _cited(path, where, raw, sources)
-        when = _string(path, where, raw, "when")
-        if when not in REFUSE_WHEN:
-            raise _fail(path, where, f"'when' must be one of {', '.join(REFUSE_WHEN)}, got {when!r}")
-        types = _types(path, where, raw, "types") or frozenset()
-        if when in ("quantized-type", "type") and not types:
-            raise _fail(path, where, f"'when = \"{when}\"' needs 'types'")
-        after_ops = raw.get("ops", [])
-        if not isinstance(after_ops, list) or not all(isinstance(o, str) and o for o in after_ops):
-            raise _fail(path, where, "'ops' must be a list of op names")
-        if (when == "input-from") != bool(after_ops):
-            raise _fail(path, where, "'ops' goes with 'when = \"input-from\"', and it needs them")
-        positions = raw.get("inputs", [0])
-        if (
-            not isinstance(positions, list)
-            or not positions
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
-        ):
-            raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
-        if "inputs" in raw and when not in ("rank-above", "computed-input"):
-            raise _fail(path, where, "'inputs' goes with 'when = \"rank-above\"' or 'when = \"computed-input\"'")
-        rank = _int(path, where, raw, "rank")
-        if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
-            raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
-        chain = raw.get("chain", [])
-        if not isinstance(chain, list) or not all(isinstance(o, str) and o for o in chain):
-            raise _fail(path, where, "'chain' must be a list of op names")
-        op = _string(path, where, raw, "op")
-        if (when == "outside-chain") != bool(chain) or (chain and op not in chain):
-            raise _fail(path, where, "'chain' goes with 'when = \"outside-chain\"', needs ops, and must name 'op'")
-        refusals.append(
-            Refusal(
-                _norm_domain(str(raw.get("domain", ""))),
-                op,
-                when,
-                _string(path, where, raw, "reason"),
-                source,
-                types,
-                frozenset(after_ops),
-                tuple(positions),
-                rank,
-                tuple(chain),
-            )
-        )
 
-    quantization = None
-    if "quantization" in data:
-        raw = _check_keys(path, "[quantization]", data["quantization"], _QUANT_KEYS)
-        quantization = Quantization(
-            source=_cited(path, "[quantization]", raw, sources),
-            types=_types(path, "[quantization]", raw, "types"),
-            constant_scale=_bool(path, "[quantization]", raw, "constant_scale", False),
-            constant_zero_point=_bool(path, "[quantization]", raw, "constant_zero_point", False),
-            symmetric=_bool(path, "[quantization]", raw, "symmetric", False),
-            per_channel=_bool(path, "[quantization]", raw, "per_channel", True),
-            blocked=_bool(path, "[quantization]", raw, "blocked", True),
-        )
-
-    io_only: frozenset[str] = frozenset()
-    refused_types: frozenset[str] = frozenset()
-    qdq_only: frozenset[str] = frozenset()
-    network_source = None
-    if "network" in data:
-        raw = _check_keys(path, "[network]", data["network"], _NETWORK_KEYS)
-        network_source = _cited(path, "[network]", raw, sources)
-        io_only = _types(path, "[network]", raw, "io_only_types") or frozenset()
-        refused_types = _types(path, "[network]", raw, "refused_types") or frozenset()
-        qdq_only = _types(path, "[network]", raw, "qdq_only_types") or frozenset()
-
-    keep: frozenset[str] = frozenset()
-    avoid: frozenset[str] = frozenset()
-    forms: tuple[FormRequest, ...] = ()
-    rewrites_source = None
-    if "rewrites" in data:
-        raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
-        if set(raw) - {"form"}:  # each [[rewrites.form]] cites its own source
-            rewrites_source = _cited(path, "[rewrites]", raw, sources)
-        for key in ("keep", "avoid"):
-            value = raw.get(key, [])
-            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-                raise _fail(path, "[rewrites]", f"'{key}' must be a list of names")
-        keep = frozenset(raw.get("keep", []))
-        avoid = frozenset(raw.get("avoid", []))
-        if avoid:
-            _check_rule_ids(path, "[rewrites] avoid", avoid)
-        raw_forms = raw.get("form", [])
-        if not isinstance(raw_forms, list):
-            raise _fail(path, "[[rewrites.form]]", "must be an array of tables")
-        forms = _variants(
-            path, [_form(path, f"[[rewrites.form]] #{i + 1}", item, sources) for i, item in enumerate(raw_forms)]
-        )
-
-    return TargetProfile(
-        id=target_id,
-        title=title,
-        version=version,
-        proof=proof,
-        path=path,
-        sources=sources,
-        ops={k: tuple(v) for k, v in ops.items()},
-        refusals=tuple(refusals),
-        opset_min=opset_min,
-        opset_max=opset_max,
-        opset_source=opset_source,
-        quantization=quantization,
-        io_only_types=io_only,
-        refused_types=refused_types,
-        qdq_only_types=qdq_only,
-        network_source=network_source,
-        keep=keep,
-        avoid=avoid,
-        forms=forms,
-        rewrites_source=rewrites_source,
-        runtime=_optional_string(path, "[target]", target, "runtime"),
-        extra=_optional_string(path, "[target]", target, "extra"),
+def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> Refusal:
+    """One ``[[refuse]]``: an op the target refuses in a given situation (``when``), with the
+    settings that situation needs and no others."""
+    raw = _check_keys(path, where, item, _REFUSE_KEYS)
+    source = _cited(path, where, raw, sources)
+    when = _string(path, where, raw, "when")
+    if when not in REFUSE_WHEN:
+        raise _fail(path, where, f"'when' must be one of {', '.join(REFUSE_WHEN)}, got {when!r}")
+    types = _types(path, where, raw, "types") or frozenset()
+    if when in ("quantized-type", "type") and not types:
+        raise _fail(path, where, f"'when = \"{when}\"' needs 'types'")
+    after_ops = raw.get("ops", [])
+    if not isinstance(after_ops, list) or not all(isinstance(o, str) and o for o in after_ops):
+        raise _fail(path, where, "'ops' must be a list of op names")
+    if (when == "input-from") != bool(after_ops):
+        raise _fail(path, where, "'ops' goes with 'when = \"input-from\"', and it needs them")
+    positions = raw.get("inputs", [0])
+    if (
+        not isinstance(positions, list)
+        or not positions
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
+    ):
+        raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
+    if "inputs" in raw and when not in ("rank-above", "computed-input"):
+        raise _fail(path, where, "'inputs' goes with 'when = \"rank-above\"' or 'when = \"computed-input\"'")
+    rank = _int(path, where, raw, "rank")
+    if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
+        raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
+    chain = raw.get("chain", [])
+    if not isinstance(chain, list) or not all(isinstance(o, str) and o for o in chain):
+        raise _fail(path, where, "'chain' must be a list of op names")
+    op = _string(path, where, raw, "op")
+    if (when == "outside-chain") != bool(chain) or (chain and op not in chain):
+        raise _fail(path, where, "'chain' goes with 'when = \"outside-chain\"', needs ops, and must name 'op'")
+    return Refusal(
+        _norm_domain(str(raw.get("domain", ""))),
+        op,
+        when,
+        _string(path, where, raw, "reason"),
+        source,
+        types,
+        frozenset(after_ops),
+        tuple(positions),
+        rank,
+        tuple(chain),
     )
+
+
+def _quantization(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> Quantization | None:
+    """``[quantization]``: the quantized forms the target runs."""
+    if "quantization" not in data:
+        return None
+    raw = _check_keys(path, "[quantization]", data["quantization"], _QUANT_KEYS)
+    return Quantization(
+        source=_cited(path, "[quantization]", raw, sources),
+        types=_types(path, "[quantization]", raw, "types"),
+        constant_scale=_bool(path, "[quantization]", raw, "constant_scale", False),
+        constant_zero_point=_bool(path, "[quantization]", raw, "constant_zero_point", False),
+        symmetric=_bool(path, "[quantization]", raw, "symmetric", False),
+        per_channel=_bool(path, "[quantization]", raw, "per_channel", True),
+        blocked=_bool(path, "[quantization]", raw, "blocked", True),
+    )
+
+
+def _network(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[network]``: element types the target takes only at the model's edges, or refuses."""
+    if "network" not in data:
+        return {}
+    raw = _check_keys(path, "[network]", data["network"], _NETWORK_KEYS)
+    return {
+        "network_source": _cited(path, "[network]", raw, sources),
+        "io_only_types": _types(path, "[network]", raw, "io_only_types") or frozenset(),
+        "refused_types": _types(path, "[network]", raw, "refused_types") or frozenset(),
+        "qdq_only_types": _types(path, "[network]", raw, "qdq_only_types") or frozenset(),
+    }
+
+
+def _rewrites(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[rewrites]``: ops to keep, rules to avoid and the named forms the target asks for."""
+    if "rewrites" not in data:
+        return {}
+    raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
+    rewrites_source = None
+    if set(raw) - {"form"}:  # each [[rewrites.form]] cites its own source
+        rewrites_source = _cited(path, "[rewrites]", raw, sources)
+    for key in ("keep", "avoid"):
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise _fail(path, "[rewrites]", f"'{key}' must be a list of names")
+    avoid = frozenset(raw.get("avoid", []))
+    if avoid:
+        _check_rule_ids(path, "[rewrites] avoid", avoid)
+    forms = [_form(path, where, item, sources) for where, item in _tables(path, raw, "form", "rewrites.form")]
+    return {
+        "rewrites_source": rewrites_source,
+        "keep": frozenset(raw.get("keep", [])),
+        "avoid": avoid,
+        "forms": _variants(path, forms),
+    }
 
 
 def shipped_targets_dir() -> Path:
