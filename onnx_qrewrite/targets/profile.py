@@ -105,13 +105,13 @@ and the summary and report name it.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.rewriter.contract import closest
 
 __all__ = [
     "FormRequest",
@@ -323,9 +323,7 @@ def _check_keys(path: str, where: str, table: Any, allowed: set[str]) -> dict[st
         raise _fail(path, where, "must be a table")
     unknown = sorted(set(table) - allowed)
     if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise _fail(path, where, f"unknown key {unknown[0]!r}{hint}")
+        raise _fail(path, where, f"unknown key {unknown[0]!r}{closest(unknown[0], sorted(allowed))}")
     return table
 
 
@@ -364,9 +362,7 @@ def _types(path: str, where: str, table: dict[str, Any], key: str) -> frozenset[
         raise _fail(path, where, f"'{key}' must be a list of element type names")
     for name in value:
         if name not in TYPE_NAMES:
-            close = difflib.get_close_matches(name, sorted(TYPE_NAMES), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise _fail(path, where, f"'{key}': unknown element type {name!r}{hint}")
+            raise _fail(path, where, f"'{key}': unknown element type {name!r}{closest(name, sorted(TYPE_NAMES))}")
     return frozenset(value)
 
 
@@ -384,7 +380,6 @@ def _check_rule_ids(path: str, where: str, ids: frozenset[str]) -> None:
     """Rule ids a profile names must exist (shipped catalogue or a named form): a typo would
     silently avoid nothing."""
     from onnx_qrewrite.rewriter.catalogue import load_catalogue, shipped_rules_dir
-    from onnx_qrewrite.rewriter.contract import closest
 
     forms = sorted((shipped_rules_dir() / "forms").glob("*.toml"))
     known = load_catalogue(forms).ids
@@ -700,7 +695,5 @@ def load_target(name: str, directory: str | Path | None = None) -> TargetProfile
         return _read(Path(name))
     targets = load_targets(directory)
     if name not in targets:
-        close = difflib.get_close_matches(name, list(targets), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UsageError(f"--target: unknown target {name!r}{hint}; known: {', '.join(targets)}")
+        raise UsageError(f"--target: unknown target {name!r}{closest(name, targets)}; known: {', '.join(targets)}")
     return targets[name]
