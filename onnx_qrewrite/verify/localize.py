@@ -34,6 +34,7 @@ from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
 
 if TYPE_CHECKING:
+    import numpy as np
     import onnx
 
 __all__ = ["ORIGIN_KEY", "RULE_KEY", "Localization", "localize", "with_outputs"]
@@ -115,17 +116,63 @@ def localize(
     a step or two is not localised there: verify in onnxruntime localises those). A runtime that
     cannot run the model with the extra outputs, or whose outputs agree once they are added (its
     compiler fuses differently), gives a Localization that says so and names no node."""
+    candidates = _shared_values(original, rewritten)
+    names = list(dict.fromkeys(out for _, out, _ in candidates))
+    if not names:
+        return Localization(sample.name, 0, note="the two models share no intermediate value names")
+    values = _run_exposed(original, rewritten, names, sample, make_runner, runtime)
+    if isinstance(values, Localization):
+        return values
+    expected, actual = values
+    walk = _Walk()
+    for node, out, origin in candidates:
+        if out not in expected:
+            continue
+        if out not in actual:
+            walk.skipped.append(out)
+            continue
+        original_value = expected[out]
+        tolerance = tolerances.for_value(out, original_value.dtype)
+        comparison = compare_values(
+            out, sample.name, original_value, actual[out], tolerance, _drift_for(out, rewritten, drift, runtime_drift)
+        )
+        if comparison.problem is not None and runtime != "onnxruntime" and out not in _outputs(rewritten):
+            walk.skipped.append(out)  # another runtime's choice of type for an intermediate, not a value
+            continue
+        walk.compared += 1
+        walk.names.add(out)
+        if not comparison.passed:
+            return _found(sample, walk.compared, node, out, origin, comparison, rewritten, runtime)
+    return _nothing_differs(sample, walk, rewritten, runtime)
+
+
+_Origin = tuple[str, str] | None  # (rule, original node) from a created node's provenance
+
+
+def _shared_values(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str, _Origin]]:
+    """Every output of a rewritten main-graph node that the original produces too, in the rewritten
+    graph's (topological) order, with that node and its provenance: the values worth comparing."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
     origins = provenance.attribute_nodes(rewritten.graph.node)
-    candidates = [
+    return [
         (node, out, origin)
         for node, origin in zip(rewritten.graph.node, origins, strict=True)
         for out in node.output
         if out and out in produced_by_original
     ]
-    names = list(dict.fromkeys(out for _, out, _ in candidates))
-    if not names:
-        return Localization(sample.name, 0, note="the two models share no intermediate value names")
+
+
+def _run_exposed(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    names: list[str],
+    sample: Sample,
+    make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+    runtime: str,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | Localization:
+    """Both models' values of the tensors among ``names`` on ``sample`` (exposed as outputs). On
+    another runtime than onnxruntime, a refusal to load or run the rewritten model so is not an
+    error of the model: the Localization that says so."""
     original_runner = make_runner(with_outputs(original, names), "original")
     try:
         rewritten_runner = make_runner(with_outputs(rewritten, names), "rewritten")
@@ -146,48 +193,58 @@ def localize(
         if runtime == "onnxruntime":
             raise
         return _not_possible(sample, runtime, "cannot run the rewritten model with them as outputs", exc)
-    compared = 0
-    compared_names: set[str] = set()
-    skipped: list[str] = []
-    for node, out, origin in candidates:
-        if out not in expected:
-            continue
-        if out not in actual:
-            skipped.append(out)
-            continue
-        original_value = expected[out]
-        tolerance = tolerances.for_value(out, original_value.dtype)
-        comparison = compare_values(
-            out, sample.name, original_value, actual[out], tolerance, _drift_for(out, rewritten, drift, runtime_drift)
+    return expected, actual
+
+
+@dataclasses.dataclass
+class _Walk:
+    """The walk over the shared values so far: how many were compared (and which), and the values
+    another runtime did not return as onnxruntime types them (skipped, not compared)."""
+
+    compared: int = 0
+    names: set[str] = dataclasses.field(default_factory=set)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+def _found(
+    sample: Sample,
+    compared: int,
+    node: onnx.NodeProto,
+    out: str,
+    origin: _Origin,
+    comparison: ValueComparison,
+    rewritten: onnx.ModelProto,
+    runtime: str,
+) -> Localization:
+    """The first differing value ``out``, named by its node and, through its provenance, its rule
+    (with a note when the model records no provenance, or the values came from another runtime)."""
+    logger.info("first differing value: %s (node %s)", out, node.name or out)
+    notes = []
+    if origin is None and provenance.model_mode(rewritten) == "none":
+        notes.append(
+            "the rewrite was made with --provenance none, so the model does not say which rule "
+            "made this node; its JSON report (--report) does"
         )
-        if comparison.problem is not None and runtime != "onnxruntime" and out not in _outputs(rewritten):
-            skipped.append(out)  # another runtime's choice of type for an intermediate, not a value
-            continue
-        compared += 1
-        compared_names.add(out)
-        if not comparison.passed:
-            logger.info("first differing value: %s (node %s)", out, node.name or out)
-            notes = []
-            if origin is None and provenance.model_mode(rewritten) == "none":
-                notes.append(
-                    "the rewrite was made with --provenance none, so the model does not say which rule "
-                    "made this node; its JSON report (--report) does"
-                )
-            if runtime != "onnxruntime":
-                notes.append(_runtime_note(runtime, origin is not None))
-            return Localization(
-                sample.name,
-                compared,
-                node=node.name or out,
-                op_type=node.op_type,
-                domain=node.domain or "ai.onnx",
-                rule=origin[0] if origin else None,
-                origin=origin[1] if origin else None,
-                comparison=comparison,
-                note="; ".join(notes) or None,
-            )
-    outputs_compared = _outputs(rewritten) <= compared_names
-    if runtime != "onnxruntime" and outputs_compared:
+    if runtime != "onnxruntime":
+        notes.append(_runtime_note(runtime, origin is not None))
+    return Localization(
+        sample.name,
+        compared,
+        node=node.name or out,
+        op_type=node.op_type,
+        domain=node.domain or "ai.onnx",
+        rule=origin[0] if origin else None,
+        origin=origin[1] if origin else None,
+        comparison=comparison,
+        note="; ".join(notes) or None,
+    )
+
+
+def _nothing_differs(sample: Sample, walk: _Walk, rewritten: onnx.ModelProto, runtime: str) -> Localization:
+    """No shared value differs: the difference arises in values the original has no counterpart
+    of, or (another runtime agreeing once the values are exposed) in that runtime's compilation."""
+    compared = walk.compared
+    if runtime != "onnxruntime" and _outputs(rewritten) <= walk.names:
         return Localization(
             sample.name,
             compared,
@@ -201,8 +258,8 @@ def localize(
         f"none of the {compared} values both models produce differs on sample {sample.name!r}; "
         "the difference arises in nodes whose outputs have no counterpart in the original"
     )
-    if skipped:
-        note += f"; {len(skipped)} value(s) {runtime} did not return as onnxruntime types them were skipped"
+    if walk.skipped:
+        note += f"; {len(walk.skipped)} value(s) {runtime} did not return as onnxruntime types them were skipped"
     return Localization(sample.name, compared, note=note)
 
 
