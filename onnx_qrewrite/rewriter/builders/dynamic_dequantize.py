@@ -52,6 +52,89 @@ def _known(value: np.ndarray | None) -> Callable[[], np.ndarray | None]:
     return lambda: value
 
 
+def _recorded_type(site: Site, name: str, role: str) -> str:
+    """The element type the model records for input ``name`` (its ``role``: src, scales, zps); the
+    rule needs it to choose a form, and says how to get it recorded when it is not."""
+    elem = site.elem_type(name)
+    if elem is None:
+        raise NoMatch(
+            f"the type of {role} {name!r} is not recorded in the model (no value_info); "
+            "run onnx shape inference on the model first"
+        )
+    return dtype_name(elem)
+
+
+def _qtype(site: Site) -> str:
+    """The node's ``qtype``, once its inputs, outputs and attributes are the op's."""
+    node = site.node
+    if len(node.input) not in (2, 3) or not node.input[0] or not node.input[1]:
+        raise NoMatch(f"malformed node: DynamicDequantize takes inputs (src, scales[, zps]), it has {len(node.input)}")
+    if len(node.output) != 1:
+        raise NoMatch(f"malformed node: DynamicDequantize has one output, it has {len(node.output)}")
+    unknown = sorted({a.name for a in node.attribute} - {"qtype", "axis"})
+    if unknown:
+        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported (only qtype, axis)")
+    qtype = site.attribute("qtype", b"per_tensor")
+    qtype = qtype.decode() if isinstance(qtype, bytes) else str(qtype)
+    if qtype not in _QTYPES:
+        raise NoMatch(f"qtype {qtype!r} is not supported (only {', '.join(_QTYPES)})")
+    return qtype
+
+
+def _operand_types(site: Site, src: str, scales: str, zps: str) -> tuple[str, str, str | None]:
+    """The types of src, scales and zps (None: no zps), each one the op takes."""
+    src_type = _recorded_type(site, src, "src")
+    if src_type not in _SRC_TYPES:
+        raise NoMatch(f"src {src!r} is {src_type}; DynamicDequantize takes uint8 or int8")
+    scale_type = _recorded_type(site, scales, "scales")
+    if scale_type not in _SCALE_TYPES:
+        raise NoMatch(f"scales {scales!r} is {scale_type}; float32, bfloat16 or float16 are supported")
+    zp_type = None
+    if zps:
+        zp_type = _recorded_type(site, zps, "zps")
+        if zp_type not in _ZP_TYPES:
+            raise NoMatch(f"zps {zps!r} is {zp_type}; DynamicDequantize takes int8, uint8 or int32 zero points")
+    return src_type, scale_type, zp_type
+
+
+def _check_one_element(operands: tuple[tuple[str, tuple | None], ...]) -> None:
+    """per_tensor: each operand (name, shape if known) holds one element."""
+    for name, shape in operands:
+        dims = known_shape(shape)
+        if dims is not None and math.prod(dims) != 1:
+            raise NoMatch(
+                f"malformed node: qtype per_tensor but {name!r} has shape {list(dims)} (one element expected)"
+            )
+
+
+def _check_channels(scales: str, scale_shape: tuple | None, dim: int | None, axis: int) -> None:
+    """per_channel: a 1-D scale of known length holds one element or one per channel of the axis."""
+    if (
+        scale_shape is not None
+        and len(scale_shape) == 1
+        and None not in (dim, scale_shape[0])
+        and scale_shape[0] not in (1, dim)
+    ):
+        raise NoMatch(
+            f"malformed node: scales {scales!r} has {scale_shape[0]} elements but src has {dim} along axis {axis}"
+        )
+
+
+def _check_dequantize_linear_form(src_type: str, scales: str, scale_type: str, zps: str, zp_type: str | None) -> None:
+    """What onnxruntime's DequantizeLinear takes: a zero point of src's type and a float32 scale;
+    otherwise the arithmetic form follows."""
+    if zp_type is not None and zp_type != src_type:
+        raise NoMatch(
+            f"zps {zps!r} is {zp_type} but src is {src_type}; DequantizeLinear needs both "
+            "of one type (the arithmetic form follows)"
+        )
+    if scale_type != "float32":
+        raise NoMatch(
+            f"scales {scales!r} is {scale_type}; onnxruntime has no DequantizeLinear "
+            "kernel for it (the arithmetic form follows)"
+        )
+
+
 class DynamicDequantizeBuilder:
     """Replaces oneDNN's DynamicDequantize with DequantizeLinear or its Cast/Sub/Mul form."""
 
@@ -59,55 +142,13 @@ class DynamicDequantizeBuilder:
     contract = CONTRACTS["dynamic_dequantize"]
 
     def quantized_dtype(self, site: Site) -> str | None:
-        elem = site.elem_type(site.input(0))
-        if elem is None:
-            raise NoMatch(
-                f"the type of src {site.input(0)!r} is not recorded in the model (no value_info); "
-                "run onnx shape inference on the model first"
-            )
-        return dtype_name(elem)
+        return _recorded_type(site, site.input(0), "src")
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         form, axis_default = options["form"], options["axis_default"]
-        node = site.node
-        if len(node.input) not in (2, 3) or not node.input[0] or not node.input[1]:
-            raise NoMatch(
-                f"malformed node: DynamicDequantize takes inputs (src, scales[, zps]), it has {len(node.input)}"
-            )
-        if len(node.output) != 1:
-            raise NoMatch(f"malformed node: DynamicDequantize has one output, it has {len(node.output)}")
-        unknown = sorted({a.name for a in node.attribute} - {"qtype", "axis"})
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported (only qtype, axis)")
-        src, scales, zps = node.input[0], node.input[1], site.input(2)
-        qtype = site.attribute("qtype", b"per_tensor")
-        qtype = qtype.decode() if isinstance(qtype, bytes) else str(qtype)
-        if qtype not in _QTYPES:
-            raise NoMatch(f"qtype {qtype!r} is not supported (only {', '.join(_QTYPES)})")
-        src_type = self.quantized_dtype(site)
-        if src_type not in _SRC_TYPES:
-            raise NoMatch(f"src {src!r} is {src_type}; DynamicDequantize takes uint8 or int8")
-        scale_elem = site.elem_type(scales)
-        scale_type = dtype_name(scale_elem) if scale_elem else None
-        if scale_type is None:
-            raise NoMatch(
-                f"the type of scales {scales!r} is not recorded in the model (no value_info); "
-                "run onnx shape inference on the model first"
-            )
-        if scale_type not in _SCALE_TYPES:
-            raise NoMatch(f"scales {scales!r} is {scale_type}; float32, bfloat16 or float16 are supported")
-        zp_type = None
-        if zps:
-            zp_elem = site.elem_type(zps)
-            if zp_elem is None:
-                raise NoMatch(
-                    f"the type of zps {zps!r} is not recorded in the model (no value_info); "
-                    "run onnx shape inference on the model first"
-                )
-            zp_type = dtype_name(zp_elem)
-            if zp_type not in _ZP_TYPES:
-                raise NoMatch(f"zps {zps!r} is {zp_type}; DynamicDequantize takes int8, uint8 or int32 zero points")
-
+        qtype = _qtype(site)
+        src, scales, zps = site.node.input[0], site.node.input[1], site.input(2)
+        src_type, scale_type, zp_type = _operand_types(site, src, scales, zps)
         scale_value = site.constant(scales)
         zp_value = site.constant(zps) if zps else None
         scale_shape = (
@@ -119,39 +160,14 @@ class DynamicDequantizeBuilder:
         rank = None if src_shape is None else len(src_shape)
         axis = int(site.attribute("axis", axis_default))
         if qtype == "per_tensor":
-            for name, shape in ((scales, scale_shape), (zps, tuple(zp_value.shape) if zp_value is not None else None)):
-                dims = known_shape(shape)
-                if dims is not None and math.prod(dims) != 1:
-                    raise NoMatch(
-                        f"malformed node: qtype per_tensor but {name!r} has shape {list(dims)} (one element expected)"
-                    )
+            _check_one_element(((scales, scale_shape), (zps, tuple(zp_value.shape) if zp_value is not None else None)))
         elif src_shape is not None:
             axis = normalized_axis(axis, len(src_shape), site)
-            dim = src_shape[axis]
-            if (
-                scale_shape is not None
-                and len(scale_shape) == 1
-                and None not in (dim, scale_shape[0])
-                and scale_shape[0] not in (1, dim)
-            ):
-                raise NoMatch(
-                    f"malformed node: scales {scales!r} has {scale_shape[0]} elements but src has "
-                    f"{dim} along axis {axis}"
-                )
-
+            _check_channels(scales, scale_shape, src_shape[axis], axis)
         per_channel = qtype == "per_channel"
         notes = [f"{qtype}" + (f", axis={axis}" if per_channel else ""), f"zero point: {zp_type or 'none (symmetric)'}"]
         if form == "dequantize_linear":
-            if zp_type is not None and zp_type != src_type:
-                raise NoMatch(
-                    f"zps {zps!r} is {zp_type} but src is {src_type}; DequantizeLinear needs both "
-                    "of one type (the arithmetic form follows)"
-                )
-            if scale_type != "float32":
-                raise NoMatch(
-                    f"scales {scales!r} is {scale_type}; onnxruntime has no DequantizeLinear "
-                    "kernel for it (the arithmetic form follows)"
-                )
+            _check_dequantize_linear_form(src_type, scales, scale_type, zps, zp_type)
             min_opset = kernel_opsets.qdq_opset(False, src_type, per_axis=per_channel) or 0
         else:
             if per_channel and rank is None:
