@@ -845,3 +845,26 @@ def test_an_op_taken_only_inside_a_chain_and_raw_integer_tensors():
         helper.make_node("Gather", ["t", "ids"], ["y"], name="gather"),
     ]
     assert check_model(_graph(lookup, [ids], [out], [table, f(np.float32(0.1), "s"), f(np.uint8(3), "z")]), qnn) == []
+
+
+def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
+    """A rule that matches a refused node but declines it is weighed with the engine's reason, so
+    `inspect --target` says what would make it apply (here: the reduction length of an activation
+    x activation QLinearMatMul, which the bounded QDQ rewrite needs and the model does not record)."""
+    f = onnx.numpy_helper.from_array
+    consts = [f(np.float32(0.1), "s"), f(np.uint8(128), "z")]
+    node = helper.make_node("QLinearMatMul", ["a", "s", "z", "b", "s", "z", "s", "z"], ["y"], name="mm")
+    inputs = [
+        helper.make_tensor_value_info("a", TensorProto.UINT8, [2, "k"]),
+        helper.make_tensor_value_info("b", TensorProto.UINT8, ["k", 3]),
+    ]
+    model = _graph([node], inputs, [helper.make_tensor_value_info("y", TensorProto.UINT8, [2, 3])], consts)
+    path = tmp_path / "mm.onnx"
+    onnx.save(model, path)
+    plan = plan_for_target(path, load_rules(), load_target("tflite"))
+    (verdict,) = [n for n in plan.nodes if n.node == "mm"]
+    assert verdict.rule is None and verdict.after
+    assert any(
+        c.startswith("qop-matmul (bounded): does not apply here: the reduction length of mm is not recorded")
+        for c in verdict.considered
+    ), verdict.considered

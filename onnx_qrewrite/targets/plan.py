@@ -295,6 +295,8 @@ class _Node:
     candidates: list[str]
     form_rules: list[str]  # every rule of the profile's forms that matches it (the form stage)
     outcome: dict[str, int] = dataclasses.field(default_factory=dict)  # rule -> refused nodes it leaves
+    #: rule -> why it did not rewrite the node when tried (the engine's reason), for the account.
+    declined: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _nodes(
@@ -468,6 +470,12 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             if node is not None and rw.rule in node.candidates:
                 node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
                 applied.add(rw.rule)
+        for left in state.reports[0].unlowered:
+            node = by_site.get((left.scope, left.node))
+            for reason in left.reasons if node is not None else ():
+                rule_id, _, why = reason.partition(": ")
+                if rule_id in node.candidates and why:  # type: ignore[union-attr]
+                    node.declined.setdefault(rule_id, why)  # type: ignore[union-attr]
 
     def best(node: _Node) -> str | None:
         options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
@@ -629,7 +637,8 @@ def _assemble(
                     f"refused node(s) against {without} without it"
                 )
             elif rule_id not in node.outcome:  # type: ignore[union-attr]
-                considered.append(f"{rule_id} ({its_level}): does not apply here")
+                why = node.declined.get(rule_id)  # type: ignore[union-attr]
+                considered.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
             else:
                 n = node.outcome[rule_id]  # type: ignore[union-attr]
                 considered.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
