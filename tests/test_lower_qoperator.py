@@ -461,6 +461,41 @@ def test_int8_softmax_saturates_like_the_kernel_and_needs_its_opset_attribute():
         onnx_qrewrite.rewrite(model)
 
 
+def _softmax_model(inverse_scale: int, shape) -> onnx.ModelProto:
+    node = helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, axis=-1, opset=13)
+    inits = [
+        _const("xs", np.float32(0.1)),
+        _const("xz", np.uint8(0)),
+        _const("ys", np.float32(1 / inverse_scale)),
+        _const("yz", np.uint8(0)),
+    ]
+    model = _model(node, [("x", TensorProto.UINT8, shape)], inits, TensorProto.UINT8)
+    model.graph.output[0].CopyFrom(helper.make_tensor_value_info("y", TensorProto.UINT8, shape))
+    return model
+
+
+@rule_marker("qop-softmax", "negative")
+def test_uint8_softmax_over_one_value_is_left_where_onnxruntime_gives_0():
+    """Softmax over one value is 1: onnxruntime 1.31.1's uint8 kernel gives 1/y_scale up to 148 and
+    0 from 149 on (the rewrite, min(255, 1/y_scale)). Where the recorded shape shows a length-1
+    axis, the node stays, with that reason; where the length is unknown, the rewrite says so in its
+    note; a longer axis is lowered as before."""
+    x = np.full((2, 1), 7, np.uint8)
+    assert run(_softmax_model(148, [2, 1]), {"x": x})["y"].ravel().tolist() == [148, 148]
+    assert run(_softmax_model(149, [2, 1]), {"x": x})["y"].ravel().tolist() == [0, 0]
+    assert run(_softmax_model(256, [2, 1]), {"x": x})["y"].ravel().tolist() == [0, 0]
+    rewritten = onnx_qrewrite.rewrite(_softmax_model(148, [2, 1])).model
+    assert run(rewritten, {"x": x})["y"].ravel().tolist() == [148, 148]
+    with pytest.raises(LoweringError, match="kernel gives 0"):
+        onnx_qrewrite.rewrite(_softmax_model(256, [2, 1]))
+    unknown = onnx_qrewrite.rewrite(_softmax_model(256, [2, "n"]))
+    assert any("length 1 at run time" in n for n in unknown.report.rewrites[0].notes)
+    longer = np.array([[200, 0, 0, 0]], np.uint8)
+    model = _softmax_model(256, [1, 4])
+    expected = run(model, {"x": longer})["y"]
+    assert run(onnx_qrewrite.rewrite(model).model, {"x": longer})["y"].tolist() == expected.tolist()
+
+
 @rule_marker("qop-add", "negative")
 @rule_marker("qop-mul", "negative")
 @rule_marker("qop-concat", "negative")

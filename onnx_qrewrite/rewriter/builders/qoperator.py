@@ -27,7 +27,9 @@ What that costs against onnxruntime's kernels (measured, ``tests/test_lower_qope
 - **QLinearSoftmax**: the kernel multiplies by ``floor(1 / y_scale)`` instead of dividing by
   ``y_scale``; with ``1 / y_scale`` an integer (1/256, what onnxruntime's quantizer writes) that is
   **one step**, otherwise two. (Its source reads as if int8 outputs above 127 wrapped around; the
-  1.31.1 kernel saturates them, measured with p = 1, scale 1/256 and zero point -128.)
+  1.31.1 kernel saturates them, measured with p = 1, scale 1/256 and zero point -128.) Its uint8
+  kernel is wrong over a single value (p = 1): 0 once floor(1 / y_scale) > 148. The rule leaves
+  such a node where the shape shows the length-1 axis, and says so where the length is unknown.
 
 On x86 CPUs without VNNI (AVX2), onnxruntime multiplies uint8 activations by int8 weights with
 ``vpmaddubsw``, which saturates the sum of two adjacent products to int16: with weights beyond
@@ -439,6 +441,25 @@ def _pair_excess(op: str, weights: np.ndarray, channel_axis: int, a_dtype: str, 
     return u8s8.pair_excess(rows, "int8", any_pairing=op == "QLinearConv").astype(np.float64)
 
 
+#: onnxruntime 1.31.1's uint8 QLinearSoftmax over a single value (where softmax is 1) returns 0
+#: once floor(1 / y_scale) exceeds this (zero point 0: 148 -> 148, 149 -> 0, 256 -> 0), instead of
+#: min(255, 1 / y_scale). Measured (tests/test_lower_qoperator.py); the int8 kernel is right there.
+_UINT8_SOFTMAX_OF_ONE_LIMIT = 148
+
+
+def _softmax_length(site: Site, attrs: dict[str, Any], x: str) -> int | None:
+    """How many values each softmax normalises, where the recorded shape says (None: unknown)."""
+    shape = value_shape(site.scope, x, site.same_shape_ops)
+    if shape is None:
+        return None
+    legacy = int(attrs["opset"]) < 13
+    axis = int(attrs.get("axis", 1 if legacy else -1))
+    if not -len(shape) <= axis < len(shape):
+        return None
+    dims = shape[axis:] if legacy else (shape[axis],)  # opset < 13: flattened from axis on
+    return None if any(d is None for d in dims) else math.prod(d for d in dims if d is not None)
+
+
 def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) -> tuple[float, str]:
     if "opset" not in attrs:
         raise NoMatch("malformed node: QLinearSoftmax needs its 'opset' attribute (onnxruntime requires it)")
@@ -447,7 +468,20 @@ def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) 
     multiplier = math.floor(inverse)
     integral = float(inverse) == multiplier
     bound = 1.0 if integral else 2.0
-    return bound, f"kernel multiplies by floor(1/y_scale) = {multiplier}{'' if integral else ' (not 1/y_scale)'}"
+    note = f"kernel multiplies by floor(1/y_scale) = {multiplier}{'' if integral else ' (not 1/y_scale)'}"
+    if inputs[0][3] == "uint8" and multiplier > _UINT8_SOFTMAX_OF_ONE_LIMIT:
+        length = _softmax_length(site, attrs, inputs[0][0])
+        if length == 1:
+            raise NoMatch(
+                f"uint8 softmax over 1 value with 1/y_scale = {multiplier}: onnxruntime's kernel gives 0 "
+                f"there (1/y_scale above {_UINT8_SOFTMAX_OF_ONE_LIMIT}, measured), not the softmax's 1"
+            )
+        if length is None:
+            note += (
+                "; if the softmax axis has length 1 at run time, onnxruntime's uint8 kernel gives 0, not 1 "
+                "(verify reports it at this node)"
+            )
+    return bound, note
 
 
 # ------------------------------------------------------------------------------------ building
