@@ -10,6 +10,7 @@ provenance metadata (:mod:`onnx_qrewrite.rewriter.provenance`, compact or full);
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 
@@ -70,11 +71,15 @@ def _inferred(model: onnx.ModelProto) -> onnx.ModelProto:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=False, strict_mode=False)
     except Exception:  # noqa: BLE001 - onnx raises several types for models it cannot infer
         return model
-    _type_contrib_qlinear(inferred.graph)
+    if _type_contrib_qlinear(inferred.graph):
+        # Once typed, what reads their outputs can be typed too (a Reshape -> Transpose between two
+        # QLinear ops runs on uint8, which a target may refuse): infer again from the new records.
+        with contextlib.suppress(Exception):  # as above
+            inferred = onnx.shape_inference.infer_shapes(inferred, check_type=False, strict_mode=False)
     return inferred
 
 
-def _type_contrib_qlinear(graph: onnx.GraphProto) -> None:
+def _type_contrib_qlinear(graph: onnx.GraphProto) -> bool:
     """onnx has no schemas for onnxruntime's com.microsoft QLinear* ops, so their outputs stay
     untyped and what consumes them could not be judged by type (a Flatten on their uint8 output
     looked typeless as given and was refused once rewritten). Their output is the quantized type T
@@ -82,6 +87,7 @@ def _type_contrib_qlinear(graph: onnx.GraphProto) -> None:
     known = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.output, *graph.value_info)}
     known.update({t.name: t.data_type for t in graph.initializer})
     eight_bit = (onnx.TensorProto.UINT8, onnx.TensorProto.INT8)
+    added = False
     for node in graph.node:
         if node.domain != "com.microsoft" or not node.op_type.startswith("QLinear") or not node.output:
             continue
@@ -92,6 +98,8 @@ def _type_contrib_qlinear(graph: onnx.GraphProto) -> None:
         if elem is not None:
             graph.value_info.append(onnx.helper.make_tensor_value_info(out, elem, None))
             known[out] = elem
+            added = True
+    return added
 
 
 def model_level_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:

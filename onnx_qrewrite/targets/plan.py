@@ -413,6 +413,9 @@ class _Context:
     external: Any
     target_opset: int | None
     keep_opset: bool
+    #: (scope, engine label) -> rule -> (stage, why it did not apply there): the deepest stage
+    #: that tried it, whose model is the most rewritten (inspect says why a rule was not used).
+    why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -421,6 +424,7 @@ class _Stage:
     nodes: list[_Node]
     trials: dict[str, tuple[int, int]]
     applied: set[str]
+    why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
 
 
 def _may_follow(state: _State, ctx: _Context) -> bool:
@@ -454,6 +458,16 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             node_rules=dict(node_rules),
         )
         rewritten, report, used = _rewrite(model, ctx.catalogue, ctx.external, options)
+        for left in report.unlowered:
+            known = ctx.why.setdefault((left.scope, left.node), {})
+            for reason in left.reasons:
+                rule_id, _, why = reason.partition(": ")
+                if why and known.get(rule_id, (-1, ""))[0] <= depth:
+                    known[rule_id] = (depth, why)
+        for done in report.rewrites if depth else ():  # a rule that applies only at a later stage
+            known = ctx.why.setdefault((done.scope, done.node), {})
+            if known.get(done.rule, (-1, ""))[0] <= depth:
+                known[done.rule] = (depth, "")
         state = _State(rewritten, [report], [used], check_model(rewritten, ctx.profile))
         if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
             state = _follow(state, ctx, depth)
@@ -524,11 +538,43 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
         trials[_listed_as(request)] = (len(tried_state.after), len(state.after))
         if len(tried_state.after) < len(state.after):
             choice, state = trial, tried_state
+    if depth == 0 and state.after and MAX_STAGES > 1:
+        deferred = _deferrable(model, nodes, choice)
+        if deferred:
+            trial = {**choice, **dict.fromkeys(deferred, ())}
+            tried_state = settle(trial)
+            if len(tried_state.after) < len(state.after):
+                choice, state = trial, tried_state
     if len(state.after) > len(before):  # never make things worse, whatever the interactions
         state = run(dict.fromkeys(choice, ()))
     elif depth > 0:  # a later stage's choice, then the stages after it
         state = _follow(state, ctx, depth)
-    return _Stage(state, nodes, trials, applied)
+    return _Stage(state, nodes, trials, applied, ctx.why)
+
+
+def _deferrable(
+    model: onnx.ModelProto, nodes: list[_Node], choice: dict[tuple[str, int], tuple[str, ...]]
+) -> list[tuple[str, int]]:
+    """Refused nodes worth leaving to the next stage: the first stage rewrites one of their
+    producers, and one of their rules did not apply to the node as it is, so it may apply to what
+    that producer becomes (a DequantizeLinear reading a QLinear op's output: once the op is lowered
+    it reads a QuantizeLinear, and the float emulation's pair rule takes the two; rewriting the
+    DequantizeLinear alone in the first stage leaves that QuantizeLinear's uint8 output refused)."""
+    rewritten: set[tuple[str, str]] = set()
+    by_key = {n.key: n for n in nodes}
+    scopes = {scope.path: scope for scope in iter_scopes(model)}
+    for key, rules in choice.items():
+        if rules:
+            rewritten.update((key[0], out) for out in scopes[key[0]].container.node[key[1]].output if out)
+    out = []
+    for key, rules in choice.items():
+        node = by_key[key]
+        if not rules or not node.refused or all(r in node.outcome for r in node.candidates):
+            continue
+        proto = scopes[key[0]].container.node[key[1]]
+        if any((key[0], name) in rewritten for name in proto.input if name):
+            out.append(key)
+    return out
 
 
 def _follow(state: _State, ctx: _Context, depth: int) -> _State:
@@ -637,8 +683,15 @@ def _assemble(
                     f"refused node(s) against {without} without it"
                 )
             elif rule_id not in node.outcome:  # type: ignore[union-attr]
-                why = node.declined.get(rule_id)  # type: ignore[union-attr]
-                considered.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
+                depth, why = top.why.get((r.scope, site), {}).get(rule_id, (0, ""))
+                why = why or node.declined.get(rule_id, "")  # type: ignore[union-attr]
+                if depth and not why:
+                    considered.append(
+                        f"{rule_id} ({its_level}): applies only to what stage {depth + 1} sees (after earlier stages' "
+                        f"rewrites), and there leaves {profile.id} as much or more to refuse"
+                    )
+                else:
+                    considered.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
             else:
                 n = node.outcome[rule_id]  # type: ignore[union-attr]
                 considered.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")

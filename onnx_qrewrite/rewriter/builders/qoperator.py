@@ -368,6 +368,11 @@ def _accumulation_bound(
             raise NoMatch(f"{op}: the weights {b!r} are computed at run time")
         k_dim = _dim(site, b, -2) if (_rank(site, b) or 0) >= 2 else _dim(site, a, -1)
         if k_dim is None:
+            if _rank(site, b) is not None:  # the shape is recorded, the dimension is symbolic
+                raise NoMatch(
+                    f"the reduction length of {site.label} (a dimension of {b!r}) is not fixed in the model, and "
+                    "the bound on float32 accumulation grows with it"
+                )
             raise NoMatch(
                 f"the reduction length of {site.label} is not recorded in the model; run shape inference first"
             )
