@@ -59,7 +59,8 @@ _DTYPE_NAMES: dict[int, str] = {
 
 def dtype_name(elem_type: int) -> str:
     """Readable name of an ONNX element type, as used in rule files and reports."""
-    return _DTYPE_NAMES.get(elem_type, onnx.TensorProto.DataType.Name(elem_type).lower())
+    name = _DTYPE_NAMES.get(elem_type)  # not .get(k, default): the default would be computed every call
+    return name if name is not None else onnx.TensorProto.DataType.Name(elem_type).lower()
 
 
 def known_shape(shape: Sequence[int | None] | None) -> tuple[int, ...] | None:
