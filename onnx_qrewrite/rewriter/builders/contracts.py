@@ -127,9 +127,6 @@ WEIGHT_ONLY_ROLES = ("rewrite", "remove_dead")
 DYNAMIC_QDQ_QUANTIZE = ("expand", "keep")
 WEIGHT_ONLY_WEIGHTS = ("dequantize", "float")
 WEIGHT_ONLY_PATTERNS = ("matmul", "gather")
-#: qdq_movement: the data-movement ops it moves between a DequantizeLinear and a QuantizeLinear
-#: (each output element is one input element, so Q(op(DQ(u))) = op(u) wherever Q(DQ(c)) = c).
-QDQ_MOVEMENT_OPS = ("Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Gather")
 #: qoperator_to_qdq: the ops it replaces, and the exactness of each (unless ``u8s8_saturation`` is
 #: "ignore"): exact where the float op cannot round (Concat, and the lookup-table ops whose
 #: onnxruntime kernel is the float op then QuantizeLinear), one step otherwise.
@@ -659,14 +656,6 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             ),
             preserves_shape=True,
             opset=_qdq_decompose_opset,
-        ),
-    ),
-    "qdq_movement": (
-        "qdq_movement",
-        Contract(
-            options=(),
-            emits=frozenset({"DequantizeLinear", "QuantizeLinear", *QDQ_MOVEMENT_OPS}),
-            opset=lambda options, dtypes: kernel_opsets.describe(True, sorted(dtypes) if dtypes is not None else None),
         ),
     ),
 }
