@@ -865,6 +865,6 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     (verdict,) = [n for n in plan.nodes if n.node == "mm"]
     assert verdict.rule is None and verdict.after
     assert any(
-        c.startswith("qop-matmul (bounded): does not apply here: the reduction length of mm is not recorded")
+        c.startswith("qop-matmul (bounded): does not apply here: the reduction length of mm (a dimension of 'b')")
         for c in verdict.considered
     ), verdict.considered
