@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,16 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 PY = sys.executable
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+#: Popen keywords for a child that a test interrupts with SIGINT. A shell without job control
+#: starts background commands with SIGINT ignored, the children inherit that, and Python then
+#: leaves SIGINT ignored (no KeyboardInterrupt ever): seen when the suite ran as `pytest ... &`.
+INTERRUPTIBLE = {"preexec_fn": _sigint_default}
 #: The bytes of a secret file outside the model's folder: must never appear in any output.
 CANARY = (b"CANARY-SECRET-" * 200)[:2048]
 

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from _safety_helpers import PY, batch_task, cli, dql_model
+from _safety_helpers import INTERRUPTIBLE, PY, batch_task, cli, dql_model
 
 from onnx_qrewrite.cli.batch import run_tasks
 from onnx_qrewrite.errors import EXIT_INTERNAL
@@ -89,6 +89,7 @@ def test_sigterm_and_sigint_stop_a_batch_promptly_and_cleanly(tmp_path):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            **INTERRUPTIBLE,
         )
         deadline = time.monotonic() + 60
         workers: set[int] = set()

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from _safety_helpers import PY, cli, digest, dql_model, one_error_line
+from _safety_helpers import INTERRUPTIBLE, PY, cli, digest, dql_model, one_error_line
 from conftest import assert_bitwise_equal, run
 
 import onnx_qrewrite
@@ -263,6 +263,7 @@ def test_sigterm_and_sigint_leave_no_temporaries(tmp_path, sig):
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            **INTERRUPTIBLE,
         )
         deadline = time.monotonic() + delay
         early = 128 + sig not in codes  # until one signal has landed mid-write
@@ -341,7 +342,12 @@ def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
         )
     )
     proc = subprocess.run(
-        [PY, str(script)], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)}
+        [PY, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
+        **INTERRUPTIBLE,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[True, 'interrupted', True, 'body complete', 'interrupted', False, True]"
