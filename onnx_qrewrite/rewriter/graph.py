@@ -222,6 +222,22 @@ class Scope:
         None dims unknown). A name mapped to None is declared here with no shape."""
         return self._own().shapes
 
+    def readers(self) -> dict[str, list[onnx.NodeProto]]:
+        """The nodes of this scope reading each value (a node whose subgraphs read it counts), in
+        node order; forgotten by :meth:`invalidate` like the other indexes."""
+
+        def index() -> dict[str, list[onnx.NodeProto]]:
+            from onnx_qrewrite.io.toposort import outer_reads  # toposort imports this module
+
+            found: dict[str, list[onnx.NodeProto]] = {}
+            for node in self.container.node:
+                for name in set(node.input) | outer_reads(node):
+                    if name:
+                        found.setdefault(name, []).append(node)
+            return found
+
+        return self.memo(("readers",), index)
+
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers
         index = (producers if producers is not None else self._producer_index()).get(name)

@@ -26,13 +26,11 @@ a skipped or declining Cast rule can never leave a Cast reading a removed value.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import onnx
 
-from onnx_qrewrite.io.toposort import outer_reads
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.integer_matmul import IntegerMatMulBuilder
@@ -43,20 +41,6 @@ __all__ = ["IntegerMatMulFloatOutputBuilder"]
 _T = onnx.TensorProto
 _PRODUCERS = ("MatMulInteger", "ConvInteger")
 _EXACT = IntegerMatMulBuilder()
-#: Readers of each value of a scope (nodes whose subgraphs read it count as readers), per scope.
-_READERS: weakref.WeakKeyDictionary[Scope, dict[str, list[onnx.NodeProto]]] = weakref.WeakKeyDictionary()
-
-
-def _readers(scope: Scope) -> dict[str, list[onnx.NodeProto]]:
-    found = _READERS.get(scope)
-    if found is None:
-        found = {}
-        for node in scope.container.node:
-            for name in set(node.input) | outer_reads(node):
-                if name:
-                    found.setdefault(name, []).append(node)
-        _READERS[scope] = found
-    return found
 
 
 def _graph_outputs(scope: Scope) -> set[str]:
@@ -78,7 +62,7 @@ def _fold(site: Site, producer: onnx.NodeProto) -> Plan:
     if producer.op_type not in _PRODUCERS or producer.domain not in ("", "ai.onnx"):
         raise NotApplicable(f"{producer.op_type} is not an integer matmul or convolution")
     y = producer.output[0] if len(producer.output) == 1 else ""
-    readers = _readers(site.scope).get(y, []) if y else []
+    readers = site.scope.readers().get(y, []) if y else []
     if len(readers) != 1 or not _is_cast_to_float(readers[0]) or y in _graph_outputs(site.scope):
         raise NotApplicable(f"its int32 output {y!r} is observed by more than one Cast to float")
     own = Site(producer, site.scope, site.same_shape_ops)

@@ -78,18 +78,6 @@ def _data_inputs(node: onnx.NodeProto) -> list[int]:
     return [0]
 
 
-def _readers(scope: Scope) -> dict[str, list[onnx.NodeProto]]:
-    def index() -> dict[str, list[onnx.NodeProto]]:
-        found: dict[str, list[onnx.NodeProto]] = {}
-        for node in scope.container.node:
-            for name in node.input:
-                if name:
-                    found.setdefault(name, []).append(node)
-        return found
-
-    return scope.memo(("qdq-wrap-readers",), index)
-
-
 def _is_move(node: onnx.NodeProto) -> bool:
     return node.domain in _STANDARD and node.op_type in QDQ_WRAP_OPS
 
@@ -116,7 +104,7 @@ def _candidates(scope: Scope, name: str) -> list[tuple[str, str]]:
                     out.append((producer.input[s], producer.input[z] if z < len(producer.input) else ""))
             elif _is_move(producer) and producer.input[0]:
                 todo.append(producer.input[0])
-        for reader in _readers(scope).get(value, []):
+        for reader in scope.readers().get(value, []):
             op, domain = reader.op_type, reader.domain
             if domain not in (*_STANDARD, "com.microsoft"):
                 continue
@@ -192,7 +180,7 @@ class QdqWrapBuilder:
         dtype = _dtype(site, site.input(0))
         if dtype not in _QUANTIZED:
             raise NotApplicable(f"{node.op_type} on {dtype or 'a tensor of unknown type'}, not uint8/int8")
-        readers = _readers(site.scope).get(node.output[0], [])
+        readers = site.scope.readers().get(node.output[0], [])
         if (
             node.op_type == "Gather"
             and site.constant(node.input[0]) is not None
