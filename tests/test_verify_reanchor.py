@@ -12,8 +12,10 @@ last bounded one, an exact node between two bounded ones); explicit tolerances k
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import onnx
 import pytest
@@ -22,7 +24,7 @@ from onnx import numpy_helper
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
-from onnx_qrewrite.verify import Tolerances, verify
+from onnx_qrewrite.verify import SCHEMA_PATH, Tolerances, verify
 from onnx_qrewrite.verify.reanchor import ORIGINAL_SUFFIX, cut_at
 
 FORM = load_catalogue([named_form("qdq")])
@@ -38,15 +40,48 @@ def models(tmp_path_factory) -> dict[str, tuple[Path, onnx.ModelProto]]:
 
 
 def _outputs(report):
-    return [o for o in report.outputs if " (" not in o.name]
+    return report.rows("output")
 
 
 def _boundary_rows(report):
-    return [o for o in report.outputs if "(read by the replacement of " in o.name]
+    return report.rows("value-read")
 
 
 def _bound_rows(report):
-    return [o for o in report.outputs if "(node " in o.name]
+    return report.rows("bound")
+
+
+def test_rows_have_the_role_their_names_say(models):
+    """Each row's role matches what its label shows (outputs plain, bounds '(node ...', values read
+    '(read by the replacement of ...'), and every row has one of the three."""
+    original, rewritten = models["mlp-u8"]
+    report = verify(original, rewritten, samples=2)
+    assert [o.name for o in _outputs(report)] == ["y"]
+    assert all("(node " in o.name for o in _bound_rows(report)) and len(_bound_rows(report)) == 4
+    assert all("(read by the replacement of " in o.name for o in _boundary_rows(report))
+    assert len(_boundary_rows(report)) == 12
+    assert len(report.outputs) == 1 + 4 + 12
+
+
+def test_the_summary_counts_outputs_apart_from_the_checked_values(models):
+    """The MLP has one output; the 4 bounded replacements and the 12 values they read are checked
+    too, and said so, not counted as outputs (it once said "17 outputs agree"). The JSON report has
+    the same counts and each row's role."""
+    original, rewritten = models["mlp-u8"]
+    report = verify(original, rewritten, samples=2)
+    assert report.summary == (
+        "PASSED | 1 output agrees on 6 samples (opt-level disable); 1 against the re-anchored original "
+        "(bounded rewrites); also checked: 4 bounded replacements within their bounds, 12 values the bounded "
+        "replacements read"
+    )
+    data = report.to_dict()
+    assert data["counts"] == {
+        "output": {"checked": 1, "failed": 0},
+        "bound": {"checked": 4, "failed": 0},
+        "value-read": {"checked": 12, "failed": 0},
+    }
+    assert [o["role"] for o in data["outputs"]] == [o.role for o in report.outputs]
+    jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(json.loads(json.dumps(data)))
 
 
 @pytest.mark.parametrize("name", ["mlp-u8", "mlp-s8-per-channel-fused", "cnn-u8", "cnn", "bert", "bert-fused"])
@@ -111,6 +146,9 @@ def test_a_broken_bounded_node_still_fails_at_its_node(models, name, how):
     failing = [o for o in report.outputs if not o.passed]
     origin = dq.name.rpartition("/")[0]  # the replacement's prefix: the replaced node's name or output
     assert any("(node " in o.name and origin in o.name for o in failing), report.to_table()
+    bad = [o for o in _bound_rows(report) if not o.passed]
+    assert f"{len(bad)} of {len(_bound_rows(report))} bounded replacements beyond their bounds: " in report.summary
+    assert report.to_dict()["counts"]["bound"] == {"checked": len(_bound_rows(report)), "failed": len(bad)}
 
 
 def test_a_broken_exact_node_after_the_last_bounded_one_fails_at_the_output(models):
@@ -146,6 +184,8 @@ def test_a_broken_exact_node_between_two_bounded_ones_fails_where_the_next_one_r
     failing = [o for o in report.outputs if not o.passed]
     assert failing and all(o in _boundary_rows(report) for o in failing), report.to_table()
     assert all(o.reference == "re-anchored" and "read by the replacement of y" in o.name for o in failing)
+    assert report.summary.startswith("FAILED | 0 of 1 outputs differ on 6 samples (opt-level disable); ")
+    assert f"; {len(failing)} of 12 values the bounded replacements read differ: {failing[0].name}" in report.summary
     # On the wide-range sample the first bounded matmul already differs from the plain original
     # beyond the default tolerance (within its bound): localised against the plain original, it
     # would be named.

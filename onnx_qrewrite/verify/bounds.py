@@ -246,7 +246,9 @@ def check_bounds(
                     )
     # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
     return [
-        dataclasses.replace(merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size))
+        dataclasses.replace(
+            merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size), role="bound"
+        )
         for parts in per_value.values()
     ]
 

@@ -37,6 +37,7 @@ from onnx_qrewrite.verify.drift import Drift, DriftThreshold, measure_drift, mer
 __all__ = [
     "DEFAULT_FLOAT_TOLERANCES",
     "MAX_LSB",
+    "ROLES",
     "TOLERANCE_RULES",
     "Tolerance",
     "Tolerances",
@@ -47,6 +48,9 @@ __all__ = [
     "merge_comparisons",
     "parse_tolerance_option",
 ]
+
+#: What a comparison row checks (:attr:`ValueComparison.role`).
+ROLES: tuple[str, ...] = ("output", "bound", "value-read")
 
 #: (atol, rtol) per floating dtype when no ``--atol`` / ``--rtol`` is given: about one unit in the
 #: last place for the narrow types, a few for float32/float64. The default session settings compare
@@ -210,6 +214,11 @@ class ValueComparison:
     #: With a re-anchored reference: the same value compared with the plain original, for
     #: information (its drift through the bounded replacements); it does not decide the verdict.
     against_original: ValueComparison | None = None
+    #: What the row checks (:data:`ROLES`): a model ``output``; a bounded replacement's value
+    #: within its ``bound`` at its node (:mod:`.bounds`); or a ``value-read``, an intermediate value
+    #: a bounded replacement reads, against the re-anchored original (:mod:`.reanchor`). Only
+    #: outputs are counted as outputs in the summary.
+    role: str = "output"
 
     @property
     def passed(self) -> bool:

@@ -167,7 +167,7 @@ def run_anchored(
         for name, label in boundary.items():
             tol = tolerances.for_value(name, expected[name].dtype)
             comparison = compare_values(label, sample.name, expected[name], actual[name], tol)
-            comparison = dataclasses.replace(comparison, reference="re-anchored")
+            comparison = dataclasses.replace(comparison, reference="re-anchored", role="value-read")
             result.boundary.setdefault(label, []).append((sample.name, comparison))
     assert result is not None, "verify always has at least one sample"
     return result

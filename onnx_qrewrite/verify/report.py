@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from onnx_qrewrite.io.outputs import write_report_file
-from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, Tolerances, ValueComparison
+from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, ROLES, Tolerances, ValueComparison
 from onnx_qrewrite.verify.drift import Drift, DriftDecision, DriftThresholds
 from onnx_qrewrite.verify.inputs import GenerationOptions, Sample, ValueRange
 from onnx_qrewrite.verify.session import SessionSettings
@@ -43,6 +43,23 @@ _REANCHOR_LINE = (
     "against its own bound at its node, on the original's inputs and on the cut original's, and the values "
     "they read are compared with the cut original's"
 )
+
+#: How the summary names each kind of checked value beside the outputs (singular, plural): what
+#: passed, and what failed ("1 of 4 bounded replacements beyond their bounds").
+_CHECKED = {
+    "bound": ("bounded replacement within its bound", "bounded replacements within their bounds"),
+    "value-read": ("value a bounded replacement reads", "values the bounded replacements read"),
+}
+_FAILED = {
+    "bound": ("bounded replacement beyond its bound", "bounded replacements beyond their bounds"),
+    "value-read": ("value a bounded replacement reads differs", "values the bounded replacements read differ"),
+}
+
+
+def _plural(n: int, forms: tuple[str, str]) -> str:
+    """``n`` and the singular or plural form; empty for 0."""
+    return f"{n} {forms[n != 1]}" if n else ""
+
 
 _U8S8_LINE = (
     "reference: {n} uint8 x int8 node(s) of the original (and any such node the rewritten model kept) ran with "
@@ -144,26 +161,50 @@ class VerifyReport:
             return f"INCONCLUSIVE | nothing was compared: {reason}"
         judged = self.settings.drift_decision is not None and self.settings.drift_decision.judged
         drift = "; judged by drift (approximate rewrite)" if judged else ""
-        anchored = sum(o.reference == "re-anchored" for o in self.outputs)
+        outputs = self.rows("output")
+        anchored = sum(o.reference == "re-anchored" for o in outputs)
         if anchored:
             drift += f"; {anchored} against the re-anchored original (bounded rewrites)"
         if self.passed:
-            n = len(self.outputs)
-            empty = sum(o.verdict == "empty" for o in self.outputs)
+            n = len(outputs)
+            empty = sum(o.verdict == "empty" for o in outputs)
             note = f" ({empty} of them empty: no element compared)" if empty else ""
             agree = "agree" if not judged else "within the drift thresholds"
             if not judged and n == 1:
                 agree += "s"
-            return f"PASSED | {n} output{'s' * (n != 1)} {agree}{note} {where}{excluded}{drift}"
-        failed = [o.name for o in self.outputs if not o.passed]
-        text = f"FAILED | {len(failed)} of {len(self.outputs)} outputs differ {where}: {', '.join(failed)}{excluded}"
-        text += drift
+            text = f"PASSED | {n} output{'s' * (n != 1)} {agree}{note} {where}{excluded}{drift}"
+            checked = [_plural(len(self.rows(role)), _CHECKED[role]) for role in ("bound", "value-read")]
+            checked = [c for c in checked if c]
+            return text + (f"; also checked: {', '.join(checked)}" if checked else "")
+        failed = [o.name for o in outputs if not o.passed]
+        text = f"FAILED | {len(failed)} of {len(outputs)} outputs differ {where}"
+        text += f": {', '.join(failed)}" if failed else ""
+        for role in ("bound", "value-read"):
+            rows = self.rows(role)
+            bad = [o.name for o in rows if not o.passed]
+            if bad:
+                text += f"; {len(bad)} of {_plural(len(rows), _FAILED[role])}: {', '.join(bad)}"
+        text += excluded + drift
         loc = self.localization
         if loc is not None and loc.found:
             text += f"; first differing node {loc.node!r}"
             if loc.rule:
                 text += f" (rule {loc.rule})"
         return text
+
+    def rows(self, role: str) -> list[ValueComparison]:
+        """The comparison rows of ``role`` (``output``, ``bound`` or ``value-read``; see
+        :attr:`ValueComparison.role`), in report order."""
+        return [o for o in self.outputs if o.role == role]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per role, how many rows were checked and how many failed (the JSON report's ``counts``):
+        the outputs apart from the bounded replacements' values and the values they read."""
+        return {
+            role: {"checked": len(rows), "failed": sum(not o.passed for o in rows)}
+            for role in ROLES
+            for rows in [self.rows(role)]
+        }
 
     # -- JSON -------------------------------------------------------------------------------
 
@@ -210,6 +251,7 @@ class VerifyReport:
             },
             "inputs": {"samples": [_sample_dict(sample) for sample in self.samples]},
             "outputs": [_comparison_dict(o) for o in self.outputs],
+            "counts": self.counts(),
             "verdict": self.verdict_key,
             "inconclusive_reason": self.inconclusive_reason,
             "excluded_samples": [_hazard_dict(h) for h in self.excluded],
@@ -469,6 +511,7 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "failed_samples": list(dict.fromkeys(o.failed_samples)),
         "drift": None if o.drift is None else _drift_dict(o.drift),
         "reference": o.reference,
+        "role": o.role,
         "against_original": None if o.against_original is None else _comparison_dict(o.against_original),
     }
 
