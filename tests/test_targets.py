@@ -205,6 +205,28 @@ def _built_models() -> list[onnx.ModelProto]:
     return [helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]) for g in (qdq, mmi)]
 
 
+def _lookup_model() -> onnx.ModelProto:
+    """A BERT-like embedding: a Gather of a float table by run-time ids, and the sequence length
+    by Shape -> Gather (what the quantize_dynamic BERTs still hold once their weights are float)."""
+    ids = helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 4])
+    n = helper.make_tensor_value_info("n", TensorProto.INT64, [1])
+    table = helper.make_tensor("table", TensorProto.FLOAT, [8, 4], [float(v) for v in range(32)])
+    one = helper.make_tensor("one", TensorProto.INT64, [1], [1])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", "ids"], ["y"], name="lookup"),
+            helper.make_node("Shape", ["ids"], ["shape"], name="shape"),
+            helper.make_node("Gather", ["shape", "one"], ["n"], name="seq_len"),
+        ],
+        "lookup",
+        [ids],
+        [y, n],
+        [table, one],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def _mobile_models() -> list[onnx.ModelProto]:
     from onnx_qrewrite import rewrite
 
@@ -212,7 +234,33 @@ def _mobile_models() -> list[onnx.ModelProto]:
     for path in (SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_cnn.onnx", REAL_MODELS / "ortdyn_cnn_op17_w8u.onnx"):
         out.append(onnx.load(path))
         out.append(rewrite(onnx.load(path)).model)
+    # What rewrite --target coreml writes, Flatten and Gather as Reshape and GatherND included
+    # (form movement-equivalents): the checker must find nothing it cannot place either.
+    for model in (
+        onnx.load(SAMPLES / "dynamic_cnn.onnx"),
+        onnx.load(REAL_MODELS / "quark_cnn_op17_fp16.onnx"),
+        _lookup_model(),
+    ):
+        out.append(model)
+        out.append(rewrite(model, target="coreml").model)
     return out
+
+
+def test_coreml_reaches_flatten_and_gather_through_exact_equivalents():
+    """Flatten and Gather, which CoreML's ML Program format has no builder for, are rewritten by the
+    exact movement-equivalents form the profile names, and nothing is refused after it."""
+    from onnx_qrewrite import rewrite
+
+    profile = load_target("coreml")
+    for model, refused in (
+        (onnx.load(REAL_MODELS / "quark_cnn_op17_fp16.onnx"), {"Flatten"}),
+        (_lookup_model(), {"Gather"}),
+    ):
+        assert {r.op for r in check_model(model, profile)} >= refused
+        result = rewrite(model, target="coreml")
+        assert not check_model(result.model, profile), model.graph.name
+        assert result.report.target["refused_after"] == 0
+        assert {"flatten-as-reshape", "gather-as-gathernd"} & set(result.report.by_rule())
 
 
 @pytest.mark.parametrize(

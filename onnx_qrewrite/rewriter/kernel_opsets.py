@@ -60,6 +60,10 @@ FORMS: dict[str, int] = {
     "integer-matmul": 10,
     # Cast to bfloat16, Reshape of runtime scales.
     "dynamic-dequantize-arithmetic": 13,
+    # Reshape with its shape as an input: 5 (Flatten -> Reshape).
+    "reshape": 5,
+    # GatherND, and Unsqueeze on a negative axis: 11 (Gather -> GatherND).
+    "gather-nd": 11,
 }
 
 

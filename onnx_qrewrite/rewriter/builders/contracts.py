@@ -596,6 +596,17 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=_qoperator_opset,
         ),
     ),
+    "movement_equivalent": (
+        "movement_equivalent",
+        Contract(
+            options=(),
+            emits=frozenset({"Reshape", "GatherND", "Unsqueeze", "Transpose", "Cast"}),
+            opset=lambda options, dtypes: (
+                f"Flatten -> Reshape: {kernel_opsets.FORMS['reshape']}; "
+                f"Gather -> GatherND: {kernel_opsets.FORMS['gather-nd']}"
+            ),
+        ),
+    ),
     "qdq_wrap": (
         "qdq_wrap",
         Contract(
