@@ -246,6 +246,20 @@ def _mobile_models() -> list[onnx.ModelProto]:
     return out
 
 
+def test_webgpu_profile_takes_what_its_pinned_kernel_registry_registers():
+    """Pinned to onnxruntime commit 577b8d6b, where the WebGPU EP registers Identity (the last
+    refusal on the quantize_dynamic and MatMulNBits models after their rewrite) but still no
+    QuantizeLinear, Round or IsNaN (so no exact float emulation of the quantizers either)."""
+    profile = load_target("webgpu")
+    assert "577b8d6bf9a87f62b2d18f5097a3d173152caff0" in profile.sources["kernels"].version
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    ops = ["Identity", "GatherND", "Min", "Max", "QuantizeLinear", "Round", "IsNaN"]
+    nodes = [helper.make_node(op, ["x"], [f"y{i}"], name=op) for i, op in enumerate(ops)]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info(f"y{i}", 1, [2]) for i in range(7)])
+    refused = {r.op for r in check_model(helper.make_model(graph), profile)}
+    assert refused == {"QuantizeLinear", "Round", "IsNaN"}
+
+
 def test_coreml_reaches_flatten_and_gather_through_exact_equivalents():
     """Flatten and Gather, which CoreML's ML Program format has no builder for, are rewritten by the
     exact movement-equivalents form the profile names, and nothing is refused after it."""
