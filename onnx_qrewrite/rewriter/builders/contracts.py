@@ -58,6 +58,14 @@ EMULATION_DIRECTION = Option(
     doc="which op the rule replaces: quantize, dequantize, pair (a DequantizeLinear of a QuantizeLinear, as one "
     "float expression) or remove (a QuantizeLinear left unread by the pair rule)",
 )
+EMULATION_ELEMENTWISE = Option(
+    "elementwise",
+    str,
+    "standard",
+    allowed=("standard", "comparisons"),
+    doc="standard: Round and IsNaN; comparisons: Round half to even from Floor, Sub, Mul, Add, Equal, Greater, "
+    "Less, Abs and Where, and IsNaN as Not(Equal(x, x)), for targets without Round and IsNaN kernels (WebGPU)",
+)
 AXIS_DEFAULT = Option(
     "axis_default", int, 1, doc="the axis the vendor kernel uses when the node has no axis attribute (written out)"
 )
@@ -396,10 +404,11 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_float_emulation": (
         "float_emulation",
         Contract(
-            options=(EMULATION_DIRECTION,),
+            options=(EMULATION_DIRECTION, EMULATION_ELEMENTWISE),
             emits=frozenset(
                 {"Div", "Round", "Add", "Clip", "IsNaN", "Where", "Cast", "Sub", "Mul", "Reshape"}
                 | {"GreaterOrEqual", "Less", "And"}
+                | {"Floor", "Abs", "Equal", "Greater", "Not"}
             ),
             preserves_shape=True,
             opset=lambda options, dtypes: str(FLOAT_EMULATION_MIN_OPSET),

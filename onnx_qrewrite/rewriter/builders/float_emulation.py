@@ -20,6 +20,16 @@ nearest even, by the last ``Cast``. Round is half-to-even like the kernel's ``ne
 ``Clip`` saturates +-inf; NaN gives qmin as in onnxruntime (a NaN through ``Cast`` to an integer
 type is undefined, hence the ``Where``).
 
+With ``elementwise = "comparisons"`` (targets that run neither Round nor IsNaN: onnxruntime's
+WebGPU execution provider), ``Round(v)`` is computed from ``f = Floor(v)`` and ``d = v - f``:
+``f + 1`` where ``d > 0.5``, ``f + (f - 2 * Floor(f * 0.5))`` (f's parity) where ``d == 0.5``, ``f``
+otherwise, and ``v`` itself where ``|v| >= 2^23`` (already integral; +-inf and NaN pass through too).
+Every step is exact in float32 for ``|v| < 2^23`` except ``d`` for ``-1 < v < 0``, where rounding
+``v + 1`` cannot cross 0.5 in a way that changes the result (``d`` is exact for ``v <= -0.5``, and
+above it both give 0). The value equals Round's; the sign of a zero result can differ (+0 where Round
+gives -0), which every use here erases (the Cast to an integer type; ``+ zp`` or ``+ 0.0`` in the
+pair). ``IsNaN(r)`` is ``Not(Equal(r, r))``. Measured in ``tests/test_float_emulation_comparisons.py``.
+
 Exactness is measured in ``tests/test_float_emulation.py`` against onnxruntime's own kernels (bit
 for bit on every float16 bit pattern and on float32 edge values: 0, -0, ties, +-inf, NaN,
 1e38, denormals, with scales from 1e-45 to 3.4e38). bfloat16 has no onnxruntime kernel to be
@@ -139,12 +149,13 @@ class FloatEmulationBuilder:
         if options["direction"] == "pair":
             q, dq = plan.data["pair"]
             scale, zp = _operands(emit, q)
-            rounded = emit.op1("Round", [emit.op1("Div", [q.x, scale])])
+            rounded = _round(emit, emit.op1("Div", [q.x, scale]), options["elementwise"])
             lo, hi = INTEGER_RANGES[q.dtype]
             value = emit.op1("Add", [rounded, zp]) if zp else rounded
             low = emit.const(np.float32(lo))
             clipped = emit.op1("Clip", [value, low, emit.const(np.float32(hi))], hint="Saturate")
-            chosen = emit.op1("Where", [emit.op1("IsNaN", [rounded]), low, clipped], hint="NaNGivesQmin")
+            nan = _isnan(emit, rounded, options["elementwise"])
+            chosen = emit.op1("Where", [nan, low, clipped], hint="NaNGivesQmin")
             scale, zp = _operands(emit, dq)
             # The Cast to an integer type and back turns -0.0 into +0.0; so does adding +0.0.
             value = emit.op1("Sub", [chosen, zp]) if zp else emit.op1("Add", [chosen, emit.const(np.float32(0.0))])
@@ -155,13 +166,14 @@ class FloatEmulationBuilder:
         scale, zp = _operands(emit, q)
         if q.quantize:
             x = q.x if float_type == _T.FLOAT else emit.op1("Cast", [q.x], to=_T.FLOAT)
-            rounded = emit.op1("Round", [emit.op1("Div", [x, scale])])
+            rounded = _round(emit, emit.op1("Div", [x, scale]), options["elementwise"])
             lo, hi = INTEGER_RANGES[q.dtype]
             if float_type != _T.FLOAT16:  # float32; bfloat16 (no kernel) follows the definition
                 value = emit.op1("Add", [rounded, zp]) if zp else rounded
                 low = emit.const(np.float32(lo))
                 clipped = emit.op1("Clip", [value, low, emit.const(np.float32(hi))], hint="Saturate")
-                chosen = emit.op1("Where", [emit.op1("IsNaN", [rounded]), low, clipped], hint="NaNGivesQmin")
+                nan = _isnan(emit, rounded, options["elementwise"])
+                chosen = emit.op1("Where", [nan, low, clipped], hint="NaNGivesQmin")
             else:
                 chosen = _int32_path(emit, rounded, zp, lo, hi)
             emit.op1("Cast", [chosen], site.node.output[0], to=_TYPES[q.dtype])
@@ -173,6 +185,30 @@ class FloatEmulationBuilder:
             emit.op1("Mul", [value, scale], site.node.output[0])
         else:
             emit.op1("Cast", [emit.op1("Mul", [value, scale])], site.node.output[0], to=float_type)
+
+
+def _round(emit: Emitter, v: str, elementwise: str) -> str:
+    """Round half to even of float32 ``v``: the Round op, or (``comparisons``) the Floor-based
+    equivalent of the module docstring, equal in value (a zero's sign aside)."""
+    if elementwise == "standard":
+        return emit.op1("Round", [v])
+    half, zero, one = (emit.const(np.float32(c)) for c in (0.5, 0.0, 1.0))
+    f = emit.op1("Floor", [v])
+    d = emit.op1("Sub", [v, f], hint="Fraction")
+    halved = emit.op1("Floor", [emit.op1("Mul", [f, half])])
+    odd = emit.op1("Sub", [f, emit.op1("Add", [halved, halved])], hint="Parity")
+    tie = emit.op1("Where", [emit.op1("Equal", [d, half]), odd, zero], hint="TieToEven")
+    step = emit.op1("Where", [emit.op1("Greater", [d, half]), one, tie], hint="Up")
+    r = emit.op1("Add", [f, step])
+    small = emit.op1("Less", [emit.op1("Abs", [v]), emit.const(np.float32(2.0**23))], hint="NotIntegral")
+    return emit.op1("Where", [small, r, v], hint="Rounded")
+
+
+def _isnan(emit: Emitter, x: str, elementwise: str) -> str:
+    """IsNaN(x), or (``comparisons``) Not(Equal(x, x)): NaN is the one value unequal to itself."""
+    if elementwise == "standard":
+        return emit.op1("IsNaN", [x])
+    return emit.op1("Not", [emit.op1("Equal", [x, x])], hint="IsNaN")
 
 
 def _int32_path(emit: Emitter, rounded: str, zp: str, lo: int, hi: int) -> str:
