@@ -260,6 +260,27 @@ def test_webgpu_profile_takes_what_its_pinned_kernel_registry_registers():
     assert refused == {"QuantizeLinear", "Round", "IsNaN"}
 
 
+def test_webgpu_reaches_static_qdq_exactly_without_round_or_isnan():
+    """The float emulation with Round from Floor and comparisons: nothing the WebGPU EP lacks is
+    left (no QuantizeLinear, Round, IsNaN, nor an 8/16-bit tensor computed at run time), and the
+    rewrite gives the original's outputs bit for bit in onnxruntime."""
+    from conftest import assert_bitwise_equal, run
+
+    from onnx_qrewrite import rewrite
+
+    path = SAMPLES / "qdq_contrib_u16.onnx"
+    model = onnx.load(path)
+    result = rewrite(model, target="webgpu")
+    assert result.report.target["refused_after"] == 0
+    assert not check_model(result.model, load_target("webgpu"))
+    assert not {"QuantizeLinear", "Round", "IsNaN"} & {n.op_type for n in result.model.graph.node}
+    assert "float-emulation-qdq-pair" in result.report.by_rule()
+    feeds = dict(np.load(str(path)[: -len(".onnx")] + ".inputs.npz"))
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
+
+
 def test_coreml_reaches_flatten_and_gather_through_exact_equivalents():
     """Flatten and Gather, which CoreML's ML Program format has no builder for, are rewritten by the
     exact movement-equivalents form the profile names, and nothing is refused after it."""
