@@ -131,6 +131,9 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + '\n[network]\nqdq_only_types = ["unit8"]\nsource = "doc"\n', "unknown element type"),
         (lambda t: t + _REFUSE.format('when = "rank-above"\ninputs = [0, 3]\nrank = 2'), ""),
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Add", "Mul"]'), ""),
+        (lambda t: t + _REFUSE.format('when = "unfused-outputs"'), "'ops' goes with"),
+        (lambda t: t + _REFUSE.format('when = "always"\nops = ["MatMul"]'), "'ops' goes with"),
+        (lambda t: t + _REFUSE.format('when = "unfused-outputs"\nops = ["MatMul"]'), ""),
     ],
 )
 def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):

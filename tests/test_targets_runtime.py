@@ -335,3 +335,93 @@ def test_tract_hands_out_shape_values_as_int64():
     got = make_runner("tract", model, label="shape model").run({"x": np.ones((2, 5), np.float32)})
     assert got["s"].dtype == np.int64 and got["s"].tolist() == [2, 5]
     assert got["n"].dtype == np.int64 and int(got["n"]) == 5
+
+
+# -- QNN's node groups around DynamicQuantizeLinear -------------------------------------------------
+
+
+def _dql_model(case: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
+    """A DynamicQuantizeLinear on input ``x`` and what reads it (rules/targets/qnn.toml): ``group``
+    is quantize_dynamic's DQL -> MatMulInteger -> Cast -> Mul (scale through one Mul) and ``conv``
+    its ConvInteger twin, ``dq`` a DequantizeLinear reading all three outputs: the QNN EP's
+    DQMatMulIntegerFusion, DQConvIntegerFusion and DqlDqFusion. The others break those groups."""
+    from onnx import TensorProto, helper
+    from onnx.numpy_helper import from_array
+
+    rng = np.random.default_rng(0)
+    consts = [
+        from_array(rng.integers(0, 256, (8, 4)).astype(np.uint8), "w"),
+        from_array(rng.integers(0, 256, (4, 1, 1, 1)).astype(np.uint8), "cw"),
+        from_array(np.uint8(128), "wzp"),
+        from_array(np.float32(0.01), "ws"),
+    ]
+
+    def group(op: str, weight: str, y: str) -> list[onnx.NodeProto]:
+        return [
+            helper.make_node(op, ["q", weight, "z", "wzp"], [y + "_acc"]),
+            helper.make_node("Cast", [y + "_acc"], [y + "_f"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["s", "ws"], [y + "_s"]),
+            helper.make_node("Mul", [y + "_f", y + "_s"], [y]),
+        ]
+
+    shape, out_shape = (1, 8), [1, 4]
+    nodes = {
+        "group": group("MatMulInteger", "w", "y"),
+        "conv": group("ConvInteger", "cw", "y"),
+        "dq": [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+        "unread": [helper.make_node("Relu", ["x"], ["y"])],
+        "shared": group("MatMulInteger", "w", "y") + group("MatMulInteger", "w", "y2"),
+        "scale-read-twice": [*group("MatMulInteger", "w", "y"), helper.make_node("Mul", ["x", "s"], ["y2"])],
+        "graph-output": [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
+    }[case]
+    if case == "conv":
+        shape, out_shape = (1, 1, 4, 4), [1, 4, 4, 4]
+    elif case in ("dq", "unread", "graph-output"):
+        out_shape = [1, 8]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)]
+    if case == "shared":
+        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, out_shape))
+    elif case == "scale-read-twice":
+        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 8]))
+    elif case == "graph-output":
+        outputs.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, []))
+    graph = helper.make_graph(
+        [helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"], name="dql"), *nodes],
+        case,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+        outputs,
+        consts,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model, shape
+
+
+@pytest.mark.parametrize(
+    ("case", "runs"),
+    [
+        ("group", True),
+        ("conv", True),
+        ("dq", True),
+        ("unread", False),
+        ("shared", False),
+        ("scale-read-twice", False),
+        ("graph-output", False),
+    ],
+)
+def test_qnn_takes_a_dynamic_quantize_linear_only_inside_its_node_groups(case, runs):
+    """The QNN EP has no DynamicQuantizeLinear op builder: it runs one only as the head of a node
+    group it fuses. `inspect --target qnn` refuses exactly the ones the simulator puts on the CPU
+    (a DQL nothing reads used to be accepted)."""
+    _runtime("qnn")
+    model, shape = _dql_model(case)
+    refused = check_model(model, load_target("qnn"))
+    assert [r.node for r in refused] == ([] if runs else ["dql"]), refused
+    x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    try:
+        make_runner("qnn", model, label=case, shapes={"x": shape}).run({"x": x})
+        ran = True
+    except QRewriteError as exc:
+        assert "CPU" in str(exc), exc
+        ran = False
+    assert ran == runs

@@ -235,6 +235,29 @@ def _in_chain(node: onnx.NodeProto, scope: Scope, chain: tuple[str, ...]) -> boo
     return any(op == node.op_type and back(node, i) and ahead(node, i) for i, op in enumerate(chain))
 
 
+def _unfused(node: onnx.NodeProto, scope: Scope, readers: frozenset[str]) -> str | None:
+    """Why ``node`` cannot be the head of a runtime's node group (QNN's DQMatMulIntegerFusion,
+    DQConvIntegerFusion and DqlDqFusion take a DynamicQuantizeLinear only with the group they
+    fuse it into): each output read by exactly one node and not a graph output, the first output by
+    one of ``readers``. None when it can be."""
+    consumers = _consumers(scope)
+    container = scope.container
+    outputs = set(container.output) if isinstance(container, onnx.FunctionProto) else {o.name for o in container.output}
+    for index, name in enumerate(node.output):
+        if not name:
+            return f" whose output {index} is not produced"
+        if name in outputs:
+            return f" whose output {name!r} is a graph output"
+        read = consumers.get(name, [])
+        if not read:
+            return f" whose output {name!r} no node reads"
+        if len(read) > 1:
+            return f" whose output {name!r} is read by {len(read)} nodes"
+        if index == 0 and (read[0].domain not in _STANDARD or read[0].op_type not in readers):
+            return f" whose output {name!r} is read by a {read[0].op_type}"
+    return None
+
+
 def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """None when the refusal does not hold for this node, else a phrase saying what it saw."""
     when, types, ops = refusal.when, refusal.types, refusal.ops
@@ -286,6 +309,8 @@ def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
         return None
     if when == "outside-chain":
         return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
+    if when == "unfused-outputs":
+        return _unfused(node, scope, ops)
     if when == "quantized-type":
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if t is None:

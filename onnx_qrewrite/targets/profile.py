@@ -48,7 +48,10 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # N dimensions) | computed-input (one of `inputs` is
                                      # computed at run time, not a constant) | outside-chain
                                      # (with chain = [...]: it is not a link of a direct
-                                     # producer -> consumer chain of these standard ops)
+                                     # producer -> consumer chain of these standard ops) |
+                                     # unfused-outputs (with ops = [...]: an output is a graph
+                                     # output, or is read by no node or by more than one, or the
+                                     # first output's reader is none of these standard ops)
     inputs = [0]                     # rank-above / computed-input: the input positions looked at
     rank = 2                         # rank-above: the most dimensions the target takes there
     chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
@@ -139,6 +142,7 @@ REFUSE_WHEN = (
     "rank-above",
     "computed-input",
     "outside-chain",
+    "unfused-outputs",
 )
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
@@ -221,7 +225,7 @@ class Refusal:
     reason: str
     source: str
     types: frozenset[str] = frozenset()
-    ops: frozenset[str] = frozenset()  # when = "input-from": the producers it applies after
+    ops: frozenset[str] = frozenset()  # "input-from": the producers it applies after; "unfused-outputs": readers
     inputs: tuple[int, ...] = (0,)  # when = "rank-above" / "computed-input": the inputs looked at
     rank: int | None = None  # when = "rank-above": the most dimensions taken
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
@@ -576,8 +580,10 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
     after_ops = raw.get("ops", [])
     if not isinstance(after_ops, list) or not all(isinstance(o, str) and o for o in after_ops):
         raise _fail(path, where, "'ops' must be a list of op names")
-    if (when == "input-from") != bool(after_ops):
-        raise _fail(path, where, "'ops' goes with 'when = \"input-from\"', and it needs them")
+    if (when in ("input-from", "unfused-outputs")) != bool(after_ops):
+        raise _fail(
+            path, where, "'ops' goes with 'when = \"input-from\"' or 'when = \"unfused-outputs\"', and they need them"
+        )
     positions = raw.get("inputs", [0])
     if (
         not isinstance(positions, list)
