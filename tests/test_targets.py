@@ -134,6 +134,8 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + _REFUSE.format('when = "unfused-outputs"'), "'ops' goes with"),
         (lambda t: t + _REFUSE.format('when = "always"\nops = ["MatMul"]'), "'ops' goes with"),
         (lambda t: t + _REFUSE.format('when = "unfused-outputs"\nops = ["MatMul"]'), ""),
+        (lambda t: t + _REFUSE.format('when = "read-by"'), "'ops' goes with"),
+        (lambda t: t + _REFUSE.format('when = "read-by"\nops = ["LayerNormalization"]\ntypes = ["int32"]'), ""),
     ],
 )
 def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):

@@ -425,3 +425,69 @@ def test_qnn_takes_a_dynamic_quantize_linear_only_inside_its_node_groups(case, r
         assert "CPU" in str(exc), exc
         ran = False
     assert ran == runs
+
+
+def _layernorm_model(bias: str) -> onnx.ModelProto:
+    """A QDQ LayerNormalization (int8 weight) whose bias is an int32 or int8 DequantizeLinear, or a
+    float constant: quantize_static's QDQ BERT writes the int32 one."""
+    from onnx import TensorProto, helper
+    from onnx.numpy_helper import from_array
+
+    rng = np.random.default_rng(0)
+    consts = [
+        from_array(np.float32(0.05), "s"),
+        from_array(np.uint8(128), "z"),
+        from_array(rng.integers(-127, 128, 16).astype(np.int8), "wq"),
+        from_array(np.float32(0.01), "ws"),
+        from_array(np.int8(0), "wz"),
+        from_array(rng.integers(-1000, 1000, 16).astype(np.int32), "bq32"),
+        from_array(np.float32(1e-4), "bs"),
+        from_array(np.int32(0), "bz32"),
+        from_array(rng.integers(-127, 128, 16).astype(np.int8), "bq8"),
+        from_array(rng.standard_normal(16).astype(np.float32) * 0.1, "bf"),
+    ]
+    dq = helper.make_node
+    nodes = [
+        dq("QuantizeLinear", ["x", "s", "z"], ["xq"]),
+        dq("DequantizeLinear", ["xq", "s", "z"], ["xd"]),
+        dq("DequantizeLinear", ["wq", "ws", "wz"], ["w"]),
+    ]
+    if bias == "int32":
+        nodes.append(dq("DequantizeLinear", ["bq32", "bs", "bz32"], ["b"], name="bias_dq"))
+    elif bias == "int8":
+        nodes.append(dq("DequantizeLinear", ["bq8", "ws", "wz"], ["b"], name="bias_dq"))
+    nodes += [
+        dq("LayerNormalization", ["xd", "w", "bf" if bias == "float" else "b"], ["ln"], name="ln", axis=-1),
+        dq("QuantizeLinear", ["ln", "s", "z"], ["lq"]),
+        dq("DequantizeLinear", ["lq", "s", "z"], ["y"]),
+    ]
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4, 16]) for n in ("x", "y")]
+    graph = helper.make_graph(nodes, bias, io[:1], io[1:], consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("bias", "runs"), [("int32", False), ("int8", True), ("float", True)])
+def test_qnn_layernorm_with_an_int32_bias_is_refused_and_folded(bias, runs, tmp_path):
+    """The HTP fails validating a LayerNormalization whose bias is an int32 DequantizeLinear (error
+    3110) and the node goes to the CPU; `rewrite --target qnn` folds that bias to its float value
+    (qdq-to-float's exact rule), which the simulator runs."""
+    _runtime("qnn")
+    model = _layernorm_model(bias)
+    profile = load_target("qnn")
+    shapes = {"x": (1, 4, 16)}
+    x = {"x": np.random.default_rng(1).standard_normal((1, 4, 16)).astype(np.float32)}
+    refused = check_model(model, profile)
+    assert [r.node for r in refused] == ([] if runs else ["bias_dq"]), refused
+    try:
+        make_runner("qnn", model, label=bias, shapes=shapes).run(x)
+        ran = True
+    except QRewriteError:
+        ran = False
+    assert ran == runs
+    path = tmp_path / "ln.onnx"
+    onnx.save(model, path)
+    plan = plan_for_target(path, load_rules(), profile)
+    assert plan.refused_after == 0 and check_model(plan.rewritten, profile) == []
+    got = make_runner("qnn", plan.rewritten, label="rewrite", shapes=shapes).run(x)["y"]
+    want = _reference(path)(x)["y"]
+    assert np.max(np.abs(got - want)) <= 0.05 * 1.0001  # within one step of the output's scale (0.05)

@@ -311,6 +311,15 @@ def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
         return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
     if when == "unfused-outputs":
         return _unfused(node, scope, ops)
+    if when == "read-by":
+        readers = _consumers(scope).get(node.output[0], []) if node.output and node.output[0] else []
+        reader = next((c for c in readers if c.domain in _STANDARD and c.op_type in ops), None)
+        if reader is None:
+            return None
+        t = _quant_type(node, scope) if node.op_type in _QDQ else None
+        if types and t not in types:
+            return None
+        return f"{f' of {t}' if t else ''} read by a {reader.op_type} ({_label(reader)!r})"
     if when == "quantized-type":
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if t is None:

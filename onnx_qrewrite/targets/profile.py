@@ -51,7 +51,9 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # producer -> consumer chain of these standard ops) |
                                      # unfused-outputs (with ops = [...]: an output is a graph
                                      # output, or is read by no node or by more than one, or the
-                                     # first output's reader is none of these standard ops)
+                                     # first output's reader is none of these standard ops) |
+                                     # read-by (with ops = [...]: one of these standard ops reads
+                                     # its first output; with types, only a Q/DQ of those types)
     inputs = [0]                     # rank-above / computed-input: the input positions looked at
     rank = 2                         # rank-above: the most dimensions the target takes there
     chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
@@ -143,6 +145,7 @@ REFUSE_WHEN = (
     "computed-input",
     "outside-chain",
     "unfused-outputs",
+    "read-by",
 )
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
@@ -225,7 +228,7 @@ class Refusal:
     reason: str
     source: str
     types: frozenset[str] = frozenset()
-    ops: frozenset[str] = frozenset()  # "input-from": the producers it applies after; "unfused-outputs": readers
+    ops: frozenset[str] = frozenset()  # "input-from": the producers it applies after; else: its readers
     inputs: tuple[int, ...] = (0,)  # when = "rank-above" / "computed-input": the inputs looked at
     rank: int | None = None  # when = "rank-above": the most dimensions taken
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
@@ -580,10 +583,8 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
     after_ops = raw.get("ops", [])
     if not isinstance(after_ops, list) or not all(isinstance(o, str) and o for o in after_ops):
         raise _fail(path, where, "'ops' must be a list of op names")
-    if (when in ("input-from", "unfused-outputs")) != bool(after_ops):
-        raise _fail(
-            path, where, "'ops' goes with 'when = \"input-from\"' or 'when = \"unfused-outputs\"', and they need them"
-        )
+    if (when in ("input-from", "unfused-outputs", "read-by")) != bool(after_ops):
+        raise _fail(path, where, "'ops' goes with 'when' input-from, unfused-outputs or read-by, and they need them")
     positions = raw.get("inputs", [0])
     if (
         not isinstance(positions, list)
