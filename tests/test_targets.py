@@ -125,6 +125,7 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + _REFUSE.format('when = "rank-above"'), "'rank' (a number >= 0) goes with"),
         (lambda t: t + _REFUSE.format('when = "always"\nrank = 2'), "'rank' (a number >= 0) goes with"),
         (lambda t: t + _REFUSE.format('when = "always"\ninputs = [1]'), "'inputs' goes with"),
+        (lambda t: t + _REFUSE.format('when = "input-from"\nops = ["Gather"]\ninputs = [0, 3]'), ""),
         (lambda t: t + _REFUSE.format('when = "computed-input"\ninputs = [-1]'), "'inputs' must be a non-empty"),
         (lambda t: t + _REFUSE.format('when = "outside-chain"'), "'chain' goes with"),
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Div", "Erf"]'), "must name 'op'"),

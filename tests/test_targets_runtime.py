@@ -491,3 +491,55 @@ def test_qnn_layernorm_with_an_int32_bias_is_refused_and_folded(bias, runs, tmp_
     got = make_runner("qnn", plan.rewritten, label="rewrite", shapes=shapes).run(x)["y"]
     want = _reference(path)(x)["y"]
     assert np.max(np.abs(got - want)) <= 0.05 * 1.0001  # within one step of the output's scale (0.05)
+
+
+def _gather_qlinear_add() -> onnx.ModelProto:
+    """A QOperator BERT's embedding lookup in small: a Gather on a uint8 constant table, then a
+    com.microsoft QLinearAdd with a uint8 constant (the positions), dequantized."""
+    from onnx import TensorProto, helper
+    from onnx.numpy_helper import from_array
+
+    rng = np.random.default_rng(0)
+    consts = [
+        from_array(rng.integers(0, 256, (32, 8)).astype(np.uint8), "table"),
+        from_array(rng.integers(0, 256, (1, 4, 8)).astype(np.uint8), "pos"),
+        *(from_array(np.float32(v), n) for n, v in (("ts", 0.02), ("ps", 0.03), ("ys", 0.04))),
+        *(from_array(np.uint8(v), n) for n, v in (("tz", 120), ("pz", 130), ("yz", 125))),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["table", "ids"], ["g"], name="lookup"),
+        helper.make_node(
+            "QLinearAdd", ["g", "ts", "tz", "pos", "ps", "pz", "ys", "yz"], ["s"], name="sum", domain="com.microsoft"
+        ),
+        helper.make_node("DequantizeLinear", ["s", "ys", "yz"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "lookup",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+        consts,
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp_path):
+    """onnx2tf 2.6.9 moves a QLinearAdd's uint8 operands to int8 but not a gathered uint8 table:
+    LiteRT's numbers are 128 * 0.02 / 0.04 = 64 output steps off (what made ortqop_bert's TFLite
+    rewrite wrong). inspect refuses it; the target rewrite (qop-add) runs right."""
+    _runtime("tflite")
+    model = _gather_qlinear_add()
+    profile = load_target("tflite")
+    ids = {"ids": np.array([[3, 7, 0, 31]], np.int64)}
+    path = tmp_path / "lookup.onnx"
+    onnx.save(model, path)
+    want = _reference(path)(ids)["y"]
+    (refused,) = check_model(model, profile)
+    assert refused.node == "sum" and "of a Gather output" in refused.reasons[0]
+    got = make_runner("tflite", model, label="as given").run(ids)["y"]
+    assert np.max(np.abs(got - want)) == pytest.approx(64 * 0.04, rel=1e-3)  # the observed wrong numbers
+    plan = plan_for_target(path, load_rules(), profile)
+    assert plan.refused_after == 0 and check_model(plan.rewritten, profile) == []
+    got = make_runner("tflite", plan.rewritten, label="rewrite").run(ids)["y"]
+    assert np.array_equal(got, want)

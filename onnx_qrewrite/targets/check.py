@@ -264,9 +264,11 @@ def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
     if when == "always":
         return ""
     if when == "input-from":
-        producer = scope.producer(node.input[0]) if node.input and node.input[0] else None
-        if producer is not None and producer.domain in _STANDARD and producer.op_type in ops:
-            return f" of a {producer.op_type} output"
+        for index in refusal.inputs:
+            name = _operand(node, index)
+            producer = scope.producer(name) if name else None
+            if producer is not None and producer.domain in _STANDARD and producer.op_type in ops:
+                return f" of a {producer.op_type} output" + (f" (input {index}, {name!r})" if index else "")
         return None
     if when == "per-channel":
         for index in _SCALES.get(node.op_type, ()):

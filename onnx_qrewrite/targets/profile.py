@@ -43,7 +43,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # type (any input or output of these types) | per-channel
                                      # (a scale with more than one element: Q/DQ, QLinearConv,
                                      # QLinearMatMul) | input-from (with ops = [...]: its first
-                                     # input is the output of one of these standard ops) |
+                                     # input, or one of `inputs`, is the output of one of these
+                                     # standard ops) |
                                      # rank-above (with rank = N: one of `inputs` has more than
                                      # N dimensions) | computed-input (one of `inputs` is
                                      # computed at run time, not a constant) | outside-chain
@@ -54,7 +55,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # first output's reader is none of these standard ops) |
                                      # read-by (with ops = [...]: one of these standard ops reads
                                      # its first output; with types, only a Q/DQ of those types)
-    inputs = [0]                     # rank-above / computed-input: the input positions looked at
+    inputs = [0]                     # rank-above / computed-input / input-from: the input
+                                     # positions looked at (default: the first)
     rank = 2                         # rank-above: the most dimensions the target takes there
     chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
     reason = "y_scale must be a const"
@@ -229,7 +231,7 @@ class Refusal:
     source: str
     types: frozenset[str] = frozenset()
     ops: frozenset[str] = frozenset()  # "input-from": the producers it applies after; else: its readers
-    inputs: tuple[int, ...] = (0,)  # when = "rank-above" / "computed-input": the inputs looked at
+    inputs: tuple[int, ...] = (0,)  # "rank-above" / "computed-input" / "input-from": the inputs looked at
     rank: int | None = None  # when = "rank-above": the most dimensions taken
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
 
@@ -592,8 +594,8 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
     ):
         raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
-    if "inputs" in raw and when not in ("rank-above", "computed-input"):
-        raise _fail(path, where, "'inputs' goes with 'when = \"rank-above\"' or 'when = \"computed-input\"'")
+    if "inputs" in raw and when not in ("rank-above", "computed-input", "input-from"):
+        raise _fail(path, where, "'inputs' goes with 'when' rank-above, computed-input or input-from")
     rank = _int(path, where, raw, "rank")
     if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
         raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
