@@ -957,3 +957,38 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
         c.startswith("qop-matmul (bounded): does not apply here: the reduction length of mm (a dimension of 'b')")
         for c in verdict.considered
     ), verdict.considered
+
+
+def test_readers_decide_the_unfused_outputs_and_read_by_refusals():
+    """Without a runtime: QNN's DynamicQuantizeLinear only with the one MatMulInteger/ConvInteger/
+    DequantizeLinear its EP fuses it with, and its LayerNormalization refusing an int32 bias
+    (rules/targets/qnn.toml; tests/test_targets_runtime.py checks both on the simulator)."""
+    qnn = load_target("qnn")
+    f = onnx.numpy_helper.from_array
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 8])
+    dql = helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"], name="dql")
+    dq = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq")
+    assert check_model(_graph([dql, dq], [x], [y]), qnn) == []
+    twice = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y2"], name="dq2")
+    y2 = helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [1, 8])
+    (shared,) = check_model(_graph([dql, dq, twice], [x], [y, y2]), qnn)
+    assert shared.node == "dql" and "whose output 'q' is read by 2 nodes" in shared.reasons[0]
+    (unread,) = check_model(_graph([dql, helper.make_node("Relu", ["x"], ["y"])], [x], [y]), qnn)
+    assert "whose output 'q' no node reads" in unread.reasons[0]
+
+    consts = [
+        f(np.ones(8, np.float32), "w"),
+        f(np.arange(8, dtype=np.int32), "bq"),
+        f(np.float32(0.01), "bs"),
+        f(np.arange(8, dtype=np.int8), "bq8"),
+    ]
+    for bias, refused in (("bq", True), ("bq8", False)):
+        nodes = [
+            helper.make_node("DequantizeLinear", [bias, "bs"], ["b"], name="bias"),
+            helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], name="ln"),
+        ]
+        found = check_model(_graph(nodes, [x], [y], consts), qnn)
+        assert [r.node for r in found] == (["bias"] if refused else []), found
+        if refused:
+            assert "DequantizeLinear of int32 read by a LayerNormalization ('ln')" in found[0].reasons[0]
