@@ -543,3 +543,51 @@ def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp
     assert plan.refused_after == 0 and check_model(plan.rewritten, profile) == []
     got = make_runner("tflite", plan.rewritten, label="rewrite").run(ids)["y"]
     assert np.array_equal(got, want)
+
+
+def _erf_model(case: str) -> onnx.ModelProto:
+    """Erf alone in float, as a QDQ unit, and inside a whole float GELU between one
+    DequantizeLinear and one QuantizeLinear."""
+    from onnx import TensorProto, helper
+    from onnx.numpy_helper import from_array
+
+    n = helper.make_node
+    consts = [
+        from_array(np.float32(0.02), "s"),
+        from_array(np.uint8(128), "z"),
+        *(from_array(np.float32(v), k) for k, v in (("r2", 1.4142135), ("one", 1.0), ("half", 0.5))),
+    ]
+    q_in = [n("QuantizeLinear", ["x", "s", "z"], ["xq"]), n("DequantizeLinear", ["xq", "s", "z"], ["xd"])]
+    q_out = [n("QuantizeLinear", ["g", "s", "z"], ["gq"]), n("DequantizeLinear", ["gq", "s", "z"], ["y"])]
+    nodes = {
+        "float": [n("Erf", ["x"], ["y"], name="erf")],
+        "qdq-unit": [*q_in, n("Erf", ["xd"], ["g"], name="erf"), *q_out],
+        "qdq-gelu": [
+            *q_in,
+            n("Div", ["xd", "r2"], ["d"]),
+            n("Erf", ["d"], ["e"], name="erf"),
+            n("Add", ["e", "one"], ["a"]),
+            n("Mul", ["xd", "a"], ["m"]),
+            n("Mul", ["m", "half"], ["g"]),
+            *q_out,
+        ],
+    }[case]
+    io = [helper.make_tensor_value_info(k, TensorProto.FLOAT, [1, 16]) for k in ("x", "y")]
+    graph = helper.make_graph(nodes, case, io[:1], io[1:], consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.mark.parametrize(("case", "runs"), [("float", False), ("qdq-unit", False), ("qdq-gelu", True)])
+def test_qnn_takes_erf_only_inside_a_gelu(case, runs):
+    """The QNN EP has no Erf builder: an Erf alone goes to the CPU, in float or as a QDQ unit; a
+    whole GELU between one DequantizeLinear and one QuantizeLinear runs (rules/targets/qnn.toml)."""
+    _runtime("qnn")
+    model = _erf_model(case)
+    assert [r.node for r in check_model(model, load_target("qnn"))] == ([] if runs else ["erf"])
+    x = {"x": np.linspace(-2, 2, 16, dtype=np.float32).reshape(1, 16)}
+    try:
+        make_runner("qnn", model, label=case, shapes={"x": (1, 16)}).run(x)
+        ran = True
+    except QRewriteError:
+        ran = False
+    assert ran == runs
