@@ -14,12 +14,21 @@ match with the engine's reason (visible through onnxscript's ``MatchingTracer``)
 never changed here (a rule needing a higher one gives way, as with ``--keep-opset``): raising it
 is a whole-model operation the pattern rewriter cannot do.
 
+Rules marked ``on_replacements`` (the ``float-emulation`` form's) also lower what earlier rules of
+the set created, as the engine's later passes do: onnxscript's walk visits the nodes a rewrite
+inserts right after it, and the rule set remembers, per node it created, the rules that made it and
+its ancestors (its lineage). A created node is matched only by ``on_replacements`` rules not in its
+lineage (the match fails with the reason), so a rule never lowers what it emitted and the walk
+ends, and the other rules leave replacements alone, as :func:`onnx_qrewrite.rewrite` does.
+
 Prefer :func:`onnx_qrewrite.rewrite` for whole models: it is much faster (ENGINE_NOTES.md: the
 pattern rewriter costs ~30x an onnx load+save on node-heavy graphs) and handles opset raises.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import onnx
@@ -78,14 +87,51 @@ def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[s
     return helper.make_model(graph, opset_imports=opsets, ir_version=model.ir_version), values
 
 
+class _Lineage:
+    """The nodes the rule set created during one walk of a graph, each with its lineage: the ids
+    of the rules that made it and its ancestors (the engine's later passes keep the same).
+
+    Shared by the rules of one :func:`rules_for` call. onnxscript calls every rule's ``setup``
+    before it walks a graph (a subgraph's walk nests inside its parent's) and ``cleanup`` after;
+    when the outermost walk ends, the record is dropped, so a model rewritten again starts afresh,
+    as with :func:`onnx_qrewrite.rewrite`."""
+
+    def __init__(self) -> None:
+        self._of: weakref.WeakKeyDictionary[ir.Node, frozenset[str]] = weakref.WeakKeyDictionary()
+        self._walks = 0
+
+    def enter(self) -> None:
+        self._walks += 1
+
+    def leave(self) -> None:
+        self._walks = max(0, self._walks - 1)
+        if self._walks == 0:
+            self._of.clear()
+
+    def of(self, node: ir.Node) -> frozenset[str] | None:
+        """The rules that made ``node`` (None: not created by this rule set in this walk)."""
+        return self._of.get(node)
+
+    def record(self, nodes: Iterable[ir.Node], lineage: frozenset[str]) -> None:
+        for node in nodes:
+            self._of[node] = lineage
+
+
 class _CatalogueRule(pattern.RewriteRuleClassBase):
-    def __init__(self, rule: Rule, ref: OpRef, catalogue: Catalogue):
+    def __init__(self, rule: Rule, ref: OpRef, catalogue: Catalogue, lineage: _Lineage | None = None):
         super().__init__(name=f"{rule.id}:{ref}")
         self._rule, self._ref = rule, ref
         self._catalogue = catalogue.select(only=[rule.id])
         self._outputs = rule.contract.outputs
+        self._lineage = lineage if lineage is not None else _Lineage()
         # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
-        self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int]] | None = None
+        self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int], frozenset[str]] | None = None
+
+    def setup(self) -> None:
+        self._lineage.enter()
+
+    def cleanup(self) -> None:
+        self._lineage.leave()
 
     def pattern(self, op, x):
         domain = "" if self._ref.domain == ANY_DOMAIN else self._ref.domain
@@ -98,6 +144,15 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         node = context.root
         if not self._ref.matches(node.domain, node.op_type):
             return result.fail(f"{node.domain}::{node.op_type} is not {self._ref}")
+        made_by = self._lineage.of(node)
+        if made_by is not None:
+            if not self._rule.on_replacements:
+                return result.fail(
+                    f"the node was created by rule {', '.join(sorted(made_by))}: rule {self._rule.id} "
+                    "does not run on replacements (on_replacements is not set)"
+                )
+            if self._rule.id in made_by:
+                return result.fail(f"rule {self._rule.id} is in the node's lineage ({', '.join(sorted(made_by))})")
         mini, values = _mini_model(node, context.model)
         # The engine itself (the one-node model is ours: nothing to validate on the way in).
         options = engine.EngineOptions(keep_opset=True)
@@ -112,14 +167,15 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         # by a quantize just rewritten) knows its input's type: models rarely record value_info.
         inferred = onnx.shape_inference.infer_shapes(lowered)
         types = [o.type.tensor_type.elem_type for o in inferred.graph.output]
-        self._pending = (lowered, values, types)
+        self._pending = (lowered, values, types, (made_by or frozenset()) | {self._rule.id})
         return result
 
     def rewrite(self, op, x, **_: Any):
         assert self._pending is not None, "rewrite() without a successful check()"
-        mini, values, types = self._pending
+        mini, values, types, lineage = self._pending
         self._pending = None
         env: dict[str, Any] = dict(values)
+        created: list[ir.Node] = []
         for t in mini.graph.initializer:  # constants the lowering added (the match's inputs stay values)
             if t.name not in env:
                 # A Constant node, not an initializer: initializer names would collide across matches.
@@ -129,7 +185,10 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
             outs = getattr(op, n.op_type)(
                 *[env[i] if i else None for i in n.input], _domain=n.domain, _outputs=len(n.output), **attrs
             )
-            env.update(zip(n.output, outs if isinstance(outs, (list, tuple)) else [outs], strict=True))
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            created.extend(p for p in (outs[0].producer(),) if p is not None)
+            env.update(zip(n.output, outs, strict=True))
+        self._lineage.record(created, lineage)
         results = [env[o.name] for o in mini.graph.output]
         for value, elem in zip(results, types, strict=True):
             if value.type is None and elem:
@@ -145,9 +204,11 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 
 
 def rules_for(catalogue: Catalogue | None = None) -> list[pattern.RewriteRule]:
-    """One onnxscript rule per (catalogue rule, matched op)."""
+    """One onnxscript rule per (catalogue rule, matched op). They share one record of the nodes
+    they create, for ``on_replacements`` (module docstring): use them in one rule set."""
     catalogue = catalogue or load_catalogue()
-    return [_CatalogueRule.rule(rule, ref, catalogue) for rule in catalogue for ref in rule.match]
+    lineage = _Lineage()
+    return [_CatalogueRule.rule(rule, ref, catalogue, lineage) for rule in catalogue for ref in rule.match]
 
 
 def rule_set(catalogue: Catalogue | None = None) -> pattern.RewriteRuleSet:

@@ -6,6 +6,7 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import onnx.parser
+import onnx_ir
 import pytest
 from conftest import REAL_MODEL_NAMES, REAL_MODELS, assert_bitwise_equal, run
 from onnxscript import rewriter
@@ -53,3 +54,96 @@ def test_a_node_the_catalogue_declines_is_left_alone(rules):
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), np.float16), "zp"))
     out = rewriter.rewrite(model, pattern_rewrite_rules=rules)
     assert [n.op_type for n in out.graph.node] == ["ExtendedQuantizeLinear"]
+
+
+# --- on_replacements: rules that lower what earlier rules created (the float-emulation form) ------
+
+_LOOPING = """
+[[rule]]
+id = "q-again"
+summary = "QuantizeLinear -> QuantizeLinear: a rule that matches what it emits"
+emits = "QuantizeLinear"
+builder = "standard_qdq"
+exactness = "exact"
+match = [{ domain = "", op = "QuantizeLinear" }]
+options = { direction = "quantize" }
+on_replacements = true
+"""
+
+
+def _ms_quantize() -> onnx.ModelProto:
+    return onnx.parser.parse_model(
+        """
+        <ir_version: 8, opset_import: ["" : 13, "com.microsoft" : 1]>
+        g (float[4] x) => (uint8[4] y)
+        <float s = {0.05}, uint8 z = {7}>
+        {
+            y = com.microsoft.QuantizeLinear (x, s, z)
+        }
+        """
+    )
+
+
+def _rule_names(model: onnx.ModelProto) -> list[str]:
+    """The onnxscript rules that made each node, as onnxscript records them (latest first)."""
+    tag = "pkg.onnxscript.rewriter.rule_name"
+    return [next((p.value for p in n.metadata_props if p.key == tag), "") for n in model.graph.node]
+
+
+@pytest.mark.parametrize("on_replacements", [True, False])
+def test_on_replacements_is_honoured_as_the_engine_honours_it(on_replacements):
+    """The vendor rule makes a standard QuantizeLinear; "q-again" matches it and emits another.
+    Marked on_replacements it runs once on the vendor rule's node (never again on its own: it is in
+    the node's lineage), as the engine's later passes do; unmarked it leaves the replacement alone,
+    as the engine's single pass does. Before the rule set honoured the key, both cases looped
+    forever (onnxscript visits the nodes a rewrite inserts)."""
+    from onnx_qrewrite.rewriter.catalogue import Catalogue, load_catalogue, parse_rules
+
+    text = _LOOPING if on_replacements else _LOOPING.replace("on_replacements = true\n", "")
+    catalogue = Catalogue([*load_catalogue(), *parse_rules(text, "looping.toml")])
+    engine = onnx_qrewrite.rewrite(_ms_quantize(), rules=catalogue, keep_opset=True)
+    expected = ["ms-q-standard", "q-again"] if on_replacements else ["ms-q-standard"]
+    assert [r.rule for r in engine.report.rewrites] == expected
+    out = rewriter.rewrite(_ms_quantize(), pattern_rewrite_rules=qrw.rule_set(catalogue))
+    assert [n.op_type for n in out.graph.node] == ["QuantizeLinear"]
+    (made_by,) = _rule_names(out)
+    assert [name.partition(":")[0] for name in made_by.split(", ")][::-1] == expected
+    x = np.array([0.0, -1.0, 3.3, np.nan], np.float32)
+    assert_bitwise_equal(run(out, {"x": x})["y"], run(_ms_quantize(), {"x": x})["y"], "quantized")
+
+
+def test_a_model_rewritten_again_starts_afresh():
+    """The record of created nodes lasts one walk: rewriting the result again treats its nodes as
+    given, as ``onnx_qrewrite.rewrite`` of a rewritten model does (its first pass tries every rule)."""
+    from onnx_qrewrite.rewriter.catalogue import Catalogue, load_catalogue, parse_rules
+
+    text = _LOOPING.replace("on_replacements = true\n", "")
+    catalogue = Catalogue([*load_catalogue(), *parse_rules(text, "looping.toml")])
+    rules = qrw.rule_set(catalogue)
+    model = onnx_ir.serde.deserialize_model(_ms_quantize())
+    assert rules.apply_to_model(model) == 1  # the vendor node becomes a standard QuantizeLinear
+    assert rules.apply_to_model(model) == 1  # a new walk: "q-again" applies to it once
+    assert rules.apply_to_model(model) == 1  # and again, once per walk: never in a loop
+    engine = onnx_qrewrite.rewrite(onnx_qrewrite.rewrite(_ms_quantize(), rules=catalogue).model, rules=catalogue)
+    assert [r.rule for r in engine.report.rewrites] == ["q-again"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [REAL_MODELS / "ortdyn_cnn_op17_w8u.onnx", REAL_MODELS / "ortqdq_ms_cnn_op17_a16u_w16s.onnx"],
+    ids=lambda p: p.stem,
+)
+def test_the_float_emulation_form_leaves_nothing_quantized_and_matches_our_rewrite(path):
+    """The form's Q/DQ emulation runs on the Q/DQ the DynamicQuantizeLinear expansion and the vendor
+    rules emit, through onnxscript as through the engine, bit for bit."""
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
+
+    form = load_catalogue([named_form("float-emulation")])
+    via_onnxscript = rewriter.rewrite(onnx.load(path), pattern_rewrite_rules=qrw.rule_set(form))
+    quantized = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger"}
+    assert [n.op_type for n in via_onnxscript.graph.node if n.op_type in quantized or n.domain] == []
+    ours = onnx_qrewrite.rewrite(path, rules=form, keep_opset=True).model
+    feeds = dict(np.load(path.with_suffix(".inputs.npz")))
+    want, got = run(ours, feeds), run(via_onnxscript, feeds)
+    for output in want:
+        assert_bitwise_equal(got[output], want[output], f"{path.stem}: {output}")
