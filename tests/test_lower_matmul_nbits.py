@@ -393,3 +393,26 @@ def test_verify_checks_the_per_element_bound_at_the_node(how):
     assert not bad.passed and bad.mismatches > 0
     # Tight enough: the correct replacement's error is within the largest bound, the broken one's beyond it.
     assert good.max_abs_error <= good.tolerance.atol < bad.max_abs_error, (good, bad)
+
+
+def test_a_scale_one_ulp_off_is_below_any_sound_summation_bound():
+    """Why the per-element bound cannot catch a scale one ulp off on dense inputs, measured: the
+    broken scale moves each output by at most 2^-23 of one block's sum of |a·w|, while any bound
+    that holds for every summation order must allow about (K - 1)·u of the whole sum of |a·w|
+    (the worst case of a K-term float32 sum, whatever order either side uses). So the move is below
+    the bound verify uses, 2·γ(K+1)·Σ|a·w|, by a factor of more than K + 1 at every element, and
+    a sound tightening cannot close a factor of K. Exact sums catch it (the identity-input test
+    above, and verify's exact tolerance on them)."""
+    k = 96
+    original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(k,))
+    rewritten = onnx_qrewrite.rewrite(original).model
+    broken = _break(rewritten, "scale one ulp off")
+    eye = {"A": np.eye(k, dtype=np.float32)}
+    w_good = run(rewritten, eye)["Y"].astype(np.float64)
+    w_bad = run(broken, eye)["Y"].astype(np.float64)
+    assert np.count_nonzero(w_good != w_bad) > 0  # the break is real: it changes weights
+    a = RNG.standard_normal((k, k))
+    moved = np.abs(a @ (w_bad - w_good))
+    bound = 2 * gamma(k + 1) * (np.abs(a) @ np.abs(w_good))
+    assert np.max(moved) > 0
+    assert np.all(moved * (k + 1) <= bound), np.max(moved / bound)
