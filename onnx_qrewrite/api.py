@@ -323,12 +323,7 @@ def rewrite(
     refuses before and after. Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
-    if isinstance(rules, Catalogue):
-        catalogue = rules.select(only, skip)
-        if options:
-            catalogue = catalogue.with_options(options)
-    else:
-        catalogue = load_rules(() if rules is None else rules, only=only, skip=skip, options=options)
+    catalogue = _catalogue(rules, only, skip, options)
     from onnx_qrewrite.rewriter.provenance import check_mode
 
     check_mode(provenance)
@@ -346,24 +341,8 @@ def rewrite(
         plan = None
         if target is not None:
             catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
-        try:
-            rewritten, report = engine.run(proto, catalogue, opts, external, progress)
-            if plan is not None and plan.later:
-                rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
-        except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
-            label = str(source_path) if source_path is not None else "input model"
-            if str(exc).startswith(label):
-                raise
-            raise InvalidModelError(f"{label}: {exc}") from None
-        if reordered:
-            report.warnings.append(
-                f"the input's nodes were not in topological order: sorted, as onnxruntime does ({reordered} moved)"
-            )
-        if plan is not None:
-            report.target = plan.to_dict()
-            report.warnings.extend(
-                f"target {plan.target} would still refuse {r.node} ({r.op_key}): {r.reasons[0]}" for r in plan.after
-            )
+        rewritten, report = _run_engine(proto, catalogue, opts, external, progress, plan, source_path)
+        _add_notes(report, reordered, plan)
         if check is None:
             check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
         if check and report.changed:
@@ -376,3 +355,53 @@ def rewrite(
             external.close()
         raise
     return RewriteResult(rewritten, report, kind=kind, external=external, source_path=source_path, reads=reads)
+
+
+def _catalogue(
+    rules: Catalogue | Iterable[str | os.PathLike[str]] | None,
+    only: Sequence[str] | None,
+    skip: Sequence[str] | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+) -> Catalogue:
+    """The rules ``rewrite`` uses: a given catalogue narrowed and re-optioned, or the shipped rules
+    plus the given rule files."""
+    if isinstance(rules, Catalogue):
+        catalogue = rules.select(only, skip)
+        return catalogue.with_options(options) if options else catalogue
+    return load_rules(() if rules is None else rules, only=only, skip=skip, options=options)
+
+
+def _run_engine(
+    proto: onnx.ModelProto,
+    catalogue: Catalogue,
+    opts: engine.EngineOptions,
+    external: ExternalData | None,
+    progress: ProgressSink | None,
+    plan: Any,
+    source_path: Path | None,
+) -> tuple[onnx.ModelProto | EncodedModel, RewriteReport]:
+    """The engine's pass(es), then a target plan's later stages; an invalid model found while
+    rewriting is named as load errors name it."""
+    try:
+        rewritten, report = engine.run(proto, catalogue, opts, external, progress)
+        if plan is not None and plan.later:
+            rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
+    except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
+        label = str(source_path) if source_path is not None else "input model"
+        if str(exc).startswith(label):
+            raise
+        raise InvalidModelError(f"{label}: {exc}") from None
+    return rewritten, report
+
+
+def _add_notes(report: RewriteReport, reordered: int, plan: Any) -> None:
+    """What the report says beyond the engine's own: nodes sorted on load, the target's verdict."""
+    if reordered:
+        report.warnings.append(
+            f"the input's nodes were not in topological order: sorted, as onnxruntime does ({reordered} moved)"
+        )
+    if plan is not None:
+        report.target = plan.to_dict()
+        report.warnings.extend(
+            f"target {plan.target} would still refuse {r.node} ({r.op_key}): {r.reasons[0]}" for r in plan.after
+        )
