@@ -178,6 +178,35 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
         raise _fail(source, where, "each [[rule]] must be a table")
     if isinstance(raw.get("id"), str):
         where = f"rule {raw['id']!r}"
+    # In this order, so that a rule with several problems is told the same first one as before.
+    _check_fields(raw, source, where)
+    match = _parse_match(raw, source, where)
+    when, dtypes = _parse_when(raw, source, where)
+    options = raw.get("options", {})
+    if not isinstance(options, dict):
+        raise _fail(source, where, "'options' must be a table")
+    precedes, on_replacements = _parse_ordering(raw, source, where)
+    return Rule(
+        id=raw["id"],
+        summary=raw["summary"],
+        doc=raw.get("doc", ""),
+        emits=raw.get("emits", ""),
+        builder=raw["builder"],
+        match=tuple(match),
+        exactness=raw["exactness"],
+        dtypes=frozenset(dtypes) if dtypes is not None else None,
+        min_opset=when.get("min_opset"),
+        max_opset=when.get("max_opset"),
+        options=MappingProxyType(dict(options)),
+        source=source,
+        precedes=tuple(precedes),
+        on_replacements=on_replacements,
+    )
+
+
+def _check_fields(raw: dict[str, Any], source: str, where: str) -> None:
+    """The rule's keys are known, its texts are strings, its builder exists, its exactness is one
+    of :data:`EXACTNESS`."""
     problem = _unknown_keys(raw, _RULE_KEYS, "key")
     if problem:
         raise _fail(source, where, problem)
@@ -201,6 +230,10 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
             f"'exactness' must be one of {', '.join(EXACTNESS)}"
             + (f", not {raw['exactness']!r}" if "exactness" in raw else " (missing)"),
         )
+
+
+def _parse_match(raw: dict[str, Any], source: str, where: str) -> list[OpRef]:
+    """``match``: one ``{domain, op}`` table or a non-empty list of them."""
     match_raw = raw.get("match")
     if isinstance(match_raw, dict):
         match_raw = [match_raw]
@@ -214,6 +247,11 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
         if not isinstance(domain, str):
             raise _fail(source, where, "'match.domain' must be a string")
         match.append(OpRef(domain, m["op"]))
+    return match
+
+
+def _parse_when(raw: dict[str, Any], source: str, where: str) -> tuple[dict[str, Any], list[str] | None]:
+    """``when``: the table (known keys only) and its dtype list (None: any dtype)."""
     when = raw.get("when", {})
     if not isinstance(when, dict):
         raise _fail(source, where, f"'when' must be a table of {', '.join(_WHEN_KEYS)}")
@@ -226,9 +264,11 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
     for key in ("min_opset", "max_opset"):
         if key in when and (not isinstance(when[key], int) or isinstance(when[key], bool)):
             raise _fail(source, where, f"'when.{key}' must be an integer")
-    options = raw.get("options", {})
-    if not isinstance(options, dict):
-        raise _fail(source, where, "'options' must be a table")
+    return when, dtypes
+
+
+def _parse_ordering(raw: dict[str, Any], source: str, where: str) -> tuple[list[str], bool]:
+    """``precedes`` (rule ids) and ``on_replacements`` (exact rules only)."""
     precedes = raw.get("precedes", [])
     if not isinstance(precedes, list) or not all(isinstance(r, str) and r for r in precedes):
         raise _fail(source, where, "'precedes' must be a list of rule ids")
@@ -242,22 +282,7 @@ def _parse_rule(raw: Any, source: str, index: int) -> Rule:
             "'on_replacements' needs an exact rule: a lowered replacement keeps the exactness and bound "
             "its first rule declared",
         )
-    return Rule(
-        id=raw["id"],
-        summary=raw["summary"],
-        doc=raw.get("doc", ""),
-        emits=raw.get("emits", ""),
-        builder=raw["builder"],
-        match=tuple(match),
-        exactness=raw["exactness"],
-        dtypes=frozenset(dtypes) if dtypes is not None else None,
-        min_opset=when.get("min_opset"),
-        max_opset=when.get("max_opset"),
-        options=MappingProxyType(dict(options)),
-        source=source,
-        precedes=tuple(precedes),
-        on_replacements=on_replacements,
-    )
+    return precedes, on_replacements
 
 
 def checked(rule: Rule) -> Rule:
