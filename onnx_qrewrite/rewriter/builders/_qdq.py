@@ -198,43 +198,13 @@ def read_qdq(site: Site, options: Mapping[str, Any], *, quantize: bool) -> QDQNo
 def _read_qdq(
     site: Site, axis_default: int, require_zp: bool, quantize: bool, float16: bool = False, bfloat16: bool = False
 ) -> QDQNode:
+    # In this order, so that a malformed node is told the same first problem as before.
     node = site.node
-    n_inputs = len(node.input)
-    if require_zp and (n_inputs != 3 or not all(node.input)):
-        raise NoMatch(
-            f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
-            + (" with an empty one" if n_inputs == 3 else "")
-        )
-    if n_inputs not in (2, 3) or not node.input[0] or not node.input[1]:
-        raise NoMatch(f"malformed node: {node.op_type} takes inputs (x, scale[, zero point]), it has {n_inputs}")
-    if len(node.output) != 1 or not node.output[0]:
-        raise NoMatch(f"malformed node: {node.op_type} has one output, it has {len(node.output)}")
-    unknown_attrs = sorted({a.name for a in node.attribute} - {"axis"})
-    if unknown_attrs:
-        raise NoMatch(f"attribute(s) {', '.join(unknown_attrs)} not supported (only 'axis')")
+    _check_arity(node, require_zp)
     x, scale = node.input[0], node.input[1]
     zp = site.input(2)
     dtype = quantized_dtype(site, quantize=quantize)
-
-    float_input = x if quantize else None
-    float_types = {_FLOAT, onnx.TensorProto.FLOAT16} if float16 else {_FLOAT}
-    if bfloat16:
-        float_types.add(onnx.TensorProto.BFLOAT16)
-    found: set[int] = set()
-    for name, what in ((float_input, "x"), (scale, "scale")):
-        if not name:
-            continue
-        elem = site.elem_type(name)
-        if elem is not None and elem not in float_types:
-            kinds = (_FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-            names = [dtype_name(t) for t in kinds if t in float_types]
-            supported = f"{', '.join(names[:-1])} and {names[-1]} are" if len(names) > 1 else "only float32 is"
-            raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; {supported} supported")
-        if elem is not None:
-            found.add(elem)
-    if len(found) > 1:
-        raise NoMatch(f"malformed node: x and scale {scale!r} have different float types")
-    float_type = dtype_name(found.pop()) if found else "float32"
+    float_type = _float_type(site, x if quantize else None, scale, float16, bfloat16)
     if not quantize:
         for name, what in ((x, "x"), (zp, "zero point")):
             elem = site.elem_type(name)
@@ -245,29 +215,8 @@ def _read_qdq(
     zp_shape = value_shape(site.scope, zp, site.same_shape_ops) if zp else None
     axis_given = site.has_attribute("axis")
     axis = int(site.attribute("axis", axis_default))
-
-    granularity = DYNAMIC
     scale_dims = known_shape(scale_shape)
-    if scale_dims is not None:
-        size = math.prod(scale_dims)
-        if size == 1:
-            granularity = PER_TENSOR
-        elif len(scale_dims) == 1:
-            granularity = PER_AXIS
-        else:
-            raise NoMatch(
-                f"malformed node: scale {scale!r} has shape {list(scale_dims)}; "
-                "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)"
-            )
-    zp_dims = known_shape(zp_shape)
-    if zp and zp_dims is not None and scale_dims is not None:
-        if math.prod(zp_dims) != math.prod(scale_dims):
-            raise NoMatch(
-                f"malformed node: zero point {zp!r} has shape {list(zp_dims)}, scale {scale!r} "
-                f"has shape {list(scale_dims)}; they must have the same number of elements"
-            )
-        if granularity == PER_AXIS and len(zp_dims) != 1:
-            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_dims)}; per-axis needs 1-D")
+    granularity = _granularity(scale, scale_dims, zp, known_shape(zp_shape))
     x_shape = value_shape(site.scope, x, site.same_shape_ops) if granularity != PER_TENSOR else None
     if x_shape is not None:
         if len(x_shape) == 0:
@@ -292,6 +241,73 @@ def _read_qdq(
         site=site,
         float_type=float_type,
     )
+
+
+def _check_arity(node: onnx.NodeProto, require_zp: bool) -> None:
+    """Inputs (x, scale[, zero point]; all three with ``require_zp``), one output, no attribute
+    but ``axis``."""
+    n_inputs = len(node.input)
+    if require_zp and (n_inputs != 3 or not all(node.input)):
+        raise NoMatch(
+            f"malformed node: {node.op_type} takes exactly 3 inputs (x, scale, zero point), it has {n_inputs}"
+            + (" with an empty one" if n_inputs == 3 else "")
+        )
+    if n_inputs not in (2, 3) or not node.input[0] or not node.input[1]:
+        raise NoMatch(f"malformed node: {node.op_type} takes inputs (x, scale[, zero point]), it has {n_inputs}")
+    if len(node.output) != 1 or not node.output[0]:
+        raise NoMatch(f"malformed node: {node.op_type} has one output, it has {len(node.output)}")
+    unknown_attrs = sorted({a.name for a in node.attribute} - {"axis"})
+    if unknown_attrs:
+        raise NoMatch(f"attribute(s) {', '.join(unknown_attrs)} not supported (only 'axis')")
+
+
+def _float_type(site: Site, float_input: str | None, scale: str, float16: bool, bfloat16: bool) -> str:
+    """The float type of the scale (and of a quantizer's x): one the builder computes (float32,
+    float16 / bfloat16 when it says so), the same on both; float32 when none is recorded."""
+    float_types = {_FLOAT, onnx.TensorProto.FLOAT16} if float16 else {_FLOAT}
+    if bfloat16:
+        float_types.add(onnx.TensorProto.BFLOAT16)
+    found: set[int] = set()
+    for name, what in ((float_input, "x"), (scale, "scale")):
+        if not name:
+            continue
+        elem = site.elem_type(name)
+        if elem is not None and elem not in float_types:
+            kinds = (_FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+            names = [dtype_name(t) for t in kinds if t in float_types]
+            supported = f"{', '.join(names[:-1])} and {names[-1]} are" if len(names) > 1 else "only float32 is"
+            raise NoMatch(f"{what} {name!r} is {dtype_name(elem)}; {supported} supported")
+        if elem is not None:
+            found.add(elem)
+    if len(found) > 1:
+        raise NoMatch(f"malformed node: x and scale {scale!r} have different float types")
+    return dtype_name(found.pop()) if found else "float32"
+
+
+def _granularity(scale: str, scale_dims: tuple[int, ...] | None, zp: str, zp_dims: tuple[int, ...] | None) -> str:
+    """Per-tensor (one scale element), per-axis (1-D) or dynamic (shape unknown), with the zero
+    point's element count matching the scale's."""
+    granularity = DYNAMIC
+    if scale_dims is not None:
+        size = math.prod(scale_dims)
+        if size == 1:
+            granularity = PER_TENSOR
+        elif len(scale_dims) == 1:
+            granularity = PER_AXIS
+        else:
+            raise NoMatch(
+                f"malformed node: scale {scale!r} has shape {list(scale_dims)}; "
+                "the kernel takes one element (per-tensor) or a 1-D tensor (per-axis)"
+            )
+    if zp and zp_dims is not None and scale_dims is not None:
+        if math.prod(zp_dims) != math.prod(scale_dims):
+            raise NoMatch(
+                f"malformed node: zero point {zp!r} has shape {list(zp_dims)}, scale {scale!r} "
+                f"has shape {list(scale_dims)}; they must have the same number of elements"
+            )
+        if granularity == PER_AXIS and len(zp_dims) != 1:
+            raise NoMatch(f"malformed node: zero point {zp!r} has shape {list(zp_dims)}; per-axis needs 1-D")
+    return granularity
 
 
 def per_tensor_operand(
