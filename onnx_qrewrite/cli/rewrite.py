@@ -246,35 +246,7 @@ def rewrite_command(
     )
     if (keep_failed or junit_path) and not do_verify:
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
-    check_report_paths(
-        report=report_path,
-        junit=junit_path,
-        save_inputs=verify_opts.get("save_inputs"),
-        save_outputs=verify_opts.get("save_outputs"),
-    )
-    for option in ("save_inputs", "save_outputs"):
-        if verify_opts.get(option) and len(models) > 1:
-            raise UsageError(f"--{option.replace('_', '-')} takes one model; rewrite the others separately")
-    outputs = _outputs_for(models, output)
-    # Before any work: no output may be a file this invocation reads, or another output.
-    reads: dict[tuple[int, int], Path] = {}
-    for model in models:
-        reads.update(model_reads(model))
-    other_writes = [
-        (option, str(path))
-        for option, path in (
-            ("--report", report_path),
-            ("--junit", junit_path),
-            ("--save-inputs", verify_opts.get("save_inputs")),
-        )
-        if path
-    ]
-    check_writes([*(("-o", o) for o in outputs), *other_writes], reads, outputs)
-    if outputs != [output]:  # -o names a folder (several models, or a trailing slash)
-        try:
-            Path(output).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"-o {output}: cannot create the folder: {exc.strerror or exc}") from None
+    outputs, reads, other_writes = _plan_writes(models, output, report_path, junit_path, verify_opts)
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
     load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
     if target is not None:
@@ -319,13 +291,58 @@ def rewrite_command(
         for m, o in zip(models, outputs, strict=True)
     ]
     outcomes = _run_all(tasks, models, jobs, quiet)
-    refused = len(models) == 1 and outcomes[0].error is not None
-    if report_path and not refused:  # a refused model gets its error line, and nothing written
+    _write_reports(outcomes, len(models), report_path, junit_path)
+    worst = worst_exit_code(o.exit_code for o in outcomes)
+    if worst:
+        ctx.exit(worst)
+
+
+def _plan_writes(
+    models: tuple[str, ...], output: str, report_path: str | None, junit_path: str | None, verify_opts: dict[str, Any]
+) -> tuple[list[str], dict[tuple[int, int], Path], list[tuple[str, str]]]:
+    """Before any work: the output of each model, the files the models read and the other files
+    this invocation writes; no output may be a file it reads, or another output (usage errors)."""
+    check_report_paths(
+        report=report_path,
+        junit=junit_path,
+        save_inputs=verify_opts.get("save_inputs"),
+        save_outputs=verify_opts.get("save_outputs"),
+    )
+    for option in ("save_inputs", "save_outputs"):
+        if verify_opts.get(option) and len(models) > 1:
+            raise UsageError(f"--{option.replace('_', '-')} takes one model; rewrite the others separately")
+    outputs = _outputs_for(models, output)
+    reads: dict[tuple[int, int], Path] = {}
+    for model in models:
+        reads.update(model_reads(model))
+    other_writes = [
+        (option, str(path))
+        for option, path in (
+            ("--report", report_path),
+            ("--junit", junit_path),
+            ("--save-inputs", verify_opts.get("save_inputs")),
+        )
+        if path
+    ]
+    check_writes([*(("-o", o) for o in outputs), *other_writes], reads, outputs)
+    if outputs != [output]:  # -o names a folder (several models, or a trailing slash)
+        try:
+            Path(output).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"-o {output}: cannot create the folder: {exc.strerror or exc}") from None
+    return outputs, reads, other_writes
+
+
+def _write_reports(outcomes: list[Outcome], n_models: int, report_path: str | None, junit_path: str | None) -> None:
+    """The --report and --junit files over all models; nothing when the one model was refused (it
+    gets its error line)."""
+    refused = n_models == 1 and outcomes[0].error is not None
+    if report_path and not refused:
         payloads = [
             {k: v for k, v in o.payload.items() if k != "_junit"} or {"input": o.label, "error": o.error}
             for o in outcomes
         ]
-        body = payloads[0] if len(models) == 1 and not outcomes[0].error else {"models": payloads}
+        body = payloads[0] if n_models == 1 and not outcomes[0].error else {"models": payloads}
         write_report_file(report_path, json.dumps(body, indent=2) + "\n", "--report")
     if junit_path and not refused:
         combined_junit(
@@ -334,9 +351,6 @@ def rewrite_command(
             [o.error for o in outcomes],
             junit_path,
         )
-    worst = worst_exit_code(o.exit_code for o in outcomes)
-    if worst:
-        ctx.exit(worst)
 
 
 def _run_all(tasks: list[_Task], models: tuple[str, ...], jobs: int, quiet: bool) -> list[Outcome]:
