@@ -53,6 +53,35 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
     """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
     (which has its own ``--report`` and ``--junit``, hence the switches)."""
     options: list[Callable[[Callable], Callable]] = [
+        *_input_options(),
+        *_tolerance_options(),
+        *_drift_options(),
+        *_session_options(),
+    ]
+    if report:
+        options.append(
+            output_file_option(
+                "--report", "report_path", "Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."
+            )
+        )
+    if junit:
+        options.append(
+            output_file_option(
+                "--junit", "junit_path", "Write a JUnit XML report: one test suite per model, one case per output."
+            )
+        )
+
+    def decorate(func: Callable) -> Callable:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def _input_options() -> list[Callable[[Callable], Callable]]:
+    """Where the inputs come from: a file, or generated (how many, seeded, in which ranges and shapes)."""
+    return [
         click.option(
             "--inputs",
             "inputs_file",
@@ -99,6 +128,12 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             show_default=True,
             help="Add the quantization battery for float inputs: zeros, a constant, a wide range, negatives.",
         ),
+    ]
+
+
+def _tolerance_options() -> list[Callable[[Callable], Callable]]:
+    """How outputs are compared element by element."""
+    return [
         _per_output_option(
             "--atol",
             float,
@@ -122,6 +157,12 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             help="Float elements pass when |diff| <= atol + rtol*|original| (numpy), or when |diff| <= atol "
             "OR |diff|/|rewritten| <= rtol (polygraphy: its default elemwise check).",
         ),
+    ]
+
+
+def _drift_options() -> list[Callable[[Callable], Callable]]:
+    """When and how outputs are judged by their drift instead (approximate rewrites)."""
+    return [
         click.option(
             "--drift",
             "drift_mode",
@@ -149,6 +190,12 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             float,
             "Drift: largest absolute error (default: reported, not judged: its scale is the output's).",
         ),
+    ]
+
+
+def _session_options() -> list[Callable[[Callable], Callable]]:
+    """How the models run: onnxruntime settings, files of inputs and outputs kept, the runtime, localisation."""
+    return [
         click.option(
             "--ort-opt-level",
             type=click.Choice(_OPT_LEVELS),
@@ -197,25 +244,6 @@ def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Call
             help="On disagreement, name the first differing node of the rewritten model.",
         ),
     ]
-    if report:
-        options.append(
-            output_file_option(
-                "--report", "report_path", "Write the JSON report (schema: onnx_qrewrite/verify/report.schema.json)."
-            )
-        )
-    if junit:
-        options.append(
-            output_file_option(
-                "--junit", "junit_path", "Write a JUnit XML report: one test suite per model, one case per output."
-            )
-        )
-
-    def decorate(func: Callable) -> Callable:
-        for option in reversed(options):
-            func = option(func)
-        return func
-
-    return decorate
 
 
 def verify_kwargs(
