@@ -81,6 +81,8 @@ def test_the_summary_counts_outputs_apart_from_the_checked_values(models):
         "value-read": {"checked": 12, "failed": 0},
     }
     assert [o["role"] for o in data["outputs"]] == [o.role for o in report.outputs]
+    table = report.to_table().splitlines()
+    assert any(line.startswith("output / checked value  ") for line in table), report.to_table()
     jsonschema.Draft202012Validator(json.loads(SCHEMA_PATH.read_text())).validate(json.loads(json.dumps(data)))
 
 

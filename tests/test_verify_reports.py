@@ -113,5 +113,6 @@ def test_the_table_lists_every_output_and_ends_with_the_verdict_line(failing):
     lines = failing.to_table().splitlines()
     assert lines[-1] == failing.summary and lines[-1].startswith("FAILED | 2 of 2 outputs differ")
     header = next(i for i, line in enumerate(lines) if line.startswith("output"))
+    assert lines[header].split()[:2] == ["output", "dtype"]  # only outputs: no "checked value" rows
     assert [line.split()[0] for line in lines[header + 1 : header + 3]] == ["y", "yq"]
     assert any(line.startswith("first differing node: 'qx_q'") for line in lines)

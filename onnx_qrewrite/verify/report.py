@@ -347,8 +347,10 @@ class VerifyReport:
             *([f"drift:     {line}"] if (line := _drift_line(s.drift, s.drift_decision)) else []),
             "",
         ]
+        # A bounded rewrite adds rows that are not model outputs (their labels say "(node ..." or
+        # "(read by the replacement of ..."): the column's header then says so too.
         header = (
-            "output",
+            "output / checked value" if any(o.role != "output" for o in self.outputs) else "output",
             "dtype",
             "shape",
             "verdict",
