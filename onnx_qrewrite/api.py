@@ -386,12 +386,25 @@ def _run_engine(
         rewritten, report = engine.run(proto, catalogue, opts, external, progress)
         if plan is not None and plan.later:
             rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
+        if plan is not None and plan.opset_lowering is not None:
+            _lower_opset(rewritten, report, plan.opset_lowering)
     except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
         label = str(source_path) if source_path is not None else "input model"
         if str(exc).startswith(label):
             raise
         raise InvalidModelError(f"{label}: {exc}") from None
     return rewritten, report
+
+
+def _lower_opset(rewritten: onnx.ModelProto | EncodedModel, report: RewriteReport, lowering: dict[str, Any]) -> None:
+    """The target plan's opset lowering (targets/lower_opset.py), proven exact on the model the
+    plan checked, which the rewrite reproduces: only the opset imports change."""
+    from onnx_qrewrite.io.encoded import skeleton_of
+    from onnx_qrewrite.rewriter.report import OpsetChange
+    from onnx_qrewrite.targets.lower_opset import set_default_opset
+
+    set_default_opset(skeleton_of(rewritten), lowering["to"])
+    report.opset_changes.append(OpsetChange("", lowering["from"], lowering["to"], lowering["why"]))
 
 
 def _add_notes(report: RewriteReport, reordered: int, plan: Any) -> None:

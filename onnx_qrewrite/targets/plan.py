@@ -40,6 +40,7 @@ import onnx
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
 from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, check_model
+from onnx_qrewrite.targets.lower_opset import check_for_target, lowering_for_target
 from onnx_qrewrite.targets.profile import TargetProfile
 
 #: Preference between choices that leave the target nothing to refuse (lower first).
@@ -104,6 +105,9 @@ class TargetPlan:
     #: The engine options of each later stage, applied in turn to what the one before wrote (each
     #: one's node_rules index that model's nodes); empty for a one-stage plan.
     later: list[Any] = dataclasses.field(default_factory=list, repr=False)
+    #: The default-domain opset lowered to the target's highest ({"from", "to", "why"}), exact
+    #: node by node (lower_opset.py); ``rewritten`` is the lowered model.
+    opset_lowering: dict[str, Any] | None = None
     #: When the target would still refuse something and the profile has approximate forms that
     #: wait for the user's consent: what --allow-approximate would give ({"forms": [...],
     #: "refused_after": n, "first": why the first still refused node is}).
@@ -151,6 +155,7 @@ class TargetPlan:
             "skipped_rules": self.skipped_rules,
             "forms": self.forms,
             "with_consent": self.with_consent,
+            "opset_lowering": self.opset_lowering,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
         }
@@ -413,6 +418,13 @@ class _Context:
     external: Any
     target_opset: int | None
     keep_opset: bool
+
+    @property
+    def may_lower(self) -> bool:
+        """Whether the plan may lower the opset to the target's (lower_opset.py): not when the user
+        keeps or chooses the opset."""
+        return not self.keep_opset and self.target_opset is None
+
     #: (scope, engine label) -> rule -> (stage, why it did not apply there): the deepest stage
     #: that tried it, whose model is the most rewritten (inspect says why a rule was not used).
     why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
@@ -468,7 +480,7 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             known = ctx.why.setdefault((done.scope, done.node), {})
             if known.get(done.rule, (-1, ""))[0] <= depth:
                 known[done.rule] = (depth, "")
-        state = _State(rewritten, [report], [used], check_model(rewritten, ctx.profile))
+        state = _State(rewritten, [report], [used], check_for_target(rewritten, ctx.profile, may_lower=ctx.may_lower))
         if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
             state = _follow(state, ctx, depth)
         tried[key] = state
@@ -620,6 +632,7 @@ def plan_for_model(
     top = _stage(model, ctx, 0, before)
     label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
     plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
+    _lower_opset(plan, profile, ctx.may_lower)
     waiting = withheld_forms(profile, allow)
     if plan.after and waiting:
         consented = plan_for_model(
@@ -639,6 +652,21 @@ def plan_for_model(
             "first": f"{first.node} ({first.op_key}): {first.reasons[0]}" if first else "",
         }
     return plan
+
+
+def _lower_opset(plan: TargetPlan, profile: TargetProfile, may_lower: bool) -> None:
+    """Lower the planned rewrite's opset to the target's when it declares more and that is exact;
+    the model-wide refusal of the opset is then fixed, by this step."""
+    if plan.rewritten is None:
+        return
+    plan.rewritten, plan.opset_lowering = lowering_for_target(plan.rewritten, profile, may_lower=may_lower)
+    if plan.opset_lowering is None:
+        return
+    for verdict in plan.nodes:
+        if verdict.node == "(model)" and not verdict.after:
+            verdict.rule, verdict.exactness = "lower-opset", "exact"
+            low = plan.opset_lowering
+            verdict.then = (f"opset {low['from']} -> {low['to']}: {low['why']}",)
 
 
 def _assemble(

@@ -1,0 +1,262 @@
+"""Lowering a model's default-domain opset exactly, for a target that loads only lower opsets.
+
+TensorRT's parser loads opsets up to 20, while onnxruntime.quantization writes opset 21 for 16-bit
+Q/DQ; once the rewrite has replaced what needed opset 21, the model often runs unchanged at 20.
+This step proves that node by node and only then changes the opset import; nothing else in the
+model changes (node metadata and provenance included).
+
+Why not onnx's ``version_converter.convert_version(model, 20)``: measured on onnx 1.23.2, it
+drops every node's ``metadata_props`` (our provenance), rewrites value_info, and refuses by
+assertion what it cannot adapt (uint16 QuantizeLinear, blocked DequantizeLinear, output_dtype,
+GroupNormalization-21) with C++ messages; the exact cases it handles are exactly those where the
+import alone may change, which is what this step does with reasons a user can read.
+
+Policy (which ops changed between two opsets and whether lowering each is exact) is data:
+``rules/opsets/lowering.toml``, citing onnx's Changelog; the per-node check uses onnx's own
+schemas (``onnx.defs.get_schema(op, max_inclusive_version=...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+from onnx import defs
+
+from onnx_qrewrite.errors import InternalError, LoweringError
+from onnx_qrewrite.rewriter.graph import Scope, iter_scopes
+from onnx_qrewrite.targets.check import Refused, _inferred, check_model
+
+if TYPE_CHECKING:
+    from onnx_qrewrite.targets.profile import TargetProfile
+
+__all__ = [
+    "LoweringStep",
+    "OpChange",
+    "check_for_target",
+    "lower_default_opset",
+    "lowering_blockers",
+    "lowering_for_target",
+    "lowering_steps",
+    "set_default_opset",
+]
+
+_EXACT = ("when-valid", "never")
+
+
+@dataclasses.dataclass(frozen=True)
+class OpChange:
+    """What changed in one op between a step's two opsets, and whether a node of it lowers exactly."""
+
+    change: str
+    exact: str  # "when-valid" (only types/attributes added) or "never" (semantics changed)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoweringStep:
+    """One opset step down (``source`` -> ``target``), with every op that changed at ``source``."""
+
+    source: int
+    target: int
+    ops: dict[str, OpChange]
+    cite: str  # "[opsets/<source id>]"
+
+
+def _table_path() -> Path:
+    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
+
+    return shipped_rules_dir() / "opsets" / "lowering.toml"
+
+
+@functools.cache
+def lowering_steps() -> dict[int, LoweringStep]:
+    """The shipped lowering table, keyed by the opset each step lowers from."""
+    path = _table_path()
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    sources = {s["id"] for s in data.get("source", [])}
+    steps = {}
+    for raw in data.get("step", []):
+        if raw.get("source") not in sources or raw["to"] != raw["from"] - 1:
+            step = f"step {raw.get('from')} -> {raw.get('to')}"
+            raise InternalError(f"{path}: {step} cites no [[source]] or skips an opset")
+        ops = {}
+        for entry in raw.get("op", []):
+            if entry["exact"] not in _EXACT:
+                raise InternalError(f"{path}: exact = {entry['exact']!r} (one of {', '.join(_EXACT)})")
+            ops.update(dict.fromkeys(entry["names"], OpChange(entry["change"], entry["exact"])))
+        steps[raw["from"]] = LoweringStep(raw["from"], raw["to"], ops, f"[opsets/{raw['source']}]")
+    return steps
+
+
+def _type_name(elem: int) -> str:
+    return onnx.TensorProto.DataType.Name(elem).lower()
+
+
+def _io_problem(node: onnx.NodeProto, scope: Scope, schema: defs.OpSchema, opset: int) -> str | None:
+    """Why ``node``'s inputs or outputs are not valid for ``schema`` (the op at ``opset``), if so."""
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    variadic = defs.OpSchema.FormalParameterOption.Variadic
+    for kind, names, params in (("input", node.input, schema.inputs), ("output", node.output, schema.outputs)):
+        for index, name in enumerate(names):
+            if not name:
+                continue
+            if index >= len(params) and not (params and params[-1].option == variadic):
+                return f"has {len(names)} {kind}s, more than {node.op_type} takes at opset {opset}"
+            param = params[min(index, len(params) - 1)]
+            elem = scope.elem_type(name)
+            if not elem:
+                return f"the type of {kind} {name!r} is not known, so it cannot be shown valid at opset {opset}"
+            if f"tensor({_type_name(elem)})" not in allowed.get(param.type_str, {param.type_str}):
+                return f"{kind} {name!r} is {_type_name(elem)}, which {node.op_type} does not take at opset {opset}"
+    return None
+
+
+def _node_problem(node: onnx.NodeProto, scope: Scope, step: LoweringStep) -> str | None:
+    """Why ``node`` does not compute the same at ``step.target`` (None: it does)."""
+    current = defs.get_schema(node.op_type, step.source, "")
+    if current.since_version < step.source:
+        return None  # the same schema at both opsets
+    change = step.ops.get(node.op_type)
+    if change is None:
+        return f"{node.op_type} changed at opset {step.source} and the lowering table does not describe it"
+    if change.exact == "never":
+        return f"{node.op_type} computes something else at opset {step.target}: {change.change}"
+    try:
+        lower = defs.get_schema(node.op_type, step.target, "")
+    except defs.SchemaError:
+        return f"{node.op_type} does not exist at opset {step.target}"
+    extra = [a.name for a in node.attribute if a.name not in lower.attributes]
+    if extra:
+        return f"sets {', '.join(extra)}, which {node.op_type} does not have at opset {step.target} ({change.change})"
+    problem = _io_problem(node, scope, lower, step.target)
+    return f"{problem} ({change.change})" if problem else None
+
+
+def _problems(model: onnx.ModelProto, step: LoweringStep) -> list[str]:
+    """Per default-domain node that blocks ``step``: "<node> (<op>): why"."""
+    out = []
+    for scope in iter_scopes(model):
+        if scope.default_opset != step.source:
+            continue
+        for node in scope.container.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            why = _node_problem(node, scope, step)
+            if why:
+                name = node.name or (node.output[0] if node.output else "")
+                where = "" if scope.path == "main" else f" in {scope.path}"
+                out.append(f"node {name} ({node.op_type}){where}: {why} {step.cite}")
+    return out
+
+
+def _default_opset(model: onnx.ModelProto) -> int | None:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def lowering_blockers(model: onnx.ModelProto, target: int) -> list[str]:
+    """Why lowering ``model``'s default-domain opset to ``target`` would not be exact (empty: it
+    would be). ``model`` should carry inferred types (value_info): a changed op whose types are
+    unknown cannot be shown valid and blocks the step."""
+    current = _default_opset(model)
+    if current is None or current <= target:
+        return []
+    steps = lowering_steps()
+    blockers: list[str] = []
+    for version in range(current, target, -1):
+        step = steps.get(version)
+        if step is None:
+            table = "rules/opsets/lowering.toml"
+            return [f"no exact lowering from opset {version} to {version - 1} is described ({table})"]
+        blockers.extend(_problems(_with_default_opset(model, version), step))
+    return blockers
+
+
+def _with_default_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """``model`` as it is at ``version`` (the model itself when it declares it already)."""
+    if _default_opset(model) == version:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    set_default_opset(copy, version)
+    return copy
+
+
+def set_default_opset(model: onnx.ModelProto, version: int) -> None:
+    """The default-domain import of the model and of each local function that imports a higher one."""
+    imports = [*model.opset_import, *(o for fn in model.functions for o in fn.opset_import)]
+    for entry in imports:
+        if entry.domain in ("", "ai.onnx") and entry.version > version:
+            entry.version = version
+
+
+def lower_default_opset(
+    model: onnx.ModelProto, target: int, inferred: onnx.ModelProto | None = None
+) -> onnx.ModelProto:
+    """A copy of ``model`` with its default-domain opset lowered to ``target``, when that is exact
+    (:func:`lowering_blockers`, judged on ``inferred``, the model with inferred types, computed
+    when not given); otherwise :class:`LoweringError` naming the first node that blocks it.
+    The result passes onnx's checker and strict shape inference at ``target``."""
+    blockers = lowering_blockers(inferred if inferred is not None else _inferred(model), target)
+    if blockers:
+        more = f" (and {len(blockers) - 1} more)" if len(blockers) > 1 else ""
+        raise LoweringError(f"cannot lower the opset to {target} exactly: {blockers[0]}{more}")
+    lowered = _with_default_opset(model, target)
+    _check_lowered(lowered, target)
+    return lowered
+
+
+def _check_lowered(lowered: onnx.ModelProto, target: int) -> None:
+    """onnx's checker and strict shape inference on the lowered model: our per-node proof and
+    onnx's own must agree, or it is a bug here (exit 5), never a model to ship."""
+    from onnx_qrewrite.errors import InternalError, first_line
+    from onnx_qrewrite.io import model_io
+
+    what = f"the model lowered to opset {target} (a bug, please report it)"
+    model_io.check_model(lowered, what=what, error=InternalError)
+    try:
+        onnx.shape_inference.infer_shapes(lowered, check_type=True, strict_mode=True)
+    except Exception as exc:  # noqa: BLE001 - onnx raises several types for what it cannot infer
+        raise InternalError(f"{what}: onnx's shape inference: {first_line(exc)}") from None
+
+
+def check_for_target(model: onnx.ModelProto, profile: TargetProfile, *, may_lower: bool = True) -> list[Refused]:
+    """What ``profile`` refuses of ``model`` as ``rewrite --target`` would ship it: lowered to the
+    target's highest opset when the model declares a higher one and the lowering is exact (then
+    the opset is no refusal); otherwise the model-wide refusal says what blocks the lowering."""
+    limit, opset = profile.opset_max, _default_opset(model)
+    if limit is None or opset is None or opset <= limit:
+        return check_model(model, profile)
+    if not may_lower:
+        why = "; not lowered: the opset is kept (--keep-opset) or chosen (--target-opset)"
+    elif blockers := lowering_blockers(_inferred(model), limit):
+        more = f" (and {len(blockers) - 1} more node(s))" if len(blockers) > 1 else ""
+        why = f"; lowering it to {limit} would not be exact: {blockers[0]}{more}"
+    else:
+        return check_model(_with_default_opset(model, limit), profile)
+    return [
+        dataclasses.replace(r, reasons=(r.reasons[0] + why, *r.reasons[1:])) if r.node == "(model)" else r
+        for r in check_model(model, profile)
+    ]
+
+
+def lowering_for_target(
+    model: onnx.ModelProto, profile: TargetProfile, *, may_lower: bool = True
+) -> tuple[onnx.ModelProto, dict[str, Any] | None]:
+    """``model`` lowered to ``profile``'s highest opset when it declares a higher one and that is
+    exact, with what was done ({"from", "to", "why"}); else ``model`` itself and None."""
+    limit, opset = profile.opset_max, _default_opset(model)
+    if not may_lower or limit is None or opset is None or opset <= limit:
+        return model, None
+    if lowering_blockers(_inferred(model), limit):
+        return model, None
+    steps = lowering_steps()
+    cites = " ".join(sorted({steps[v].cite for v in range(opset, limit, -1)}))
+    why = (
+        f"target {profile.id} loads opsets up to {limit} {profile.cite(profile.opset_source)}; every node "
+        f"computes the same at {limit} {cites}"
+    )
+    return lower_default_opset(model, limit), {"from": opset, "to": limit, "why": why}

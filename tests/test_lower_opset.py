@@ -1,0 +1,259 @@
+"""Exact opset lowering (targets/lower_opset.py, rules/opsets/lowering.toml): a lowered model
+computes bit for bit what the original does in onnxruntime; a node not valid unchanged at the
+lower opset blocks the step and is named; the target plan lowers only when the target needs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, defs, helper, numpy_helper
+
+from onnx_qrewrite import rewrite
+from onnx_qrewrite.api import load_rules
+from onnx_qrewrite.errors import LoweringError
+from onnx_qrewrite.targets import load_target, plan_for_model, plan_for_target
+from onnx_qrewrite.targets.check import _inferred
+from onnx_qrewrite.targets.lower_opset import lower_default_opset, lowering_blockers, lowering_steps
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_U16 = REPO / "sample_models" / "qdq_contrib_u16.onnx"
+ort = pytest.importorskip("onnxruntime")
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inits: list[onnx.TensorProto],
+    shape: list[int],
+    opset: int = 21,
+    out: list[int] | None = None,
+) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape if out is None else out)],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
+def _changed_ops_model() -> onnx.ModelProto:
+    """Opset 21, with most ops whose schema changed at 21 used with opset-20 types: int8 per-axis
+    Q/DQ, Reshape, Transpose, Flatten, Squeeze/Unsqueeze, Pad, Cast, CastLike, Identity, Constant,
+    Shape, Size, ConstantOfShape."""
+    inits = [
+        numpy_helper.from_array(np.array([0.05, 0.1, 0.02], np.float32), "s"),
+        numpy_helper.from_array(np.array([3, -7, 0], np.int8), "z"),
+        numpy_helper.from_array(np.array([1, 3, 4], np.int64), "shape"),
+        numpy_helper.from_array(np.array([0, 0, 1, 0, 0, 1], np.int64), "pads"),
+        numpy_helper.from_array(np.array([0], np.int64), "axes"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q", axis=1),
+        helper.make_node("Transpose", ["q"], ["t"], name="t", perm=[0, 2, 1]),
+        helper.make_node("Transpose", ["t"], ["t2"], name="t2", perm=[0, 2, 1]),
+        helper.make_node("DequantizeLinear", ["t2", "s", "z"], ["d"], name="dq", axis=1),
+        helper.make_node("Pad", ["d", "pads"], ["p"], name="pad"),
+        helper.make_node("Reshape", ["p", "shape"], ["r"], name="reshape", allowzero=0),
+        helper.make_node("Squeeze", ["r", "axes"], ["sq"], name="squeeze"),
+        helper.make_node("Unsqueeze", ["sq", "axes"], ["un"], name="unsqueeze"),
+        helper.make_node("Flatten", ["un"], ["f"], name="flatten", axis=1),
+        helper.make_node("Cast", ["f"], ["c16"], name="cast", to=TensorProto.FLOAT16),
+        helper.make_node("Constant", [], ["k"], name="k", value=numpy_helper.from_array(np.array(2.5, np.float32))),
+        helper.make_node("CastLike", ["c16", "k"], ["c32"], name="castlike"),
+        helper.make_node("Identity", ["c32"], ["i"], name="identity"),
+        helper.make_node("Shape", ["i"], ["sh"], name="shape_of"),
+        helper.make_node(
+            "ConstantOfShape", ["sh"], ["ones"], name="ones", value=helper.make_tensor("v", 1, [1], [1.0])
+        ),
+        helper.make_node("Size", ["i"], ["n"], name="size"),
+        helper.make_node("Cast", ["n"], ["nf"], name="cast_n", to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["i", "k"], ["m"], name="mul"),
+        helper.make_node("Add", ["m", "ones"], ["a"], name="add"),
+        helper.make_node("Add", ["a", "nf"], ["y"], name="add_n"),
+    ]
+    model = _model(nodes, inits, [1, 3, 2], out=[1, 12])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_the_table_lists_exactly_the_ops_onnx_changed_at_opset_21():
+    """The lowering table must describe every op whose schema changed at 21, and nothing else."""
+    changed = {s.name for s in defs.get_all_schemas_with_history() if s.domain == "" and s.since_version == 21}
+    assert set(lowering_steps()[21].ops) == changed
+    assert lowering_steps()[21].ops["GroupNormalization"].exact == "never"
+
+
+def test_a_lowered_model_computes_bit_for_bit_what_the_original_does():
+    model = _changed_ops_model()
+    assert lowering_blockers(_inferred(model), 20) == []
+    lowered = lower_default_opset(model, 20)
+    assert _opset(lowered) == 20 and _opset(model) == 21  # the input is not modified
+    assert [n.SerializeToString() for n in lowered.graph.node] == [n.SerializeToString() for n in model.graph.node]
+    rng = np.random.default_rng(0)
+    for scale in (0.1, 1.0, 10.0, 1e3):
+        x = (rng.standard_normal((1, 3, 2)) * scale).astype(np.float32)
+        x.flat[0] = np.nan if scale == 1e3 else x.flat[0]
+        want, got = _run(model, x), _run(lowered, x)
+        assert want.dtype == got.dtype and want.tobytes() == got.tobytes()
+
+
+def test_the_tensorrt_rewrite_of_a_16_bit_contrib_model_is_lowered_and_still_bit_exact():
+    """qdq_contrib_u16 declares 21; the TensorRT rewrite computes its Q/DQ in float, so every node
+    is valid at 20: the result declares 20 and agrees bit for bit with the original."""
+    result = rewrite(SAMPLE_U16, target="tensorrt")
+    lowered = result.model
+    assert _opset(lowered) == 20
+    assert [(c.domain, c.before, c.after) for c in result.report.opset_changes if c.domain == ""] == [("", 21, 20)]
+    assert any(p.key == "onnx_qrewrite.rule" for n in lowered.graph.node for p in n.metadata_props)  # provenance kept
+    original = onnx.load(SAMPLE_U16)
+    name = original.graph.input[0].name
+    dims = [d.dim_value or 1 for d in original.graph.input[0].type.tensor_type.shape.dim]
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        x = rng.standard_normal(dims).astype(np.float32)
+        want = _session(original).run(None, {name: x})
+        got = _session(lowered).run(None, {name: x})
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(want, got, strict=True))
+
+
+def _session(model: onnx.ModelProto):
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _uint16_qdq() -> onnx.ModelProto:
+    inits = [
+        numpy_helper.from_array(np.array(0.01, np.float32), "s"),
+        numpy_helper.from_array(np.array(30000, np.uint16), "z"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], name="q16"),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], name="dq16"),
+    ]
+    return _model(nodes, inits, [4])
+
+
+def test_a_uint16_quantize_blocks_the_lowering_and_is_named():
+    """uint16 Q/DQ came with opset 21: at 20 the same node is invalid, so the step is refused."""
+    model = _uint16_qdq()
+    blockers = lowering_blockers(_inferred(model), 20)
+    assert len(blockers) == 2
+    assert blockers[0].startswith("node q16 (QuantizeLinear): ")
+    assert "is uint16, which QuantizeLinear does not take at opset 20" in blockers[0]
+    assert blockers[0].endswith("[opsets/onnx-changelog]")
+    with pytest.raises(LoweringError, match=r"cannot lower the opset to 20 exactly: node q16 .*\(and 1 more\)"):
+        lower_default_opset(model, 20)
+
+
+@pytest.mark.parametrize(
+    ("node", "inits", "expected"),
+    [
+        (
+            helper.make_node("GroupNormalization", ["x", "sc", "b"], ["y"], name="gn", num_groups=1),
+            [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("sc", "b")],
+            "node gn (GroupNormalization): GroupNormalization computes something else at opset 20",
+        ),
+        (
+            helper.make_node("DequantizeLinear", ["w", "ws"], ["wd"], name="blocked", axis=1, block_size=2),
+            [
+                numpy_helper.from_array(np.arange(6, dtype=np.int8).reshape(3, 2), "w"),
+                numpy_helper.from_array(np.ones((3, 1), np.float32), "ws"),
+            ],
+            "node blocked (DequantizeLinear): sets block_size, which DequantizeLinear does not have at opset 20",
+        ),
+    ],
+)
+def test_a_changed_op_used_beyond_opset_20_blocks_the_lowering(node, inits, expected):
+    nodes = [node] if node.op_type == "GroupNormalization" else [node, helper.make_node("Add", ["x", "x"], ["y"])]
+    model = _model(nodes, inits, [1, 3, 2])
+    blockers = lowering_blockers(_inferred(model), 20)
+    assert len(blockers) == 1 and blockers[0].startswith(expected)
+
+
+def test_an_opset_without_a_described_step_is_not_lowered():
+    model = _model([helper.make_node("Relu", ["x"], ["y"])], [], [2], opset=22)
+    assert lowering_blockers(_inferred(model), 20) == [
+        "no exact lowering from opset 22 to 21 is described (rules/opsets/lowering.toml)"
+    ]
+
+
+def test_the_tensorrt_plan_lowers_only_what_it_must_and_says_so():
+    catalogue, profile = load_rules(), load_target("tensorrt")
+    plan = plan_for_target(SAMPLE_U16, catalogue, profile)
+    assert plan.ok and plan.opset_lowering is not None
+    assert (plan.opset_lowering["from"], plan.opset_lowering["to"]) == (21, 20)
+    assert plan.rewritten is not None and _opset(plan.rewritten) == 20
+    (model_verdict,) = [n for n in plan.nodes if n.node == "(model)"]
+    assert (model_verdict.rule, model_verdict.exactness, model_verdict.status) == (
+        "lower-opset",
+        "exact",
+        "fixed by the rewrite",
+    )
+    assert "(model)" in {r.node for r in plan.before}  # the model as given is refused: counted
+    assert plan.to_dict()["opset_lowering"]["to"] == 20
+    # --keep-opset: nothing lowered, and the refusal says why.
+    kept = plan_for_target(SAMPLE_U16, catalogue, profile, keep_opset=True)
+    assert kept.opset_lowering is None and [r.node for r in kept.after] == ["(model)"]
+    assert "not lowered: the opset is kept (--keep-opset)" in kept.after[0].reasons[0]
+    # A target that loads opset 21 gets the model at 21; a rewrite without a target never lowers.
+    assert plan_for_target(SAMPLE_U16, catalogue, load_target("openvino")).opset_lowering is None
+    assert _opset(rewrite(SAMPLE_U16).model) == 21
+
+
+def test_the_plan_refuses_a_model_whose_lowering_is_not_exact_and_names_the_node():
+    """A float GroupNormalization at opset 21 (TensorRT runs the op) cannot be lowered exactly:
+    the model-wide refusal says which node and why, and nothing is lowered."""
+    inits = [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("sc", "b")]
+    model = _model(
+        [helper.make_node("GroupNormalization", ["x", "sc", "b"], ["y"], name="gn", num_groups=3)], inits, [1, 3, 2]
+    )
+    plan = plan_for_model(model, load_rules(), load_target("tensorrt"))
+    assert plan.opset_lowering is None and plan.rewritten is not None and _opset(plan.rewritten) == 21
+    assert [r.node for r in plan.after] == ["(model)"]
+    reason = plan.after[0].reasons[0]
+    assert "opset 21 is above the highest the target loads (20)" in reason
+    assert "lowering it to 20 would not be exact: node gn (GroupNormalization)" in reason
+    with pytest.raises(LoweringError, match="node gn"):
+        rewrite(model, target="tensorrt")
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_inspect_and_rewrite_for_tensorrt_count_and_report_the_lowering(tmp_path):
+    proc = _cli("inspect", SAMPLE_U16, "--target", "tensorrt", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert (plan["refused_before"], plan["refused_after"]) == (23, 0)
+    assert (plan["opset_lowering"]["from"], plan["opset_lowering"]["to"]) == (21, 20)
+    out = tmp_path / "u16.trt.onnx"
+    proc = _cli("rewrite", SAMPLE_U16, "-o", out, "--target", "tensorrt")
+    assert proc.returncode == 0, proc.stderr
+    assert "opset ai.onnx: 21 -> 20 (target tensorrt loads opsets up to 20" in proc.stdout
+    assert _opset(onnx.load(out)) == 20
+    kept = tmp_path / "kept.onnx"
+    proc = _cli("rewrite", SAMPLE_U16, "-o", kept, "--target", "tensorrt", "--keep-opset")
+    assert proc.returncode == 4 and not kept.exists()
+    assert "not lowered: the opset is kept (--keep-opset)" in proc.stderr
