@@ -257,3 +257,25 @@ def test_inspect_and_rewrite_for_tensorrt_count_and_report_the_lowering(tmp_path
     proc = _cli("rewrite", SAMPLE_U16, "-o", kept, "--target", "tensorrt", "--keep-opset")
     assert proc.returncode == 4 and not kept.exists()
     assert "not lowered: the opset is kept (--keep-opset)" in proc.stderr
+
+
+def test_a_standard_uint16_qdq_model_reaches_tensorrt_through_the_float_emulation_then_the_lowering():
+    """A uint16 QuantizeLinear is not valid at 20, but the catalogue's exact float emulation
+    (the form TensorRT's profile names) replaces it; the result is then lowered, and computes bit
+    for bit what the opset-21 original does in onnxruntime."""
+    model = _uint16_qdq()
+    plan = plan_for_model(model, load_rules(), load_target("tensorrt"))
+    assert plan.ok and plan.opset_lowering is not None and plan.rewritten is not None
+    assert {n.node: n.rule for n in plan.nodes} == {
+        "(model)": "lower-opset",
+        "q16": "float-emulation-q",
+        "dq16": "float-emulation-qdq-pair",
+    }
+    assert _opset(plan.rewritten) == 20
+    x = np.concatenate([np.random.default_rng(2).standard_normal(1000) * 400, [np.inf, -np.inf, np.nan, 0.005]])
+    x = x.astype(np.float32)
+    single = helper.make_tensor_value_info("x", TensorProto.FLOAT, [len(x)])
+    for m in (model, plan.rewritten):
+        m.graph.input[0].CopyFrom(single)
+        m.graph.output[0].type.tensor_type.shape.dim[0].dim_value = len(x)
+    assert _run(model, x).tobytes() == _run(plan.rewritten, x).tobytes()
