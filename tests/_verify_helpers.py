@@ -75,6 +75,13 @@ def save_toy_models(folder: Path) -> dict[str, Path]:
     return paths
 
 
+def node_row(report, origin: str):
+    """The one row of a verify report that checks a bounded replacement at its node: the replaced
+    node named ``origin`` (rows of model outputs and of other nodes are left out)."""
+    (row,) = [o for o in report.outputs if f"(node {origin}," in o.name]
+    return row
+
+
 def vector_cases() -> list[dict]:
     return json.loads((QUARK_VECTORS / "quark_kernel_vectors.json").read_text())["cases"]
 

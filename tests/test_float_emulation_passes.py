@@ -11,6 +11,7 @@ import collections
 import numpy as np
 import onnx
 import pytest
+from _rule_helpers import LOOPING, ms_quantize
 from conftest import REAL_MODELS, SAMPLES, assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
@@ -100,39 +101,12 @@ def test_the_quantizers_inside_a_dynamic_quantize_matmul_expansion_are_emulated_
     assert all(n.name.startswith(prefix) for n in result.model.graph.node)
 
 
-_LOOPING = """
-[[rule]]
-id = "q-again"
-summary = "QuantizeLinear -> QuantizeLinear: a rule that matches what it emits"
-emits = "QuantizeLinear"
-builder = "standard_qdq"
-exactness = "exact"
-match = [{ domain = "", op = "QuantizeLinear" }]
-options = { direction = "quantize" }
-on_replacements = true
-"""
-
-
-def _ms_quantize() -> onnx.ModelProto:
-    inits = [numpy_helper.from_array(np.float32(0.05), "s"), numpy_helper.from_array(np.uint8(7), "z")]
-    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], domain="com.microsoft", name="q")
-    graph = helper.make_graph(
-        [node],
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-        [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])],
-        inits,
-    )
-    opsets = [helper.make_opsetid("", 13), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
-
-
 def test_later_passes_end_when_a_rule_matches_what_it_emits():
     """Each later pass adds a rule to a created node's lineage and never applies a rule twice in one
     lineage: a rule rewriting QuantizeLinear into QuantizeLinear runs once on the node the vendor
     rule made, and the passes stop."""
-    rules = Catalogue([*load_catalogue(), *parse_rules(_LOOPING, "looping.toml")])
-    model = _ms_quantize()
+    rules = Catalogue([*load_catalogue(), *parse_rules(LOOPING, "looping.toml")])
+    model = ms_quantize()
     result = onnx_qrewrite.rewrite(model, rules=rules)
     assert [r.rule for r in result.report.rewrites] == ["ms-q-standard", "q-again"]
     x = np.array([0.0, -1.0, 3.3, np.nan], np.float32)
@@ -140,13 +114,13 @@ def test_later_passes_end_when_a_rule_matches_what_it_emits():
 
 
 def test_on_replacements_is_for_exact_rules_only_and_must_be_a_boolean():
-    bounded = _LOOPING.replace('exactness = "exact"', 'exactness = "bounded"')
+    bounded = LOOPING.replace('exactness = "exact"', 'exactness = "bounded"')
     with pytest.raises(UsageError, match="'on_replacements' needs an exact rule"):
         parse_rules(bounded, "bounded.toml")
     with pytest.raises(UsageError, match="'on_replacements' must be true or false"):
-        parse_rules(_LOOPING.replace("on_replacements = true", 'on_replacements = "yes"'), "typo.toml")
+        parse_rules(LOOPING.replace("on_replacements = true", 'on_replacements = "yes"'), "typo.toml")
     with pytest.raises(UsageError, match="did you mean 'on_replacements'"):
-        parse_rules(_LOOPING.replace("on_replacements = true", "on_replacement = true"), "typo.toml")
+        parse_rules(LOOPING.replace("on_replacements = true", "on_replacement = true"), "typo.toml")
     assert not any(rule.on_replacements for rule in load_catalogue())  # the default catalogue: one pass
 
 

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
@@ -372,11 +373,6 @@ def test_float16_a_is_computed_in_float32_like_the_kernel(bits, zp):
     assert np.all(diff <= ulp), f"{np.max(diff / ulp):g} float16 ulp"
 
 
-def _bound_row(report, origin: str):
-    (row,) = [o for o in report.outputs if f"(node {origin}," in o.name]
-    return row
-
-
 @pytest.mark.parametrize("how", ["wrong block size", "zero point dropped"])
 def test_verify_checks_the_per_element_bound_at_the_node(how):
     """verify evaluates 2 gamma(K + 1) (|A| @ |W| + |bias|) per element at the MatMulNBits node
@@ -387,9 +383,9 @@ def test_verify_checks_the_per_element_bound_at_the_node(how):
     k = 96
     original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(7, k))
     rewritten = onnx_qrewrite.rewrite(original).model
-    good = _bound_row(verify(original, rewritten, samples=3), "nbits")
+    good = node_row(verify(original, rewritten, samples=3), "nbits")
     assert good.passed and "per element (float32-sum-order)" in good.tolerance_text, good
-    bad = _bound_row(verify(original, _break(rewritten, how), samples=3), "nbits")
+    bad = node_row(verify(original, _break(rewritten, how), samples=3), "nbits")
     assert not bad.passed and bad.mismatches > 0
     # Tight enough: the correct replacement's error is within the largest bound, the broken one's beyond it.
     assert good.max_abs_error <= good.tolerance.atol < bad.max_abs_error, (good, bad)

@@ -8,6 +8,7 @@ import onnx.numpy_helper
 import onnx.parser
 import onnx_ir
 import pytest
+from _rule_helpers import LOOPING, ms_quantize
 from conftest import REAL_MODEL_NAMES, REAL_MODELS, assert_bitwise_equal, run
 from onnxscript import rewriter
 
@@ -58,31 +59,6 @@ def test_a_node_the_catalogue_declines_is_left_alone(rules):
 
 # --- on_replacements: rules that lower what earlier rules created (the float-emulation form) ------
 
-_LOOPING = """
-[[rule]]
-id = "q-again"
-summary = "QuantizeLinear -> QuantizeLinear: a rule that matches what it emits"
-emits = "QuantizeLinear"
-builder = "standard_qdq"
-exactness = "exact"
-match = [{ domain = "", op = "QuantizeLinear" }]
-options = { direction = "quantize" }
-on_replacements = true
-"""
-
-
-def _ms_quantize() -> onnx.ModelProto:
-    return onnx.parser.parse_model(
-        """
-        <ir_version: 8, opset_import: ["" : 13, "com.microsoft" : 1]>
-        g (float[4] x) => (uint8[4] y)
-        <float s = {0.05}, uint8 z = {7}>
-        {
-            y = com.microsoft.QuantizeLinear (x, s, z)
-        }
-        """
-    )
-
 
 def _rule_names(model: onnx.ModelProto) -> list[str]:
     """The onnxscript rules that made each node, as onnxscript records them (latest first)."""
@@ -99,17 +75,17 @@ def test_on_replacements_is_honoured_as_the_engine_honours_it(on_replacements):
     forever (onnxscript visits the nodes a rewrite inserts)."""
     from onnx_qrewrite.rewriter.catalogue import Catalogue, load_catalogue, parse_rules
 
-    text = _LOOPING if on_replacements else _LOOPING.replace("on_replacements = true\n", "")
+    text = LOOPING if on_replacements else LOOPING.replace("on_replacements = true\n", "")
     catalogue = Catalogue([*load_catalogue(), *parse_rules(text, "looping.toml")])
-    engine = onnx_qrewrite.rewrite(_ms_quantize(), rules=catalogue, keep_opset=True)
+    engine = onnx_qrewrite.rewrite(ms_quantize(), rules=catalogue, keep_opset=True)
     expected = ["ms-q-standard", "q-again"] if on_replacements else ["ms-q-standard"]
     assert [r.rule for r in engine.report.rewrites] == expected
-    out = rewriter.rewrite(_ms_quantize(), pattern_rewrite_rules=qrw.rule_set(catalogue))
+    out = rewriter.rewrite(ms_quantize(), pattern_rewrite_rules=qrw.rule_set(catalogue))
     assert [n.op_type for n in out.graph.node] == ["QuantizeLinear"]
     (made_by,) = _rule_names(out)
     assert [name.partition(":")[0] for name in made_by.split(", ")][::-1] == expected
     x = np.array([0.0, -1.0, 3.3, np.nan], np.float32)
-    assert_bitwise_equal(run(out, {"x": x})["y"], run(_ms_quantize(), {"x": x})["y"], "quantized")
+    assert_bitwise_equal(run(out, {"x": x})["y"], run(ms_quantize(), {"x": x})["y"], "quantized")
 
 
 def test_a_model_rewritten_again_starts_afresh():
@@ -117,14 +93,14 @@ def test_a_model_rewritten_again_starts_afresh():
     given, as ``onnx_qrewrite.rewrite`` of a rewritten model does (its first pass tries every rule)."""
     from onnx_qrewrite.rewriter.catalogue import Catalogue, load_catalogue, parse_rules
 
-    text = _LOOPING.replace("on_replacements = true\n", "")
+    text = LOOPING.replace("on_replacements = true\n", "")
     catalogue = Catalogue([*load_catalogue(), *parse_rules(text, "looping.toml")])
     rules = qrw.rule_set(catalogue)
-    model = onnx_ir.serde.deserialize_model(_ms_quantize())
+    model = onnx_ir.serde.deserialize_model(ms_quantize())
     assert rules.apply_to_model(model) == 1  # the vendor node becomes a standard QuantizeLinear
     assert rules.apply_to_model(model) == 1  # a new walk: "q-again" applies to it once
     assert rules.apply_to_model(model) == 1  # and again, once per walk: never in a loop
-    engine = onnx_qrewrite.rewrite(onnx_qrewrite.rewrite(_ms_quantize(), rules=catalogue).model, rules=catalogue)
+    engine = onnx_qrewrite.rewrite(onnx_qrewrite.rewrite(ms_quantize(), rules=catalogue).model, rules=catalogue)
     assert [r.rule for r in engine.report.rewrites] == ["q-again"]
 
 

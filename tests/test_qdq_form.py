@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _verify_helpers import node_row
 from conftest import rule_marker, session
 from onnx import TensorProto, helper, numpy_helper
 
@@ -253,11 +254,6 @@ def _broken(rewritten: onnx.ModelProto, how: str) -> onnx.ModelProto:
     return broken
 
 
-def _bound_row(report):
-    (row,) = [o for o in report.outputs if "(node anchor," in o.name]
-    return row
-
-
 @rule_marker("qdq-matmul", "positive")
 @rule_marker("qdq-ms-matmul", "positive")
 @pytest.mark.parametrize("op", OPS)
@@ -266,14 +262,14 @@ def test_verify_catches_a_broken_rewrite_at_its_node_and_passes_the_correct_one(
     model = _model(op, "uint8", op != "ConvInteger", "nonzero")
     rewritten = _rewrite(model).model
     good = verify(model, rewritten, samples=2)
-    good_row = _bound_row(good)
+    good_row = node_row(good, "anchor")
     # (The model output is the same value: against the original re-run from the rewritten model's
     # value there (verify/reanchor.py) it is trivially equal; the bound row is the judge.)
     assert good_row.passed and good.passed, good.to_table()
     assert "bound 0 + " in good_row.name and "·max|x|" in good_row.name
     report = verify(model, _broken(rewritten, how), samples=2)
     assert report.exit_code == EXIT_DISAGREE
-    row = _bound_row(report)
+    row = node_row(report, "anchor")
     assert not row.passed, report.to_table()
     # Tight enough: the correct replacement is well within the bound, the broken one beyond it.
     assert good_row.max_abs_error < 0.1 * good_row.tolerance.atol
@@ -287,7 +283,7 @@ def test_a_scale_one_ulp_off_is_below_the_resolution_of_the_bound():
     model = _model("MatMulInteger", "uint8", False, "nonzero")
     rewritten = _rewrite(model).model
     report = verify(model, _broken(rewritten, "weight scale one ulp off"), samples=2)
-    assert _bound_row(report).passed, report.to_table()
+    assert node_row(report, "anchor").passed, report.to_table()
 
 
 # --- where it gives way ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
@@ -178,11 +179,6 @@ def bert(tmp_path_factory) -> dict[str, Path]:
     return {"dynamic": folder / "dynamic.onnx", "fused": folder / "fused.onnx"}
 
 
-def _row(report, origin: str):
-    (row,) = [o for o in report.outputs if f"(node {origin}," in o.name]
-    return row
-
-
 def _replacement(model: onnx.ModelProto, origin: str) -> list[onnx.NodeProto]:
     """The nodes that replaced the node named ``origin`` (by provenance, the first carries it)."""
     nodes = list(model.graph.node)
@@ -225,14 +221,14 @@ def test_the_default_quantize_dynamic_bert_rewrites_by_default_and_verifies(bert
     report = verify(bert["dynamic"], result.model, inputs=feeds)
     assert report.passed, report.to_table()
     assert report.settings.u8s8_reference_nodes == 12
-    row = _row(report, "l0.o.mm_quant")
+    row = node_row(report, "l0.o.mm_quant")
     assert "per element (u8s8-pairs)" in row.tolerance_text
     if SATURATES:
         # The default kernel on this CPU differs at the node, within each column's excess.
         assert 0 < row.max_abs_error <= row.tolerance.lsb and row.exact_match_rate < 1
     broken = verify(bert["dynamic"], _drop_a_zero_point(result.model, "l0.o.mm_quant"), inputs=feeds)
     assert broken.exit_code == EXIT_DISAGREE
-    bad = _row(broken, "l0.o.mm_quant")
+    bad = node_row(broken, "l0.o.mm_quant")
     assert not bad.passed and bad.max_abs_error > row.tolerance.lsb, broken.to_table()
 
 
@@ -246,10 +242,10 @@ def test_the_fused_default_bert_rewrites_by_default_and_a_scale_one_ulp_off_is_c
     report = verify(bert["fused"], result.model, inputs=feeds)
     assert report.passed, report.to_table()
     origin = "l0.o.mm_quant"
-    good = _row(report, origin)
+    good = node_row(report, origin)
     broken = verify(bert["fused"], _scale_one_ulp_off(result.model, origin), inputs=feeds)
     assert broken.exit_code == EXIT_DISAGREE
-    bad = _row(broken, origin)
+    bad = node_row(broken, origin)
     # Columns without a pair excess are bit-exact: one ulp of a scale shows there.
     assert good.passed and not bad.passed and bad.mismatches > 0, broken.to_table()
 
@@ -321,7 +317,7 @@ def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is
     dq = [n for n in broken.graph.node if n.op_type == "DequantizeLinear"][1]
     del dq.input[2]
     report = verify(model, broken, inputs={"A": a})
-    assert not _row(report, "qmm").passed, report.to_table()
+    assert not node_row(report, "qmm").passed, report.to_table()
 
 
 def test_a_saturating_node_the_rewrite_kept_runs_the_same_way_on_both_sides():

@@ -18,6 +18,7 @@ import re
 import numpy as np
 import onnx
 import pytest
+from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
@@ -626,7 +627,7 @@ def test_qattention_with_weights_the_avx2_kernel_saturates():
     report = verify(model, result.model, inputs=feeds)
     assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
     # The saturation is checked at the node, against the default (saturating) kernel, per element.
-    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    row = node_row(report, "qattn")
     assert "u8s8-attention" in row.name and row.passed
 
 
@@ -644,14 +645,14 @@ def test_qattention_saturation_bound_is_checked_at_the_node_and_catches_a_droppe
     result = onnx_qrewrite.rewrite(model)
     feeds = qattention_feeds(2, 8, 64, None)
     report = verify(model, result.model, inputs=feeds)
-    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    row = node_row(report, "qattn")
     assert report.passed and row.passed and np.isfinite(row.tolerance.atol), report.to_table()
     broken = onnx.ModelProto()
     broken.CopyFrom(result.model)
     (zp,) = [t for t in broken.graph.initializer if t.name == "wzp"]
     zp.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(zp)), "wzp"))
     report = verify(model, broken, inputs=feeds)
-    (row,) = [o for o in report.outputs if "(node qattn," in o.name]
+    row = node_row(report, "qattn")
     assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import pytest
 from _int_matmul_helpers import conv_model, matmul_model
+from _verify_helpers import node_row
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
@@ -91,11 +92,6 @@ def _origin(model: onnx.ModelProto) -> str:
     return node.name
 
 
-def _bound_row(report, origin: str):
-    (row,) = [o for o in report.outputs if f"(node {origin}," in o.name]
-    return row
-
-
 def _constant(model: onnx.ModelProto, name: str) -> np.ndarray:
     return numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name))
 
@@ -126,17 +122,17 @@ def test_a_correct_bounded_rewrite_passes_its_per_node_check(op):
     original, rewritten = MAKERS[op]()
     report = verify(original, rewritten, int_range=FULL_RANGE)
     assert report.passed, report.to_table()
-    row = _bound_row(report, _origin(original))
+    row = node_row(report, _origin(original))
     assert row.integer and row.tolerance.lsb >= 1 and row.max_abs_error <= row.tolerance.lsb
 
 
 @pytest.mark.parametrize("op", list(MAKERS))
 def test_a_dropped_weight_zero_point_breaks_the_bound_at_its_node(op):
     original, rewritten = MAKERS[op]()
-    good = _bound_row(verify(original, rewritten, int_range=FULL_RANGE), _origin(original))
+    good = node_row(verify(original, rewritten, int_range=FULL_RANGE), _origin(original))
     report = verify(original, _break(rewritten, "weight zero point dropped"), int_range=FULL_RANGE)
     assert report.exit_code == EXIT_DISAGREE
-    row = _bound_row(report, _origin(original))
+    row = node_row(report, _origin(original))
     assert not row.passed, report.to_table()
     # Tight enough: the correct replacement stays within the bound, the broken one goes beyond it.
     assert good.max_abs_error <= row.tolerance.lsb < row.max_abs_error
@@ -157,7 +153,7 @@ def test_the_bound_is_far_below_what_a_zero_point_off_by_one_does_in_integer_mat
             found += 1
     assert found == 1
     report = verify(original, broken, int_range=FULL_RANGE)
-    row = _bound_row(report, "mmi")
+    row = node_row(report, "mmi")
     assert not row.passed and row.max_abs_error > 50 * row.tolerance.lsb, report.to_table()
 
 
@@ -178,7 +174,7 @@ def test_breaks_smaller_than_one_step_are_below_the_resolution_of_a_one_step_bou
         broken.graph.initializer.append(numpy_helper.from_array(np.asarray(new, value.dtype), name))
         q.input[index] = name
         report = verify(original, broken, int_range=FULL_RANGE)
-        row = _bound_row(report, "qmm")
+        row = node_row(report, "qmm")
         assert row.passed and row.tolerance.lsb == 1, (change, report.to_table())
         if index == 2:
             assert row.exact_match_rate < 0.5 and row.max_abs_error == 1  # every unsaturated value moved
