@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -26,9 +27,11 @@ import pytest
 from _verify_helpers import node_row
 from conftest import rule_marker, session
 from onnx import TensorProto, helper, numpy_helper
+from test_u8s8_saturation import SATURATES
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
+from onnx_qrewrite.rewriter.builders import dynamic_qdq
 from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form
 from onnx_qrewrite.verify import verify
 from onnx_qrewrite.verify.bounds import bounded_rewrites
@@ -306,6 +309,70 @@ def test_full_range_int8_weights_that_onnxruntime_may_saturate_give_way(op):
     rules = result.report.by_rule()
     assert "qdq-matmul" not in rules and "qdq-ms-matmul" not in rules, rules
     bounded = bounded_rewrites(model, result.model)
+    assert bounded and all((r.formula or "").startswith("u8s8-pairs") for r in bounded), bounded
+
+
+def _with_pair(op: str, rows: tuple[int, int]) -> onnx.ModelProto:
+    """``op``'s model with int8 weights of 127 at ``rows`` (along K) of every column, and 0 at the
+    rows the kernel pairs them with if not each other (the random weights stay within [-64, 63])."""
+    model = _model(op, "int8", False, "absent")
+    w = next(t for t in model.graph.initializer if t.name == "W")
+    full = numpy_helper.to_array(w).copy()
+    full[[k ^ 1 for k in rows], :] = 0
+    full[list(rows), :] = 127
+    w.CopyFrom(numpy_helper.from_array(full, "W"))
+    return model
+
+
+def _error_and_bound(model: onnx.ModelProto, rewritten: onnx.ModelProto, hot: tuple[int, int]) -> tuple[float, float]:
+    """The rewrite against onnxruntime's default kernel (no x64quantprecision, which verify's
+    reference applies) with x largest at rows ``hot`` (quantized to 255): (max error, its bound)."""
+    x = np.random.default_rng(5).standard_normal((4, K_MATMUL)).astype(np.float32)
+    x[:, list(hot)] = 8.0
+    (want,) = session(model).run(None, {"x": x})
+    (got,) = session(rewritten).run(None, {"x": x})
+    (recorded,) = bounded_rewrites(model, rewritten)
+    return float(np.abs(want.astype(np.float64) - got).max()), recorded.bound + recorded.per_unit * 8.0
+
+
+def _no_excess(rows: np.ndarray, dtype: str) -> np.ndarray:
+    return np.zeros(rows.shape[0], np.int64)
+
+
+@rule_marker("qdq-matmul", "positive")
+@rule_marker("qdq-ms-matmul", "positive")
+@pytest.mark.parametrize("op", ["MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"])
+def test_full_range_weights_across_two_of_the_kernels_pairs_keep_the_form(op):
+    """Weights of 127 at k = 1 and 2, times activations of 255: 64770 if they were a pair, but the
+    kernel pairs (0, 1) and (2, 3), each within int16. The check on every adjacent pair gave way
+    here; the kernel's own pairs (u8s8.pair_excess) prove no saturation, and onnxruntime's default
+    kernel agrees: the rewrite stays within its float32 bound. The same form forced onto weights the
+    kernel does pair (2, 3) is beyond it where the kernel saturates: the check is what keeps it sound."""
+    model = _with_pair(op, (1, 2))
+    result = _rewrite(model)
+    rule = "qdq-matmul" if op == "MatMulInteger" else "qdq-ms-matmul"
+    assert result.report.by_rule().get(rule) == 1, result.report.by_rule()
+    error, bound = _error_and_bound(model, result.model, (1, 2))
+    assert error <= bound, (error, bound)
+    paired = _with_pair(op, (2, 3))
+    with mock.patch.object(dynamic_qdq.u8s8, "pair_excess", _no_excess):
+        forced = _rewrite(paired)
+    assert forced.report.by_rule().get(rule) == 1, forced.report.by_rule()
+    error, bound = _error_and_bound(paired, forced.model, (2, 3))
+    assert (error > 100 * bound) == SATURATES, (error, bound)
+
+
+@rule_marker("qdq-matmul", "negative")
+@rule_marker("qdq-ms-matmul", "negative")
+@pytest.mark.parametrize("op", ["MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"])
+@pytest.mark.parametrize("rows", [(2, 3), (K_MATMUL - 2, K_MATMUL - 1)], ids=str)
+def test_full_range_weights_in_one_of_the_kernels_pairs_still_give_way(op, rows):
+    """The same weights where the kernel pairs them (2j, 2j + 1): saturation is real (measured in
+    tests/test_u8s8_saturation.py), so the form gives way to the default rules' pair-excess bound."""
+    result = _rewrite(_with_pair(op, rows))
+    rules = result.report.by_rule()
+    assert "qdq-matmul" not in rules and "qdq-ms-matmul" not in rules, rules
+    bounded = bounded_rewrites(_with_pair(op, rows), result.model)
     assert bounded and all((r.formula or "").startswith("u8s8-pairs") for r in bounded), bounded
 
 

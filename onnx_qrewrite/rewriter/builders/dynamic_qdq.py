@@ -36,11 +36,12 @@ and a bias adds ``3u * (c * (1 + 2^-7) * max|x| + max|bias|)`` (one rounding of 
 the original's own ``x`` and checks the replacement at the node (``verify/bounds.py``).
 
 Where no bound holds the rule gives way (``NotApplicable``) and the default rules apply:
-onnxruntime's uint8 x int8 MatMul kernel saturates the sum of each adjacent pair of products to
-int16 on x86 CPUs without AVX-VNNI (measured; ``builders/integer_matmul.py``), so with int8
-weights that can reach such a pair (some adjacent ``|W_k| + |W_k+1| > 128`` of one sign; not with
-``reduce_range``'s 7-bit weights) the original's result depends on the CPU; a bias computed at run
-time; everything the pattern reader refuses.
+onnxruntime's uint8 x int8 MatMul kernel saturates the sum of each pair of products (k = 2j, 2j+1)
+to int16 on x86 CPUs without AVX-VNNI (measured; ``rewriter/u8s8.py``), so with int8 weights that
+can reach such a pair (some pair ``(W_2j, W_2j+1)`` along K, the kernel's pairs, of one sign with
+``|W_2j| + |W_2j+1| > 128``: ``u8s8.pair_excess`` > 0; never with ``reduce_range``'s 7-bit weights)
+the original's result depends on the CPU; a bias computed at run time; everything the pattern
+reader refuses.
 """
 
 from __future__ import annotations
@@ -70,8 +71,6 @@ __all__ = ["DynamicQdqBuilder", "gamma", "per_unit_bound"]
 _U = 2.0**-24
 #: The largest dequantized activation is max|x| times at most this (1 + 1/255 plus roundings).
 _ACTIVATION_GROWTH = 1.0 + 2.0**-7
-#: onnxruntime's uint8 x int8 kernel without AVX-VNNI: pairs of products summed in int16.
-_INT16_MAX = 32767
 #: The pattern's nodes this form removes (the DynamicQuantizeLinear stays).
 _REMOVED_OPS = CHAIN_OPS - {"DynamicQuantizeLinear", "Gather"}
 #: First outputs of the nodes some pattern of a scope removes, per scope.
@@ -123,19 +122,6 @@ def _column_scale_sums(rows: np.ndarray, anchor: Anchor) -> float:
     return best
 
 
-def _may_saturate(rows: np.ndarray) -> bool:
-    """Some adjacent pair of int8 weights, times uint8 activations in [0, 255], leaves int16."""
-    if rows.shape[1] < 2:
-        return False
-    per_step = _steps(rows).step
-    for start in _steps(rows):
-        w = rows[start : start + per_step].astype(np.int32)
-        most, least = np.maximum(w, 0) * 255, np.minimum(w, 0) * 255
-        if (most[:, :-1] + most[:, 1:]).max() > _INT16_MAX or (least[:, :-1] + least[:, 1:]).min() < -_INT16_MAX - 1:
-            return True
-    return False
-
-
 class DynamicQdqBuilder:
     """Integer matmul/conv patterns to a float MatMul/Conv of the dequantized activation and weights."""
 
@@ -170,10 +156,12 @@ class DynamicQdqBuilder:
         assert value is not None  # the pattern reader checked: a constant
         conv = anchor.op == "Conv"
         rows = u8s8.rows(value, conv)
-        if weights.dtype == "int8" and not conv and _may_saturate(rows):
+        # The kernel's own pairs (2j, 2j+1) along K (u8s8.py), not every adjacent pair: weights whose
+        # large values sit across two of its pairs cannot saturate and keep this form.
+        if weights.dtype == "int8" and not conv and u8s8.pair_excess(rows, "int8").max(initial=0) > 0:
             raise NotApplicable(
-                "uint8 x int8 weights beyond [-64, 64] in adjacent pairs: onnxruntime's kernel saturates pairs of "
-                "products to int16 on x86 CPUs without AVX-VNNI, so no bound holds (the default rules apply)"
+                "uint8 x int8 weights with a pair (2j, 2j+1) along K beyond int16: onnxruntime's kernel saturates "
+                "it on x86 CPUs without AVX-VNNI, so no bound holds (the default rules apply)"
             )
         bias_max = 0.0
         if anchor.bias:
