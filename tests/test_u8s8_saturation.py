@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from _int_matmul_helpers import saturating_matmul
 from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto as T
@@ -140,6 +141,32 @@ def test_the_pair_excess_bounds_the_kernel_and_is_reached():
         za, zb = int(rng.integers(0, 256)), int(rng.integers(-128, 128))
         diff = _ort(_mmi(b, za, zb), {"A": a}).astype(np.int64) - _definition(a, b, za, zb)
         assert np.all(np.abs(diff) <= u8s8.pair_excess(b.T, "int8")), seed
+
+
+def test_the_pair_saturation_of_given_activations_is_what_the_kernel_loses():
+    """u8s8.pair_saturation, the bound for the activations at hand: the kernel's difference from the
+    ONNX definition is within it (equal for one-signed saturating columns), against the int16-pair
+    emulation on any CPU and against onnxruntime's kernel where it saturates; at most the worst
+    case (pair_excess), and 0 where the weights cannot saturate. Odd K, batched rows, zero points."""
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        m, k, n = rng.integers(1, 9), rng.integers(1, 70), rng.integers(1, 9)
+        b = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        b[:, 0] = 127  # one-signed: every pair the kernel saturates moves it the same way
+        a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+        a[0] = 255
+        za, zb = int(rng.integers(0, 256)), int(rng.integers(-128, 128))
+        lost = u8s8.pair_saturation(a, b.T)
+        emulated = saturating_matmul(a, b, za, zb).astype(np.int64) - _definition(a, b, za, zb)
+        assert np.all(np.abs(emulated) <= lost) and np.array_equal(np.abs(emulated[:, 0]), lost[:, 0]), seed
+        assert np.all(lost <= u8s8.pair_excess(b.T, "int8")), seed
+        if SATURATES:
+            kernel = _ort(_mmi(b, za, zb), {"A": a}).astype(np.int64) - _definition(a, b, za, zb)
+            assert np.array_equal(kernel, emulated), seed
+        if k >= 2:
+            assert lost[0, 0] > 0, seed  # 255 x 127 twice leaves int16
+    small = np.random.default_rng(1).integers(-64, 65, (16, 4)).astype(np.int8)
+    assert not u8s8.pair_saturation(np.full((3, 16), 255, np.uint8), small.T).any()
 
 
 def test_x64quantprecision_gives_the_onnx_definition_and_so_does_verifys_reference():

@@ -18,13 +18,15 @@ import re
 import numpy as np
 import onnx
 import pytest
+from _int_matmul_helpers import saturating_matmul
 from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
-from onnx_qrewrite.verify import verify
+from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.verify import element_bounds, verify
 from onnx_qrewrite.verify.u8s8_reference import without_saturation
 
 RNG = np.random.default_rng(7)
@@ -552,7 +554,10 @@ def test_qembed_layer_norm_needs_constant_per_tensor_parameters():
 # --- QAttention ----------------------------------------------------------------------------------
 
 
-def qattention_model(batch, seq, hidden, heads, weights="int8", per_column=False, mask_shape=None, weight_range=64):
+def qattention_model(
+    batch, seq, hidden, heads, weights="int8", per_column=False, mask_shape=None, weight_range=64, rng=None
+):
+    rng = RNG if rng is None else rng
     columns = 3 * hidden
     scales = columns if per_column else 1
     inputs = ["x", "w", "b", "xs", "ws", "m" if mask_shape else "", "xzp", "wzp"]
@@ -564,17 +569,17 @@ def qattention_model(batch, seq, hidden, heads, weights="int8", per_column=False
     if mask_shape:
         values.append(helper.make_tensor_value_info("m", TensorProto.INT32, list(mask_shape)))
     if weights == "int8":
-        w = RNG.integers(-weight_range, weight_range + 1, (hidden, columns)).astype(np.int8)
-        zp = RNG.integers(-5, 6, scales).astype(np.int8)
+        w = rng.integers(-weight_range, weight_range + 1, (hidden, columns)).astype(np.int8)
+        zp = rng.integers(-5, 6, scales).astype(np.int8)
     else:
-        w = RNG.integers(0, 256, (hidden, columns)).astype(np.uint8)
-        zp = RNG.integers(120, 136, scales).astype(np.uint8)
+        w = rng.integers(0, 256, (hidden, columns)).astype(np.uint8)
+        zp = rng.integers(120, 136, scales).astype(np.uint8)
     shape = () if scales == 1 else (scales,)
     inits = [
         numpy_helper.from_array(w, "w"),
-        numpy_helper.from_array((RNG.random(scales) * 0.02 + 0.001).astype(np.float32).reshape(shape), "ws"),
+        numpy_helper.from_array((rng.random(scales) * 0.02 + 0.001).astype(np.float32).reshape(shape), "ws"),
         numpy_helper.from_array(zp.reshape(shape), "wzp"),
-        numpy_helper.from_array((RNG.standard_normal(columns) * 0.1).astype(np.float32), "b"),
+        numpy_helper.from_array((rng.standard_normal(columns) * 0.1).astype(np.float32), "b"),
     ]
     node = helper.make_node("QAttention", inputs, ["y"], name="qattn", domain="com.microsoft", num_heads=heads)
     output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, hidden])
@@ -584,16 +589,17 @@ def qattention_model(batch, seq, hidden, heads, weights="int8", per_column=False
     )
 
 
-def qattention_feeds(batch, seq, hidden, mask_shape=None):
+def qattention_feeds(batch, seq, hidden, mask_shape=None, rng=None):
+    rng = RNG if rng is None else rng
     feeds = {
-        "x": RNG.integers(0, 256, (batch, seq, hidden)).astype(np.uint8),
+        "x": rng.integers(0, 256, (batch, seq, hidden)).astype(np.uint8),
         "xs": np.array(0.02, np.float32),
-        "xzp": np.array(RNG.integers(0, 256), np.uint8),
+        "xzp": np.array(rng.integers(0, 256), np.uint8),
     }
     if mask_shape == (batch,):
-        feeds["m"] = RNG.integers(0, seq + 1, batch).astype(np.int32)
+        feeds["m"] = rng.integers(0, seq + 1, batch).astype(np.int32)
     elif mask_shape:
-        feeds["m"] = RNG.integers(0, 2, mask_shape).astype(np.int32)
+        feeds["m"] = rng.integers(0, 2, mask_shape).astype(np.int32)
     return feeds
 
 
@@ -628,7 +634,7 @@ def test_qattention_with_weights_the_avx2_kernel_saturates():
     assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
     # The saturation is checked at the node, against the default (saturating) kernel, per element.
     row = node_row(report, "qattn")
-    assert "u8s8-attention" in row.name and row.passed
+    assert "u8s8-attention" in row.name and row.passed and np.isfinite(row.tolerance.atol)
 
 
 @rule_marker("unfuse-qattention", "positive")
@@ -654,6 +660,110 @@ def test_qattention_saturation_bound_is_checked_at_the_node_and_catches_a_droppe
     report = verify(model, broken, inputs=feeds)
     row = node_row(report, "qattn")
     assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
+
+
+def _qattention_in_float64(model: onnx.ModelProto, feeds: dict, *, saturate: bool) -> tuple[dict, np.ndarray]:
+    """(the node's input values, its output) for a QAttention without a mask, in float64 from the
+    integer projection as the ONNX definition computes it or, ``saturate``, as onnxruntime's AVX2
+    kernel without VNNI does (int16 pairs: the emulation in tests/_int_matmul_helpers.py)."""
+    node = model.graph.node[0]
+    values = {**{t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, **feeds}
+    x, w, xzp, wzp = (values[n] for n in ("x", "w", "xzp", "wzp"))
+    if saturate:
+        acc = saturating_matmul(x, w, xzp, wzp).astype(np.float64)
+    else:
+        acc = (x.astype(np.float64) - float(xzp)) @ (w.astype(np.float64) - wzp.astype(np.float64))
+    projection = acc * (float(values["xs"]) * values["ws"].astype(np.float64)) + values["b"]
+    heads = next(a.i for a in node.attribute if a.name == "num_heads")
+    hidden = w.shape[1] // 3
+    q, k, v = (
+        np.moveaxis(projection[..., i * hidden : (i + 1) * hidden].reshape(*x.shape[:2], heads, -1), 1, 2)
+        for i in range(3)
+    )
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(hidden // heads)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    out = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    return values, np.moveaxis(out, 1, 2).reshape(*x.shape[:2], hidden)
+
+
+@rule_marker("unfuse-qattention", "positive")
+@pytest.mark.parametrize("weight_range", [90, 127])
+@pytest.mark.parametrize("per_column", [False, True])
+@pytest.mark.parametrize("hot", [False, True], ids=["random-x", "x-255"])
+def test_qattention_saturation_bound_holds_where_the_kernel_saturates(weight_range, per_column, hot):
+    """The derivation of verify's bound (element_bounds._u8s8_attention), on any CPU: the attention
+    computed from the int16-pair projection of the AVX2 kernel (emulated) stays within it of the
+    ONNX definition's, at every element, for weights up to the full int8 range (the bound is
+    finite there: it was inf before) and activations at their worst (all 255). With uniform
+    weights nearly every pair saturates and the bound is nearly reached somewhere: no sound bound
+    from the inputs is much smaller there."""
+    rng = np.random.default_rng(weight_range + 2 * per_column + hot)
+    model = qattention_model(2, 8, 64, 4, "int8", per_column, weight_range=weight_range, rng=rng)
+    feeds = qattention_feeds(2, 8, 64, None, rng=rng)
+    if hot:
+        feeds["x"][:] = 255
+    values, saturated = _qattention_in_float64(model, feeds, saturate=True)
+    _, exact = _qattention_in_float64(model, feeds, saturate=False)
+    bound = element_bounds.element_bound("u8s8-attention", model.graph.node[0], values, saturated, exact)
+    assert bound is not None and np.all(np.isfinite(bound))
+    moved = np.abs(saturated - exact)
+    assert np.all(moved <= bound)
+    assert np.max(moved / bound) > 0.5, np.max(moved / bound)
+
+
+def _without_x_zero_point(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A broken rewrite: the input's zero point read as 0."""
+    broken = copy.deepcopy(model)
+    for node in broken.graph.node:
+        node.input[:] = ["zero_u8" if name == "xzp" else name for name in node.input]
+    broken.graph.initializer.append(numpy_helper.from_array(np.array(0, np.uint8), "zero_u8"))
+    return broken
+
+
+def _without_weight_zero_point(model: onnx.ModelProto) -> onnx.ModelProto:
+    broken = copy.deepcopy(model)
+    (zp,) = [t for t in broken.graph.initializer if t.name == "wzp"]
+    zp.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(zp)), "wzp"))
+    return broken
+
+
+def _scale_off(model: onnx.ModelProto, factor: float) -> onnx.ModelProto:
+    broken = copy.deepcopy(model)
+    (scale,) = [t for t in broken.graph.initializer if t.name == "ws"]
+    off = (numpy_helper.to_array(scale) * np.float32(factor)).astype(np.float32)
+    scale.CopyFrom(numpy_helper.from_array(off, "ws"))
+    return broken
+
+
+def _quantize_dynamic_weights(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.ModelProto:
+    """The weights as quantize_dynamic writes them by default: normal weights, int8 symmetric over
+    the full range (the largest magnitude is 127), so some pairs of large weights leave int16."""
+    (w,) = [t for t in model.graph.initializer if t.name == "w"]
+    normal = rng.standard_normal(numpy_helper.to_array(w).shape)
+    w.CopyFrom(numpy_helper.from_array(np.round(normal / np.abs(normal).max() * 127).astype(np.int8), "w"))
+    return model
+
+
+@rule_marker("unfuse-qattention", "positive")
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_qattention_full_range_weights_have_a_finite_bound_that_catches_broken_rewrites(seed):
+    """quantize_dynamic's default int8 weights, over the full range: verify checks the rewrite at
+    the node against onnxruntime's default kernel within a finite per-element bound (from the pairs
+    that leave int16 on these inputs), and a dropped input or weight zero point, or a weight scale
+    1 % off, exceeds it."""
+    rng = np.random.default_rng(seed)
+    model = _quantize_dynamic_weights(qattention_model(2, 8, 64, 4, "int8", weight_range=127, rng=rng), rng)
+    assert u8s8.pair_excess(numpy_helper.to_array(model.graph.initializer[0]).T, "int8").max() > 0
+    feeds = qattention_feeds(2, 8, 64, None, rng=rng)
+    result = onnx_qrewrite.rewrite(model)
+    report = verify(model, result.model, inputs=feeds)
+    row = node_row(report, "qattn")
+    assert report.passed and row.passed and np.isfinite(row.tolerance.atol), report.to_table()
+    broken = (_without_x_zero_point, _without_weight_zero_point, lambda m: _scale_off(m, 1.01))
+    for breaking in broken:
+        report = verify(model, breaking(result.model), inputs=feeds)
+        row = node_row(report, "qattn")
+        assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
 
 
 @rule_marker("unfuse-qattention", "negative")

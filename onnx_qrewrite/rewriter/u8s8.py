@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["INT16", "pair_excess", "rows", "saturating_operands"]
+__all__ = ["INT16", "pair_excess", "pair_saturation", "rows", "saturating_operands"]
 
 INT16 = (-32768, 32767)
 #: Elements per step when reading large weights (bounded memory).
@@ -97,4 +97,31 @@ def pair_excess(rows: np.ndarray, weights_dtype: str, *, any_pairing: bool = Fal
         least = np.minimum(w * hi, w * lo).sum(axis=2)
         excess = np.maximum(np.maximum(most - INT16[1], INT16[0] - least), 0)
         out[start : start + per_step] = excess.sum(axis=1)
+    return out
+
+
+def pair_saturation(activations: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """For these uint8 activations ([N, K], raw) times int8 weight rows ([C, K], raw, as
+    :func:`rows` lays them out), per (n, c): the sum over the kernel's pairs (2j, 2j+1) of how far
+    the pair's sum leaves int16, so ``|saturating kernel - exact| <= this`` for these activations,
+    in int32 units (no cancellation between pairs assumed). At most :func:`pair_excess`, and 0 where
+    no pair saturates: a bound of the actual inputs, not the worst ones. Only the pairs that can
+    leave int16 for some activation are computed, in steps of bounded memory."""
+    n, k = activations.shape
+    out = np.zeros((n, rows.shape[0]), np.int64)
+    pairs = k // 2
+    if pairs == 0 or n == 0 or rows.shape[0] == 0:
+        return out
+    w = rows[:, : 2 * pairs].astype(np.int32).reshape(rows.shape[0], pairs, 2)
+    most, least = (np.maximum(w, 0) * 255).sum(axis=2), (np.minimum(w, 0) * 255).sum(axis=2)
+    can = np.flatnonzero(((most > INT16[1]) | (least < INT16[0])).any(axis=0))
+    if can.size == 0:
+        return out
+    w = w[:, can, :]
+    a = activations[:, : 2 * pairs].astype(np.int32).reshape(n, pairs, 2)[:, can, :]
+    per_step = max(1, _CHUNK // (can.size * rows.shape[0]))
+    for start in range(0, n, per_step):
+        part = a[start : start + per_step, None, :, :]
+        sums = part[..., 0] * w[None, :, :, 0] + part[..., 1] * w[None, :, :, 1]
+        out[start : start + per_step] = np.abs(sums - np.clip(sums, *INT16)).sum(axis=2)
     return out

@@ -17,9 +17,11 @@ Formulas (``name`` or ``name:parameter``):
     else the excess times the column's scale product plus ``2^-20`` of the value and bias for the
     float roundings after the integer sum (each at most one unit roundoff of its operand).
 ``u8s8-attention``
-    com.microsoft QAttention where the uint8 x int8 projection can saturate: each projection
-    column's pair excess times its scale, carried through the scores, the softmax and the weighted
-    sum of values to every output element (the derivation is on ``_u8s8_attention``).
+    com.microsoft QAttention where the uint8 x int8 projection can saturate: how far each projection
+    element's pairs leave int16 on the sample's own inputs, times its scale, carried through the
+    scores, the softmax and the weighted sum of values to every output element; finite for any
+    weights, the softmax entering only through a total variation of at most 1 (the derivation is on
+    ``_u8s8_attention``).
 ``float32-sum-order``
     com.microsoft MatMulNBits: the same dequantized weights, the same products summed in another
     order: ``2 * gamma(K + 1) * (|A| @ |W| + |bias|)`` per element, ``gamma(n) = n u / (1 - n u)``,
@@ -144,50 +146,69 @@ def _float32_sum_order(
     return bound
 
 
-def _u8s8_attention(
-    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
-) -> np.ndarray:
-    """com.microsoft QAttention whose uint8 x int8 projection the kernel may saturate: each
-    projection column c moves by at most ``E_c = excess_c * |x_scale * W_scale_c|``; a score
-    ``q_i . k_j * scale`` then by at most ``m_ij = scale * sum_d (E^q_d |k_jd| + |q_id| E^k_d +
-    E^q_d E^k_d)``, which moves every softmax weight by a factor within ``exp(+-2 M_i)``
-    (``M_i = max_j m_ij``, masks add the same to both sides), so the weights move by at most
-    ``expm1(2 M_i)`` in total; the output ``sum_j p_ij v_j`` by at most ``expm1(2 M_i) *
-    (max_j |v_jd| + E^v_d) + E^v_d``. Plus the attention's own float32 roundings
-    (``2^-20 (1 + max|score|) max|v|``, the unfused Attention's bound) and ``2^-20`` of the value."""
+def _qattention_heads(values: np.ndarray, part: int, heads: int) -> np.ndarray:
+    """Q (part 0), K (1) or V (2) of a (B, S, 3·hidden) projection, as (B, heads, S, size)."""
+    hidden = values.shape[-1] // 3
+    piece = values[..., part * hidden : (part + 1) * hidden]
+    return np.moveaxis(piece.reshape((*piece.shape[:-1], heads, hidden // heads)), -2, -3)
+
+
+def _qattention_projection(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(the projection as the ONNX definition computes it, exactly, (B, S, 3·hidden); how far
+    onnxruntime's saturating kernel can move each of its elements on *these* inputs, the same shape):
+    ``u8s8.pair_saturation`` of the raw x and W, times the column's ``|x_scale · W_scale|``."""
     x, w, bias = _input(node, values, 0), _input(node, values, 1), _input(node, values, 2)
     x_scale, w_scale = _input(node, values, 3), _input(node, values, 4)
     assert x is not None and w is not None and bias is not None and x_scale is not None and w_scale is not None
     x_zp, w_zp = _input(node, values, 6), _input(node, values, 7)
-    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
-    heads = int(attributes["num_heads"])
     columns = w.shape[1]
-    hidden = columns // 3
-    size = hidden // heads
-    scale = float(attributes.get("scale", 0.0)) or 1.0 / np.sqrt(size)
     step = np.abs(np.asarray(x_scale, np.float64).reshape(()) * np.asarray(w_scale, np.float64).reshape(-1))
-    excess = (
-        u8s8.pair_excess(u8s8.rows(w, False), "int8").astype(np.float64)
-        if u8s8.saturating_operands(x.dtype.name, w.dtype.name, conv=False)
-        else np.zeros(columns)
-    )
-    moved = (excess * np.broadcast_to(step, (columns,))).reshape(1, 1, columns)  # E_c per projection column
+    step = np.broadcast_to(step, (columns,))
     shifted_x = x.astype(np.float64) - (0.0 if x_zp is None else float(np.asarray(x_zp).reshape(())))
     shifted_w = w.astype(np.float64) - (0.0 if w_zp is None else np.asarray(w_zp, np.float64).reshape(1, -1))
-    projection = (shifted_x @ shifted_w) * np.broadcast_to(step, (columns,)) + np.asarray(bias, np.float64)
+    projection = (shifted_x @ shifted_w) * step + np.asarray(bias, np.float64)
+    if not u8s8.saturating_operands(x.dtype.name, w.dtype.name, conv=False):
+        return projection, np.zeros_like(projection)
+    flat = x.reshape(-1, x.shape[-1])
+    moved = u8s8.pair_saturation(flat, u8s8.rows(w, False)).astype(np.float64) * step
+    return projection, moved.reshape(projection.shape)
 
-    def heads_of(values_: np.ndarray, part: int) -> np.ndarray:  # (..., columns) -> (B, H, S, size)
-        piece = values_[..., part * hidden : (part + 1) * hidden]
-        return np.moveaxis(piece.reshape((*piece.shape[:-1], heads, size)), -2, -3)
 
-    q, k, v = (np.abs(heads_of(projection, i)) for i in range(3))
-    eq, ek, ev = (heads_of(moved, i) for i in range(3))  # (H, 1, size)
-    largest = scale * (np.max(k @ np.swapaxes(eq, -1, -2), axis=-2, keepdims=True) + q @ np.swapaxes(ek, -1, -2))
-    largest = largest + scale * np.sum(eq * ek, axis=-1, keepdims=True)  # (B, H, S, 1): M_i
-    v_most = np.max(v, axis=-2, keepdims=True) + ev  # (B, H, 1, size)
-    bound = np.expm1(2 * largest) * v_most + ev
-    scores = scale * np.max(q @ np.swapaxes(k, -1, -2), axis=(-1, -2), keepdims=True)
-    bound = bound + _ROUNDING * (1 + scores) * np.max(v, axis=(-1, -2), keepdims=True)
+def _u8s8_attention(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    """com.microsoft QAttention whose uint8 x int8 projection the kernel may saturate. On these
+    inputs each projection element (token t, column c) moves by at most ``E_tc`` (its pairs'
+    saturation, :func:`_qattention_projection`); a score ``scale · q_i . k_j`` then by at most
+    ``m_ij = scale · sum_d (E^q_id |k_jd| + |q_id| E^k_jd + E^q_id E^k_jd)`` (masks add the same to
+    both sides; ``2^-20 (|mask_filter_value| + max|score|)`` more for the rounding where a row's
+    keys are all masked). With every score of row i moved by at most ``M_i = max_j m_ij``, the
+    softmax weights p' and p are within total variation ``tanh(M_i / 2)`` (the ratio p'_j / p_j
+    lies in [exp(-2 M_i), exp(2 M_i)]; the worst case puts two values of the score shift on two
+    sets of keys), so ``sum_j (p'_j - p_j) v_jd``, both weights summing to 1, is at most
+    ``tanh(M_i / 2) · (max_j v_jd - min_j v_jd)``, and ``sum_j p'_j (v'_jd - v_jd)`` at most
+    ``max_j E^v_jd``. Finite whatever the weights (tanh <= 1: the output is a convex combination of
+    the values). Plus the attention's own float32 roundings (``2^-20 (1 + max|score|) max|v|``, the
+    unfused Attention's bound, and ``2 gamma(2T + 4) max|v|`` for each side's rounded convex
+    combination of T values, so the bound holds where the exact one is reached) and ``2^-20`` of
+    the value."""
+    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    heads = int(attributes["num_heads"])
+    projection, moved = _qattention_projection(node, values)
+    q, k, v = (_qattention_heads(projection, i, heads) for i in range(3))
+    eq, ek, ev = (_qattention_heads(moved, i, heads) for i in range(3))
+    scale = float(attributes.get("scale", 0.0)) or 1.0 / np.sqrt(q.shape[-1])
+    aq, ak = np.abs(q), np.abs(k)
+    shift = scale * (eq @ np.swapaxes(ak, -1, -2) + aq @ np.swapaxes(ek, -1, -2) + eq @ np.swapaxes(ek, -1, -2))
+    scores = scale * np.max(aq @ np.swapaxes(ak, -1, -2), axis=(-1, -2), keepdims=True)
+    fill = abs(float(attributes.get("mask_filter_value", -10000.0)))
+    largest = np.max(shift, axis=-1, keepdims=True)  # M_i, (B, H, S, 1)
+    largest = np.where(largest > 0, largest + _ROUNDING * (fill + scores), 0.0)
+    spread = np.max(v, axis=-2, keepdims=True) - np.min(v, axis=-2, keepdims=True)  # (B, H, 1, size)
+    bound = np.tanh(largest / 2) * spread + np.max(ev, axis=-2, keepdims=True)
+    keys = 2 * k.shape[-2] + 4  # each side's softmax weights and weighted sum of T values, in float32
+    rounding = _ROUNDING * (1 + scores) + 2 * keys * _U / (1 - keys * _U)
+    bound = bound + rounding * np.max(np.abs(v), axis=(-1, -2), keepdims=True)
     bound = np.moveaxis(bound, -3, -2).reshape(expected.shape)
     larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
     return bound + _ROUNDING * larger
