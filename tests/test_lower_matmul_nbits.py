@@ -25,8 +25,10 @@ from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
+from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.rewriter.builders.matmul_nbits import pack
 from onnx_qrewrite.verify import Tolerances, verify
+from onnx_qrewrite.verify.probe import selector
 
 RNG = np.random.default_rng(11)
 
@@ -412,3 +414,92 @@ def test_a_scale_one_ulp_off_is_below_any_sound_summation_bound():
     bound = 2 * gamma(k + 1) * (np.abs(a) @ np.abs(w_good))
     assert np.max(moved) > 0
     assert np.all(moved * (k + 1) <= bound), np.max(moved / bound)
+
+
+# --- verify's identity probe: the dequantized weights read exactly ----------------------------
+
+
+def _probe_row(report):
+    (row,) = [o for o in report.outputs if "(identity probe of node nbits," in o.name]
+    return row
+
+
+@rule_marker("matmul-nbits-blocked-dq", "positive")
+@rule_marker("matmul-nbits-unpacked", "positive")
+@pytest.mark.parametrize("bits, block_size, zp, form", CASES, ids=[f"{b}bit-bs{s}-zp_{z}-{f}" for b, s, z, f in CASES])
+def test_verify_reads_the_weights_exactly_through_an_identity_probe(bits, block_size, zp, form):
+    """On dense random inputs verify also runs both sides on a selector (a few identity rows per K
+    block, verify/probe.py): not the K rows of the identity, so another M than the tests above,
+    and the kernel's weights still equal the rewrite's bit for bit on every case."""
+    k, n = 2 * block_size + 3, 9
+    opset, keep, _, _ = FORMS[form]
+    original, _ = nbits_model(k, n, bits, block_size, zp, opset=opset, edge=True, a_shape=(5,))
+    report = verify(original, onnx_qrewrite.rewrite(original, keep_opset=keep).model, samples=2)
+    row = _probe_row(report)
+    assert report.passed and row.passed and row.shape[1] == n, report.to_table()
+    assert row.exact_match_rate == 1.0 and "identity probe" in row.tolerance_text
+
+
+@rule_marker("matmul-nbits-blocked-dq", "positive")
+@pytest.mark.parametrize("bits, zp", [(4, "none"), (4, "float"), (8, "uint8")])
+def test_the_identity_probe_reads_float16_weights_exactly(bits, zp):
+    k = 2 * 32 + 5
+    original = _as_float16(nbits_model(k, 12, bits, 32, zp, bias=True, a_shape=(k,))[0])
+    report = verify(original, onnx_qrewrite.rewrite(original).model, samples=1)
+    row = _probe_row(report)
+    assert report.passed and row.passed and row.dtype == "float16", report.to_table()
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("zp", ["none", "uint8", "float"])
+def test_the_identity_probe_at_the_other_float_accuracy_levels(level, zp):
+    original, _ = nbits_model(96, 16, 4, 32, zp, accuracy_level=level, a_shape=(7, 96))
+    report = verify(original, onnx_qrewrite.rewrite(original).model, samples=1)
+    assert report.passed and _probe_row(report).passed, report.to_table()
+
+
+@pytest.mark.parametrize("how", ["scale one ulp off", "zero point dropped", "wrong block size"])
+def test_the_identity_probe_catches_a_scale_one_ulp_off_on_dense_inputs(how):
+    """What no sound per-element bound on dense inputs can see (the test above): one scale one ulp
+    off fails the probe, with the node's summation bound still passing; the grosser breaks too."""
+    k = 96
+    original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(7, k))
+    rewritten = onnx_qrewrite.rewrite(original).model
+    report = verify(original, _break(rewritten, how), samples=2)
+    assert report.exit_code == EXIT_DISAGREE and not _probe_row(report).passed, report.to_table()
+    if how == "scale one ulp off":
+        assert node_row(report, "nbits").passed and _probe_row(report).mismatches >= 1, report.to_table()
+
+
+def test_the_selector_reads_a_power_of_two_of_every_column_and_block():
+    """Where a (block, column) has a weight whose quantized value is a power of two the selector
+    reads one (a scale change then always changes it), else a nonzero weight; at least two rows."""
+    rng = np.random.default_rng(4)
+    for k, n, block_size in [(35, 6, 16), (96, 16, 32), (5, 3, 16), (300, 4, 256)]:
+        blocks = -(-k // block_size)
+        scales = rng.uniform(0.01, 0.1, (n, blocks)).astype(np.float32)
+        d = rng.integers(-8, 8, (k, n)).astype(np.float64)
+        d[:block_size, 0] = 3  # no power of two in this (block, column): a nonzero one
+        d[:block_size, 1] = 0  # all zero: nothing to read
+        weights = d * np.repeat(scales.astype(np.float64), block_size, axis=1)[:, :k].T
+        rows = selector(weights, scales, block_size, np.dtype(np.float32))
+        read = np.flatnonzero(rows.sum(axis=0))
+        assert rows.shape[0] >= 2 and set(rows.sum(axis=1)) == {1}
+        for b in range(blocks):
+            mine = read[read // block_size == b]
+            for column in range(n):
+                values = np.abs(d[b * block_size : (b + 1) * block_size, column])
+                powers = (values > 0) & (np.frexp(values)[0] == 0.5)
+                if powers.any():
+                    assert (np.frexp(np.abs(d[mine, column]))[0] == 0.5).any(), (k, b, column)
+                elif values.any():
+                    assert d[mine, column].any(), (k, b, column)
+    assert selector(np.ones((1, 2)), np.ones((2, 1), np.float32), 16, np.dtype(np.float16)).tolist() == [[1.0], [1.0]]
+
+
+def test_no_probe_where_the_kernel_quantizes_a():
+    k = 64
+    original, _ = nbits_model(k, 8, 4, 32, "uint8", accuracy_level=4, a_shape=(3,))
+    rewritten = onnx_qrewrite.rewrite(original, allow=("exact", "bounded", "approximate")).model
+    report = verify(original, rewritten, samples=1)
+    assert not [o for o in report.outputs if "identity probe" in o.name], report.to_table()

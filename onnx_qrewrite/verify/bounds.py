@@ -30,7 +30,7 @@ from onnx import helper, numpy_helper
 
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.rewriter.builders import Emitter
-from onnx_qrewrite.verify import element_bounds, reanchor
+from onnx_qrewrite.verify import element_bounds, probe, reanchor
 from onnx_qrewrite.verify.compare import Tolerance, ValueComparison, compare_values, merge_comparisons
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
@@ -245,12 +245,39 @@ def check_bounds(
                         )
                     )
     # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
-    return [
+    rows = [
         dataclasses.replace(
             merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size), role="bound"
         )
         for parts in per_value.values()
     ]
+    return rows + _identity_probes(original, rewritten, rewrites, originals, make_runner)
+
+
+def _identity_probes(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    rewrites: Sequence[BoundedRewrite],
+    originals: dict[int, onnx.NodeProto | None],
+    make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+) -> list[ValueComparison]:
+    """The replacements a summation-order bound cannot check finely (MatMulNBits) read through a
+    selector input, exactly (:mod:`.probe`): one row each, where their weights are constants."""
+    initializers = {t.name for t in rewritten.graph.initializer}
+    rows: list[ValueComparison] = []
+    for rewrite in rewrites:
+        node = originals.get(id(rewrite))
+        if node is None or (rewrite.formula or "").partition(":")[0] != probe.PROBED_FORMULA:
+            continue
+        if len(rewrite.outputs) != 1 or any(n not in initializers for n in rewrite.inputs if n != node.input[0]):
+            continue
+        label = f"{rewrite.outputs[0]} (identity probe of node {rewrite.origin or '<unnamed>'}, rule {rewrite.rule})"
+
+        def alone(feeds: dict[str, np.ndarray], rewrite: BoundedRewrite = rewrite) -> onnx.ModelProto:
+            return _alone(rewrite, rewritten, feeds)
+
+        rows += probe.identity_probe(original, node, alone, label, make_runner)
+    return [dataclasses.replace(row, role="bound") for row in rows]
 
 
 def _size(tolerance: Tolerance) -> float:

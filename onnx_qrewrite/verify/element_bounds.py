@@ -31,7 +31,7 @@ Formulas (``name`` or ``name:parameter``):
     magnitudes. A weight scale one ulp off moves an output by at most ``2^-23`` of one block's
     sum of magnitudes, more than ``K + 1`` times below this bound (measured: 365 times on K = 96,
     ``tests/test_lower_matmul_nbits.py``), so no sound per-element bound on dense inputs sees it;
-    the identity-input test, where every sum is exact, does.
+    verify's identity probe (:mod:`.probe`), where every sum is exact, does.
 """
 
 from __future__ import annotations
