@@ -235,6 +235,7 @@ def test_verify_on_openvino_passes_a_good_rewrite_and_states_its_settings(tmp_pa
     body = __import__("json").loads(report.read_text())
     assert body["settings"]["runtime"]["name"] == "openvino"
     assert body["settings"]["runtime"]["settings"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert body["settings"]["runtime"]["settings"]["DYNAMIC_QUANTIZATION_GROUP_SIZE"] == "0"
     jsonschema = pytest.importorskip("jsonschema")
     from onnx_qrewrite.verify import SCHEMA_PATH
 
