@@ -56,6 +56,8 @@ def _model(op: str, dtype: str, scale: float, zp: int, *, where: str = "producer
         for name, v in (("st", [1, -6]), ("en", [4, 100]), ("ax", [1, 3]), ("sp", [2, 1])):
             inits.append(numpy_helper.from_array(np.array(v, np.int64), name))
         extra = ["st", "en", "ax", "sp"]
+    elif op == "MaxPool":
+        attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
     elif op == "Unsqueeze":
         inits.append(numpy_helper.from_array(np.array([1], np.int64), "axes"))
         extra = ["axes"]
@@ -100,8 +102,9 @@ SHAPES = {
     "Slice": [2, 2, 8, 7],
     "Unsqueeze": [2, 1, 4, 8, 8],
     "Concat": [2, 8, 8, 8],
+    "MaxPool": [2, 4, 4, 4],
 }
-OPS = ["Reshape", "Transpose", "Flatten", "Gather", "Slice", "Unsqueeze", "Concat"]
+OPS = ["Reshape", "Transpose", "Flatten", "Gather", "Slice", "Unsqueeze", "Concat", "MaxPool"]
 
 
 @rule_marker("qdq-wrap-move", "positive")

@@ -191,3 +191,24 @@ def test_rewrite_for_any_target_never_makes_these_models_worse(quantized, name, 
     """Issue 11's invariant on quantize_static's QOperator models."""
     counts = assert_never_worse(quantized[name, weights])
     assert counts["onnx"][1] == 0  # every QOperator op has a rewrite to standard ONNX
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_webgpu_reaches_qoperator_models_through_qdq_units_and_the_float_emulation(quantized, name):
+    """The WebGPU EP has no QLinear, QuantizeLinear or 8-bit kernel: each QOperator op is lowered
+    (bounded), the MaxPool/Reshape/Transpose on raw uint8 wrapped in Q/DQ (qdq-units, exact), and
+    the Q -> DQ pairs that leaves computed in float by the float emulation, which a later plan
+    stage reaches through the DequantizeLinear that reads each QuantizeLinear. Nothing is refused
+    after, and verify passes every bound on the original's inputs."""
+    from onnx_qrewrite.targets import check_model, load_target
+
+    model = quantized[name, "s8-per-channel"]
+    result = onnx_qrewrite.rewrite(model, target="webgpu")
+    assert result.report.target["refused_before"] > 0
+    assert result.report.target["refused_after"] == 0
+    assert not check_model(result.model, load_target("webgpu"))
+    rules = result.report.by_rule()
+    assert rules["qdq-wrap-move"] >= 1 and rules["float-emulation-qdq-pair"] >= 1
+    assert not {"QuantizeLinear", "Round", "IsNaN"} & {n.op_type for n in result.model.graph.node}
+    report = verify(model, result.model, samples=2)
+    assert report.passed, report.to_table()

@@ -696,9 +696,11 @@ def _ms_quantized_softmax() -> onnx.ModelProto:
 
 def test_a_plan_applies_rules_to_what_earlier_rules_emitted(tmp_path, monkeypatch):
     """Two stages: the com.microsoft QuantizeLinear becomes a standard one (ms-q-standard), which
-    this target does not run either; a second stage computes that one in float (the profile's
-    float-emulation form). The plan judges ms-q-standard by where the chain ends, inspect names
-    both rules, and rewrite --target applies both stages: bit-exact with the original."""
+    this target does not run either; a second stage computes it and the DequantizeLinear that
+    reads it in float (the profile's float-emulation form: its pair rule, anchored at that
+    DequantizeLinear, which the target accepts but which reads the refused QuantizeLinear). The
+    plan judges ms-q-standard by where the chain ends, inspect names both rules, and rewrite
+    --target applies both stages: bit-exact with the original."""
     import onnxruntime as ort
 
     from onnx_qrewrite import rewrite
@@ -716,15 +718,17 @@ def test_a_plan_applies_rules_to_what_earlier_rules_emitted(tmp_path, monkeypatc
     assert plan.ok and len(plan.before) == 2 and len(plan.later) == 1
     q = next(n for n in plan.nodes if n.node == "q")
     assert q.rule == "ms-q-standard" and q.exactness == "exact" and q.form == "float-emulation"
-    assert q.then == ("float-emulation-q (exact) on q/QuantizeLinear",) and q.status == "fixed by the rewrite"
+    assert q.then == ("float-emulation-q-unread (exact) on q/QuantizeLinear",) and q.status == "fixed by the rewrite"
+    dq = next(n for n in plan.nodes if n.node == "dq")
+    assert dq.then == ("float-emulation-qdq-pair (exact) on y/DequantizeLinear",)
     onnx.save(model, tmp_path / "m.onnx")
     out = cli("inspect", tmp_path / "m.onnx", "--target", path)
     assert out.returncode == 0, out.stderr
     assert "rewrite: ms-q-standard (exact), form float-emulation" in out.stdout
-    assert "then: float-emulation-q (exact) on q/QuantizeLinear" in out.stdout
+    assert "then: float-emulation-q-unread (exact) on q/QuantizeLinear" in out.stdout
     result = rewrite(model, target=str(path))
     ops = [n.op_type for n in result.model.graph.node]
-    assert "QuantizeLinear" not in ops and result.report.by_rule()["float-emulation-q"] == 1
+    assert "QuantizeLinear" not in ops and result.report.by_rule()["float-emulation-qdq-pair"] == 1
     assert check_model(result.model, profile) == [] and result.report.target["refused_after"] == 0
     feed = {"x": np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32) * 4}
     want = ort.InferenceSession(model.SerializeToString()).run(None, feed)[0]

@@ -372,8 +372,8 @@ def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile,
         # Constants (a MatMulNBits' packed weights, an embedding table) are the runtime's to
         # convert; what it cannot have is such a tensor computed at run time.
         for name in [*node.input, *node.output]:
-            t = _type_name(scope.elem_type(name)) if name and not _is_constant(scope, name) else None
-            if t in profile.qdq_only_types:
+            t = _type_name(scope.elem_type(name)) if name else None
+            if t in profile.qdq_only_types and not _is_constant(scope, name):
                 return [
                     f"{node.op_type} on {t} ({name!r}): the target takes {t} tensors only on the quantized "
                     f"side of a QuantizeLinear/DequantizeLinear {src}"

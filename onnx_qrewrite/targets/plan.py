@@ -313,9 +313,13 @@ def _nodes(
     refused_only: bool = False,
 ) -> list[_Node]:
     """Every node some rule matches, with the rules usable on it: form rules only for nodes the
-    target refuses as they are (and, in a later stage, any rule only for those)."""
+    target refuses as they are (and, in a later stage, any rule only for those, and form rules for
+    the nodes that read what they write: a pattern rule anchored at an accepted reader, such as
+    the float emulation's Q -> DQ pair anchored at the DequantizeLinear, is what removes a refused
+    QuantizeLinear an earlier stage emitted)."""
     nodes = []
     for scope in iter_scopes(model):
+        feeds = _refused_outputs(scope, refused) if refused_only else set()
         for index, node in enumerate(scope.container.node):
             matching = catalogue.candidates(node.domain, node.op_type)
             if not matching:
@@ -328,12 +332,24 @@ def _nodes(
             label = node.name or (node.output[0] if node.output else node.op_type)
             is_refused = int((scope.path, label) in refused)
             in_forms = [r.id for r in rules if r.id in forms]
-            if not is_refused:
-                rules = [] if refused_only else [r for r in rules if r.id not in forms]
+            if not is_refused and refused_only:
+                rules = [r for r in rules if r.id in forms] if feeds.intersection(node.input) else []
+            elif not is_refused:
+                rules = [r for r in rules if r.id not in forms]
             rules.sort(key=lambda r: _RANK[r.exactness])  # stable: catalogue order within a level
             # Listed even without candidates: then no rule may touch it (node_rules ()).
             nodes.append(_Node((scope.path, index), site, label, is_refused, [r.id for r in rules], in_forms))
     return nodes
+
+
+def _refused_outputs(scope: Any, refused: set[tuple[str, str]]) -> set[str]:
+    """The values the nodes of ``scope`` the target refuses write."""
+    out: set[str] = set()
+    for node in scope.container.node:
+        label = node.name or (node.output[0] if node.output else node.op_type)
+        if (scope.path, label) in refused:
+            out.update(name for name in node.output if name)
+    return out
 
 
 #: How many stages a plan may have: a later stage applies rules to what earlier ones emitted (a

@@ -152,8 +152,9 @@ QOPERATOR_EXACTNESS: dict[str, str] = {
     "QLinearSoftmax": BOUNDED,
 }
 
-#: qdq_wrap: the ops that only select and reorder values (the same on float as on uint8/int8), which it
-#: wraps in DequantizeLinear -> op -> QuantizeLinear.
+#: qdq_wrap: the ops that only select and reorder values (the same on float as on uint8/int8; MaxPool
+#: selects each window's largest, which DequantizeLinear's increasing map keeps), which it wraps in
+#: DequantizeLinear -> op -> QuantizeLinear.
 QDQ_WRAP_OPS = (
     "Reshape",
     "Transpose",
@@ -167,6 +168,7 @@ QDQ_WRAP_OPS = (
     "Tile",
     "DepthToSpace",
     "SpaceToDepth",
+    "MaxPool",
 )
 
 # --- the contracts ------------------------------------------------------------------------------

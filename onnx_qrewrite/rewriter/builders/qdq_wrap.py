@@ -16,8 +16,11 @@ size at most 2^-24 each leave ``|fl(f / s) - n| <= 255 * 2^-23 < 0.5``, so the r
 back and the result is ``q``: Q(DQ(q)) = q for every q. (The lower end of the range is what this
 argument covers; subnormal scales were seen to round-trip too, but are left alone.) The ops moved
 (Reshape, Transpose, Gather, Slice, ...) only select and reorder values, which they do the same on
-float as on uint8. Concat is exact only when every input has the output's scale and zero point
-(checked). Tested bit for bit on every uint8 and int8 value in tests/test_qdq_wrap.py.
+float as on uint8. MaxPool selects each window's largest value (its padding is never selected):
+with a positive scale, DequantizeLinear is strictly increasing in ``q`` (rounding is monotonic, and
+Q(DQ(q)) = q makes it one to one), so the largest dequantized value is the dequantized largest.
+Concat is exact only when every input has the output's scale and zero point (checked). Tested bit
+for bit on every uint8 and int8 value in tests/test_qdq_wrap.py.
 
 Where the scale and zero point come from: the tensor's own quantization, found by looking through
 data-movement ops backwards to what wrote it (QuantizeLinear, a QOperator op's output scale and
