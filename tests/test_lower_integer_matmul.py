@@ -34,10 +34,9 @@ from _int_matmul_helpers import (
     values,
     zero_point,
 )
-from conftest import assert_bitwise_equal, op_types, rule_marker, run, session
+from conftest import assert_bitwise_equal, op_types, rule_marker, run, session, u8s8_saturates_here
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
-from test_u8s8_saturation import SATURATES
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import LoweringError
@@ -72,9 +71,10 @@ def test_matmul_integer_float_form_is_bit_exact(case: MatMulCase):
     assert_bitwise_equal(actual, reference.astype(np.int32), "rewrite vs ONNX definition")
     original = run(model, feeds)["Y"]
     if ta == "uint8" and tb == "int8":
-        # A CPU without VNNI saturates int16 pairs: the original differs exactly as emulated (with
-        # VNNI it is the ONNX definition), and by at most each column's pair excess from the weights.
-        kernel = saturating_matmul(a, b, azp, bzp) if SATURATES else reference.astype(np.int32)
+        # On x86 without VNNI the kernel saturates int16 pairs: the original differs exactly as
+        # emulated, and by at most each column's pair excess from the weights (0: bit-exact); with
+        # VNNI (or on ARM) it is the definition.
+        kernel = saturating_matmul(a, b, azp, bzp) if u8s8_saturates_here() else reference.astype(np.int32)
         assert_bitwise_equal(original, kernel, "onnxruntime u8s8 kernel")
         assert np.all(np.abs(original.astype(np.int64) - actual) <= excess), "beyond the pair excess"
         if case.b_const and saturable:
@@ -221,7 +221,7 @@ def test_conv_integer_int8_x_uint8_w_saturates_in_onnxruntime_and_the_rewrite_do
     # One pair: -128 * (255 + 255) = -65280, 32512 below int16.
     assert (applied.rule, applied.bound) == ("int-matmul-float-bounded", 32512.0)
     assert run(result.model, {"X": x})["Y"].item() == -65280
-    assert run(model, {"X": x})["Y"].item() in (-65280, -32768)  # -32768 on x86 without VNNI
+    assert run(model, {"X": x})["Y"].item() == (-32768 if u8s8_saturates_here() else -65280)
 
 
 def test_conv_integer_per_channel_w_zero_point_follows_the_onnx_definition():

@@ -27,7 +27,8 @@ import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.rewriter import provenance, u8s8
 from onnx_qrewrite.verify import verify
-from onnx_qrewrite.verify.u8s8_reference import without_saturation
+from onnx_qrewrite.verify.bounds import bounded_rewrites
+from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates, without_saturation
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_unfuse_attention import bert_feeds, tiny_bert
@@ -76,6 +77,12 @@ def _saturates_here() -> bool:
 
 
 SATURATES = _saturates_here()
+
+
+def test_verify_measures_the_same_kernel_behaviour():
+    """verify's own probe (which decides whether the saturation part of a bound applies) agrees
+    with this measurement."""
+    assert default_kernel_saturates() is SATURATES
 
 
 # --- what the kernel does ------------------------------------------------------------------------
@@ -333,6 +340,9 @@ def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is
     result = onnx_qrewrite.rewrite(model)
     (applied,) = result.report.rewrites
     assert applied.rule == "qop-matmul" and applied.bound == 33.0, applied
+    # 32 of the 33 steps are the saturation's: verify leaves them out where the kernel does not saturate.
+    (recorded,) = bounded_rewrites(model, result.model)
+    assert recorded.u8s8 == 32.0 and recorded.without_u8s8().bound == 1.0
     a = rng.integers(0, 256, (4, 64)).astype(np.uint8)
     a[:, :2] = 255  # the saturating pair at its worst
     got = run(result.model, {"A": a})["Y"].astype(np.int64)

@@ -363,7 +363,14 @@ def _apply(
                 prefix = node.name.rpartition("/")[0] or Emitter.prefix_for(node)
             else:
                 metadata = Emitter.metadata_for(
-                    rule.id, node, rule.exactness, plan.bound, provenance, plan.bound_scale, plan.bound_formula
+                    rule.id,
+                    node,
+                    rule.exactness,
+                    plan.bound,
+                    provenance,
+                    plan.bound_scale,
+                    plan.bound_formula,
+                    plan.bound_u8s8,
                 )
                 prefix = Emitter.prefix_for(node)
             key = None

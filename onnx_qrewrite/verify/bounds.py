@@ -58,6 +58,10 @@ class BoundedRewrite:
 
     #: A per-element bound's formula (verify/element_bounds.py), or None: ``bound`` everywhere.
     formula: str | None = None
+    #: The part of ``bound`` only onnxruntime's u8 x s8 int16 pair saturation uses (``Plan.bound_u8s8``).
+    u8s8: float = 0.0
+    #: That part, left out because this CPU's kernel was measured not to saturate (:func:`without_u8s8`).
+    u8s8_dropped: float = 0.0
 
     @property
     def label(self) -> str:
@@ -65,7 +69,16 @@ class BoundedRewrite:
             bound = f"per element ({self.formula.partition(':')[0]})"
         else:
             bound = f"{self.bound:g}" + (f" + {self.per_unit:g}·max|{self.unit}|" if self.unit else "")
+        if self.u8s8_dropped:
+            bound += f", +{self.u8s8_dropped:g} where the u8 x s8 kernel saturates: not on this CPU"
         return f"{', '.join(self.outputs)} (node {self.origin or '<unnamed>'}, rule {self.rule}, bound {bound})"
+
+    def without_u8s8(self) -> BoundedRewrite:
+        """This rewrite checked against a uint8 x int8 kernel that does not saturate (CPUs with VNNI,
+        ARM): its bound without the part only that saturation uses."""
+        if not self.u8s8:
+            return self
+        return dataclasses.replace(self, bound=max(self.bound - self.u8s8, 0.0), u8s8=0.0, u8s8_dropped=self.u8s8)
 
     def bound_for(self, values: dict[str, np.ndarray]) -> float:
         """The bound on one sample: ``values`` holds the original model's value of ``unit``."""
@@ -109,9 +122,12 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
             outputs = tuple(o for n in run for o in n.output if o in produced_by_original)
             unit = meta.get(Emitter.BOUND_UNIT_KEY, "")
             per_unit = float(meta.get(Emitter.BOUND_PER_UNIT_KEY, "0")) if unit else 0.0
+            u8s8 = float(meta.get(Emitter.BOUND_U8S8_KEY, "0"))
             if outputs:
                 found.append(
-                    BoundedRewrite(owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit, formula)
+                    BoundedRewrite(
+                        owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit, formula, u8s8
+                    )
                 )
         index = end
     return found
@@ -170,6 +186,13 @@ def check_bounds(
     rewrites = bounded_rewrites(original, rewritten)
     if not rewrites:
         return []
+    saturates = True
+    if any(r.u8s8 for r in rewrites):
+        from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates
+
+        saturates = default_kernel_saturates()
+        if not saturates:
+            rewrites = [r.without_u8s8() for r in rewrites]
     initializers = {t.name for t in rewritten.graph.initializer}
     # Per-element bounds read the original node's inputs: constants from the original model,
     # the rest from its run.
@@ -231,7 +254,9 @@ def check_bounds(
                     per_element = None
                     if rewrite.formula and node is not None and len(rewrite.outputs) == 1:
                         reads = {n: constants[n] if n in constants else values[n] for n in formula_reads[id(rewrite)]}
-                        per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual[name])
+                        per_element = element_bounds.element_bound(
+                            rewrite.formula, node, reads, expected, actual[name], saturates=saturates
+                        )
                     if per_element is not None and rewrite.formula:
                         largest = float(np.max(per_element, initial=0.0))
                         text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"

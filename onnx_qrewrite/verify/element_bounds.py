@@ -88,14 +88,19 @@ def _column_axis(weights: np.ndarray, conv: bool, out_ndim: int) -> Callable[[np
 
 
 def _u8s8_pairs(
-    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+    parameter: str,
+    node: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    expected: np.ndarray,
+    actual: np.ndarray,
+    saturates: bool = True,
 ) -> np.ndarray:
     base = float(parameter or 0.0)
     conv = node.op_type == "ConvInteger"
     a, b = _input(node, values, 0), _input(node, values, 1)
     assert a is not None and b is not None
     a_type = "uint8" if node.op_type == "DynamicQuantizeMatMul" else a.dtype.name
-    if not u8s8.saturating_operands(a_type, b.dtype.name, conv=conv):
+    if not saturates or not u8s8.saturating_operands(a_type, b.dtype.name, conv=conv):
         excess = np.zeros(1, np.float64)
         place = _column_axis(np.zeros(1), False, expected.ndim)
     else:
@@ -153,7 +158,9 @@ def _qattention_heads(values: np.ndarray, part: int, heads: int) -> np.ndarray:
     return np.moveaxis(piece.reshape((*piece.shape[:-1], heads, hidden // heads)), -2, -3)
 
 
-def _qattention_projection(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _qattention_projection(
+    node: onnx.NodeProto, values: Mapping[str, np.ndarray], saturates: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """(the projection as the ONNX definition computes it, exactly, (B, S, 3·hidden); how far
     onnxruntime's saturating kernel can move each of its elements on *these* inputs, the same shape):
     ``u8s8.pair_saturation`` of the raw x and W, times the column's ``|x_scale · W_scale|``."""
@@ -167,7 +174,7 @@ def _qattention_projection(node: onnx.NodeProto, values: Mapping[str, np.ndarray
     shifted_x = x.astype(np.float64) - (0.0 if x_zp is None else float(np.asarray(x_zp).reshape(())))
     shifted_w = w.astype(np.float64) - (0.0 if w_zp is None else np.asarray(w_zp, np.float64).reshape(1, -1))
     projection = (shifted_x @ shifted_w) * step + np.asarray(bias, np.float64)
-    if not u8s8.saturating_operands(x.dtype.name, w.dtype.name, conv=False):
+    if not saturates or not u8s8.saturating_operands(x.dtype.name, w.dtype.name, conv=False):
         return projection, np.zeros_like(projection)
     flat = x.reshape(-1, x.shape[-1])
     moved = u8s8.pair_saturation(flat, u8s8.rows(w, False)).astype(np.float64) * step
@@ -175,7 +182,12 @@ def _qattention_projection(node: onnx.NodeProto, values: Mapping[str, np.ndarray
 
 
 def _u8s8_attention(
-    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+    parameter: str,
+    node: onnx.NodeProto,
+    values: Mapping[str, np.ndarray],
+    expected: np.ndarray,
+    actual: np.ndarray,
+    saturates: bool = True,
 ) -> np.ndarray:
     """com.microsoft QAttention whose uint8 x int8 projection the kernel may saturate. On these
     inputs each projection element (token t, column c) moves by at most ``E_tc`` (its pairs'
@@ -194,7 +206,7 @@ def _u8s8_attention(
     the value."""
     attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
     heads = int(attributes["num_heads"])
-    projection, moved = _qattention_projection(node, values)
+    projection, moved = _qattention_projection(node, values, saturates)
     q, k, v = (_qattention_heads(projection, i, heads) for i in range(3))
     eq, ek, ev = (_qattention_heads(moved, i, heads) for i in range(3))
     scale = float(attributes.get("scale", 0.0)) or 1.0 / np.sqrt(q.shape[-1])
@@ -214,6 +226,9 @@ def _u8s8_attention(
     return bound + _ROUNDING * larger
 
 
+#: The formulas whose bound is onnxruntime's u8 x s8 pair saturation (they take ``saturates``).
+_SATURATION_FORMULAS = frozenset({"u8s8-pairs", "u8s8-attention"})
+
 #: formula name -> evaluation(parameter, original node, its input values, expected, actual) -> bound
 FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     "u8s8-pairs": _u8s8_pairs,
@@ -228,11 +243,17 @@ def element_bound(
     values: Mapping[str, np.ndarray],
     expected: np.ndarray,
     actual: np.ndarray,
+    *,
+    saturates: bool = True,
 ) -> np.ndarray | None:
     """The bound at every element of ``expected`` (broadcastable to it), or None for a formula
-    this version does not know (the scalar bound then applies)."""
+    this version does not know (the scalar bound then applies). ``saturates``: whether the kernel
+    the original ran with saturates u8 x s8 pairs (measured: u8s8_reference.default_kernel_saturates);
+    where it does not, the u8s8 formulas leave the pair excess out."""
     name, parameter = _split(formula)
     evaluate = FORMULAS.get(name)
     if evaluate is None or node.op_type not in _READS[name]:
         return None
+    if name in _SATURATION_FORMULAS:
+        return evaluate(parameter, node, values, expected, actual, saturates)
     return evaluate(parameter, node, values, expected, actual)

@@ -88,6 +88,11 @@ class Plan:
     #: (then the largest value it can take, where that does not depend on the inputs). None:
     #: ``bound`` everywhere.
     bound_formula: str | None = None
+    #: The part of ``bound`` (in its units) that only onnxruntime's int16 pair saturation of uint8 x
+    #: int8 products can use (x86 CPUs without VNNI, :mod:`onnx_qrewrite.rewriter.u8s8`).
+    #: Recorded beside the bound; ``verify`` leaves it out where it measures that this CPU's
+    #: kernel does not saturate, so the bound there is the one of the rewrite's own arithmetic.
+    bound_u8s8: float = 0.0
     #: The values the replacement reads, when they are not (a subset of) the node's own inputs:
     #: e.g. a pattern anchored at its last node that reads the pattern's float input instead.
     #: None: the node's inputs. Used to decide which ``remove_if_dead`` nodes are dead.

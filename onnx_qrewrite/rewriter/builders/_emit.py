@@ -155,7 +155,7 @@ def op_key_of(domain: str, op_type: str) -> str:
 
 
 _ATTR_CACHE: dict[tuple[str, Any], bytes] = {}
-#: (rule, exactness, bound, bound_scale, bound_formula) -> the encoded metadata entries before
+#: (rule, exactness, bound, bound_scale, bound_formula, bound_u8s8) -> the encoded metadata entries before
 #: and after the origin (:meth:`Emitter.metadata_for`).
 _METADATA_PARTS: dict[tuple, tuple[bytes, bytes]] = {}
 _METADATA_PARTS_MAX = 4096
@@ -200,6 +200,8 @@ class Emitter:
     BOUND_UNIT_KEY = "onnx_qrewrite.bound_unit"
     #: Beside the bound, where it varies per element: the formula's name (``Plan.bound_formula``).
     BOUND_FORMULA_KEY = "onnx_qrewrite.bound_formula"
+    #: Beside the bound: the part of it only onnxruntime's u8 x s8 pair saturation uses (``Plan.bound_u8s8``).
+    BOUND_U8S8_KEY = "onnx_qrewrite.bound_u8s8"
 
     def __init__(
         self,
@@ -262,6 +264,7 @@ class Emitter:
         mode: str = provenance.DEFAULT_MODE,
         bound_scale: tuple[str, float] | None = None,
         bound_formula: str | None = None,
+        bound_u8s8: float = 0.0,
     ) -> tuple[bytes, bytes]:
         """Encoded metadata of a replacement's first node and of its other nodes, for provenance
         ``mode`` (compact: the first node only; full: every node; none: no node)."""
@@ -269,7 +272,7 @@ class Emitter:
             return b"", b""
         # Only the origin differs from node to node: the entries around it are encoded once per
         # rule and bound (this runs once per rewrite, 40k times on a 20k-block chain).
-        around = (rule_id, exactness, bound, bound_scale, bound_formula)
+        around = (rule_id, exactness, bound, bound_scale, bound_formula, bound_u8s8)
         parts = _METADATA_PARTS.get(around)
         if parts is None:
             rest = []
@@ -280,6 +283,8 @@ class Emitter:
                 if bound_scale is not None:
                     rest.append((cls.BOUND_PER_UNIT_KEY, repr(float(bound_scale[1]))))
                     rest.append((cls.BOUND_UNIT_KEY, bound_scale[0]))
+                if bound_u8s8:
+                    rest.append((cls.BOUND_U8S8_KEY, repr(float(bound_u8s8))))
             if bound_formula:
                 rest.append((cls.BOUND_FORMULA_KEY, bound_formula))
             if len(_METADATA_PARTS) >= _METADATA_PARTS_MAX:  # per-node bounds: keep it small

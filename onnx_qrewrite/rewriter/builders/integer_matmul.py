@@ -506,6 +506,7 @@ class IntegerMatMulBuilder:
                 data=data,
                 bound=float(excess),
                 bound_formula=f"{_FORMULA}:0.0",
+                bound_u8s8=float(excess),
             )
         bound = float32_sum_bound(read.k, worst)
         notes.append(f"float32 sums within {bound:g} of the exact integers (K={read.k}, |sum| <= {worst:.0f})")
@@ -517,6 +518,7 @@ class IntegerMatMulBuilder:
             data=data,
             bound=bound + excess,
             bound_formula=formula,
+            bound_u8s8=float(excess),
         )
 
     @staticmethod

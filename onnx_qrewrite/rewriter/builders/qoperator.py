@@ -189,11 +189,12 @@ class QOperatorBuilder:
         )
         data: dict[str, Any] = {"attrs": attrs, "inputs": inputs, "out": out}
         notes: list[str] = []
+        bound_u8s8 = 0.0
         if op in _ACCUMULATING:
-            bound, note = _accumulation_bound(site, op, attrs, inputs, out, options)
+            bound, note, bound_u8s8 = _accumulation_bound(site, op, attrs, inputs, out, options)
             notes.append(note)
             if options["u8s8_saturation"] == "ignore":
-                bound = None  # approximate: no bound against a kernel that saturates
+                bound, bound_u8s8 = None, 0.0  # approximate: no bound against a kernel that saturates
             if op == "QGemm":
                 min_opset = max(min_opset, 11)  # optional C
         elif op == "QLinearSoftmax":
@@ -204,7 +205,7 @@ class QOperatorBuilder:
             raise NoMatch("malformed node: QLinearConcat needs an 'axis' attribute")
         if per_axis and op not in ("QLinearConv", "QLinearMatMul", "QGemm"):
             raise NoMatch(f"{op} takes per-tensor scales only; a scale here has more than one element")
-        return Plan(min_opset=min_opset, bound=bound, notes=tuple(notes), data=data)
+        return Plan(min_opset=min_opset, bound=bound, notes=tuple(notes), data=data, bound_u8s8=bound_u8s8)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op = options["op"]
@@ -323,8 +324,9 @@ def _dim(site: Site, name: str, axis: int) -> int | None:
 
 def _accumulation_bound(
     site: Site, op: str, attrs: dict[str, Any], inputs: list, out: tuple, options: Mapping[str, Any]
-) -> tuple[float, str]:
-    """The bound of an integer-accumulating op: ``floor(d) + 1`` steps (float output: ``d`` units)."""
+) -> tuple[float, str, float]:
+    """The bound of an integer-accumulating op: ``floor(d) + 1`` steps (float output: ``d`` units),
+    and the part of it that only onnxruntime's u8 x s8 pair saturation uses (``Plan.bound_u8s8``)."""
     (a, a_scale, a_zp, a_dtype), (b, b_scale, b_zp, b_dtype) = inputs
     if a_scale.value.size != 1:
         raise NoMatch(f"{op}: the scale of input {a!r} must have one element (onnxruntime's kernel requires it)")
@@ -409,13 +411,16 @@ def _accumulation_bound(
     note = f" (+ up to {saturation:.3g} from onnxruntime's u8 x s8 int16 pair saturation)" if saturation else ""
     out_scale = out[0]
     if out_scale is None:  # QGemm with float output: the bound in the output's units
-        bound = error + 4 * _U * terms + saturation * (1 + 4 * _U)
-        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}"
-    d = (error + saturation * (1 + 4 * _U)) / float(out_scale.reshape(-1)[0])
+        own = error + 4 * _U * terms
+        bound = own + saturation * (1 + 4 * _U)
+        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}", bound - own
+    step = float(out_scale.reshape(-1)[0])
+    d = (error + saturation * (1 + 4 * _U)) / step
     steps = math.floor(d) + 1
     return (
         float(steps),
         f"accumulation of {k} products: at most {d:.2g} of a step before rounding, bound {steps}{note}",
+        float(steps - (math.floor(error / step) + 1)),
     )
 
 
