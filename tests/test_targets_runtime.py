@@ -357,25 +357,27 @@ def _dql_model(case: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
         from_array(np.float32(0.01), "ws"),
     ]
 
-    def group(op: str, weight: str, y: str) -> list[onnx.NodeProto]:
+    def group(op: str, weight: str, y: str, last: str = "Mul") -> list[onnx.NodeProto]:
         return [
             helper.make_node(op, ["q", weight, "z", "wzp"], [y + "_acc"]),
             helper.make_node("Cast", [y + "_acc"], [y + "_f"], to=TensorProto.FLOAT),
             helper.make_node("Mul", ["s", "ws"], [y + "_s"]),
-            helper.make_node("Mul", [y + "_f", y + "_s"], [y]),
+            helper.make_node(last, [y + "_f", y + "_s"], [y]),
         ]
 
     shape, out_shape = (1, 8), [1, 4]
     nodes = {
         "group": group("MatMulInteger", "w", "y"),
         "conv": group("ConvInteger", "cw", "y"),
+        "cast-add": group("MatMulInteger", "w", "y", last="Add"),
+        "conv-cast-add": group("ConvInteger", "cw", "y", last="Add"),
         "dq": [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
         "unread": [helper.make_node("Relu", ["x"], ["y"])],
         "shared": group("MatMulInteger", "w", "y") + group("MatMulInteger", "w", "y2"),
         "scale-read-twice": [*group("MatMulInteger", "w", "y"), helper.make_node("Mul", ["x", "s"], ["y2"])],
         "graph-output": [helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])],
     }[case]
-    if case == "conv":
+    if case in ("conv", "conv-cast-add"):
         shape, out_shape = (1, 1, 4, 4), [1, 4, 4, 4]
     elif case in ("dq", "unread", "graph-output"):
         out_shape = [1, 8]
@@ -399,25 +401,30 @@ def _dql_model(case: str) -> tuple[onnx.ModelProto, tuple[int, ...]]:
 
 
 @pytest.mark.parametrize(
-    ("case", "runs"),
+    ("case", "refused_nodes"),
     [
-        ("group", True),
-        ("conv", True),
-        ("dq", True),
-        ("unread", False),
-        ("shared", False),
-        ("scale-read-twice", False),
-        ("graph-output", False),
+        ("group", []),
+        ("conv", []),
+        ("dq", []),
+        ("unread", ["dql"]),
+        ("shared", ["dql"]),
+        ("scale-read-twice", ["dql"]),
+        ("graph-output", ["dql"]),
+        ("cast-add", ["y_acc"]),
+        ("conv-cast-add", ["y_acc"]),
     ],
 )
-def test_qnn_takes_a_dynamic_quantize_linear_only_inside_its_node_groups(case, runs):
-    """The QNN EP has no DynamicQuantizeLinear op builder: it runs one only as the head of a node
-    group it fuses. `inspect --target qnn` refuses exactly the ones the simulator puts on the CPU
-    (a DQL nothing reads used to be accepted)."""
+def test_qnn_takes_a_dynamic_quantize_linear_only_inside_its_node_groups(case, refused_nodes):
+    """The QNN EP has no DynamicQuantizeLinear, MatMulInteger or ConvInteger op builder: it runs
+    them only as a node group it fuses (DQL -> MatMulInteger/ConvInteger -> Cast -> Mul, or
+    DQL -> DequantizeLinear). `inspect --target qnn` refuses exactly the ones the simulator puts on
+    the CPU (a DQL nothing reads, and an integer product not followed by Cast -> Mul, used to be
+    accepted)."""
     _runtime("qnn")
     model, shape = _dql_model(case)
     refused = check_model(model, load_target("qnn"))
-    assert [r.node for r in refused] == ([] if runs else ["dql"]), refused
+    assert [r.node for r in refused] == refused_nodes, refused
+    runs = not refused_nodes
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     try:
         make_runner("qnn", model, label=case, shapes={"x": shape}).run({"x": x})
