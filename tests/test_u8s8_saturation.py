@@ -330,9 +330,10 @@ def _qlinear_matmul(b: np.ndarray) -> onnx.ModelProto:
 def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is_caught():
     """One column whose first pair can leave int16 (127 + 127): the bounded rule adds its excess
     (32003 * a_scale * b_scale / y_scale = 32 steps) to the bound; verify checks it at the node
-    against the default kernel, and a dropped activation zero point (137 steps off) breaks it. (A
-    dropped weight zero point moves this node by 13 steps: within the 33-step bound where the
-    kernel does not saturate, e.g. on CPUs with AVX-VNNI, so it cannot be the test's break.)"""
+    against the default kernel, and a dropped activation zero point (137 steps off) breaks it. A
+    dropped weight zero point moves this node by 13 steps: where the kernel does not saturate (CPUs
+    with AVX-VNNI), verify leaves the 32 saturation steps out of the bound (1 step) and catches that
+    too."""
     rng = np.random.default_rng(3)
     b = rng.integers(-40, 41, (64, 8)).astype(np.int8)
     b[0:2, 3] = 127
@@ -352,11 +353,16 @@ def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is
         assert np.abs(got - want)[:, 3].min() >= 30  # the column really saturates
     report = verify(model, result.model, inputs={"A": a})
     assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
-    broken = copy.deepcopy(result.model)
-    dq = next(n for n in broken.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "A")
-    del dq.input[2]
-    report = verify(model, broken, inputs={"A": a})
-    assert not node_row(report, "qmm").passed, report.to_table()
+    row = node_row(report, "qmm")
+    assert ("+32 where the u8 x s8 kernel saturates" in row.name) is not SATURATES, row.name
+    dqs = [n for n in result.model.graph.node if n.op_type == "DequantizeLinear"]
+    activation = next(i for i, n in enumerate(dqs) if n.input[0] == "A")
+    breaks = [activation] + ([] if SATURATES else [next(i for i in range(len(dqs)) if i != activation)])
+    for index in breaks:
+        broken = copy.deepcopy(result.model)
+        del [n for n in broken.graph.node if n.op_type == "DequantizeLinear"][index].input[2]
+        report = verify(model, broken, inputs={"A": a})
+        assert not node_row(report, "qmm").passed, report.to_table()
 
 
 def test_a_saturating_node_the_rewrite_kept_runs_the_same_way_on_both_sides():
