@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from onnx import TensorProto, helper
 
 from onnx_qrewrite.rewriter.graph import NameAllocator
@@ -36,7 +37,9 @@ def _model(names: list[str]):
     return helper.make_model(helper.make_graph(nodes, "g", [x], outs))
 
 
-def test_families_take_the_names_a_plain_set_would():
+@pytest.mark.parametrize("frozen", [False, True])
+def test_families_take_the_names_a_plain_set_would(frozen):
+    """``frozen``: the model's names kept as hashes, read again on a hit (what the engine uses)."""
     rng = random.Random(7)
     parts = ["a", "b", "a/b", "x", "x_1", "", "b/"]
     hint_sets = [["/x", "/y"], ["/x", "/x"], ["/x", "/y_1"], ["x", "/y"], ["/a/b"], ["/x_1", "/x"], ["/"]]
@@ -44,7 +47,7 @@ def test_families_take_the_names_a_plain_set_would():
         existing = sorted({rng.choice(parts) + rng.choice(["", "/x", "/y", "/x_1"]) for _ in range(3)} - {""})
         model = _model(existing)
         ours, plain = (
-            NameAllocator(model),
+            NameAllocator(model, frozen=frozen),
             _PlainAllocator({*existing, "x", "g"} | {f"node{i}" for i in range(len(existing))}),
         )
         for step in range(40):
@@ -58,10 +61,33 @@ def test_families_take_the_names_a_plain_set_would():
                     assert ours.fresh(base) == plain.fresh(base), (trial, step, base)
 
 
-def test_a_stamped_family_and_a_clashing_prefix():
-    names = NameAllocator(_model(["p/x"]))
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_stamped_family_and_a_clashing_prefix(frozen):
+    names = NameAllocator(_model(["p/x"]), frozen=frozen)
     assert names.fresh_all("n", ["/x", "/y"]) == (["n/x", "n/y"], False)
     assert names.fresh_all("n", ["/x", "/y"]) == (["n/x_1", "n/y_1"], True)
     assert names.fresh("n/x") == "n/x_2"
     assert names.fresh("n/z") == "n/z"
     assert names.fresh_all("p", ["/x", "/y"]) == (["p/x_1", "p/y"], True)
+
+
+def test_frozen_names_are_read_only_on_a_hash_hit():
+    """Kept as hashes, the model's names are read into a set only when a drawn name hits one."""
+    names = NameAllocator(_model(["p/x", "q"]), frozen=True)
+    assert names.fresh_all("n", ["/x", "/y"]) == (["n/x", "n/y"], False)
+    assert names.fresh("r") == "r"
+    assert names._exact is None
+    assert names.fresh("q") == "q_1"
+    assert names._exact is not None and "p/x" in names._exact
+
+
+def test_frozen_names_past_a_chunk_of_unnamed_nodes_are_taken():
+    """The model's names are hashed in chunks: a chunk of nothing but unnamed nodes ends none early."""
+    nodes = [helper.make_node("Relu", ["x"], [f"v{i}"]) for i in range(5000)]
+    nodes.append(helper.make_node("Relu", ["x"], ["last/y"], name="last"))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("last/y", TensorProto.FLOAT, [1])
+    names = NameAllocator(helper.make_model(helper.make_graph(nodes, "g", [x], [y])), frozen=True)
+    assert names.fresh("last") == "last_1"
+    assert names.fresh_all("last", ["/y", "/z"]) == (["last/y_1", "last/z"], True)
+    assert names.fresh("v4999") == "v4999_1"

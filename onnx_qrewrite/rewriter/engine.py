@@ -316,7 +316,7 @@ def _apply(
     done = 0
     if progress is not None:
         progress("rewriting nodes", 0, total)
-    names = NameAllocator(model, scopes)
+    names = NameAllocator(model, scopes, frozen=True)
     pools: dict[int, ConstantPool] = {}
     built: dict[int, dict[int, bytes]] = {}
     #: Initializers some replaced node read and its replacement does not: removal candidates.

@@ -86,6 +86,101 @@ class _Records(NamedTuple):
     initializers: dict[str, onnx.TensorProto]
 
 
+_NO_HASHES = np.zeros(0, dtype=np.int64)
+
+
+def _hash_in(hashes: np.ndarray, value: int) -> bool:
+    """Whether the sorted array ``hashes`` holds ``value``."""
+    pos = int(hashes.searchsorted(value))
+    return pos < len(hashes) and int(hashes[pos]) == value
+
+
+#: Nodes read at a time when indexing their outputs (see :class:`_Producers`).
+_CHUNK = 4096
+
+
+def _output_hashes(nodes: Sequence[onnx.NodeProto], start: int, stop: int) -> tuple[np.ndarray, ...]:
+    """Of the outputs of ``nodes[start:stop]`` (absent optional ones left out): their hashes, the
+    index of each one's node, and the hashes of their heads (see :class:`NameAllocator`)."""
+    names: list[str] = []
+    counts: list[int] = []
+    extend, count = names.extend, counts.append
+    for i in range(start, stop):
+        outputs = nodes[i].output
+        extend(outputs)
+        count(len(outputs))
+    found = np.fromiter(map(hash, names), np.int64, len(names))
+    owners = np.repeat(np.arange(start, stop, dtype=np.int32), counts)
+    present = np.fromiter(map(bool, names), bool, len(names))  # '': an absent optional output
+    if not present.all():
+        found, owners = found[present], owners[present]
+    heads = np.fromiter((hash(n.rpartition("/")[0]) for n in names if "/" in n), np.int64)
+    return found, owners, heads
+
+
+class _Producers:
+    """Output name -> index of the node writing it, for one node list: the names' hashes, sorted,
+    and the index of each one's node, as two arrays (12 bytes a name).
+
+    Why not a dict of names: each name read out of protobuf is a new string object, so such a dict
+    held a string and an int object per value, ~16 MB of a 100k-node rewrite's peak memory. A hash
+    found is confirmed against the node's own outputs (two names may share a hash); when names
+    repeat (not SSA), the last node writing one wins, as a dict built in node order would have it.
+    """
+
+    __slots__ = ("hashes", "heads", "owners", "recent")
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto]):
+        hashes, owners, heads = [], [], []
+        for start in range(0, len(nodes), _CHUNK):
+            # In chunks: the names of a whole graph at once, as strings, were ~10 MB more at a time.
+            chunk_hashes, chunk_owners, chunk_heads = _output_hashes(nodes, start, min(start + _CHUNK, len(nodes)))
+            hashes.append(chunk_hashes)
+            owners.append(chunk_owners)
+            heads.append(chunk_heads)
+        found = np.concatenate(hashes) if hashes else _NO_HASHES
+        owners_all = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int32)
+        order = np.argsort(found, kind="stable")  # equal hashes stay in node order
+        #: Hashes of the output names, sorted; ``owners[k]``: the index of the node writing the k-th.
+        self.hashes: np.ndarray = found[order]
+        self.owners: np.ndarray = owners_all[order]
+        #: Hashes of the outputs' parts before their last ``/``, sorted (for :class:`NameAllocator`:
+        #: computed here, where the names are read anyway).
+        self.heads: np.ndarray = np.sort(np.concatenate(heads)) if heads else _NO_HASHES
+        #: The last names looked up and what was found (see :data:`_RECENT`).
+        self.recent: dict[str, int | None] = {}
+
+    def find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> int | None:
+        """Index in ``nodes`` (the list indexed) of the last node writing ``name``, or None."""
+        recent = self.recent
+        found = recent.get(name, -1)
+        if found != -1:
+            return found
+        found = self._find(name, nodes)
+        if len(recent) >= _RECENT:
+            recent.clear()
+        recent[name] = found
+        return found
+
+    def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> int | None:
+        value = hash(name)
+        hashes = self.hashes
+        lo = int(hashes.searchsorted(value))
+        hi = lo
+        while hi < len(hashes) and hashes[hi] == value:
+            hi += 1
+        for k in range(hi - 1, lo - 1, -1):
+            index = int(self.owners[k])
+            if name in nodes[index].output:
+                return index
+        return None
+
+
+#: How many names a :class:`_Producers` remembers the answer for: a node's rules look up the same
+#: few names (its inputs, their producers' inputs) several times each.
+_RECENT = 64
+
+
 @dataclasses.dataclass(eq=False)
 class Scope:
     """One node list and the values visible from it.
@@ -101,9 +196,8 @@ class Scope:
     #: The model's external data (opened and checked), for constants stored there.
     external: ExternalData | None = None
     _records: _Records | None = dataclasses.field(default=None, repr=False)
-    #: Output name -> index of the node writing it (indices: a Python object per node held for the
-    #: whole rewrite was ~11 MB of a 100k-node model's peak memory).
-    _producers: dict[str, int] | None = dataclasses.field(default=None, repr=False)
+    #: Output name -> index of the node writing it, built on first use (see :class:`_Producers`).
+    _producers: _Producers | None = dataclasses.field(default=None, repr=False)
     _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -158,10 +252,10 @@ class Scope:
                         types[node.output[0]] = attr.t.data_type
         return _Records(types, shapes, inits)
 
-    def _producer_index(self) -> dict[str, int]:
+    def _producer_index(self) -> _Producers:
         # Separate from the records: only constant look-ups need it, and it is the costly one.
         if self._producers is None:
-            self._producers = {out: i for i, node in enumerate(self.container.node) for out in node.output if out}
+            self._producers = _Producers(self.container.node)
         return self._producers
 
     def add_initializer(self, tensor: onnx.TensorProto) -> None:
@@ -240,8 +334,9 @@ class Scope:
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers
-        index = (producers if producers is not None else self._producer_index()).get(name)
-        return None if index is None else self.container.node[index]
+        nodes = self.container.node
+        index = (producers if producers is not None else self._producer_index()).find(name, nodes)
+        return None if index is None else nodes[index]
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""
@@ -388,39 +483,93 @@ class NameAllocator:
     family holds ``/<tail>``.
     """
 
-    def __init__(self, model: onnx.ModelProto, scopes: Sequence[Scope] | None = None):
-        """``scopes``: the model's (:func:`iter_scopes`), when the caller has them already."""
-        used: set[str] = set()
-        chain = itertools.chain.from_iterable
-        for scope in iter_scopes(model) if scopes is None else scopes:
-            c = scope.container
-            if isinstance(c, onnx.GraphProto):
-                used.update(v.name for v in itertools.chain(c.input, c.output, c.value_info))
-                used.update(t.name for t in c.initializer)
-            else:
-                used.update(c.input)
-                used.update(c.output)
-            nodes = c.node
-            # Every value is some node's output or a graph input (added above), so outputs suffice;
-            # matching has usually indexed them already (reading them again is a tenth of a
-            # second on a 100k-node graph).
-            producers = scope._producers
-            used.update(chain(n.output for n in nodes) if producers is None else producers)
-            used.update(n.name for n in nodes)
-        used.discard("")
-        self._used = used
+    def __init__(self, model: onnx.ModelProto, scopes: Sequence[Scope] | None = None, *, frozen: bool = False):
+        """``scopes``: the model's (:func:`iter_scopes`), when the caller has them already.
+
+        ``frozen``: the caller promises that the model's names do not change while names are
+        drawn (the engine splices its replacements only after :meth:`release`). The model's names
+        are then kept as sorted arrays of their hashes (8 bytes a name, against a string and a set
+        slot: ~15 MB of a 100k-node rewrite's peak memory), and read again into a plain set only
+        when a name drawn hits one of those hashes (a clash, or two names sharing a hash)."""
+        self._scopes = list(iter_scopes(model) if scopes is None else scopes)
+        #: Names drawn so far (and, unless ``frozen``, every name of the model).
+        self._used: set[str] = set()
+        #: Every name of the model, once read (None: only their hashes are kept).
+        self._exact: set[str] | None = None
+        self._hashes = self._heads = _NO_HASHES
+        if frozen:
+            self._index_hashes()
+        else:
+            self._used = self._exact = self._model_names()
         #: prefix -> the hints (each ``/`` then no other ``/``) drawn under it as one family.
         self._families: dict[str, frozenset[str]] = {}
         #: A template's hints -> their set when they can form a family (None: they cannot).
         self._family_hints: dict[tuple[str, ...], frozenset[str] | None] = {}
 
+    def _own_names(self, scope: Scope) -> Iterator[str]:
+        """The names of ``scope`` other than its nodes' outputs: values it declares, node names."""
+        c = scope.container
+        if isinstance(c, onnx.GraphProto):
+            yield from (v.name for v in itertools.chain(c.input, c.output, c.value_info))
+            yield from (t.name for t in c.initializer)
+        else:
+            yield from c.input
+            yield from c.output
+        yield from (n.name for n in c.node)
+
+    def _model_names(self) -> set[str]:
+        """Every name in the model (every value is some node's output or a declared one)."""
+        used: set[str] = set()
+        for scope in self._scopes:
+            used.update(self._own_names(scope))
+            used.update(itertools.chain.from_iterable(n.output for n in scope.container.node))
+        used.discard("")
+        return used
+
+    def _index_hashes(self) -> None:
+        """The hashes of every name in the model, and of each name's part before its last ``/``
+        (its *head*: no name is ``<prefix>/<tail>`` unless its head is ``prefix``). The outputs'
+        come from the scopes' producer indexes, which matching has usually built already."""
+        hashes, heads = [], []
+        for scope in self._scopes:
+            producers = scope._producer_index()
+            hashes.append(producers.hashes)
+            heads.append(producers.heads)
+            names = self._own_names(scope)
+            while batch := list(itertools.islice(names, _CHUNK)):  # in chunks, as _Producers reads
+                named = [name for name in batch if name]
+                hashes.append(np.fromiter(map(hash, named), np.int64, len(named)))
+                heads.append(np.fromiter((hash(n.rpartition("/")[0]) for n in named if "/" in n), np.int64))
+        self._hashes = np.concatenate(hashes)
+        self._hashes.sort()
+        self._heads = np.concatenate(heads)
+        self._heads.sort()
+
     def release(self) -> None:
-        """Forget the names (when no more will be drawn): frees the set of every name in the model."""
+        """Forget the names (when no more will be drawn): frees what is kept of every name in the model."""
         self._used = set()
         self._families = {}
+        self._exact = None
+        self._scopes = []
+        self._hashes = self._heads = _NO_HASHES
+
+    def _in_model(self, name: str) -> bool:
+        """Whether the model had ``name`` (exactly: a hash found makes the names be read)."""
+        exact = self._exact
+        if exact is None:
+            if not _hash_in(self._hashes, hash(name)):
+                return False
+            exact = self._exact = self._model_names()
+        return name in exact
+
+    def _in_model_any(self, prefix: str, hints: Sequence[str]) -> bool:
+        """Whether the model had ``prefix + hint`` for some hint, each ``/`` then no other ``/``."""
+        if self._exact is None and not _hash_in(self._heads, hash(prefix)):
+            return False  # no name of the model has that head
+        return any(self._in_model(prefix + hint) for hint in hints)
 
     def _taken(self, name: str) -> bool:
-        if name in self._used:
+        if name in self._used or (self._exact is not self._used and self._in_model(name)):
             return True
         if not self._families:
             return False
@@ -442,7 +591,12 @@ class NameAllocator:
         can form one (what :meth:`fresh_all` does in its common case, without making the names);
         False, with nothing taken, otherwise."""
         family = self._family_of(hints)
-        if family is None or prefix in self._families or not self._used.isdisjoint(map(prefix.__add__, hints)):
+        if (
+            family is None
+            or prefix in self._families
+            or not self._used.isdisjoint(map(prefix.__add__, hints))
+            or (self._exact is not self._used and self._in_model_any(prefix, hints))
+        ):
             return False
         self._families[prefix] = family
         return True
@@ -454,7 +608,9 @@ class NameAllocator:
         family = self._family_of(hints)
         if family is not None and prefix not in self._families:
             used = self._used
-            if not any(name in used for name in names):
+            if not any(name in used for name in names) and not (
+                self._exact is not used and self._in_model_any(prefix, hints)
+            ):
                 # No family has this prefix, and a family name of another prefix splits into that
                 # prefix: none of these names is taken, and they are recorded as one entry.
                 self._families[prefix] = family
