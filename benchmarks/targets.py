@@ -6,7 +6,7 @@ errors against onnxruntime running the original, and the runtime's latency for b
 Markdown tables: per target and model, then per target (the README's Targets table is the latter).
 
     python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
-                                 [--default] [--seeds N]
+                                 [--default] [--seeds N] [--fix-shapes]
 
 Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts, and the rewrite's
 errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
@@ -15,6 +15,10 @@ thread where the runtime takes a thread count, the recorded inputs (batch 1). QN
 simulator: its latency says nothing about a device. TFLite runs in its own interpreter process per
 call (verify/runtimes.py), so its latency is mostly that process starting, not the model.
 ``--default`` adds today's default rewrite (every rule, no target) on each runtime, for contrast.
+A target that needs static input shapes (QNN: its profile's ``[shapes]``) is planned with each
+model's symbolic dimensions fixed to its recorded inputs' shapes (``--input-shape``), as its runtime
+runs it; ``--fix-shapes`` plans every target so (what ``inspect``/``rewrite --target T
+--input-shape`` see: shapes recorded through the com.microsoft ops, onnx_qrewrite/targets/shapes.py).
 A disagreement on the recorded inputs is confirmed on two more seeded inputs (target_models.py's
 CONFIRM_SEEDS, as tests/test_targets_runtime.py does): when both agree the cell says ``(step
 flip)``, a requantized activation one step off through float rounding, not a wrong runtime.
@@ -230,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seeds", type=int, default=0, help="also count on how many of N seeded inputs each runtime is off (N runs)"
     )
+    parser.add_argument(
+        "--fix-shapes", action="store_true", help="plan every target with the recorded inputs' shapes fixed"
+    )
     args = parser.parse_args(argv)
 
     from onnx_qrewrite.api import load_rules
@@ -312,7 +319,13 @@ def _measure(
 ) -> dict[str, Any]:
     from onnx_qrewrite import rewrite
 
-    plan = plan_for(item.path, catalogue, profile)
+    inputs, expected = _io(item.path)
+    shapes = None
+    if args.fix_shapes or profile.static_shapes:
+        from onnx_qrewrite.targets.shapes import InputShapes
+
+        shapes = InputShapes({name: tuple(value.shape) for name, value in inputs.items()})
+    plan = plan_for(item.path, catalogue, profile, input_shapes=shapes)
     row: dict[str, Any] = {
         "target": target,
         "model": item.name,
@@ -329,7 +342,6 @@ def _measure(
         "proof": profile.proof,
         "runtime": runtime,
     }
-    inputs, expected = _io(item.path)
     original = onnx.load(item.path)
     reference = _reference(original)
     if runtime is not None:

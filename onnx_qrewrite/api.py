@@ -23,6 +23,8 @@ from onnx_qrewrite.rewriter.report import RewriteReport
 if TYPE_CHECKING:
     import onnx_ir
 
+    from onnx_qrewrite.targets.shapes import Applied, InputShapes
+
 __all__ = ["RewriteResult", "load_rules", "rewrite"]
 
 #: The checker takes a ModelProto only below protobuf's 2 GB limit.
@@ -302,6 +304,7 @@ def rewrite(
     base_dir: str | os.PathLike[str] | None = None,
     provenance: str = "compact",
     target: str | os.PathLike[str] | None = None,
+    input_shapes: InputShapes | Mapping[str, Sequence[int]] | None = None,
 ) -> RewriteResult:
     """Rewrite every node the rules match; the input is never modified.
 
@@ -320,7 +323,10 @@ def rewrite(
     kept, no rule that would make a node it accepts refused is used, the opset stays within what it
     loads, and a node it would still refuse is a :class:`~onnx_qrewrite.errors.LoweringError`
     (exit 4) unless ``allow_unlowered`` (then a warning); the report's ``target`` says what it
-    refuses before and after. Raises
+    refuses before and after. ``input_shapes`` (with ``target`` only; an
+    :class:`~onnx_qrewrite.targets.shapes.InputShapes`, or shapes by input name): fix those
+    symbolic dimensions before planning, as onnxruntime's make_dynamic_shape_fixed does, so the
+    plan sees static shapes and the output has them (targets such as QNN need them). Raises
     :class:`~onnx_qrewrite.errors.QRewriteError` subclasses, each with its CLI exit code.
     """
     catalogue = _catalogue(rules, only, skip, options)
@@ -338,10 +344,15 @@ def rewrite(
             provenance=provenance,
             allow=levels,
         )
-        plan = None
+        plan, applied = None, _apply_shapes(proto, input_shapes, target, source_path)
         if target is not None:
             catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
+            plan.input_shapes = applied.to_dict() if applied is not None else None
         rewritten, report = _run_engine(proto, catalogue, opts, external, progress, plan, source_path)
+        if applied is not None:  # the output keeps the fixed dimensions, not the shapes recorded for the plan
+            from onnx_qrewrite.targets.shapes import drop_value_info
+
+            drop_value_info(rewritten.skeleton if isinstance(rewritten, EncodedModel) else rewritten, applied.added)
         _add_notes(report, reordered, plan)
         if check is None:
             check = sum(report.ops_after.values()) <= AUTO_CHECK_MAX_NODES
@@ -355,6 +366,24 @@ def rewrite(
             external.close()
         raise
     return RewriteResult(rewritten, report, kind=kind, external=external, source_path=source_path, reads=reads)
+
+
+def _apply_shapes(
+    proto: onnx.ModelProto,
+    input_shapes: InputShapes | Mapping[str, Sequence[int]] | None,
+    target: object,
+    source_path: Path | None,
+) -> Applied | None:
+    """Fix ``proto``'s dimensions from ``input_shapes`` (a target's static shapes) before planning."""
+    from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
+
+    if not input_shapes:
+        return None
+    if target is None:
+        raise UsageError("--input-shape fixes dimensions for a target: give --target too")
+    if not isinstance(input_shapes, InputShapes):
+        input_shapes = InputShapes({k: tuple(int(d) for d in v) for k, v in input_shapes.items()})
+    return apply_input_shapes(proto, input_shapes, str(source_path) if source_path is not None else "input model")
 
 
 def _catalogue(

@@ -40,6 +40,7 @@ from onnx_qrewrite import rewrite
 from onnx_qrewrite.api import load_rules
 from onnx_qrewrite.errors import QRewriteError
 from onnx_qrewrite.targets import check_model, load_target, plan_for_target
+from onnx_qrewrite.targets.shapes import InputShapes, fix_input_shapes
 from onnx_qrewrite.verify.runtimes import RUNTIMES, make_runner
 
 MODELS = [
@@ -159,21 +160,33 @@ def _reference(original: Path):
     return lambda feeds: dict(zip(names, session.run(None, feeds), strict=True))
 
 
-def _forms(path: Path, target: str):
+def _forms(path: Path, target: str, shapes: InputShapes | None = None):
     """The model as given, today's default rewrite, and the rewrite for the target; a form equal
-    to an earlier one (e.g. the target rewrite when no rule was left out) is not run twice."""
-    plan = plan_for_target(path, load_rules(), load_target(target))
+    to an earlier one (e.g. the target rewrite when no rule was left out) is not run twice. A
+    target that needs static shapes (QNN) gets every form with its input dimensions fixed to
+    ``shapes`` (the recorded inputs' shapes), as its runtime runs it (verify/runtimes.py) and as
+    `--input-shape` fixes them for `inspect`/`rewrite --target`."""
+    profile = load_target(target)
+    static = shapes if profile.static_shapes else None
+    plan = plan_for_target(path, load_rules(), profile, input_shapes=static)
     forms = [
         ("original", onnx.load(path)),
         ("default rewrite", rewrite(onnx.load(path), allow_unlowered=True).model),
         ("target rewrite", plan.rewritten),
     ]
+    if static is not None:
+        for _, model in forms[:2]:
+            fix_input_shapes(model, static)
     seen: set[bytes] = set()
     for form, model in forms:
         key = _without_metadata(model)
         if key not in seen:
             seen.add(key)
             yield form, model
+
+
+def _recorded_shapes(inputs: dict[str, np.ndarray]) -> InputShapes:
+    return InputShapes({name: tuple(value.shape) for name, value in inputs.items()})
 
 
 def _without_metadata(model: onnx.ModelProto) -> bytes:
@@ -201,7 +214,7 @@ def test_verdict_agrees_with_the_runtime(runtime, model, request):
     profile = load_target(runtime)
     inputs, expected = _io(path)
     ran_as = {}
-    for form, candidate in _forms(path, runtime):
+    for form, candidate in _forms(path, runtime, _recorded_shapes(inputs)):
         refused = check_model(candidate, profile)
         ran, detail = runs_on(runtime, candidate, inputs, expected, original=path)
         ran_as[form] = ran
@@ -551,6 +564,23 @@ def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp
     assert plan.refused_after == 0 and check_model(plan.rewritten, profile) == []
     got = make_runner("tflite", plan.rewritten, label="rewrite").run(ids)["y"]
     assert np.array_equal(got, want)
+
+
+def test_input_shape_reaches_the_qoperator_bert_on_tflite(battery):
+    """ortqop_bert's two activation x activation QLinearMatMuls sum over a length onnx's shape
+    inference cannot see through its com.microsoft QLinearAdd/QLinearSoftmax, so qop-matmul cannot
+    bound them and `rewrite --target tflite` leaves them refused. With `--input-shape` fixing the
+    recorded inputs' shape, every shape is recorded (targets/shapes.py), nothing is refused, and
+    LiteRT runs the rewrite and agrees with onnxruntime running the original."""
+    _runtime("tflite")
+    path = battery["ortqop_bert"]
+    inputs, expected = _io(path)
+    profile = load_target("tflite")
+    assert plan_for_target(path, load_rules(), profile).refused_after > 0
+    plan = plan_for_target(path, load_rules(), profile, input_shapes=_recorded_shapes(inputs))
+    assert plan.refused_after == 0 and plan.input_shapes["fixed"] == ["batch=1", "seq=16"]
+    ran, detail = runs_on("tflite", plan.rewritten, inputs, expected, original=path)
+    assert ran, detail
 
 
 def _erf_model(case: str) -> onnx.ModelProto:

@@ -24,6 +24,7 @@ from onnx_qrewrite.cli.options import (
     load_selected_rules,
     plan_options,
     rule_selection,
+    target_input_shapes,
 )
 from onnx_qrewrite.errors import LoweringError, UsageError
 
@@ -256,6 +257,14 @@ def _sources(profile: Any) -> dict[str, str]:
     help="Say what target NAME (see `onnx-qrewrite targets`, or a .toml profile) refuses today, which "
     "rule fixes it and what it would still refuse after the rewrite; exit 4 if anything would be.",
 )
+@click.option(
+    "--input-shape",
+    "input_shapes",
+    multiple=True,
+    metavar="NAME:D0,D1,...|DIM=N",
+    help="With --target: fix an input's symbolic dimensions (or the dimension DIM wherever it appears) "
+    "before planning, as onnxruntime's make_dynamic_shape_fixed does; repeatable.",
+)
 @click.pass_context
 def inspect_command(
     ctx,
@@ -274,6 +283,7 @@ def inspect_command(
     all_nodes,
     as_json,
     target,
+    input_shapes,
 ) -> None:
     """List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each,
     and the opset changes a rewrite needs. Writes nothing."""
@@ -283,6 +293,8 @@ def inspect_command(
         forms, form_options, rule_files, rule_options, allow_approximate=allow_approximate
     )
     catalogue = load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
+    if input_shapes and target is None:
+        raise UsageError("--input-shape fixes dimensions for a target: give --target too")
     if target is not None:
         from onnx_qrewrite.cli.target_report import print_plan
         from onnx_qrewrite.errors import EXIT_CANNOT_LOWER
@@ -290,7 +302,16 @@ def inspect_command(
 
         profile = load_target(target)
         allow = ("exact", "bounded", "approximate") if allow_approximate else None
-        plan = plan_for_target(model, catalogue, profile, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
+        shapes = target_input_shapes(input_shapes, target)
+        plan = plan_for_target(
+            model,
+            catalogue,
+            profile,
+            target_opset=target_opset,
+            keep_opset=keep_opset,
+            allow=allow,
+            input_shapes=shapes,
+        )
         if as_json:
             click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
         else:

@@ -196,6 +196,23 @@ def plan_options(*, inspecting: bool) -> Callable[[Callable], Callable]:
     return decorate
 
 
+def target_input_shapes(texts: tuple[str, ...], target: str | None) -> Any:
+    """``--input-shape`` for a target (``inspect``/``rewrite --target``): the dimensions to fix before
+    planning (onnx_qrewrite.targets.shapes.InputShapes), None when none are given. A malformed one,
+    or ``DIM=N`` without ``--target`` (only a target's plan fixes dimensions), is a UsageError."""
+    if not texts:
+        return None
+    from onnx_qrewrite.targets.shapes import parse_input_shapes
+
+    shapes = parse_input_shapes(texts)
+    if target is None and shapes.dims:
+        first = next(iter(shapes.dims))
+        raise UsageError(
+            f"--input-shape {first}={shapes.dims[first]}: DIM=N fixes a dimension for a target; give --target"
+        )
+    return shapes if target is not None else None
+
+
 #: Quark float16: its CPU kernel ignores scale and zero point, its documentation applies them.
 FLOAT16_SEMANTICS = ("kernel", "documented")
 

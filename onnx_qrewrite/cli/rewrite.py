@@ -21,6 +21,7 @@ from onnx_qrewrite.cli.options import (
     output_file_option,
     plan_options,
     rule_selection,
+    target_input_shapes,
 )
 from onnx_qrewrite.cli.verify import combined_junit, verify_kwargs, verify_options
 from onnx_qrewrite.errors import UsageError, worst_exit_code
@@ -75,7 +76,7 @@ def _rewrite_one(task: _Task) -> Outcome:
             from onnx_qrewrite.verify import verify
 
             try:
-                report = verify(task.model, task.output, progress=progress, **task.verify)
+                report = verify(task.model, task.output, progress=progress, **_verify_args(task, result))
             except BaseException:
                 # A verification that could not run (a bad --input-shape name, a model onnxruntime
                 # refuses, Ctrl-C) proved nothing: the output goes, as on a disagreement.
@@ -107,6 +108,16 @@ def _rewrite_one(task: _Task) -> Outcome:
                 why = "verification failed" if report.verdict_key == "failed" else "verification proved nothing"
                 outcome.lines.append(f"  removed {task.output}: {why} (--keep-failed keeps it)")
     return outcome
+
+
+def _verify_args(task: _Task, result: Any) -> dict[str, Any]:
+    """``verify``'s arguments; when ``--input-shape`` fixed dimensions for the target, the samples
+    take the output's static input shapes (a DIM=N the original's inputs also have by name)."""
+    assert task.verify is not None
+    fixed = (result.report.target or {}).get("input_shapes") if task.engine.get("input_shapes") else None
+    if not fixed:
+        return task.verify
+    return {**task.verify, "input_shapes": {**fixed["shapes"], **task.verify["input_shapes"]}}
 
 
 def _target_runtime(profile: Any, asked: str | None) -> str:
@@ -255,6 +266,12 @@ def rewrite_command(
         profile = load_target(target)
         if do_verify:
             verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
+    shapes = target_input_shapes(verify_opts["input_shapes"], target)
+    if shapes is not None:  # verify's samples get the shapes of the fixed model (_verify_args)
+        verify_opts = {
+            **verify_opts,
+            "input_shapes": tuple(t for t in verify_opts["input_shapes"] if ":" in t or "=" not in t),
+        }
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
     quiet = bool((ctx.obj or {}).get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
@@ -268,6 +285,7 @@ def rewrite_command(
         "check": check,
         "provenance": provenance,
         "target": target,
+        "input_shapes": shapes,
     }
     tasks = [
         _Task(

@@ -13,6 +13,10 @@ __all__ = ["print_plan"]
 def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
     """Print ``inspect --target``'s plan: what the target refuses today, and what each node becomes."""
     click.echo(f"{plan.model}: target {profile.id} ({profile.title}, {profile.version}; proven by {profile.proof})")
+    if plan.input_shapes:
+        shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes["shapes"].items())
+        fixed = ", ".join(plan.input_shapes["fixed"]) or "nothing"
+        click.echo(f"input shapes (--input-shape): fixed {fixed}; static inputs: {shapes or 'none'}")
     click.echo(f"refused today: {len(plan.before)} node(s); after the rewrite: {len(plan.after)}")
     for rule_id, why in plan.skipped_rules.items():
         click.echo(f"  rule {rule_id} not used: {why}")

@@ -120,7 +120,8 @@ def _input_options() -> list[Callable[[Callable], Callable]]:
             "input_shapes",
             multiple=True,
             metavar="NAME:D0,D1,...",
-            help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable.",
+            help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable. rewrite "
+            "--target also fixes them in the model before planning (and DIM=N fixes a named dimension).",
         ),
         click.option(
             "--battery/--no-battery",

@@ -198,6 +198,9 @@ class RewriteReport:
                 f"  target {t['target']} ({t['target_version']}): refused before {t['refused_before']}, "
                 f"after {t['refused_after']}"
             )
+            if t.get("input_shapes"):
+                fixed = ", ".join(t["input_shapes"]["fixed"]) or "nothing (already static)"
+                lines.append(f"  target {t['target']}: input dimensions fixed (--input-shape): {fixed}")
             for name, form in forms.items():
                 loud = (
                     "APPROXIMATE: changes the model's numerics by design; "

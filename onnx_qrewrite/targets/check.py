@@ -103,7 +103,29 @@ def _type_contrib_qlinear(graph: onnx.GraphProto) -> bool:
 
 
 def model_level_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
-    """Reasons the target refuses the model as a whole (its default-domain opset)."""
+    """Reasons the target refuses the model as a whole (its default-domain opset, symbolic input
+    dimensions where it needs static shapes)."""
+    return _opset_reasons(model, profile) + _shape_reasons(model, profile)
+
+
+def _shape_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
+    """One reason per input with a dimension that is not fixed, naming the input and the dimension."""
+    from onnx_qrewrite.targets.shapes import symbolic_dims
+
+    if not profile.static_shapes:
+        return []
+    by_input: dict[str, list[str]] = {}
+    for name, index, param in symbolic_dims(model):
+        by_input.setdefault(name, []).append(f"{index} ({param!r})" if param else f"{index} (unnamed)")
+    src = profile.cite(profile.shapes_source)
+    return [
+        f"input {name!r} has symbolic dimension{'s' if len(dims) > 1 else ''} {', '.join(dims)}: the target needs "
+        f"static input shapes {src}; fix them with --input-shape {name}:D0,D1,... or --input-shape DIM=N"
+        for name, dims in by_input.items()
+    ]
+
+
+def _opset_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
     opset = next((o.version for o in model.opset_import if o.domain in _STANDARD), None)
     if opset is None:
         return []

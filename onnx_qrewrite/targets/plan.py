@@ -42,6 +42,7 @@ from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, check_model
 from onnx_qrewrite.targets.lower_opset import check_for_target, lowering_for_target
 from onnx_qrewrite.targets.profile import TargetProfile
+from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
 
 #: Preference between choices that leave the target nothing to refuse (lower first).
 _RANK = {"exact": 0, "bounded": 2, "approximate": 3}
@@ -108,6 +109,8 @@ class TargetPlan:
     #: The default-domain opset lowered to the target's highest ({"from", "to", "why"}), exact
     #: node by node (lower_opset.py); ``rewritten`` is the lowered model.
     opset_lowering: dict[str, Any] | None = None
+    #: The input shapes given (--input-shape) and the dimensions they fixed before planning, if any.
+    input_shapes: dict[str, Any] | None = None
     #: When the target would still refuse something and the profile has approximate forms that
     #: wait for the user's consent: what --allow-approximate would give ({"forms": [...],
     #: "refused_after": n, "first": why the first still refused node is}).
@@ -156,6 +159,7 @@ class TargetPlan:
             "forms": self.forms,
             "with_consent": self.with_consent,
             "opset_lowering": self.opset_lowering,
+            "input_shapes": self.input_shapes,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
         }
@@ -267,8 +271,10 @@ def plan_for_target(
     target_opset: int | None = None,
     keep_opset: bool = False,
     allow: Collection[str] | None = None,
+    input_shapes: InputShapes | None = None,
 ) -> TargetPlan:
-    """Check the model at ``path`` against ``profile`` before and after the target's rewrite."""
+    """Check the model at ``path`` against ``profile`` before and after the target's rewrite
+    (``input_shapes``: fix those dimensions first, :mod:`.shapes`)."""
     from onnx_qrewrite.io import model_io
 
     loaded = model_io.open_model(path)
@@ -282,6 +288,7 @@ def plan_for_target(
             target_opset=target_opset,
             keep_opset=keep_opset,
             allow=allow,
+            input_shapes=input_shapes,
         )
     finally:
         if loaded.external is not None:
@@ -631,11 +638,16 @@ def plan_for_model(
     target_opset: int | None = None,
     keep_opset: bool = False,
     allow: Collection[str] | None = None,
+    input_shapes: InputShapes | None = None,
 ) -> TargetPlan:
     """:func:`plan_for_target` for a model in memory (not modified); ``external`` is its opened
     external data (model_io.ExternalData), if any."""
     from onnx_qrewrite.rewriter import engine
 
+    applied = None
+    if input_shapes:
+        model = copy.deepcopy(model)
+        applied = apply_input_shapes(model, input_shapes, label)
     before = check_model(model, profile)
     base, skipped = target_catalogue(catalogue, profile)
     levels = set(allow) if allow is not None else set(engine.DEFAULT_ALLOW)
@@ -649,6 +661,7 @@ def plan_for_model(
     label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
     plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
     _lower_opset(plan, profile, ctx.may_lower)
+    plan.input_shapes = applied.to_dict() if applied is not None else None
     waiting = withheld_forms(profile, allow)
     if plan.after and waiting:
         consented = plan_for_model(

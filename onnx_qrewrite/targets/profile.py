@@ -78,6 +78,10 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # as an input or output of any other op (except `keep` ops)
     source = "..."
 
+    [shapes]
+    static = true                    # every input dimension must be fixed (--input-shape fixes them)
+    source = "..."
+
     [rewrites]
     keep = ["DynamicQuantizeLinear"] # standard ops the target runs natively: never rewritten for it
     avoid = ["ms-q-decompose"]       # rules whose output the target was seen to run wrongly (or not
@@ -178,7 +182,8 @@ TYPE_NAMES = frozenset(
     }
 )
 
-_TOP_KEYS = {"target", "source", "opset", "ops", "refuse", "quantization", "network", "rewrites"}
+_TOP_KEYS = {"target", "source", "opset", "ops", "refuse", "quantization", "network", "rewrites", "shapes"}
+_SHAPES_KEYS = {"static", "source"}
 _TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
 _SOURCE_KEYS = {"id", "document", "version", "notes"}
 _OPSET_KEYS = {"min", "max", "source", "notes"}
@@ -305,6 +310,8 @@ class TargetProfile:
     rewrites_source: str | None = None
     runtime: str | None = None
     extra: str | None = None
+    static_shapes: bool = False
+    shapes_source: str | None = None
 
     def support(self, domain: str, op: str) -> tuple[OpSupport, ...]:
         """Every table that lists ``domain::op`` (``ai.onnx`` spelled as "")."""
@@ -487,6 +494,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     quantization = _quantization(path, data, sources)
     network = _network(path, data, sources)
     rewrites = _rewrites(path, data, sources)
+    shapes = _shapes(path, data, sources)
     return TargetProfile(
         id=target_id,
         title=title,
@@ -500,6 +508,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         **opset,
         **network,
         **rewrites,
+        **shapes,
         runtime=_optional_string(path, "[target]", target, "runtime"),
         extra=_optional_string(path, "[target]", target, "extra"),
     )
@@ -645,6 +654,17 @@ def _network(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) 
         "io_only_types": _types(path, "[network]", raw, "io_only_types") or frozenset(),
         "refused_types": _types(path, "[network]", raw, "refused_types") or frozenset(),
         "qdq_only_types": _types(path, "[network]", raw, "qdq_only_types") or frozenset(),
+    }
+
+
+def _shapes(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[shapes]``: whether the target needs every input dimension fixed."""
+    if "shapes" not in data:
+        return {}
+    raw = _check_keys(path, "[shapes]", data["shapes"], _SHAPES_KEYS)
+    return {
+        "shapes_source": _cited(path, "[shapes]", raw, sources),
+        "static_shapes": _bool(path, "[shapes]", raw, "static", False),
     }
 
 
