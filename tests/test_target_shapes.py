@@ -270,3 +270,9 @@ def test_api_takes_input_shapes_with_a_target():
     assert _dims(result.model.graph.input[0]) == [4, 64]
     with pytest.raises(UsageError, match="--target"):
         rewrite(MLP, input_shapes={"input": (4, 64)})
+
+
+def test_targets_says_which_need_static_shapes():
+    body = {t["id"]: t for t in json.loads(cli("targets", "--json").stdout)}
+    assert body["qnn"]["static_shapes"] and not body["tflite"]["static_shapes"]
+    assert "static input shapes: give --input-shape" in cli("targets", "qnn", "--long").stdout

@@ -29,6 +29,7 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 "opsets": [p.opset_min, p.opset_max],
                 "keeps": sorted(p.keep),
                 "avoids": sorted(p.avoid),
+                "static_shapes": p.static_shapes,
                 "forms": [
                     {
                         "name": f.name,
@@ -67,3 +68,5 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 variant = f"[{f.variant}]" if f.variant else ""
                 consent = ", with --allow-approximate" if f.consent == "user" else ""
                 click.echo(f"    form {f.name}{variant} (up to {f.allow}{consent}){why} {p.cite(f.source)}")
+            if p.static_shapes:
+                click.echo(f"    static input shapes: give --input-shape for symbolic dims {p.cite(p.shapes_source)}")
