@@ -241,6 +241,32 @@ def _sources(profile: Any) -> dict[str, str]:
     return {f"{profile.id}/{s.id}": f"{s.document} ({s.version})" for s in profile.sources.values()}
 
 
+def _inspect_target(
+    model: str, catalogue: Any, target: str, options: tuple[Any, ...], as_json: bool, all_nodes: bool
+) -> bool:
+    """``inspect --target``: print the target's plan (text or JSON); True when nothing would be
+    refused. ``options``: --target-opset, --keep-opset, --allow-approximate, --input-shape."""
+    from onnx_qrewrite.cli.target_report import print_plan
+    from onnx_qrewrite.targets import load_target, plan_for_target
+
+    target_opset, keep_opset, allow_approximate, input_shapes = options
+    profile = load_target(target)
+    plan = plan_for_target(
+        model,
+        catalogue,
+        profile,
+        target_opset=target_opset,
+        keep_opset=keep_opset,
+        allow=("exact", "bounded", "approximate") if allow_approximate else None,
+        input_shapes=target_input_shapes(input_shapes, target),
+    )
+    if as_json:
+        click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
+    else:
+        print_plan(plan, profile, all_nodes)
+    return bool(plan.ok)
+
+
 @click.command("inspect")
 @global_options
 @click.argument("model", type=click.Path(dir_okay=False))
@@ -296,27 +322,10 @@ def inspect_command(
     if input_shapes and target is None:
         raise UsageError("--input-shape fixes dimensions for a target: give --target too")
     if target is not None:
-        from onnx_qrewrite.cli.target_report import print_plan
-        from onnx_qrewrite.errors import EXIT_CANNOT_LOWER
-        from onnx_qrewrite.targets import load_target, plan_for_target
+        options = (target_opset, keep_opset, allow_approximate, input_shapes)
+        if not _inspect_target(model, catalogue, target, options, as_json, all_nodes):
+            from onnx_qrewrite.errors import EXIT_CANNOT_LOWER
 
-        profile = load_target(target)
-        allow = ("exact", "bounded", "approximate") if allow_approximate else None
-        shapes = target_input_shapes(input_shapes, target)
-        plan = plan_for_target(
-            model,
-            catalogue,
-            profile,
-            target_opset=target_opset,
-            keep_opset=keep_opset,
-            allow=allow,
-            input_shapes=shapes,
-        )
-        if as_json:
-            click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
-        else:
-            print_plan(plan, profile, all_nodes)
-        if not plan.ok:
             ctx.exit(EXIT_CANNOT_LOWER)
         return
     allow = ("exact", "bounded", "approximate") if allow_approximate else None

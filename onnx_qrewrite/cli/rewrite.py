@@ -110,6 +110,16 @@ def _rewrite_one(task: _Task) -> Outcome:
     return outcome
 
 
+def _split_input_shapes(verify_opts: dict[str, Any], target: str | None) -> tuple[Any, dict[str, Any]]:
+    """``--input-shape`` with ``--target``: the dimensions to fix (targets/shapes.py), and verify's
+    options without the DIM=N ones (its samples take the fixed model's shapes, :func:`_verify_args`)."""
+    texts = verify_opts["input_shapes"]
+    shapes = target_input_shapes(texts, target)
+    if shapes is None:
+        return None, verify_opts
+    return shapes, {**verify_opts, "input_shapes": tuple(t for t in texts if ":" in t or "=" not in t)}
+
+
 def _verify_args(task: _Task, result: Any) -> dict[str, Any]:
     """``verify``'s arguments; when ``--input-shape`` fixed dimensions for the target, the samples
     take the output's static input shapes (a DIM=N the original's inputs also have by name)."""
@@ -266,12 +276,7 @@ def rewrite_command(
         profile = load_target(target)
         if do_verify:
             verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
-    shapes = target_input_shapes(verify_opts["input_shapes"], target)
-    if shapes is not None:  # verify's samples get the shapes of the fixed model (_verify_args)
-        verify_opts = {
-            **verify_opts,
-            "input_shapes": tuple(t for t in verify_opts["input_shapes"] if ":" in t or "=" not in t),
-        }
+    shapes, verify_opts = _split_input_shapes(verify_opts, target)
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
     quiet = bool((ctx.obj or {}).get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
