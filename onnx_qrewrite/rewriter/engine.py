@@ -279,10 +279,12 @@ def _dead(scope: Scope, matched: list[_Match], pending: list[_Pending]) -> set[i
     return dead
 
 
-def _main_graph_has_external_constants(model: onnx.ModelProto) -> bool:
+def _has_external_constants(scope: Scope) -> bool:
+    """Whether a Constant node of ``scope`` holds external data (from the scope's index of its
+    Constant nodes, instead of a look at every node's op)."""
+    nodes = scope.container.node
     return any(
-        n.op_type == "Constant" and any(a.t.data_location == onnx.TensorProto.EXTERNAL for a in n.attribute)
-        for n in model.graph.node
+        any(a.t.data_location == onnx.TensorProto.EXTERNAL for a in nodes[i].attribute) for i in scope.constant_nodes
     )
 
 
@@ -337,7 +339,9 @@ def _apply(
     #: can be encoded as they are reached: no scope is a subgraph (a node holding one is encoded
     #: only after its bodies are rewritten, at the splice) and no Constant holds external data.
     spool: Spool | None = None
-    can_spool = all(sc.parent is None for sc in scopes) and not _main_graph_has_external_constants(model)
+    main = next(sc for sc in scopes if sc.container is model.graph)
+    keep_main_encoded = not _has_external_constants(main)
+    can_spool = keep_main_encoded and all(sc.parent is None for sc in scopes)
     for s, scope in enumerate(scopes):
         root = scope.root
         pool = pools.get(id(root))
@@ -412,8 +416,7 @@ def _apply(
                     elif scope.initializer(name) is not None:
                         dropped.add(name)
             if spool is not None and spooled:
-                for i in range(cursor, m.index):
-                    spool.write(frame_nodes(scope.container, (node_list[i].SerializeToString(),)))
+                _spool_unchanged(spool, scope.container, cursor, m.index)
                 spool.write(piece)
                 cursor = m.index + 1
                 piece = b""  # replaced: its replacement is in the spool
@@ -450,8 +453,7 @@ def _apply(
                 )
             )
         if spool is not None and spooled:
-            for i in range(cursor, len(node_list)):
-                spool.write(frame_nodes(scope.container, (node_list[i].SerializeToString(),)))
+            _spool_unchanged(spool, scope.container, cursor, len(node_list))
         built[s] = replacements
     # Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
     for (domain, op_type), n in replaced_ops.items():
@@ -469,7 +471,20 @@ def _apply(
         if dropped - still_read:
             _remove_unread_initializers(scopes, built, dropped - still_read, report)
         _return_freed_memory()
-        return delta, _splice(model, scopes, built, pools, spool)
+        return delta, _splice(model, scopes, built, pools, keep_main_encoded, spool)
+
+
+#: Nodes left as they are are spooled in runs of at most this many (one frame and one write per
+#: run instead of per node; bounded, so a long unchanged stretch is never one large copy).
+_SPOOL_RUN = 1024
+
+
+def _spool_unchanged(spool: Spool, container: onnx.GraphProto | onnx.FunctionProto, start: int, stop: int) -> None:
+    """Write ``container.node[start:stop]``, left as they are, to ``spool`` as node fields."""
+    nodes = container.node
+    for first in range(start, stop, _SPOOL_RUN):
+        run = nodes[first : min(stop, first + _SPOOL_RUN)]
+        spool.write(frame_nodes(container, [n.SerializeToString() for n in run]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -563,13 +578,13 @@ def _splice(
     scopes: list[Scope],
     built: dict[int, dict[int, bytes]],
     pools: dict[int, ConstantPool],
+    keep_main_encoded: bool,
     spool: Spool | None = None,
 ) -> list[bytes] | Spool | None:
     """Put the replacements in place, innermost scope first (a parent node is serialized with its
-    bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back,
-    unless a Constant there holds external data (model_io must then see it as an object); as the
-    ``spool`` :func:`_apply` wrote them to, when it did."""
-    keep_main_encoded = not _main_graph_has_external_constants(model)
+    bodies already rewritten). The main graph's nodes are returned encoded instead of parsed back
+    (``keep_main_encoded``), unless a Constant there holds external data (model_io must then see
+    it as an object); as the ``spool`` :func:`_apply` wrote them to, when it did."""
     main_nodes: list[bytes] | Spool | None = None
     for s, scope in enumerate(scopes):
         replacements = built.get(s, {})

@@ -84,6 +84,8 @@ class _Records(NamedTuple):
     types: dict[str, int]
     shapes: dict[str, tuple[int | None, ...] | None]
     initializers: dict[str, onnx.TensorProto]
+    #: Indices of the default-domain Constant nodes (found by the same walk).
+    constant_nodes: list[int]
 
 
 _NO_HASHES = np.zeros(0, dtype=np.int64)
@@ -245,12 +247,15 @@ class Scope:
                 inits[t.name] = t
             for sparse in c.sparse_initializer:
                 types[sparse.values.name] = sparse.values.data_type
-        for node in c.node:
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and node.output:
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        types[node.output[0]] = attr.t.data_type
-        return _Records(types, shapes, inits)
+        constant_nodes = []
+        for index, node in enumerate(c.node):
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                constant_nodes.append(index)
+                if node.output:
+                    for attr in node.attribute:
+                        if attr.name == "value":
+                            types[node.output[0]] = attr.t.data_type
+        return _Records(types, shapes, inits, constant_nodes)
 
     def _producer_index(self) -> _Producers:
         # Separate from the records: only constant look-ups need it, and it is the costly one.
@@ -304,6 +309,11 @@ class Scope:
             if name in types:
                 return types[name]
         return None
+
+    @property
+    def constant_nodes(self) -> list[int]:
+        """Indices of this scope's default-domain Constant nodes (indexed with its records)."""
+        return self._own().constant_nodes
 
     @property
     def declared_types(self) -> dict[str, int]:

@@ -45,7 +45,6 @@ excess.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -91,13 +90,19 @@ class _Operand:
     zp_size: int | None
     zp_scalar: bool = False  # a rank-0 zero point (used as it is)
 
-    @functools.cached_property
+    @property
     def template_key(self) -> tuple:
         """What of this operand decides the nodes a build emits (see the builder's
-        ``template_key``); kept, since B's operand is shared by every node reading the weight."""
-        zp = self.zp_value
-        constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
-        return (self.dtype, bool(self.zero_point), constant, self.zp_size, self.zp_scalar)
+        ``template_key``); kept, since B's operand is shared by every node reading the weight
+        (in the instance's dict, not a ``cached_property``: Python 3.11's takes a lock per read,
+        and A's operand is new for every node)."""
+        key = self.__dict__.get("_template_key")
+        if key is None:
+            zp = self.zp_value
+            constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
+            key = (self.dtype, bool(self.zero_point), constant, self.zp_size, self.zp_scalar)
+            object.__setattr__(self, "_template_key", key)  # frozen: a cache, not a field
+        return key
 
     def largest_shift(self) -> int:
         """max |x - zp| over every x of the type (and every zero point when it is not constant)."""
@@ -316,6 +321,10 @@ def _reduction_length(shape: tuple[int | None, ...] | None, conv: bool) -> int |
     if dims and None not in dims:
         return math.prod(dims)  # type: ignore[arg-type]
     return None
+
+
+#: The wiring (see ``template_key``) of n inputs whose names are all present and different.
+_IN_ORDER = tuple(tuple(range(n)) for n in range(8))
 
 
 class IntegerMatMulBuilder:
@@ -560,8 +569,12 @@ class IntegerMatMulBuilder:
         and the constants it emits (scalar zero points). The bound goes into the metadata."""
         read: _Read = plan.data["read"]
         inputs = site.inputs
-        wiring = tuple(inputs.index(name) if name else -1 for name in inputs)
-        attributes = tuple(a.SerializeToString() for a in site.node.attribute)
+        if len(inputs) < len(_IN_ORDER) and "" not in inputs and len(set(inputs)) == len(inputs):
+            wiring = _IN_ORDER[len(inputs)]
+        else:
+            wiring = tuple(inputs.index(name) if name else -1 for name in inputs)
+        attrs = site.node.attribute
+        attributes = tuple([a.SerializeToString() for a in attrs]) if attrs else ()
         return (
             site.node.op_type,
             plan.data["form"],
