@@ -67,11 +67,10 @@ def all_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
         container = scope.container
         if isinstance(container, onnx.GraphProto):
             yield from container.initializer
-        for node in container.node:
-            if node.op_type == "Constant":
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        yield attr.t
+        for node in map(container.node.__getitem__, scope.constant_ops):  # found by the walk
+            for attr in node.attribute:
+                if attr.name == "value":
+                    yield attr.t
 
 
 def external_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:

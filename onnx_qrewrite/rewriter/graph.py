@@ -84,8 +84,6 @@ class _Records(NamedTuple):
     types: dict[str, int]
     shapes: dict[str, tuple[int | None, ...] | None]
     initializers: dict[str, onnx.TensorProto]
-    #: Indices of the default-domain Constant nodes (found by the same walk).
-    constant_nodes: list[int]
 
 
 _NO_HASHES = np.zeros(0, dtype=np.int64)
@@ -201,6 +199,9 @@ class Scope:
     #: Output name -> index of the node writing it, built on first use (see :class:`_Producers`).
     _producers: _Producers | None = dataclasses.field(default=None, repr=False)
     _memo: dict[Hashable, Any] = dataclasses.field(default_factory=dict, repr=False)
+    #: Indices of the nodes whose op is ``Constant`` (any domain): found by the walk that makes
+    #: the scope (:func:`iter_scopes`), which reads every node's op anyway.
+    _constant_ops: list[int] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_function(self) -> bool:
@@ -247,15 +248,12 @@ class Scope:
                 inits[t.name] = t
             for sparse in c.sparse_initializer:
                 types[sparse.values.name] = sparse.values.data_type
-        constant_nodes = []
-        for index, node in enumerate(c.node):
-            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-                constant_nodes.append(index)
-                if node.output:
-                    for attr in node.attribute:
-                        if attr.name == "value":
-                            types[node.output[0]] = attr.t.data_type
-        return _Records(types, shapes, inits, constant_nodes)
+        for node in map(c.node.__getitem__, self.constant_nodes):
+            if node.output:
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        types[node.output[0]] = attr.t.data_type
+        return _Records(types, shapes, inits)
 
     def _producer_index(self) -> _Producers:
         # Separate from the records: only constant look-ups need it, and it is the costly one.
@@ -281,6 +279,7 @@ class Scope:
         """Forget cached indexes after the node list or value_info changed."""
         self._records = None
         self._producers = None
+        self._constant_ops = None
         self._memo.clear()
 
     def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
@@ -311,9 +310,18 @@ class Scope:
         return None
 
     @property
+    def constant_ops(self) -> list[int]:
+        """Indices of this scope's nodes whose op is ``Constant``, in any domain."""
+        found = self._constant_ops
+        if found is None:
+            found = self._constant_ops = [i for i, node in enumerate(self.container.node) if node.op_type == "Constant"]
+        return found
+
+    @property
     def constant_nodes(self) -> list[int]:
-        """Indices of this scope's default-domain Constant nodes (indexed with its records)."""
-        return self._own().constant_nodes
+        """Indices of this scope's default-domain Constant nodes."""
+        nodes = self.container.node
+        return [i for i in self.constant_ops if nodes[i].domain in ("", "ai.onnx")]
 
     @property
     def declared_types(self) -> dict[str, int]:
@@ -461,13 +469,20 @@ _STANDARD_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 def _walk(scope: Scope) -> Iterator[Scope]:
     """Post-order: a subgraph is visited before the scope that holds it, so that a parent node is
     serialized only after its bodies were rewritten."""
-    for node in scope.container.node:
-        if node.op_type not in _STANDARD_CONTROL_FLOW and node.domain in ("", "ai.onnx"):
+    constant_ops = []
+    for index, node in enumerate(scope.container.node):
+        op = node.op_type
+        if op not in _STANDARD_CONTROL_FLOW and node.domain in ("", "ai.onnx"):
+            if op == "Constant":
+                constant_ops.append(index)
             continue
+        if op == "Constant":
+            constant_ops.append(index)
         for attr_name, g in subgraphs(node):
             label = node.name or (node.output[0] if node.output else node.op_type)
             child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.external)
             yield from _walk(child)
+    scope._constant_ops = constant_ops
     yield scope
 
 

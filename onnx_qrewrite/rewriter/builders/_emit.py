@@ -45,8 +45,10 @@ class Site:
         #: The node's input names ('' for an empty optional one) and output names, read from the
         #: proto once: each access to ``node.input`` makes a new container and each index a new
         #: string, and the candidate rules, the template and the engine all read them.
-        self.inputs: tuple[str, ...] = tuple(node.input)
-        self.outputs: tuple[str, ...] = tuple(node.output)
+        #: (A slice first: protobuf copies a repeated field out at once, a third faster than
+        #: iterating it.)
+        self.inputs: tuple[str, ...] = tuple(node.input[:])
+        self.outputs: tuple[str, ...] = tuple(node.output[:])
         self._memo: dict[Hashable, Any] = {}
 
     def __repr__(self) -> str:

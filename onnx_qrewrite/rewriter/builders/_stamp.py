@@ -169,7 +169,8 @@ class Template:
         ):
             nodes, created = self.stamp(site, names, prefix, metadata)
             return frame_nodes(container, nodes), created
-        values = [prefix.encode(), *[n.encode() for n in inputs], *[n.encode() for n in outputs], *metadata]
+        encode = str.encode
+        values = [encode(prefix), *map(encode, inputs), *map(encode, outputs), *metadata]
         signature = (tag, *map(len, values))
         compiled = self._formats.get(signature)
         if compiled is None:
