@@ -369,6 +369,9 @@ class Scope:
     def _definition(self, name: str) -> onnx.TensorProto | onnx.NodeProto | None:
         """What defines ``name`` here, in ONNX's resolution order: the innermost initializer or
         producing node; None when a graph input shadows outer names, or nothing defines it."""
+        if self.parent is None:  # the common case, without a generator (once per constant asked)
+            tensor = self._own().initializers.get(name)
+            return tensor if tensor is not None else self.producer(name)
         for scope in self._outward():
             tensor = scope._own().initializers.get(name)
             if tensor is not None:
