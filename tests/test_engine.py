@@ -73,6 +73,26 @@ def test_initializers_only_replaced_nodes_read_are_removed_others_kept():
     assert "  removed 1 initializer no node reads any more" in result.report.summary_lines()
 
 
+def test_initializers_no_node_left_reads_are_all_removed():
+    # As above, but the Mul left in place reads another initializer: the main graph's written
+    # nodes name neither candidate (engine._spool_reads_none), so both go without reading them.
+    text = """
+    <ir_version: 8, opset_import: ["" : 17, "com.amd.quark" : 1]>
+    g (float[4] x) => (float16[4] y, float[4] scaled)
+    <float s = {1.0}, float t = {2.0}>
+    {
+        y = com.amd.quark.ExtendedQuantizeLinear (x, s, z)
+        scaled = Mul (x, t)
+    }
+    """
+    model = onnx.parser.parse_model(text)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), np.float16), "z"))
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.removed_initializers == ["s", "z"]
+    assert [t.name for t in result.model.graph.initializer if not t.name.startswith("qrw_const")] == ["t"]
+    onnx.checker.check_model(result.model, full_check=True)
+
+
 def test_shared_quark_models_leave_no_unread_initializer():
     from conftest import REAL_MODEL_NAMES, REAL_MODELS
 
