@@ -20,7 +20,7 @@ import onnx
 import pytest
 from _int_matmul_helpers import saturating_matmul
 from _verify_helpers import node_row
-from conftest import assert_bitwise_equal, rule_marker, run
+from conftest import assert_bitwise_equal, rule_marker, run, u8s8_saturates_here
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
@@ -660,6 +660,29 @@ def test_qattention_saturation_bound_is_checked_at_the_node_and_catches_a_droppe
     report = verify(model, broken, inputs=feeds)
     row = node_row(report, "qattn")
     assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
+
+
+@rule_marker("unfuse-qattention", "positive")
+def test_qattention_bound_leaves_out_the_saturation_where_the_kernel_does_not_saturate():
+    """Full-range int8 weights, as quantize_dynamic writes them: the node's per-element bound
+    includes the int16 pair saturation only where onnxruntime's kernel saturates (measured). Where
+    it does not (CPUs with VNNI), a rewrite whose value bias is 0.5 off in half the columns breaks
+    the node's bound; where it does, that slack is real and the bound is wider than the break."""
+    rng = np.random.default_rng(11)
+    model = qattention_model(2, 8, 64, 4, "int8", weight_range=127, rng=rng)
+    feeds = qattention_feeds(2, 8, 64, None, rng=rng)
+    result = onnx_qrewrite.rewrite(model)
+    report = verify(model, result.model, inputs=feeds)
+    assert report.passed, report.to_table()
+    assert (node_row(report, "qattn").tolerance.atol > 0.5) is u8s8_saturates_here()
+    broken = copy.deepcopy(result.model)
+    (bias,) = [t for t in broken.graph.initializer if t.name == "b"]
+    shifted = numpy_helper.to_array(bias).copy()
+    shifted[128:192:2] += np.float32(0.5)  # the value part of the projection: every other column
+    bias.CopyFrom(numpy_helper.from_array(shifted, "b"))
+    report = verify(model, broken, inputs=feeds)
+    if not u8s8_saturates_here():
+        assert not node_row(report, "qattn").passed, report.to_table()
 
 
 def _qattention_in_float64(model: onnx.ModelProto, feeds: dict, *, saturate: bool) -> tuple[dict, np.ndarray]:

@@ -187,7 +187,7 @@ def check_bounds(
     if not rewrites:
         return []
     saturates = True
-    if any(r.u8s8 for r in rewrites):
+    if any(r.u8s8 or element_bounds.uses_saturation(r.formula) for r in rewrites):
         from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates
 
         saturates = default_kernel_saturates()

@@ -43,7 +43,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import u8s8
 
-__all__ = ["FORMULAS", "element_bound", "needed_inputs"]
+__all__ = ["FORMULAS", "element_bound", "needed_inputs", "uses_saturation"]
 
 _U = 2.0**-24
 _ROUNDING = 2.0**-20  # generous: a few roundings of float32 values, each at most u
@@ -64,6 +64,12 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
 def _split(formula: str) -> tuple[str, str]:
     name, _, parameter = formula.partition(":")
     return name, parameter
+
+
+def uses_saturation(formula: str | None) -> bool:
+    """Whether ``formula``'s bound includes onnxruntime's u8 x s8 int16 pair saturation, which
+    :func:`element_bound` leaves out where the kernel is measured not to saturate."""
+    return formula is not None and _split(formula)[0] in _SATURATION_FORMULAS
 
 
 def needed_inputs(formula: str, node: onnx.NodeProto) -> list[str]:
