@@ -478,8 +478,9 @@ def _softmax_model(inverse_scale: int, shape) -> onnx.ModelProto:
 def test_uint8_softmax_over_one_value_is_left_where_onnxruntime_gives_0():
     """Softmax over one value is 1: onnxruntime 1.31.1's uint8 kernel gives 1/y_scale up to 148 and
     0 from 149 on (the rewrite, min(255, 1/y_scale)). Where the recorded shape shows a length-1
-    axis, the node stays, with that reason; where the length is unknown, the rewrite says so in its
-    note; a longer axis is lowered as before."""
+    axis, the node stays, with that reason; where the length is unknown, the replacement checks it
+    at run time and gives the zero point there, as the kernel does (zero points 0 and 10); a longer
+    axis is lowered as before."""
     x = np.full((2, 1), 7, np.uint8)
     assert run(_softmax_model(148, [2, 1]), {"x": x})["y"].ravel().tolist() == [148, 148]
     assert run(_softmax_model(149, [2, 1]), {"x": x})["y"].ravel().tolist() == [0, 0]
@@ -488,8 +489,16 @@ def test_uint8_softmax_over_one_value_is_left_where_onnxruntime_gives_0():
     assert run(rewritten, {"x": x})["y"].ravel().tolist() == [148, 148]
     with pytest.raises(LoweringError, match="kernel gives 0"):
         onnx_qrewrite.rewrite(_softmax_model(256, [2, 1]))
-    unknown = onnx_qrewrite.rewrite(_softmax_model(256, [2, "n"]))
-    assert any("length 1 at run time" in n for n in unknown.report.rewrites[0].notes)
+    for zp in (0, 10):
+        model = _softmax_model(256, [2, "n"])
+        next(t for t in model.graph.initializer if t.name == "yz").CopyFrom(_const("yz", np.uint8(zp)))
+        unknown = onnx_qrewrite.rewrite(model)
+        assert any("length 1 at run time" in n for n in unknown.report.rewrites[0].notes)
+        # The length is not recorded: the replacement checks it, and gives the kernel's zero point there.
+        for feed in (x, np.array([[200, 0, 0, 0], [3, 9, 27, 81]], np.uint8)):
+            want, got = run(model, {"x": feed})["y"], run(unknown.model, {"x": feed})["y"]
+            assert np.abs(want.astype(int) - got.astype(int)).max() <= 1, (zp, feed, want, got)
+        assert run(unknown.model, {"x": x})["y"].ravel().tolist() == [zp, zp]
     longer = np.array([[200, 0, 0, 0]], np.uint8)
     model = _softmax_model(256, [1, 4])
     expected = run(model, {"x": longer})["y"]

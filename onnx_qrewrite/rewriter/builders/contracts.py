@@ -600,6 +600,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     "Flatten",
                     "Shape",
                     "Reshape",
+                    "Gather",
+                    "Equal",
+                    "Where",
                 }
             ),
             exactness=_qoperator_exactness,

@@ -198,7 +198,7 @@ class QOperatorBuilder:
             if op == "QGemm":
                 min_opset = max(min_opset, 11)  # optional C
         elif op == "QLinearSoftmax":
-            bound, note = _softmax_check(site, attrs, inputs, out)
+            bound, note, data["one_value_guard"] = _softmax_check(site, attrs, inputs, out)
             notes.append(note)
             min_opset = max(min_opset, 13)
         elif op == "QLinearConcat" and "axis" not in attrs:
@@ -217,11 +217,15 @@ class QOperatorBuilder:
         y = _FLOAT_OPS[op](emit, site, attrs, floats, plan, float_out)
         if out_scale is not None:
             zp = out_zp if out_zp is not None else np.zeros((), _NP[out_dtype])
-            emit.op1(
+            guard = plan.data.get("one_value_guard", False)
+            zp_name = emit.const(zp.reshape(()))
+            q = emit.op1(
                 "QuantizeLinear",
-                [y, emit.const(out_scale.reshape(())), emit.const(zp.reshape(()))],
-                site.node.output[0],
+                [y, emit.const(out_scale.reshape(())), zp_name],
+                None if guard else site.node.output[0],
             )
+            if guard:
+                _one_value_guard(emit, floats[0], attrs, q, zp_name, site.node.output[0])
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -413,7 +417,10 @@ def _accumulation_bound(
     if out_scale is None:  # QGemm with float output: the bound in the output's units
         own = error + 4 * _U * terms
         bound = own + saturation * (1 + 4 * _U)
-        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}", bound - own
+        part = bound - own
+        while part > 0 and bound - part < own:  # verify's bound - part must not round below own
+            part = math.nextafter(part, 0.0)
+        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}", part
     step = float(out_scale.reshape(-1)[0])
     d = (error + saturation * (1 + 4 * _U)) / step
     steps = math.floor(d) + 1
@@ -470,7 +477,10 @@ def _softmax_length(site: Site, attrs: dict[str, Any], x: str) -> int | None:
     return None if any(d is None for d in dims) else math.prod(d for d in dims if d is not None)
 
 
-def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) -> tuple[float, str]:
+def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) -> tuple[float, str, bool]:
+    """The bound, the note, and whether the replacement must give the zero point where the softmax
+    axis has length 1 at run time (onnxruntime's uint8 kernel does, measured; the length is not
+    recorded, so the replacement checks it)."""
     if "opset" not in attrs:
         raise NoMatch("malformed node: QLinearSoftmax needs its 'opset' attribute (onnxruntime requires it)")
     y_scale = out[0]
@@ -488,10 +498,11 @@ def _softmax_check(site: Site, attrs: dict[str, Any], inputs: list, out: tuple) 
             )
         if length is None:
             note += (
-                "; if the softmax axis has length 1 at run time, onnxruntime's uint8 kernel gives 0, not 1 "
-                "(verify reports it at this node)"
+                "; where the softmax axis has length 1 at run time, onnxruntime's uint8 kernel gives the zero "
+                "point, not 1: so does the replacement (it checks the length)"
             )
-    return bound, note
+            return bound, note, True
+    return bound, note, False
 
 
 # ------------------------------------------------------------------------------------ building
@@ -590,6 +601,21 @@ def _softmax(emit, site, attrs, floats, plan, out):
     flat = emit.op1("Flatten", floats, axis=int(axis))
     y = emit.op1("Softmax", [flat], axis=1)
     return emit.op1("Reshape", [y, emit.op1("Shape", floats)], out)
+
+
+def _one_value_guard(emit: Emitter, x: str, attrs: dict[str, Any], q: str, zp: str, out: str) -> None:
+    """``out`` = the zero point where the softmax normalises one value, else ``q``: what
+    onnxruntime's uint8 QLinearSoftmax gives once floor(1/y_scale) exceeds
+    _UINT8_SOFTMAX_OF_ONE_LIMIT (measured for zero points 0, 10 and 200)."""
+    legacy = int(attrs["opset"]) < 13
+    axis = int(attrs.get("axis", 1 if legacy else -1))
+    if legacy:  # softmax over the input flattened from `axis` on: the flattened length
+        shape, index = emit.op1("Shape", [emit.op1("Flatten", [x], axis=axis)]), 1
+    else:
+        shape, index = emit.op1("Shape", [x]), axis
+    length = emit.op1("Gather", [shape, emit.const(np.asarray(index, np.int64))], axis=0)
+    one = emit.op1("Equal", [length, emit.const(np.asarray(1, np.int64))])
+    emit.op1("Where", [one, zp, q], out)
 
 
 def _simple(op: str, **fixed: Any) -> Callable:
