@@ -262,7 +262,6 @@ def _later_stages(
     result must be the model the plan checked: anything else is a bug, not a rewrite to ship."""
     import dataclasses
 
-    from onnx_qrewrite.rewriter.report import count_ops
     from onnx_qrewrite.targets.plan import stage_input
 
     for later in plan.later:
@@ -281,11 +280,17 @@ def _later_stages(
         report.warnings.extend(more.warnings)
         report.removed_initializers.extend(more.removed_initializers)
         report.ops_after = more.ops_after
-    if plan.rewritten is not None and report.ops_after != count_ops(plan.rewritten):
-        raise InternalError(
-            "the target's staged rewrite did not give the model its plan checked (a bug, please report it)"
-        )
+    _check_as_planned(report, plan, "staged rewrite")
     return rewritten
+
+
+def _check_as_planned(report: RewriteReport, plan: Any, what: str) -> None:
+    """The rewrite must be the model the target plan checked (its op counts at least): anything
+    else is a bug, not a rewrite to ship."""
+    from onnx_qrewrite.rewriter.report import count_ops
+
+    if plan.rewritten is not None and report.ops_after != count_ops(plan.rewritten):
+        raise InternalError(f"the target's {what} did not give the model its plan checked (a bug, please report it)")
 
 
 def rewrite(
@@ -416,6 +421,8 @@ def _run_engine(
         if plan is not None and plan.later:
             rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
         if plan is not None and plan.opset_lowering is not None:
+            # The lowering was proven exact on the plan's model: only lower that same model.
+            _check_as_planned(report, plan, "rewrite before its opset lowering")
             _lower_opset(rewritten, report, plan.opset_lowering)
     except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
         label = str(source_path) if source_path is not None else "input model"
