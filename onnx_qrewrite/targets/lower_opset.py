@@ -234,7 +234,7 @@ def check_for_target(model: onnx.ModelProto, profile: TargetProfile, *, may_lowe
         why = "; not lowered: the opset is kept (--keep-opset) or chosen (--target-opset)"
     elif blockers := lowering_blockers(_inferred(model), limit):
         more = f" (and {len(blockers) - 1} more node(s))" if len(blockers) > 1 else ""
-        why = f"; lowering it to {limit} would not be exact: {blockers[0]}{more}"
+        why = f"; not lowered to {limit}: {blockers[0]}{more}"
     else:
         return check_model(_with_default_opset(model, limit), profile)
     return [
