@@ -15,6 +15,7 @@ __all__ = [
     "DEQUANTIZE_LINEAR",
     "FLOAT16_SCALE",
     "FORMS",
+    "GATHER_NEGATIVE_INDICES",
     "NBITS_UNPACKED",
     "PER_AXIS",
     "QUANTIZE_LINEAR",
@@ -48,6 +49,8 @@ FLOAT16_SCALE = 19
 DECOMPOSE_DEQUANTIZE_INTEGER = 10
 #: MatMulNBits unpacked into Cast/Sub/Mul/Reshape/Slice/MatMul: Slice with inputs needs 10.
 NBITS_UNPACKED = 10
+#: Gather with negative indices (counted from the end, as GatherBlockQuantized does): from 11.
+GATHER_NEGATIVE_INDICES = 11
 
 #: The lowest opset of every op in each arithmetic form a builder emits (their CPU kernels in
 #: onnxruntime for the types used).

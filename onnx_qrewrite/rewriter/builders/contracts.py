@@ -124,6 +124,9 @@ INTEGER_MATMUL_FORMS = ("float-exact", "int32", "float")
 #: matmul_nbits
 NBITS_BLOCKED = "blocked_dequantize"
 NBITS_UNPACKED = "unpacked"
+#: gather_block_quantized
+GBQ_BLOCKED = "blocked_dequantize"
+GBQ_TABLE = "dequantized_table"
 #: qdq_float_emulation's emitted ops: Round 11, Clip with bound inputs 11, bfloat16 Cast 13.
 FLOAT_EMULATION_MIN_OPSET = 13
 #: qdq_to_float
@@ -421,9 +424,21 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "gather_block_quantized": (
         "gather_block_quantized",
         Contract(
-            options=(),
+            options=(
+                Option(
+                    "form",
+                    str,
+                    GBQ_BLOCKED,
+                    (GBQ_BLOCKED, GBQ_TABLE),
+                    doc="blocked_dequantize: Gather the quantized rows, then a blocked DequantizeLinear (opset 21); "
+                    "dequantized_table: the table dequantized at rewrite time (float32 or float16 like the "
+                    "scales), then Gather (opset 11)",
+                ),
+            ),
             emits=frozenset({"Gather", "DequantizeLinear"}),
-            opset=lambda options, dtypes: str(kernel_opsets.BLOCKED),
+            opset=lambda options, dtypes: str(
+                kernel_opsets.BLOCKED if options["form"] == GBQ_BLOCKED else kernel_opsets.GATHER_NEGATIVE_INDICES
+            ),
         ),
     ),
     "integer_matmul": (

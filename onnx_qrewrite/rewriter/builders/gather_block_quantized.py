@@ -14,6 +14,11 @@ per table.
 
 onnxruntime's Gather takes no 4-bit tensors, so the table is stored with one byte per value (int8
 holding ``q - zp_default`` when there is no zero point): twice the packed size, still quantized.
+Form ``dequantized_table`` (below opset 21 with ``--keep-opset``, float16 scales, other axes,
+bits 2): the constant table is dequantized at rewrite time exactly as the kernel computes each
+element and gathered, ``Gather(T2(float32(q - zp) * scale), indices, axis=gather_axis)``: one float
+per value (8x a 4-bit table's packed size in float32), any opset from 11.
+
 One behaviour is not reproduced: an index outside ``[-V, V)`` gives a row of zeros in the kernel and
 an error in Gather; embedding lookups never produce one, and the rule's notes say so.
 """
@@ -28,7 +33,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, GBQ_TABLE
 from onnx_qrewrite.rewriter.builders.matmul_nbits import unpack
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -61,6 +66,106 @@ def _values(site: Site, name: str, bits: int, what: str) -> tuple[np.ndarray, st
     raise NoMatch(f"{what} {name!r} is {kind}; uint8, int4 and uint4 are lowered")
 
 
+def _unpacked_uint8(site: Site, name: str, bits: int, count: int, what: str) -> np.ndarray:
+    """A constant uint8 tensor's ``bits``-bit values (low bits first) along its last axis, ``count``
+    per row, as int32; the kernel reads bits 2/4/8 this way (data and zero points alike)."""
+    array = site.constant(name)
+    if array is None:
+        raise NoMatch(f"{what} {name!r} is computed at run time; only constant tables are lowered")
+    if np.dtype(array.dtype).name != "uint8" or array.ndim < 1:
+        raise NoMatch(f"malformed node: {what} {name!r} is not a uint8 tensor like data")
+    rows = array.reshape(-1, array.shape[-1])
+    try:
+        values = unpack(rows, bits, rows.shape[0], count)
+    except ValueError as why:
+        raise NoMatch(f"malformed node: {what} {name!r}: {why}") from None
+    return values.reshape(*array.shape[:-1], count).astype(np.int32)
+
+
+def _table_values(site: Site, bits: int) -> tuple[np.ndarray, str]:
+    """The table's quantized values as int32, one per element, and its storage name."""
+    array = site.constant(site.input(0))
+    if array is None:
+        raise NoMatch(f"data {site.input(0)!r} is computed at run time; only constant tables are lowered")
+    kind = np.dtype(array.dtype).name
+    if kind == "uint8" and bits in (2, 4, 8) and array.ndim >= 1:
+        count = array.shape[-1] * (8 // bits)
+        return _unpacked_uint8(site, site.input(0), bits, count, "data"), f"uint8-{bits}"
+    if kind in ("int4", "uint4") and bits == 4:
+        return array.astype(np.int32), kind
+    raise NoMatch(f"data {site.input(0)!r} is {kind} with bits={bits}; uint8 (bits 2/4/8), int4, uint4 are lowered")
+
+
+def _table_axes(site: Site, storage: str, rank: int) -> tuple[int, int]:
+    """gather_axis and quantize_axis, normalised, where the kernel accepts them."""
+    gather_axis, quantize_axis = _attr(site, "gather_axis", 0), _attr(site, "quantize_axis", 1)
+    if rank < 1 or not (-rank <= gather_axis < rank and -rank <= quantize_axis < rank):
+        raise NoMatch(f"malformed node: gather_axis={gather_axis}, quantize_axis={quantize_axis} on rank {rank}")
+    gather_axis, quantize_axis = gather_axis % rank, quantize_axis % rank
+    uint8_axes = gather_axis == 0 and quantize_axis == rank - 1
+    if gather_axis == quantize_axis or (storage.startswith("uint8") and not uint8_axes):
+        raise NoMatch(
+            f"malformed node: gather_axis={gather_axis}, quantize_axis={quantize_axis} on rank {rank} "
+            "(onnxruntime's kernel takes distinct axes, and uint8 data gathers along 0, blocks along the last)"
+        )
+    return gather_axis, quantize_axis
+
+
+def _table_zero_points(site: Site, storage: str, bits: int, shape: tuple[int, ...]) -> np.ndarray | int:
+    """The zero points as int32 of the scales' ``shape``, or the kernel's default when absent."""
+    if not site.input(3):
+        return 1 << (bits - 1) if storage.startswith("uint8") else 0
+    if storage.startswith("uint8"):
+        zp = _unpacked_uint8(site, site.input(3), bits, shape[-1], "zero points")
+    else:
+        found = site.constant(site.input(3))
+        if found is None:
+            raise NoMatch(f"zero points {site.input(3)!r} are computed at run time; only constants are lowered")
+        if np.dtype(found.dtype).name != storage:
+            raise NoMatch(f"malformed node: zero points {site.input(3)!r} are not {storage} like data")
+        zp = found.astype(np.int32)
+    if zp.shape != shape:
+        raise NoMatch(f"malformed node: zero points {site.input(3)!r} have shape {list(zp.shape)}, not {list(shape)}")
+    return zp
+
+
+def _check_table(site: Site) -> Plan:
+    """The whole table dequantized at rewrite time as the kernel computes each element:
+    ``T2(float32(q - zp) * float32(scale))``, numpy's float32 product and float16 cast being the
+    same correctly rounded operations (with float16 scales the float32 product is exact: at most
+    9 by 11 significant bits; the one rounding is to float16)."""
+    bits, block = _attr(site, "bits", 4), _attr(site, "block_size", 128)
+    if block < 16 or block & (block - 1):
+        raise NoMatch(f"malformed node: block_size={block} (the kernel takes powers of two >= 16)")
+    values, storage = _table_values(site, bits)
+    gather_axis, quantize_axis = _table_axes(site, storage, values.ndim)
+    scales = site.constant(site.input(2))
+    if scales is None:
+        raise NoMatch(f"scales {site.input(2)!r} are computed at run time; only constant scales are lowered")
+    if scales.dtype not in (np.float32, np.float16):
+        raise NoMatch(f"scales {site.input(2)!r} are {scales.dtype}; the kernel takes float32 and float16")
+    shape = list(values.shape)
+    shape[quantize_axis] = -(-shape[quantize_axis] // block)
+    if list(scales.shape) != shape:
+        raise NoMatch(f"malformed node: scales {site.input(2)!r} have shape {list(scales.shape)}, not {shape}")
+    zp = _table_zero_points(site, storage, bits, tuple(shape))
+    dim = values.shape[quantize_axis]
+    if not isinstance(zp, int):
+        zp = np.repeat(zp, block, axis=quantize_axis).take(range(dim), axis=quantize_axis)
+    wide = np.repeat(scales.astype(np.float32), block, axis=quantize_axis).take(range(dim), axis=quantize_axis)
+    with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf is NaN in the kernel too
+        table = ((values - zp).astype(np.float32) * wide).astype(scales.dtype)
+    zp_note = "given" if site.input(3) else f"none (kernel default {zp})"
+    return Plan(
+        min_opset=kernel_opsets.GATHER_NEGATIVE_INDICES,
+        notes=(
+            f"{storage} table {list(values.shape)}, block_size={block}, zero points: {zp_note}; "
+            f"dequantized {scales.dtype} table of {table.nbytes} bytes",
+        ),
+        data={"table": table, "axis": gather_axis},
+    )
+
+
 class GatherBlockQuantizedBuilder:
     """Replaces com.microsoft GatherBlockQuantized with Gather and a blocked DequantizeLinear."""
 
@@ -78,6 +183,8 @@ class GatherBlockQuantizedBuilder:
         unknown = sorted({a.name for a in node.attribute} - {"gather_axis", "quantize_axis", "block_size", "bits"})
         if unknown:
             raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        if options["form"] == GBQ_TABLE:
+            return _check_table(site)
         bits, block = _attr(site, "bits", 4), _attr(site, "block_size", 128)
         if bits not in (4, 8) or block < 16 or block & (block - 1):
             raise NoMatch(f"bits={bits}, block_size={block}: lowered for bits 4/8 and power-of-two blocks >= 16")
@@ -115,6 +222,10 @@ class GatherBlockQuantizedBuilder:
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         indices = site.input(1)
+        if options["form"] == GBQ_TABLE:
+            table = emit.const(plan.data["table"])
+            emit.op1("Gather", [table, indices], site.node.output[0], axis=plan.data["axis"])
+            return
         rows = emit.op1("Gather", [emit.const(plan.data["values"]), indices], axis=0, hint="GatherValues")
         inputs = [rows, emit.op1("Gather", [site.input(2), indices], axis=0, hint="GatherScales")]
         if plan.data["zp"] is not None:
