@@ -112,3 +112,109 @@ def test_an_embedding_and_matmul_quantized_by_onnxruntimes_quantizer(symmetric):
     ids = rng.integers(0, 100, (3, 5)).astype(np.int64)
     report = verify(original, result.model, inputs={"ids": ids})
     assert report.passed, report.to_table()
+
+
+# --- gather-block-quantized-table: the table dequantized at rewrite time, then Gather ------------
+
+
+def table_model(storage, with_zp, block, scale_type, opset, shape=(40, 300), gather_axis=0, quantize_axis=-1):
+    """A GatherBlockQuantized node over a constant table of ``shape`` (unpacked values), edge scales
+    (0, a float32 subnormal, a float16 overflow, negative) included."""
+    bits = {"uint8-2": 2, "uint8-4": 4, "uint8-8": 8}.get(storage, 4)
+    qaxis = quantize_axis % len(shape)
+    sshape = list(shape)
+    sshape[qaxis] = -(-shape[qaxis] // block)
+    q = RNG.integers(0, 2**bits, shape).astype(np.uint8)
+    zp = RNG.integers(0, 2**bits, sshape).astype(np.uint8)
+    scale = RNG.uniform(-1.0, 1.0, sshape).astype(np.float32)
+    scale.flat[:4] = [0.0, 1e-40, 3e30, -7e4]
+    with np.errstate(over="ignore"):
+        scale = scale.astype(scale_type)
+    attrs = {"gather_axis": gather_axis, "quantize_axis": quantize_axis, "block_size": block}
+    if storage.startswith("uint8"):
+        attrs["bits"] = bits
+        data, zps = pack(q, bits).reshape(*shape[:-1], -1), pack(zp, bits).reshape(*sshape[:-1], -1)
+    elif storage == "int4":
+        data = (q.astype(np.int16) - 8).astype(ml_dtypes.int4)
+        zps = (zp.astype(np.int16) - 8).astype(ml_dtypes.int4)
+    else:
+        data, zps = q.astype(ml_dtypes.uint4), zp.astype(ml_dtypes.uint4)
+    inits = [numpy_helper.from_array(data, "table"), numpy_helper.from_array(scale, "scales")]
+    inputs = ["table", "ids", "scales"]
+    if with_zp:
+        inits.append(numpy_helper.from_array(zps, "zps"))
+        inputs.append("zps")
+    out_type = TensorProto.FLOAT16 if scale_type == np.float16 else TensorProto.FLOAT
+    node = helper.make_node("GatherBlockQuantized", inputs, ["emb"], name="gbq", domain="com.microsoft", **attrs)
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("emb", out_type, [*shape[:gather_axis], "b", "s", *shape[gather_axis + 1 :]])],
+        inits,
+    )
+    return helper.make_model(
+        graph, ir_version=10, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+TABLE_CASES = [
+    (s, z, b, t)
+    for s in ("uint8-2", "uint8-4", "uint8-8", "int4", "uint4")
+    for z in (False, True)
+    for b in (16, 64, 256)
+    for t in (np.float32, np.float16)
+]
+
+
+def _ids(vocab: int) -> np.ndarray:
+    return np.concatenate([np.arange(-vocab, vocab), [0, 0, vocab - 1, -1]]).reshape(4, -1).astype(np.int64)
+
+
+@rule_marker("gather-block-quantized-table", "positive")
+@pytest.mark.parametrize("opset", [13, 21])
+@pytest.mark.parametrize(
+    "storage, with_zp, block, scale_type",
+    TABLE_CASES,
+    ids=[f"{s}-zp{z}-bs{b}-{np.dtype(t).name}" for s, z, b, t in TABLE_CASES],
+)
+def test_dequantized_table_gathers_bit_for_bit(storage, with_zp, block, scale_type, opset):
+    original = table_model(storage, with_zp, block, scale_type, opset)
+    result = onnx_qrewrite.rewrite(original, keep_opset=True)
+    blocked = opset >= 21 and scale_type == np.float32 and storage != "uint8-2"
+    expected_rule = "gather-block-quantized" if blocked else "gather-block-quantized-table"
+    assert result.report.by_rule() == {expected_rule: 1}
+    assert {o.domain for o in result.model.opset_import} == {""}
+    assert [o.version for o in result.model.opset_import] == [opset]
+    if not blocked:
+        assert op_types(result.model) == ["Gather"]
+    feeds = {"ids": _ids(40)}
+    what = f"{storage}, zp {with_zp}, block {block}, {np.dtype(scale_type).name}, opset {opset}"
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], what)
+
+
+AXES = [((40, 48), 1, 0), ((40, 48), 0, 1), ((6, 5, 48), 1, 2), ((6, 40, 5), 2, 1), ((40, 6, 5), 2, 0)]
+
+
+@rule_marker("gather-block-quantized-table", "positive")
+@pytest.mark.parametrize("storage", ["int4", "uint4"])
+@pytest.mark.parametrize("shape, gather_axis, quantize_axis", AXES)
+def test_dequantized_table_on_every_axis_pair_the_kernel_takes(storage, shape, gather_axis, quantize_axis):
+    original = table_model(storage, True, 16, np.float16, 13, shape, gather_axis, quantize_axis)
+    result = onnx_qrewrite.rewrite(original, keep_opset=True)
+    assert result.report.by_rule() == {"gather-block-quantized-table": 1}
+    feeds = {"ids": np.array([[0, -1], [1, shape[gather_axis] - 1]], np.int64)}
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"{shape} {gather_axis}")
+
+
+@rule_marker("gather-block-quantized-table", "negative")
+def test_runtime_scales_and_uint8_on_other_axes_are_not_tabled():
+    original = table_model("uint4", True, 16, np.float16, 13)
+    scales = original.graph.initializer[1]
+    original.graph.input.append(helper.make_tensor_value_info("scales", TensorProto.FLOAT16, list(scales.dims)))
+    original.graph.initializer.remove(scales)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="scales 'scales' are computed at run time"):
+        onnx_qrewrite.rewrite(original, keep_opset=True)
+    original = table_model("uint8-4", False, 16, np.float32, 13, (40, 48), 1, 0)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="uint8 data gathers along 0"):
+        onnx_qrewrite.rewrite(original, keep_opset=True)
