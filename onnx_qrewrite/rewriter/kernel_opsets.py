@@ -1,5 +1,7 @@
 """The one home of opset policy: the lowest default-domain opset at which stock onnxruntime (1.31,
-CPU) has a kernel for a standard op the builders emit, per quantized type (NUMERICS.md).
+CPU) has a kernel for a standard op the builders emit, per quantized type (NUMERICS.md), the
+opset each arithmetic form needs (``FORMS``), and the op versions whose semantics a builder
+relies on (``OP_VERSIONS``, from the onnx operator changelog).
 
 Builders compute a node's ``Plan.min_opset`` from these tables and nothing else; rule files do not
 state opsets (they may narrow where a rule applies with ``when.min_opset``/``max_opset``, which is
@@ -17,7 +19,9 @@ __all__ = [
     "FORMS",
     "GATHER_NEGATIVE_INDICES",
     "NBITS_UNPACKED",
+    "OP_VERSIONS",
     "PER_AXIS",
+    "QDQ_FIRST",
     "QUANTIZE_LINEAR",
     "describe",
     "qdq_opset",
@@ -38,6 +42,9 @@ QUANTIZE_LINEAR: dict[str, int] = {
 }
 #: DequantizeLinear: the same types plus int32.
 DEQUANTIZE_LINEAR: dict[str, int] = {**QUANTIZE_LINEAR, "int32": 10}
+#: QuantizeLinear/DequantizeLinear-10, their first version: the floor of a form built from them
+#: when the quantized type is not in the tables above (the builder declines such types itself).
+QDQ_FIRST = 10
 #: Per-axis scales (the ``axis`` attribute) exist from opset 13.
 PER_AXIS = 13
 #: Blocked quantization (``block_size``) exists from opset 21.
@@ -67,6 +74,45 @@ FORMS: dict[str, int] = {
     "reshape": 5,
     # GatherND, and Unsqueeze on a negative axis: 11 (Gather -> GatherND).
     "gather-nd": 11,
+    # qdq_float_emulation: Round 11, Clip with bound inputs 11, Cast to bfloat16 13.
+    "float-emulation": 13,
+    # com.microsoft Gelu/BiasGelu -> Mul/Add/Erf: Erf-9 (FastGelu's Tanh form is held to the same floor).
+    "gelu-decomposed": 9,
+    # com.microsoft QuickGelu -> Mul(x, Sigmoid(alpha x)): Sigmoid-6, Mul-6.
+    "quick-gelu": 6,
+    # SimplifiedLayerNormalization below 23 -> Mul/ReduceMean/Add/Sqrt/Div, measured at 13 and up
+    # (test_unfuse_contrib.py); ReduceMean's axes follow OP_VERSIONS["reduce-axes-input"].
+    "rms-decomposed": 13,
+    # com.microsoft Attention/QAttention/MultiHeadAttention without a mask: MatMul, Reshape,
+    # Transpose, Softmax over the last axis of 4-D scores (axis 3 below Softmax-13), Unsqueeze on a
+    # negative axis: 11 (measured at 11, test_unfuse_attention.py::test_attention_at_opset_11_without_a_mask).
+    "attention": 11,
+    # ... with mask_index / key_padding_mask or unidirectional: the mask and causal-fill arithmetic
+    # (Cast/Slice/Less/Greater/Not/And/Where over run-time lengths), measured at 13.
+    "attention-mask": 13,
+}
+
+#: Versions of standard ops whose semantics a builder relies on, from the onnx operator changelog
+#: (onnx docs/Changelog.md). A builder that emits the feature needs at least this opset, or emits the
+#: older form below it; changing a number changes the rewrite (tests/test_contract.py).
+OP_VERSIONS: dict[str, int] = {
+    # Clip-11: min and max are inputs, not attributes (FusedGemm/FusedConv's Clip activation).
+    "clip-inputs": 11,
+    # Gemm-11: the C input is optional (QGemm without C).
+    "gemm-optional-c": 11,
+    # Softmax-13: normalizes along the one axis given, not over the input flattened from it on
+    # (QLinearSoftmax's opset attribute selects the same two meanings).
+    "softmax-single-axis": 13,
+    # Unsqueeze-13: axes an input, not an attribute.
+    "unsqueeze-axes-input": 13,
+    # LayerNormalization-17: the op's first version (SkipLayerNormalization, EmbedLayerNormalization).
+    "layer-normalization": 17,
+    # ReduceMean-18: axes an input, not an attribute.
+    "reduce-axes-input": 18,
+    # Gelu-20: the op's first version, with approximate="tanh" (FastGelu).
+    "gelu": 20,
+    # RMSNormalization-23: the op's first version (SimplifiedLayerNormalization and its Skip form).
+    "rms-normalization": 23,
 }
 
 

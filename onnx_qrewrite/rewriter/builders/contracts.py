@@ -27,7 +27,6 @@ __all__ = [
     "DIRECTION",
     "DYNAMIC_QDQ_QUANTIZE",
     "FLOAT16",
-    "FLOAT_EMULATION_MIN_OPSET",
     "FUSED_ACTIVATIONS",
     "GELU_FORMS",
     "INTEGER_MATMUL_FLOAT_PARTS",
@@ -46,6 +45,8 @@ __all__ = [
     "WEIGHT_ONLY_PATTERNS",
     "WEIGHT_ONLY_ROLES",
     "WEIGHT_ONLY_WEIGHTS",
+    "gelu_opset",
+    "normalization_opset",
 ]
 
 # --- options several builders share (the vendor and standard Q/DQ builders) --------------------
@@ -127,8 +128,6 @@ NBITS_UNPACKED = "unpacked"
 #: gather_block_quantized
 GBQ_BLOCKED = "blocked_dequantize"
 GBQ_TABLE = "dequantized_table"
-#: qdq_float_emulation's emitted ops: Round 11, Clip with bound inputs 11, bfloat16 Cast 13.
-FLOAT_EMULATION_MIN_OPSET = 13
 #: qdq_to_float
 QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
 #: weight_only, dynamic_qdq: the role of a rule in the pattern; weight_only: how the weights are written
@@ -205,8 +204,34 @@ def _qoperator_exactness(options: Mapping[str, Any]) -> str:
 
 def _qoperator_opset(options: Mapping[str, Any], dtypes: Collection[str] | None) -> str:
     if options["op"] in ("QLinearConv", "QLinearMatMul", "QGemm", "QLinearSoftmax"):
-        return f"{kernel_opsets.PER_AXIS} (per-channel DequantizeLinear; Softmax's single-axis form)"
-    return "10"
+        # The largest of per-axis DequantizeLinear, Gemm's optional C and Softmax's single axis.
+        needed = max(
+            kernel_opsets.PER_AXIS,
+            kernel_opsets.OP_VERSIONS["gemm-optional-c"],
+            kernel_opsets.OP_VERSIONS["softmax-single-axis"],
+        )
+        return f"{needed} (per-channel DequantizeLinear; Softmax's single-axis form)"
+    return str(kernel_opsets.QDQ_FIRST)
+
+
+def normalization_opset(form: str, decomposed: bool) -> int:
+    """The opset unfuse_normalization's ``form`` needs (``decomposed``: the Mul/ReduceMean form)."""
+    if form == "skip_layer_norm":
+        return kernel_opsets.OP_VERSIONS["layer-normalization"]
+    return kernel_opsets.FORMS["rms-decomposed"] if decomposed else kernel_opsets.OP_VERSIONS["rms-normalization"]
+
+
+def gelu_opset(form: str) -> int:
+    """The opset unfuse_activation's ``form`` needs."""
+    if form == "fast_gelu_standard":
+        return kernel_opsets.OP_VERSIONS["gelu"]
+    return kernel_opsets.FORMS["quick-gelu" if form == "quick_gelu" else "gelu-decomposed"]
+
+
+def _attention_opset(mask: str) -> str:
+    """The attention rules' opset in words: with ``mask`` or unidirectional, and without."""
+    forms = kernel_opsets.FORMS
+    return f"{forms['attention-mask']} ({forms['attention']} without {mask} and unidirectional)"
 
 
 def _qdq_decompose_opset(options: Mapping[str, Any], dtypes: Collection[str] | None) -> str:
@@ -234,7 +259,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             # The spec body (onnx's own schema) uses a subset of these at every opset 11-26.
             emits=_DQL_EMITS,
             outputs=3,
-            opset=lambda options, dtypes: "11",
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["dynamic-quantize-linear"]),
         ),
     ),
     "dynamic_dequantize": (
@@ -253,7 +278,11 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             ),
             emits=frozenset({"DequantizeLinear", "Cast", "Sub", "Mul", "Reshape"}),
             preserves_shape=True,
-            opset=lambda options, dtypes: "10 (per_channel 13)" if options["form"] == "dequantize_linear" else "13",
+            opset=lambda options, dtypes: (
+                f"{kernel_opsets.QDQ_FIRST} (per_channel {kernel_opsets.PER_AXIS})"
+                if options["form"] == "dequantize_linear"
+                else str(kernel_opsets.FORMS["dynamic-dequantize-arithmetic"])
+            ),
         ),
     ),
     "unfuse_activation": (
@@ -265,7 +294,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             bound="the tanh approximation in other float32 roundings: within 2^-21·(|x| + 1) "
             "(measured: 4.8e-7 at |x| ~ 10)",
             preserves_shape=True,
-            opset=lambda options, dtypes: {"fast_gelu_standard": "20", "quick_gelu": "6"}.get(options["form"], "9"),
+            opset=lambda options, dtypes: str(gelu_opset(options["form"])),
         ),
     ),
     "unfuse_gemm_conv": (
@@ -273,7 +302,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
         Contract(
             options=(Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),),
             emits=frozenset({"Gemm", "Conv", "Add", "Reshape", *(op for op, _ in FUSED_ACTIVATIONS.values())}),
-            opset=lambda options, dtypes: "11 (Clip with inputs)",
+            opset=lambda options, dtypes: f"{kernel_opsets.OP_VERSIONS['clip-inputs']} (Clip with inputs)",
         ),
     ),
     "unfuse_matmul": (
@@ -310,8 +339,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: EXACT if options["form"] == "simplified_standard" else BOUNDED,
             bound="the mean and mean square summed in float32 in another order than the kernel's sequential loop: "
             "at most 16·2^-24·(|y| + 1) at each output y (asserted on the tests' battery)",
-            opset=lambda options, dtypes: {"skip_layer_norm": "17", "simplified_decomposed": "13"}.get(
-                options["form"], "23"
+            opset=lambda options, dtypes: str(
+                normalization_opset(options["form"], options["form"] == "simplified_decomposed")
             ),
         ),
     ),
@@ -329,7 +358,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "onnxruntime's session.x64quantprecision form of the original, which does not saturate, and the node "
             "with the default kernel within a per-element bound from the pairs that leave int16 on each sample, "
             "through the softmax as a total variation of at most tanh(M/2): finite for any weights)",
-            opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+            opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
     ),
     "unfuse_attention": (
@@ -341,7 +370,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
             "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
             "at each output, score = scale·Q·Kᵀ (asserted on the tests' battery; worst measured 2^-22.6)",
-            opset=lambda options, dtypes: "13 (11 without mask_index and unidirectional)",
+            opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
     ),
     "unfuse_multi_head_attention": (
@@ -353,7 +382,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
             "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
             "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
-            opset=lambda options, dtypes: "13 (11 without key_padding_mask and unidirectional)",
+            opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
     ),
     "unfuse_embed_layer_norm": (
@@ -388,7 +417,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "loop, at most 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (asserted on the tests' "
             "battery); the mask index and the embedding sum are bit-exact",
             outputs=2,
-            opset=lambda options, dtypes: "17",
+            opset=lambda options, dtypes: str(kernel_opsets.OP_VERSIONS["layer-normalization"]),
         ),
     ),
     "integer_matmul_float_output": (
@@ -418,7 +447,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 | {"Floor", "Abs", "Equal", "Greater", "Not"}
             ),
             preserves_shape=True,
-            opset=lambda options, dtypes: str(FLOAT_EMULATION_MIN_OPSET),
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["float-emulation"]),
         ),
     ),
     "gather_block_quantized": (

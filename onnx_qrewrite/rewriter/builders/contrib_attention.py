@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -55,7 +55,7 @@ def _float32(site: Site, *names: str) -> None:
 
 
 def _unsqueeze(emit: Emitter, x: str, axes: list[int]) -> str:
-    if emit.opset >= 13:
+    if emit.opset >= kernel_opsets.OP_VERSIONS["unsqueeze-axes-input"]:
         return emit.op1("Unsqueeze", [x, emit.const(np.array(axes, np.int64))])
     return emit.op1("Unsqueeze", [x], axes=axes)
 
@@ -165,7 +165,7 @@ class QAttentionBuilder:
 def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int, notes: tuple[str, ...] = ()) -> Plan:
     """The plan every attention rule shares: the mask input ``index`` (int32, of a known rank 1-3;
     EmbedLayerNormalization's mask index counts as 1-D without shape inference) and the opset
-    the rewrite needs (13 for the mask or the causal fill, 11 otherwise)."""
+    the rewrite needs (``kernel_opsets.FORMS``: attention-mask for the mask or the causal fill, attention otherwise)."""
     mask_rank = None
     if site.input(index):
         name = site.input(index)
@@ -184,7 +184,7 @@ def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int,
         if mask_rank not in (1, 2, 3):
             raise NoMatch(f"a {mask_rank}-D {label} is not lowered (1-D, 2-D and 3-D are)")
     causal = bool(site.attribute("unidirectional", 0))
-    need = 13 if mask_rank is not None or causal else 11
+    need = kernel_opsets.FORMS["attention-mask" if mask_rank is not None or causal else "attention"]
     data = {"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal}
     return Plan(min_opset=need, notes=notes, data=data)
 
@@ -423,7 +423,8 @@ def emit_heads_attention(
         scores = emit.op1("Add", [scores, additive], hint="AddMask")
     if causal is not None:  # the kernel's causal mask is -inf (probability exactly 0), not the filter value
         scores = emit.op1("Where", [causal, scores, emit.const(np.float32(-np.inf))], hint="Causal")
-    probs = emit.op1("Softmax", [scores], axis=-1 if emit.opset >= 13 else 3)
+    single_axis = emit.opset >= kernel_opsets.OP_VERSIONS["softmax-single-axis"]
+    probs = emit.op1("Softmax", [scores], axis=-1 if single_axis else 3)  # 3: the last axis of 4-D scores
     context = emit.op1("Transpose", [emit.op1("MatMul", [probs, vh])], perm=[0, 2, 1, 3])
     emit.op1("Reshape", [context, emit.const(np.array([0, 0, sizes[2]], np.int64))], output)
 

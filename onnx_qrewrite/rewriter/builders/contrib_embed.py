@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
@@ -75,7 +76,7 @@ class EmbedLayerNormalizationBuilder:
                 value = site.constant(site.input(index)) if site.input(index) else None
                 if site.input(index) and (value is None or value.size != 1):
                     raise NoMatch(f"{site.input(index)!r} is not a constant per-tensor scale or zero point")
-        return Plan(min_opset=17)
+        return Plan(min_opset=kernel_opsets.OP_VERSIONS["layer-normalization"])
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = [*site.node.output, "", ""][:3]

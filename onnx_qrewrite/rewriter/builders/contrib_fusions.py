@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS, gelu_opset, normalization_opset
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["ActivationBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
@@ -89,10 +90,10 @@ class ActivationBuilder:
         if (wanted is not None and len(inputs) != wanted) or not 1 <= len(inputs) <= 2:
             raise NoMatch(f"malformed node: {len(inputs)} inputs")
         if form == "fast_gelu_standard":
-            return Plan(min_opset=20, bound=None)
+            return Plan(min_opset=gelu_opset(form), bound=None)
         # A decomposed FastGelu carries its bound for the largest |x| verify may see; none is
         # known statically, so the node records none and the rule's words state it.
-        return Plan(min_opset=9 if form != "quick_gelu" else 6)
+        return Plan(min_opset=gelu_opset(form))
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         form, y = options["form"], site.node.output[0]
@@ -179,7 +180,7 @@ class FusedGemmConvBuilder:
             if rank is None:
                 raise NoMatch(f"the rank of W {site.input(1)!r} is not recorded (needed to broadcast the bias)")
             data["rank"] = rank
-        return Plan(min_opset=11 if op == "Clip" else 0, data=data)
+        return Plan(min_opset=kernel_opsets.OP_VERSIONS["clip-inputs"] if op == "Clip" else 0, data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op, attrs, clip = plan.data["activation"]
@@ -289,8 +290,9 @@ class NormalizationBuilder:
         stash = int(site.attribute("stash_type", 1))
         if stash != 1:
             raise NoMatch(f"stash_type {stash} is not lowered")
-        decomposed = form == "simplified_decomposed" or (form == "skip_simplified" and site.scope.default_opset < 23)
-        need = {"skip_layer_norm": 17}.get(form, 13 if decomposed else 23)
+        rms = kernel_opsets.OP_VERSIONS["rms-normalization"]
+        decomposed = form == "simplified_decomposed" or (form == "skip_simplified" and site.scope.default_opset < rms)
+        need = normalization_opset(form, decomposed)
         return Plan(min_opset=need, data={"decomposed": decomposed})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
@@ -316,7 +318,7 @@ class NormalizationBuilder:
         else:
             # As the kernel: x / sqrt(mean(x * x) + eps) * gamma.
             square = emit.op1("Mul", [x, x])
-            if emit.opset >= 18:
+            if emit.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
                 mean = emit.op1("ReduceMean", [square, emit.const(np.array([-1], np.int64))], keepdims=1)
             else:
                 mean = emit.op1("ReduceMean", [square], axes=[-1], keepdims=1)

@@ -175,7 +175,7 @@ class DynamicQuantizeLinearBuilder:
 
     @staticmethod
     def _build_spec(site: Site, emit: Emitter, outputs: list[str]) -> None:
-        body = spec_body(max(11, site.scope.default_opset))
+        body = spec_body(max(kernel_opsets.FORMS["dynamic-quantize-linear"], site.scope.default_opset))
         rename = {body.input[0]: site.node.input[0]}
         for formal, given in zip(body.output, outputs, strict=True):
             if given:

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import (
     INTEGER_RANGES,
@@ -57,7 +58,6 @@ from onnx_qrewrite.rewriter.builders._qdq import (
     read_qdq,
 )
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
-from onnx_qrewrite.rewriter.builders.contracts import FLOAT_EMULATION_MIN_OPSET as MIN_OPSET
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["FloatEmulationBuilder"]
@@ -115,7 +115,11 @@ class FloatEmulationBuilder:
             if x_type is None:
                 raise NotApplicable(f"the type of x {q.x!r} is not recorded; run shape inference first")
             float_type = x_type
-        return Plan(min_opset=MIN_OPSET, notes=(q.describe("kernel"),), data={"qdq": q, "float_type": float_type})
+        return Plan(
+            min_opset=kernel_opsets.FORMS["float-emulation"],
+            notes=(q.describe("kernel"),),
+            data={"qdq": q, "float_type": float_type},
+        )
 
     def _check_pair(self, site: Site) -> Plan:
         """DequantizeLinear(QuantizeLinear(x)), both float32 and 8/16-bit: the two in one float
@@ -137,7 +141,7 @@ class FloatEmulationBuilder:
             raise NotApplicable(f"QuantizeLinear writes {q.dtype}, DequantizeLinear reads {dq.dtype}")
         reads = frozenset(n for n in (*producer.input, *node.input[1:]) if n)
         return Plan(
-            min_opset=MIN_OPSET,
+            min_opset=kernel_opsets.FORMS["float-emulation"],
             notes=(q.describe("kernel"), dq.describe("kernel")),
             data={"pair": (q, dq)},
             reads=reads,

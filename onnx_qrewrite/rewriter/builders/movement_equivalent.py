@@ -162,7 +162,7 @@ class MovementEquivalentBuilder:
         else:
             if site.elem_type(indices) != TensorProto.INT64:
                 indices = emit.op1("Cast", [indices], to=TensorProto.INT64)
-            if emit.opset >= 13:  # Unsqueeze's axes became an input
+            if emit.opset >= kernel_opsets.OP_VERSIONS["unsqueeze-axes-input"]:
                 nd_indices = emit.op1("Unsqueeze", [indices, emit.const(np.array([-1], np.int64))])
             else:
                 nd_indices = emit.op1("Unsqueeze", [indices], axes=[-1])

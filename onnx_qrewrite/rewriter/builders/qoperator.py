@@ -184,8 +184,8 @@ class QOperatorBuilder:
         per_axis = any(p[1].value.size > 1 for p in inputs)
         bound: float | None = None if QOPERATOR_EXACTNESS[op] == EXACT else 1.0
         min_opset = max(
-            kernel_opsets.qdq_opset(False, inputs[0][3], per_axis=per_axis) or 10,
-            kernel_opsets.qdq_opset(True, out[2], per_axis=False) or 10,
+            kernel_opsets.qdq_opset(False, inputs[0][3], per_axis=per_axis) or kernel_opsets.QDQ_FIRST,
+            kernel_opsets.qdq_opset(True, out[2], per_axis=False) or kernel_opsets.QDQ_FIRST,
         )
         data: dict[str, Any] = {"attrs": attrs, "inputs": inputs, "out": out}
         notes: list[str] = []
@@ -196,11 +196,11 @@ class QOperatorBuilder:
             if options["u8s8_saturation"] == "ignore":
                 bound, bound_u8s8 = None, 0.0  # approximate: no bound against a kernel that saturates
             if op == "QGemm":
-                min_opset = max(min_opset, 11)  # optional C
+                min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["gemm-optional-c"])
         elif op == "QLinearSoftmax":
             bound, note, data["one_value_guard"] = _softmax_check(site, attrs, inputs, out)
             notes.append(note)
-            min_opset = max(min_opset, 13)
+            min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["softmax-single-axis"])
         elif op == "QLinearConcat" and "axis" not in attrs:
             raise NoMatch("malformed node: QLinearConcat needs an 'axis' attribute")
         if per_axis and op not in ("QLinearConv", "QLinearMatMul", "QGemm"):
@@ -469,7 +469,7 @@ def _softmax_length(site: Site, attrs: dict[str, Any], x: str) -> int | None:
     shape = value_shape(site.scope, x, site.same_shape_ops)
     if shape is None:
         return None
-    legacy = int(attrs["opset"]) < 13
+    legacy = int(attrs["opset"]) < kernel_opsets.OP_VERSIONS["softmax-single-axis"]
     axis = int(attrs.get("axis", 1 if legacy else -1))
     if not -len(shape) <= axis < len(shape):
         return None
@@ -593,7 +593,7 @@ def _pool(emit, site, attrs, floats, plan, out):
 
 
 def _softmax(emit, site, attrs, floats, plan, out):
-    legacy = int(attrs["opset"]) < 13
+    legacy = int(attrs["opset"]) < kernel_opsets.OP_VERSIONS["softmax-single-axis"]
     axis = attrs.get("axis", 1 if legacy else -1)
     if not legacy:
         return emit.op1("Softmax", floats, out, axis=int(axis))
@@ -607,7 +607,7 @@ def _one_value_guard(emit: Emitter, x: str, attrs: dict[str, Any], q: str, zp: s
     """``out`` = the zero point where the softmax normalises one value, else ``q``: what
     onnxruntime's uint8 QLinearSoftmax gives once floor(1/y_scale) exceeds
     _UINT8_SOFTMAX_OF_ONE_LIMIT (measured for zero points 0, 10 and 200)."""
-    legacy = int(attrs["opset"]) < 13
+    legacy = int(attrs["opset"]) < kernel_opsets.OP_VERSIONS["softmax-single-axis"]
     axis = int(attrs.get("axis", 1 if legacy else -1))
     if legacy:  # softmax over the input flattened from `axis` on: the flattened length
         shape, index = emit.op1("Shape", [emit.op1("Flatten", [x], axis=axis)]), 1
