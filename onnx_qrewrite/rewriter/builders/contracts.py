@@ -512,8 +512,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     "form",
                     str,
                     allowed=(NBITS_BLOCKED, NBITS_UNPACKED),
-                    doc="blocked_dequantize: DequantizeLinear with block_size (opset 21, 4/8-bit types); "
-                    "unpacked: one uint8 per weight and Cast/Sub/Mul per block (any opset from 10)",
+                    doc=f"blocked_dequantize: DequantizeLinear with block_size (opset {kernel_opsets.BLOCKED}, 4/8-bit "
+                    f"types); unpacked: one uint8 per weight and Cast/Sub/Mul per block (any opset from "
+                    f"{kernel_opsets.NBITS_UNPACKED})",
                 ),
                 Option(
                     "int8_activations",
@@ -560,7 +561,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     str,
                     "dequantize",
                     WEIGHT_ONLY_WEIGHTS,
-                    doc="dequantize: DequantizeLinear of the integer weights (opset 13 for per-channel); "
+                    doc=f"dequantize: DequantizeLinear of the integer weights (opset {kernel_opsets.PER_AXIS} for "
+                    "per-channel); "
                     "float: folded to float initializers (no Q/DQ op left)",
                 ),
                 Option(

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, quantized_dtype, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -90,10 +91,6 @@ def dequantize_constant(
     # exact for every type up to 16 bits; int32 (zero point 0) rounds to nearest as the kernel's cast
     difference = (wide - zp_wide).astype(np.float32)
     return (difference * scale).astype(np.float32)
-
-
-#: Clip takes min and max as inputs from this default-domain opset on (attributes before).
-_CLIP_INPUTS = 11
 
 
 def _clamp(site: Site) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None] | str:
@@ -232,7 +229,7 @@ class QDQToFloatBuilder:
             if shape is not None:
                 low = emit.const(lo.reshape(shape))
                 emit.op1("Max", [emit.op1("Min", [x, emit.const(hi.reshape(shape))]), low], y)
-            elif emit.opset >= _CLIP_INPUTS:
+            elif emit.opset >= kernel_opsets.OP_VERSIONS["clip-inputs"]:
                 emit.op1("Clip", [x, emit.const(lo.reshape(())), emit.const(hi.reshape(()))], y)
             else:  # min/max attributes (float32, so the same values)
                 emit.op1("Clip", [x], y, min=float(lo.reshape(())), max=float(hi.reshape(())))
