@@ -183,16 +183,9 @@ def check_bounds(
     the original kernel on the same inputs: the inputs each bounded replacement sees in the
     rewritten model, up to the exact part's tolerance (which :mod:`.reanchor` checks at the
     replacements' inputs)."""
-    rewrites = bounded_rewrites(original, rewritten)
+    rewrites, saturates = _for_this_cpu(bounded_rewrites(original, rewritten))
     if not rewrites:
         return []
-    saturates = True
-    if any(r.u8s8 or element_bounds.uses_saturation(r.formula) for r in rewrites):
-        from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates
-
-        saturates = default_kernel_saturates()
-        if not saturates:
-            rewrites = [r.without_u8s8() for r in rewrites]
     initializers = {t.name for t in rewritten.graph.initializer}
     # Per-element bounds read the original node's inputs: constants from the original model,
     # the rest from its run.
@@ -216,20 +209,7 @@ def check_bounds(
     )
     per_value: dict[str, list[ValueComparison]] = {}
     alone_runners: dict[int, ModelRunner] = {}
-    # (model giving the original's values, its feeds per sample, sample suffix, where it holds an output's value)
-    runs: list[tuple[onnx.ModelProto, Callable[[Sample], Sample], str, Callable[[str], str]]] = [
-        (original, lambda s: s, "", lambda name: name)
-    ]
-    if anchored is not None:
-        # Cut this original (the one with the kernels the bounds are stated against), not the one the
-        # outputs were compared with (whose uint8 x int8 nodes may run without saturation).
-        first = anchored.values[samples[0].name]
-        cut_model = reanchor.cut_at(original, {a: first[a].dtype for a in anchored.anchors})
-        cut = set(anchored.anchors)
-        runs.append(
-            (cut_model, anchored.sample, reanchor.SAMPLE_SUFFIX, lambda n: reanchor.renamed(n) if n in cut else n)
-        )
-    for model, feeds_of, suffix, expected_name in runs:
+    for model, feeds_of, suffix, expected_name in _original_runs(original, samples, anchored):
         # In the cut model a replacement's output is a graph input (the rewritten model's value, what
         # a replacement downstream reads) and the original kernel's value of it is expected_name(it).
         wanted = list(dict.fromkeys([*needed, *(expected_name(n) for r in rewrites for n in r.outputs)]))
@@ -245,24 +225,11 @@ def check_bounds(
                 if index not in alone_runners:
                     alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
                 actual = alone_runners[index].run(feeds, list(rewrite.outputs))
-                bound = rewrite.bound_for(values)
                 node = originals.get(id(rewrite))
+                reads = {n: constants[n] if n in constants else values[n] for n in formula_reads.get(id(rewrite), ())}
                 for name in rewrite.outputs:
                     expected = values[expected_name(name)]
-                    integer = expected.dtype.kind in "iub"
-                    tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
-                    per_element = None
-                    if rewrite.formula and node is not None and len(rewrite.outputs) == 1:
-                        reads = {n: constants[n] if n in constants else values[n] for n in formula_reads[id(rewrite)]}
-                        per_element = element_bounds.element_bound(
-                            rewrite.formula, node, reads, expected, actual[name], saturates=saturates
-                        )
-                    if per_element is not None and rewrite.formula:
-                        largest = float(np.max(per_element, initial=0.0))
-                        text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
-                        tol = Tolerance(
-                            0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text
-                        )
+                    tol, per_element = _tolerance(rewrite, node, reads, values, expected, actual[name], saturates)
                     label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
                     per_value.setdefault(label, []).append(
                         compare_values(
@@ -277,6 +244,63 @@ def check_bounds(
         for parts in per_value.values()
     ]
     return rows + _identity_probes(original, rewritten, rewrites, originals, make_runner)
+
+
+def _for_this_cpu(rewrites: list[BoundedRewrite]) -> tuple[list[BoundedRewrite], bool]:
+    """The rewrites with the bounds that hold against this CPU's kernels, and whether its u8 x s8
+    kernel saturates (measured only where some bound depends on it): where it does not, the part
+    of a bound only that saturation uses is left out (``Plan.bound_u8s8``; the u8s8 formulas)."""
+    if not any(r.u8s8 or element_bounds.uses_saturation(r.formula) for r in rewrites):
+        return rewrites, True
+    from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates
+
+    if default_kernel_saturates():
+        return rewrites, True
+    return [r.without_u8s8() for r in rewrites], False
+
+
+#: (model giving the original's values, its feeds per sample, sample suffix, where it holds an output's value)
+_Run = tuple[onnx.ModelProto, Callable[[Sample], Sample], str, Callable[[str], str]]
+
+
+def _original_runs(original: onnx.ModelProto, samples: Sequence[Sample], anchored: Anchored | None) -> list[_Run]:
+    """The original on the samples and, with ``anchored``, the original cut at the bounded outputs
+    on the rewritten model's values there."""
+    runs: list[_Run] = [(original, lambda s: s, "", lambda name: name)]
+    if anchored is not None:
+        # Cut this original (the one with the kernels the bounds are stated against), not the one the
+        # outputs were compared with (whose uint8 x int8 nodes may run without saturation).
+        first = anchored.values[samples[0].name]
+        cut_model = reanchor.cut_at(original, {a: first[a].dtype for a in anchored.anchors})
+        cut = set(anchored.anchors)
+        runs.append(
+            (cut_model, anchored.sample, reanchor.SAMPLE_SUFFIX, lambda n: reanchor.renamed(n) if n in cut else n)
+        )
+    return runs
+
+
+def _tolerance(
+    rewrite: BoundedRewrite,
+    node: onnx.NodeProto | None,
+    reads: dict[str, np.ndarray],
+    values: dict[str, np.ndarray],
+    expected: np.ndarray,
+    actual: np.ndarray,
+    saturates: bool,
+) -> tuple[Tolerance, np.ndarray | None]:
+    """The tolerance of one output of one sample: the rewrite's bound (integer outputs: in steps),
+    or its formula's per-element bound where it has one, and that per-element bound."""
+    bound = rewrite.bound_for(values)
+    integer = expected.dtype.kind in "iub"
+    tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
+    if not rewrite.formula or node is None or len(rewrite.outputs) != 1:
+        return tol, None
+    per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual, saturates=saturates)
+    if per_element is None:
+        return tol, None
+    largest = float(np.max(per_element, initial=0.0))
+    text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
+    return Tolerance(0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text), per_element
 
 
 def _identity_probes(
