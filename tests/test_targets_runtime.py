@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from onnx_qrewrite.api import load_rules
 from onnx_qrewrite.errors import QRewriteError
 from onnx_qrewrite.targets import check_model, load_target, plan_for_target
 from onnx_qrewrite.targets.shapes import InputShapes, fix_input_shapes
-from onnx_qrewrite.verify.runtimes import RUNTIMES, make_runner
+from onnx_qrewrite.verify.runtimes import RUNTIMES, TFLITE_PYTHON_ENV, TFLITE_SETUP, make_runner
 
 MODELS = [
     SAMPLES / "dynamic_mlp.onnx",
@@ -308,6 +310,63 @@ def test_a_missing_runtime_exits_2_naming_the_extra(tmp_path, runtime, module):
     assert errors == [
         f"onnx-qrewrite: error: --runtime {runtime} needs {RUNTIMES[runtime].distribution}, which is not installed: "
         f"pip install 'onnx-qrewrite[{runtime}]'"
+    ]
+    assert not out.exists()
+
+
+def _cli_env(env: dict[str, str], *args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_rewrite_target_tflite_verifies_on_litert(tmp_path):
+    """`rewrite --target tflite --verify` verifies on LiteRT when $ONNX_QREWRITE_TFLITE_PYTHON names
+    an interpreter that has it: the check is verify --runtime's, not an import in this interpreter
+    (which has no onnx2tf)."""
+    _runtime("tflite")
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    proc = cli("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tflite", "--verify", "--report", report)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verifying in onnxruntime" not in proc.stderr
+    assert "rewritten ran on tflite" in proc.stdout, proc.stdout
+    runtime = __import__("json").loads(report.read_text())["verification"]["settings"]["runtime"]
+    assert runtime["name"] == "tflite" and runtime["settings"]["python"] == os.environ[TFLITE_PYTHON_ENV]
+
+
+def _without_tflite_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != TFLITE_PYTHON_ENV}
+    if importlib.util.find_spec("onnx2tf") is not None:
+        pytest.skip("this interpreter has onnx2tf itself: tflite cannot be missing here")
+    return env
+
+
+def test_rewrite_target_tflite_says_when_litert_is_missing(tmp_path):
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    args = ("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tflite", "--verify", "--report", report)
+    proc = _cli_env(_without_tflite_env(), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"onnx-qrewrite: note: target tflite's runtime (onnx2tf) is not installed ({TFLITE_SETUP}); "
+        "verifying in onnxruntime instead"
+    ]
+    runtime = __import__("json").loads(report.read_text())["verification"]["settings"]["runtime"]
+    assert runtime["name"] == "onnxruntime"
+
+
+def test_rewrite_target_tflite_with_a_wrong_interpreter_path_exits_2(tmp_path):
+    """A $ONNX_QREWRITE_TFLITE_PYTHON that names no file is the user's mistake, said in one line
+    before any work (as verify --runtime tflite says it), not a silent fall back to onnxruntime."""
+    env = {**os.environ, TFLITE_PYTHON_ENV: str(tmp_path / "no-such-python")}
+    out = tmp_path / "out.onnx"
+    proc = _cli_env(env, "rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "tflite", "--verify")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"onnx-qrewrite: error: {TFLITE_PYTHON_ENV}={tmp_path / 'no-such-python'}: no such file"
     ]
     assert not out.exists()
 

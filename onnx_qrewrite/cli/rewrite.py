@@ -132,10 +132,11 @@ def _verify_args(task: _Task, result: Any) -> dict[str, Any]:
 
 def _target_runtime(profile: Any, asked: str | None) -> str:
     """``rewrite --target T --verify`` verifies on T's runtime when it is installed, and says so
-    clearly (on stderr) when it is not and onnxruntime verifies instead."""
-    import importlib
-
-    from onnx_qrewrite.verify.runtimes import RUNTIMES
+    clearly (on stderr) when it is not and onnxruntime verifies instead. "Installed" is decided by
+    the check ``verify --runtime`` makes (:func:`~onnx_qrewrite.verify.runtimes.require_runtime`):
+    for tflite, the interpreter ``$ONNX_QREWRITE_TFLITE_PYTHON`` names, not this one."""
+    from onnx_qrewrite.errors import MissingDependencyError
+    from onnx_qrewrite.verify.runtimes import RUNTIMES, install_hint, require_runtime
 
     if asked not in (None, "onnxruntime"):
         return asked
@@ -144,11 +145,11 @@ def _target_runtime(profile: Any, asked: str | None) -> str:
         click.echo(f"onnx-qrewrite: note: no runtime for target {profile.id} here; verifying in onnxruntime", err=True)
         return "onnxruntime"
     try:
-        importlib.import_module(RUNTIMES[runtime].module)  # verify imports it next anyway
-    except ImportError:
+        require_runtime(runtime)  # verify needs it next anyway
+    except MissingDependencyError:
         click.echo(
             f"onnx-qrewrite: note: target {profile.id}'s runtime ({RUNTIMES[runtime].distribution}) is not installed "
-            f"(pip install 'onnx-qrewrite[{RUNTIMES[runtime].extra}]'); verifying in onnxruntime instead",
+            f"({install_hint(runtime)}); verifying in onnxruntime instead",
             err=True,
         )
         return "onnxruntime"
@@ -221,7 +222,8 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     "--verify",
     "do_verify",
     is_flag=True,
-    help="Verify each rewrite in onnxruntime; a disagreement exits 1 and removes the output.",
+    help="Verify each rewrite in onnxruntime (with --target: on its runtime when installed); a disagreement "
+    "exits 1 and removes the output.",
 )
 @click.option("--keep-failed", is_flag=True, help="With --verify: keep an output that failed verification.")
 @output_file_option("--junit", "junit_path", "With --verify: JUnit XML, one test suite per model, one case per output.")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from onnx_qrewrite.errors import InvalidModelError, MissingDependencyError, UsageError, first_line
 
-__all__ = ["RUNTIMES", "RuntimeInfo", "make_runner", "runtime_info"]
+__all__ = ["RUNTIMES", "RuntimeInfo", "install_hint", "make_runner", "require_runtime", "runtime_info"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,17 @@ class RuntimeInfo:
     rtol: float | None
 
 
-def _require(name: str) -> Any:
+def install_hint(name: str) -> str:
+    """How to install runtime ``name`` (one clause, for the messages that say it is missing)."""
+    if name == "tflite":
+        return TFLITE_SETUP
+    return f"pip install 'onnx-qrewrite[{RUNTIMES[name].extra}]'"
+
+
+def require_runtime(name: str) -> Any:
+    """The module (for tflite: the interpreter) that runs ``name``; the one availability check that
+    ``verify --runtime`` and ``rewrite --target --verify`` share, so they never disagree on whether a
+    runtime is here. MissingDependencyError saying how to install it, else."""
     if name not in RUNTIMES:
         raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {name!r}")
     if name == "tflite":
@@ -117,8 +127,7 @@ def _require(name: str) -> Any:
         return importlib.import_module(spec.module)
     except ImportError:
         raise MissingDependencyError(
-            f"--runtime {name} needs {spec.distribution}, which is not installed: "
-            f"pip install 'onnx-qrewrite[{spec.extra}]'"
+            f"--runtime {name} needs {spec.distribution}, which is not installed: {install_hint(name)}"
         ) from None
 
 
@@ -133,7 +142,7 @@ def _version(distribution: str) -> str | None:
 
 def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> RuntimeInfo:
     """Check ``name`` is installed (else exit 2 naming the extra) and say how it will be run."""
-    module = _require(name)
+    module = require_runtime(name)
     spec = RUNTIMES[name]
     settings: dict[str, str]
     if name == "onnxruntime":
@@ -231,7 +240,7 @@ _OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GRO
 class OpenVINORunner(_Runner):
     def __init__(self, model: onnx.ModelProto, *, label: str, threads: int = 1) -> None:
         super().__init__(model, label, "openvino")
-        ov = _require("openvino")
+        ov = require_runtime("openvino")
         config = dict(_OPENVINO_CONFIG)
         if threads:
             config["INFERENCE_NUM_THREADS"] = str(threads)
@@ -278,7 +287,7 @@ _TRACT_TYPES = {
 class TractRunner(_Runner):
     def __init__(self, model: onnx.ModelProto, *, label: str) -> None:
         super().__init__(model, label, "tract")
-        self._tract = _require("tract")
+        self._tract = require_runtime("tract")
         import onnx
 
         stripped = onnx.ModelProto()
@@ -366,7 +375,7 @@ _QNN_REGISTERED: set[str] = set()
 
 class QnnRunner(_Runner):
     def __init__(self, model: onnx.ModelProto, *, label: str, shapes: Mapping[str, Sequence[int]]) -> None:
-        qnn = _require("qnn")
+        qnn = require_runtime("qnn")
         from onnx_qrewrite.verify._ort import ort
 
         model = fix_input_shapes(model, shapes)
