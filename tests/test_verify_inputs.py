@@ -101,6 +101,18 @@ def test_bad_input_shapes_name_the_option(shapes, message):
     assert str(info.value) == message
 
 
+def test_a_named_dimension_sizes_it_in_every_input_that_has_it():
+    specs = input_specs(MIXED)  # pixels [batch, 3, h, 4], ids [batch, 5], mask [2]
+    (sample,) = generate_samples(specs, GenerationOptions(samples=1, battery=False, dims={"batch": 2, "h": 5}))
+    assert {k: v.shape for k, v in sample.feeds.items()} == {"pixels": (2, 3, 5, 4), "ids": (2, 5), "mask": (2,)}
+    given = GenerationOptions(samples=1, battery=False, dims={"batch": 2}, shapes={"ids": (3, 5)})
+    (sample,) = generate_samples(specs, given)  # an input's own shape wins; the others take DIM=N
+    assert sample.feeds["ids"].shape == (3, 5) and sample.feeds["pixels"].shape == (2, 3, DEFAULT_DIM, 4)
+    with pytest.raises(UsageError) as info:
+        generate_samples(specs, GenerationOptions(dims={"seq": 4}))
+    assert str(info.value) == "--input-shape seq=4: no input of the model has a dimension named 'seq' (named: batch, h)"
+
+
 def test_an_input_without_a_shape_needs_one():
     model = _model(("x", TensorProto.FLOAT, None))
     with pytest.raises(UsageError, match=r"input 'x' declares no shape; give one with --input-shape x:"):

@@ -184,6 +184,31 @@ def test_zero_size_outputs_are_inconclusive_with_exit_6_in_table_json_and_cli(to
     assert data["verdict"] == "inconclusive" and {o["verdict"] for o in data["outputs"]} == {"empty"}
 
 
+def test_input_shape_takes_a_named_dimension_as_rewrite_target_does(toy, tmp_path):
+    """``verify --input-shape DIM=N`` is the spelling ``rewrite --target`` takes (one parser): the
+    symbolic dimension DIM of every input gets N; an input's own NAME:D0,D1 wins; a DIM the model
+    does not have is exit 2 naming it (a typo must not silently verify on the default 1)."""
+    report_path = tmp_path / "r.json"
+    done = invoke("verify", toy["original"], toy["good"], "--input-shape", "batch=3", "--report", report_path)
+    assert done.exit_code == 0, done.output
+    data = json.loads(report_path.read_text())
+    jsonschema.validate(data, json.loads(SCHEMA_PATH.read_text()))
+    assert data["settings"]["inputs"]["input_dims"] == {"batch": 3}
+    assert {tuple(i["shape"]) for s in data["inputs"]["samples"] for i in s["inputs"]} == {(3, 4)}
+    args = ("--input-shape", "batch=3", "--input-shape", "x:2,4", "--report", report_path)
+    assert invoke("verify", toy["original"], toy["good"], *args).exit_code == 0
+    data = json.loads(report_path.read_text())
+    assert {tuple(i["shape"]) for s in data["inputs"]["samples"] for i in s["inputs"]} == {(2, 4)}
+    bad = invoke("verify", toy["original"], toy["good"], "--input-shape", "seq=3")
+    assert bad.exit_code == 2
+    assert one_error_line(bad.output) == (
+        "onnx-qrewrite: error: --input-shape seq=3: no input of the model has a dimension named 'seq' (named: batch)"
+    )
+    for text, message in (("batch=x", "expected DIM=N with N an integer"), ("batch=-1", "must be >= 0")):
+        bad = invoke("verify", toy["original"], toy["good"], "--input-shape", text)
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+
+
 def test_the_same_file_twice_is_inconclusive(tmp_path):
     model = tmp_path / "m.onnx"
     onnx.save(_nan_upstream_model(), model)

@@ -119,9 +119,10 @@ def _input_options() -> list[Callable[[Callable], Callable]]:
             "--input-shape",
             "input_shapes",
             multiple=True,
-            metavar="NAME:D0,D1,...",
-            help="Shape of an input with symbolic dimensions (default: 1 for each); repeatable. rewrite "
-            "--target also fixes them in the model before planning (and DIM=N fixes a named dimension).",
+            metavar="NAME:D0,D1,... | DIM=N",
+            help="Shape of an input with symbolic dimensions, or DIM=N: the symbolic dimension named DIM in "
+            "every input (default: 1 for each); repeatable. rewrite --target also fixes them in the model "
+            "before planning.",
         ),
         click.option(
             "--battery/--no-battery",
@@ -276,10 +277,12 @@ def verify_kwargs(
 ) -> dict[str, Any]:
     """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option.
     Everything that can be checked without the models is checked here, before any work."""
+    from onnx_qrewrite.targets.shapes import parse_input_shapes
     from onnx_qrewrite.verify import DriftThresholds, GenerationOptions, SessionSettings, Tolerances
-    from onnx_qrewrite.verify.inputs import parse_input_shape, parse_int_range, parse_val_range
+    from onnx_qrewrite.verify.inputs import parse_int_range, parse_val_range
 
-    shapes = dict(parse_input_shape(text) for text in input_shapes)
+    given = parse_input_shapes(input_shapes)  # the one parser of --input-shape, as rewrite --target's
+    shapes = dict(given.inputs)
     ranges = dict(parse_val_range(text) for text in val_ranges)
     generation = GenerationOptions(
         samples=samples,
@@ -288,6 +291,7 @@ def verify_kwargs(
         shapes=shapes,
         battery=battery,
         value_ranges=ranges,
+        dims=dict(given.dims),
     )
     session = SessionSettings(opt_level=ort_opt_level, threads=threads)
     return {
@@ -297,6 +301,7 @@ def verify_kwargs(
         "int_range": generation.int_range,
         "value_ranges": ranges,
         "input_shapes": shapes,
+        "input_dims": dict(generation.dims),
         "battery": battery,
         "tolerances": Tolerances.from_options(atol, rtol, lsb, tolerance_rule),
         "opt_level": ort_opt_level,

@@ -326,6 +326,7 @@ def verify(
     int_range: tuple[int, int] | None = None,
     value_ranges: Mapping[str, tuple[float, float]] | None = None,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
+    input_dims: Mapping[str, int] | None = None,
     battery: bool = True,
     tolerances: Tolerances | None = None,
     opt_level: str = "disable",
@@ -345,9 +346,10 @@ def verify(
     ``inputs``: an ``.npz`` path, a mapping of input name to array (one sample) or a list of
     :class:`Sample`; when omitted, ``samples`` random samples (``seed``; value ranges from
     ``value_ranges`` (input name, or ``""`` for every input, -> (low, high)), integers in
-    ``int_range`` or by the defaults of :mod:`.inputs`; symbolic dimensions from ``input_shapes`` or
-    1) plus the quantization battery (``battery``). ``tolerances``: see :class:`Tolerances`
-    (default: exact for integers, tight per float dtype, the ``numpy`` rule).
+    ``int_range`` or by the defaults of :mod:`.inputs`; symbolic dimensions from ``input_shapes``
+    (by input), else ``input_dims`` (by dimension name), else 1) plus the quantization battery
+    (``battery``). ``tolerances``: see :class:`Tolerances` (default: exact for integers, tight per
+    float dtype, the ``numpy`` rule).
     ``custom_op_library``: run the original's vendor ops with the vendor's library instead of the
     reference kernels. ``save_outputs``: write the inputs and the original's outputs (see
     :mod:`.stored`); ``load_outputs``: compare ``rewritten`` with such a file instead of running an
@@ -377,6 +379,7 @@ def verify(
         int_range=int_range,
         value_ranges=value_ranges,
         input_shapes=input_shapes,
+        input_dims=input_dims,
         battery=battery,
         tolerances=tolerances,
         opt_level=opt_level,
@@ -441,6 +444,7 @@ def _resolve_options(
     int_range: tuple[int, int] | None,
     value_ranges: Mapping[str, tuple[float, float]] | None,
     input_shapes: Mapping[str, Sequence[int]] | None,
+    input_dims: Mapping[str, int] | None,
     battery: bool,
     tolerances: Tolerances | None,
     opt_level: str,
@@ -481,6 +485,7 @@ def _resolve_options(
         shapes={k: tuple(int(d) for d in v) for k, v in (input_shapes or {}).items()},
         battery=battery,
         value_ranges={k: (float(lo), float(hi)) for k, (lo, hi) in (value_ranges or {}).items()},
+        dims={k: int(v) for k, v in (input_dims or {}).items()},
     )
     return _Options(
         started=started,
@@ -689,6 +694,7 @@ class _RunnerFactory:
                 label=self.rewritten_label,
                 threads=options.threads,
                 shapes=options.generation.shapes,
+                dims=options.generation.dims,
             )
         return ModelRunner(
             model,

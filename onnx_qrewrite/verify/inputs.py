@@ -157,7 +157,10 @@ class GenerationOptions:
 
     ``int_range``: every integer input in this range (inclusive); None: the defaults of the module
     docstring. ``value_ranges``: per input name; the key ``""`` (a bare ``--val-range``) applies to
-    every input without its own.
+    every input without its own. ``shapes``: by input name (``--input-shape NAME:D0,D1``);
+    ``dims``: the value of each symbolic dimension of that name in any input (``--input-shape
+    DIM=N``, the spelling ``rewrite --target`` uses to fix a model's dimension), where no shape
+    for the whole input is given.
     """
 
     samples: int = 2
@@ -166,8 +169,12 @@ class GenerationOptions:
     shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     battery: bool = True
     value_ranges: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for dim, value in self.dims.items():
+            if value < 0:
+                raise UsageError(f"--input-shape {dim}={value}: dimensions must be >= 0")
         if not 0 <= self.samples <= MAX_SAMPLES:
             raise UsageError(f"--samples: expected a count from 0 to {MAX_SAMPLES}, got {self.samples}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -362,7 +369,7 @@ def _check_input_bytes(total: int, what: str) -> None:
         )
 
 
-def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> tuple[int, ...]:
     if spec.name in shapes:
         shape = shapes[spec.name]
         if spec.dims is not None:
@@ -376,7 +383,21 @@ def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]]) -> tu
         return shape
     if spec.dims is None:
         raise UsageError(f"input {spec.name!r} declares no shape; give one with --input-shape {spec.name}:D0,D1,...")
-    return tuple(d if isinstance(d, int) and d > 0 else DEFAULT_DIM for d in spec.dims)
+    return tuple(
+        d if isinstance(d, int) and d > 0 else dims.get(d, DEFAULT_DIM) if isinstance(d, str) else DEFAULT_DIM
+        for d in spec.dims
+    )
+
+
+def _check_dims(specs: Sequence[InputSpec], dims: Mapping[str, int]) -> None:
+    """A ``DIM=N`` that names no symbolic dimension of any input is a typo, not a no-op."""
+    declared = {d for s in specs for d in (s.dims or ()) if isinstance(d, str)}
+    for dim, value in dims.items():
+        if dim not in declared:
+            named = ", ".join(sorted(declared)) or "none"
+            raise UsageError(
+                f"--input-shape {dim}={value}: no input of the model has a dimension named {dim!r} (named: {named})"
+            )
 
 
 def _integer_bounds(spec: InputSpec, value_range: ValueRange) -> tuple[int, int]:
@@ -437,9 +458,10 @@ def generate_samples(
     unknown = set(options.shapes) - {s.name for s in specs}
     if unknown:
         raise UsageError(f"--input-shape: the model has no input named {sorted(unknown)[0]!r}")
+    _check_dims(specs, options.dims)
     if ranges is None:
         ranges = resolve_value_ranges(specs, options)
-    shapes = {spec.name: _resolve_shape(spec, options.shapes) for spec in specs}
+    shapes = {spec.name: _resolve_shape(spec, options.shapes, options.dims) for spec in specs}
     battery = options.battery and any(s.elem_type in _FLOAT_TYPES for s in specs)
     count = options.samples + (len(BATTERY) if battery else 0)
     if count == 0:

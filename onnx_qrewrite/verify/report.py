@@ -244,6 +244,7 @@ class VerifyReport:
                     else list(generation.int_range),
                     "battery": None if generation is None else generation.battery,
                     "input_shapes": {} if generation is None else {k: list(v) for k, v in generation.shapes.items()},
+                    "input_dims": {} if generation is None else dict(generation.dims),
                     "value_ranges": {
                         name: {"low": r.low, "high": r.high, "why": r.why} for name, r in s.value_ranges.items()
                     },

@@ -345,8 +345,11 @@ class TractRunner(_Runner):
                 raise self._fail(f"cannot read output {name!r} (a tract TDim) as int64", again) from None
 
 
-def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]) -> onnx.ModelProto:
-    """A copy with every symbolic input dimension fixed (``shapes`` by input name, else 1), as
+def fix_input_shapes(
+    model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]], dims: Mapping[str, int] | None = None
+) -> onnx.ModelProto:
+    """A copy with every symbolic input dimension fixed (``shapes`` by input name, else ``dims`` by
+    dimension name, else 1: the shapes verify's samples take), as
     onnxruntime's make_dynamic_shape_fixed does: the dim_param is replaced wherever it appears."""
     import onnx
     from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_dim_param_fixed
@@ -357,7 +360,7 @@ def fix_input_shapes(model: onnx.ModelProto, shapes: Mapping[str, Sequence[int]]
         given = shapes.get(vi.name)
         for i, dim in enumerate(vi.type.tensor_type.shape.dim):
             if dim.dim_param:
-                value = int(given[i]) if given is not None and i < len(given) else 1
+                value = int(given[i]) if given is not None and i < len(given) else (dims or {}).get(dim.dim_param, 1)
                 make_dim_param_fixed(fixed.graph, dim.dim_param, value)
     # Outputs declared without a type (the localiser's extra outputs, verify/localize.py) stay so:
     # fix_output_shapes cannot read them, and the runtime infers them.
@@ -374,11 +377,18 @@ _QNN_REGISTERED: set[str] = set()
 
 
 class QnnRunner(_Runner):
-    def __init__(self, model: onnx.ModelProto, *, label: str, shapes: Mapping[str, Sequence[int]]) -> None:
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        *,
+        label: str,
+        shapes: Mapping[str, Sequence[int]],
+        dims: Mapping[str, int] | None = None,
+    ) -> None:
         qnn = require_runtime("qnn")
         from onnx_qrewrite.verify._ort import ort
 
-        model = fix_input_shapes(model, shapes)
+        model = fix_input_shapes(model, shapes, dims)
         super().__init__(model, label, "qnn")
         name = qnn.get_ep_name()
         if name not in _QNN_REGISTERED:
@@ -472,14 +482,16 @@ def make_runner(
     label: str,
     threads: int = 1,
     shapes: Mapping[str, Sequence[int]] | None = None,
+    dims: Mapping[str, int] | None = None,
 ) -> Any:
-    """A runner of ``model`` on ``runtime`` (not onnxruntime: :class:`~.session.ModelRunner` is)."""
+    """A runner of ``model`` on ``runtime`` (not onnxruntime: :class:`~.session.ModelRunner` is);
+    ``shapes``/``dims`` fix QNN's symbolic dimensions as the samples have them."""
     if runtime == "openvino":
         return OpenVINORunner(model, label=label, threads=threads)
     if runtime == "tract":
         return TractRunner(model, label=label)
     if runtime == "qnn":
-        return QnnRunner(model, label=label, shapes=shapes or {})
+        return QnnRunner(model, label=label, shapes=shapes or {}, dims=dims)
     if runtime == "tflite":
         return TFLiteRunner(model, label=label)
     raise UsageError(f"--runtime: expected one of {', '.join(RUNTIMES)}, got {runtime!r}")
