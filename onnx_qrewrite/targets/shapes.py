@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.io.input_shape import InputShapes, parse_input_shapes  # verify's parser too
 
 __all__ = [
     "Applied",
@@ -43,42 +44,6 @@ __all__ = [
 ]
 
 OPTION = "--input-shape"
-
-
-@dataclasses.dataclass(frozen=True)
-class InputShapes:
-    """What ``--input-shape`` gives: shapes by input name, and values by symbolic dimension name."""
-
-    inputs: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    dims: Mapping[str, int] = dataclasses.field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.inputs or self.dims)
-
-    def to_dict(self) -> dict[str, object]:
-        return {"inputs": {k: list(v) for k, v in self.inputs.items()}, "dims": dict(self.dims)}
-
-
-def parse_input_shapes(texts: Iterable[str]) -> InputShapes:
-    """``NAME:D0,D1,...`` (an input's shape; the name may contain ``:``) or ``DIM=N`` (a symbolic
-    dimension's value) -> :class:`InputShapes`; a malformed one is a UsageError naming it."""
-    from onnx_qrewrite.verify.inputs import parse_input_shape
-
-    inputs: dict[str, tuple[int, ...]] = {}
-    dims: dict[str, int] = {}
-    for text in texts:
-        if ":" in text or "=" not in text:
-            name, shape = parse_input_shape(text)
-            inputs[name] = shape
-            continue
-        dim, _, value = text.rpartition("=")
-        try:
-            dims[dim] = int(value)
-        except ValueError:
-            raise UsageError(f"{OPTION} {text}: expected DIM=N with N an integer") from None
-        if not dim:
-            raise UsageError(f"{OPTION} {text}: expected DIM=N naming a symbolic dimension")
-    return InputShapes(inputs, dims)
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

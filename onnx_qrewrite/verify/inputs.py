@@ -56,6 +56,7 @@ import numpy as np
 
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.io.elem_types import ml_dtypes_named, np_dtype, type_name
+from onnx_qrewrite.io.input_shape import parse_input_shape
 
 if TYPE_CHECKING:
     import onnx
@@ -207,20 +208,6 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
             )
         specs.append(InputSpec(info.name, tensor_type.elem_type, dims))
     return specs
-
-
-def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
-    """``name:d0,d1,...`` (the name may itself contain ``:``) -> (name, dims); ``name:`` is a scalar."""
-    name, sep, dims = text.rpartition(":")
-    if not sep or not name:
-        raise UsageError(f"--input-shape: expected NAME:D0,D1,... got {text!r}")
-    try:
-        shape = tuple(int(d) for d in dims.split(",")) if dims.strip() else ()
-    except ValueError:
-        raise UsageError(f"--input-shape: dimensions must be integers, got {text!r}") from None
-    if any(d < 0 for d in shape):
-        raise UsageError(f"--input-shape: dimensions must be >= 0, got {text!r}")
-    return name, shape
 
 
 _VAL_RANGE = re.compile(r"^(?:(?P<name>.*):)?\[(?P<lo>[^,\[\]]+),(?P<hi>[^,\[\]]+)\]$")
