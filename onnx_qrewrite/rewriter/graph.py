@@ -163,6 +163,8 @@ class _Producers:
         return found
 
     def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> int | None:
+        if not name:  # an absent optional value is not indexed; without this, the confirm below
+            return None  # finds a node with an absent output among the names sharing hash("")
         value = hash(name)
         hashes = self.hashes
         lo = int(hashes.searchsorted(value))
