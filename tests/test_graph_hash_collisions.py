@@ -15,7 +15,7 @@ import zlib
 
 import pytest
 from onnx import helper
-from test_name_allocator import _model, _PlainAllocator
+from test_name_allocator import _model, assert_families_match_a_plain_set
 
 from onnx_qrewrite.rewriter import graph
 from onnx_qrewrite.rewriter.graph import NameAllocator, _Producers
@@ -85,22 +85,7 @@ def test_frozen_name_allocator_answers_as_a_set_when_hashes_collide(colliding):
 @pytest.mark.parametrize("seed", [3, 7])
 def test_frozen_families_take_the_names_a_plain_set_would_under_collisions(colliding, seed):
     """test_name_allocator's randomized comparison, with every draw hitting some hash."""
-    rng = random.Random(seed)
-    parts = ["a", "b", "a/b", "x", "x_1", "", "b/"]
-    hint_sets = [["/x", "/y"], ["/x", "/x"], ["/x", "/y_1"], ["x", "/y"], ["/a/b"], ["/x_1", "/x"], ["/"]]
-    for trial in range(150):
-        existing = sorted({rng.choice(parts) + rng.choice(["", "/x", "/y", "/x_1"]) for _ in range(3)} - {""})
-        ours = NameAllocator(_model(existing), frozen=True)
-        plain = _PlainAllocator({*existing, "x", "g"} | {f"node{i}" for i in range(len(existing))})
-        for step in range(30):
-            prefix = rng.choice(parts)
-            if rng.random() < 0.7:
-                hints = rng.choice(hint_sets)
-                assert ours.fresh_all(prefix, hints) == plain.fresh_all(prefix, hints), (trial, step)
-            else:
-                base = prefix + rng.choice(["/x", "/y", "/x_1", "", "/q"])
-                if base:
-                    assert ours.fresh(base) == plain.fresh(base), (trial, step, base)
+    assert_families_match_a_plain_set(random.Random(seed), 150, 30, frozen=True)
 
 
 def test_the_patch_reaches_the_index(colliding):

@@ -16,17 +16,11 @@ from onnx_qrewrite.rewriter.builders.matmul_nbits import pack
 RNG = np.random.default_rng(17)
 
 
-def gbq_model(storage: str, with_zp: bool, block: int, vocab: int = 50, hidden: int = 80, **attrs):
-    bits = 8 if storage == "uint8-8" else 4
-    nb = -(-hidden // block)
-    q = RNG.integers(0, 2**bits, (vocab, hidden)).astype(np.uint8)
-    zp = RNG.integers(0, 2**bits, (vocab, nb)).astype(np.uint8)
-    scale = RNG.uniform(1e-3, 1.0, (vocab, nb)).astype(np.float32)
-    scale.flat[:3] = [0.0, 1e-40, 3e30]
-    attrs = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, **attrs}
+def _constants(storage: str, bits: int, q, zp, scale, with_zp: bool) -> tuple[list, list[str]]:
+    """The node's constants (the table and zero points stored as ``storage`` keeps them: uint8
+    packed along the last axis, int4, uint4) and its input names."""
     if storage.startswith("uint8"):
-        attrs["bits"] = bits
-        data, zps = (pack(q, 4), pack(zp, 4)) if bits == 4 else (q, zp)
+        data, zps = pack(q, bits).reshape(*q.shape[:-1], -1), pack(zp, bits).reshape(*zp.shape[:-1], -1)
     elif storage == "int4":
         data = (q.astype(np.int16) - 8).astype(ml_dtypes.int4)
         zps = (zp.astype(np.int16) - 8).astype(ml_dtypes.int4)
@@ -37,6 +31,20 @@ def gbq_model(storage: str, with_zp: bool, block: int, vocab: int = 50, hidden: 
     if with_zp:
         inits.append(numpy_helper.from_array(zps, "zps"))
         inputs.append("zps")
+    return inits, inputs
+
+
+def gbq_model(storage: str, with_zp: bool, block: int, vocab: int = 50, hidden: int = 80, **attrs):
+    bits = 8 if storage == "uint8-8" else 4
+    nb = -(-hidden // block)
+    q = RNG.integers(0, 2**bits, (vocab, hidden)).astype(np.uint8)
+    zp = RNG.integers(0, 2**bits, (vocab, nb)).astype(np.uint8)
+    scale = RNG.uniform(1e-3, 1.0, (vocab, nb)).astype(np.float32)
+    scale.flat[:3] = [0.0, 1e-40, 3e30]
+    attrs = {"gather_axis": 0, "quantize_axis": 1, "block_size": block, **attrs}
+    if storage.startswith("uint8"):
+        attrs["bits"] = bits
+    inits, inputs = _constants(storage, bits, q, zp, scale, with_zp)
     node = helper.make_node("GatherBlockQuantized", inputs, ["emb"], name="gbq", domain="com.microsoft", **attrs)
     graph = helper.make_graph(
         [node],
@@ -133,17 +141,7 @@ def table_model(storage, with_zp, block, scale_type, opset, shape=(40, 300), gat
     attrs = {"gather_axis": gather_axis, "quantize_axis": quantize_axis, "block_size": block}
     if storage.startswith("uint8"):
         attrs["bits"] = bits
-        data, zps = pack(q, bits).reshape(*shape[:-1], -1), pack(zp, bits).reshape(*sshape[:-1], -1)
-    elif storage == "int4":
-        data = (q.astype(np.int16) - 8).astype(ml_dtypes.int4)
-        zps = (zp.astype(np.int16) - 8).astype(ml_dtypes.int4)
-    else:
-        data, zps = q.astype(ml_dtypes.uint4), zp.astype(ml_dtypes.uint4)
-    inits = [numpy_helper.from_array(data, "table"), numpy_helper.from_array(scale, "scales")]
-    inputs = ["table", "ids", "scales"]
-    if with_zp:
-        inits.append(numpy_helper.from_array(zps, "zps"))
-        inputs.append("zps")
+    inits, inputs = _constants(storage, bits, q, zp, scale, with_zp)
     out_type = TensorProto.FLOAT16 if scale_type == np.float16 else TensorProto.FLOAT
     node = helper.make_node("GatherBlockQuantized", inputs, ["emb"], name="gbq", domain="com.microsoft", **attrs)
     graph = helper.make_graph(
