@@ -276,3 +276,31 @@ def test_targets_says_which_need_static_shapes():
     body = {t["id"]: t for t in json.loads(cli("targets", "--json").stdout)}
     assert body["qnn"]["static_shapes"] and not body["tflite"]["static_shapes"]
     assert "static input shapes: give --input-shape" in cli("targets", "qnn", "--long").stdout
+
+
+@pytest.mark.parametrize(
+    ("op", "values", "folds"),
+    [
+        ("Range", [0, 10**10, 1], False),  # 10^10 int64s: 80 GB if computed
+        ("Range", [0, 3, 0], False),
+        ("Range", [0, 12, 3], True),
+        ("Add", [np.arange(4000), np.arange(4000).reshape(-1, 1)], False),  # 16M by broadcasting
+        ("Add", [np.arange(40), np.arange(40).reshape(-1, 1)], True),
+    ],
+)
+def test_shape_values_too_large_are_not_computed(op, values, folds, monkeypatch):
+    """A model is untrusted: a shape computation whose result would exceed MAX_FOLDED elements is
+    refused before it runs (the reference evaluator is never called for it), not after."""
+    import onnx.reference
+
+    from onnx_qrewrite.targets import shapes
+
+    calls = []
+    real = onnx.reference.ReferenceEvaluator
+    monkeypatch.setattr(onnx.reference, "ReferenceEvaluator", lambda *a, **k: calls.append(a) or real(*a, **k))
+    names = [f"v{i}" for i in range(len(values))]
+    node = helper.make_node(op, names, ["out"])
+    folded = {n: np.asarray(v, np.int64) for n, v in zip(names, values, strict=True)}
+    assert shapes._fold(node, {}, folded) is folds
+    assert bool(calls) is folds
+    assert ("out" in folded) is folds

@@ -345,6 +345,8 @@ def _fold(node: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]], folded: d
     ins = [i for i in node.input if i]
     if node.op_type not in _FOLDED_OPS or not all(i in folded for i in ins):
         return False
+    if _too_large(node, [folded[i] for i in ins]):
+        return False
     from onnx.reference import ReferenceEvaluator
 
     try:
@@ -355,6 +357,30 @@ def _fold(node: onnx.NodeProto, shapes: Mapping[str, tuple[int, ...]], folded: d
         return False
     folded.update((name, np.asarray(r)) for name, r in zip(node.output, results, strict=False))
     return True
+
+
+#: Folded ops whose output can be larger than their inputs: elementwise ones broadcast.
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Equal", "Where", "Max", "Min"})
+
+
+def _too_large(node: onnx.NodeProto, values: list[np.ndarray]) -> bool:
+    """Whether ``node``'s output could exceed MAX_FOLDED elements, decided before anything is
+    computed: a model is untrusted, and Range(0, 10**10, 1) or a broadcast of two long vectors
+    would allocate gigabytes before the size of the result could be looked at."""
+    if node.op_type == "Range":
+        if len(values) != 3 or any(np.asarray(v).size != 1 for v in values):
+            return True
+        start, limit, delta = (float(np.asarray(v).reshape(())) for v in values)
+        if delta == 0 or not all(np.isfinite((start, limit, delta))):
+            return True
+        return max(0.0, np.ceil((limit - start) / delta)) > MAX_FOLDED
+    if node.op_type in _BROADCASTING:
+        try:
+            shape = np.broadcast_shapes(*(np.shape(v) for v in values))
+        except ValueError:
+            return True
+        return int(np.prod(shape, dtype=np.float64)) > MAX_FOLDED
+    return False
 
 
 def _constants(graph: onnx.GraphProto, folded: dict[str, np.ndarray]) -> None:
