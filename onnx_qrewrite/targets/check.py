@@ -20,7 +20,7 @@ import onnx
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, iter_scopes, known_shape
 from onnx_qrewrite.targets.profile import Refusal, TargetProfile
 
-__all__ = ["Refused", "check_model", "model_level_reasons"]
+__all__ = ["Refused", "check_model", "model_level_reasons", "node_label"]
 
 _STANDARD = ("", "ai.onnx")
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -61,7 +61,8 @@ def _iter_nodes(model: onnx.ModelProto) -> Iterator[tuple[Scope, onnx.NodeProto,
         yield from zip((scope,) * len(nodes), nodes, attribute_nodes(nodes), strict=True)
 
 
-def _label(node: onnx.NodeProto) -> str:
+def node_label(node: onnx.NodeProto) -> str:
+    """How check_model names a node in its refusals (the plan matches its nodes by it)."""
     return node.name or (node.output[0] if node.output else node.op_type)
 
 
@@ -340,7 +341,7 @@ def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if types and t not in types:
             return None
-        return f"{f' of {t}' if t else ''} read by a {reader.op_type} ({_label(reader)!r})"
+        return f"{f' of {t}' if t else ''} read by a {reader.op_type} ({node_label(reader)!r})"
     if when == "quantized-type":
         t = _quant_type(node, scope) if node.op_type in _QDQ else None
         if t is None:
@@ -429,6 +430,6 @@ def check_model(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]
             rule, origin = provenance or (None, None)
             unlisted = not profile.support(node.domain, node.op_type)
             out.append(
-                Refused(scope.path, _label(node), node.op_type, node.domain, tuple(reasons), rule, origin, unlisted)
+                Refused(scope.path, node_label(node), node.op_type, node.domain, tuple(reasons), rule, origin, unlisted)
             )
     return out

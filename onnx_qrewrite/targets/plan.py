@@ -39,7 +39,7 @@ import onnx
 
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
 from onnx_qrewrite.rewriter.graph import iter_scopes
-from onnx_qrewrite.targets.check import Refused, check_model
+from onnx_qrewrite.targets.check import Refused, check_model, node_label
 from onnx_qrewrite.targets.lower_opset import check_for_target, lowering_for_target
 from onnx_qrewrite.targets.profile import TargetProfile
 from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
@@ -336,7 +336,7 @@ def _nodes(
                 f"<unnamed {node.op_type} -> {node.output[0]}>" if node.output else f"<unnamed {node.op_type}>"
             )
             site = name if scope.path == "main" else f"{name} (in {scope.path})"
-            label = node.name or (node.output[0] if node.output else node.op_type)
+            label = node_label(node)
             is_refused = int((scope.path, label) in refused)
             in_forms = [r.id for r in rules if r.id in forms]
             if not is_refused and refused_only:
@@ -353,8 +353,7 @@ def _refused_outputs(scope: Any, refused: set[tuple[str, str]]) -> set[str]:
     """The values the nodes of ``scope`` the target refuses write."""
     out: set[str] = set()
     for node in scope.container.node:
-        label = node.name or (node.output[0] if node.output else node.op_type)
-        if (scope.path, label) in refused:
+        if (scope.path, node_label(node)) in refused:
             out.update(name for name in node.output if name)
     return out
 
