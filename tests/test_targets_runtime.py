@@ -338,6 +338,24 @@ def test_rewrite_target_tflite_verifies_on_litert(tmp_path):
     assert runtime["name"] == "tflite" and runtime["settings"]["python"] == os.environ[TFLITE_PYTHON_ENV]
 
 
+@pytest.mark.parametrize("asked", [None, "onnxruntime"])
+def test_rewrite_target_verify_runtime_onnxruntime_wins_over_the_targets_runtime(tmp_path, asked):
+    """`rewrite --target openvino --verify` verifies on OpenVINO; an explicit `--runtime
+    onnxruntime` forces onnxruntime (it used to be the option's default, so it was ignored), and
+    `verify` alone still defaults to onnxruntime."""
+    _runtime("openvino")
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    args = ["rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--target", "openvino", "--verify", "--report", report]
+    proc = cli(*args, *(["--runtime", asked] if asked else []))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runtime = __import__("json").loads(report.read_text())["verification"]["settings"]["runtime"]
+    assert runtime["name"] == (asked or "openvino")
+    verified = cli("verify", SAMPLES / "dynamic_mlp.onnx", out, "--report", tmp_path / "v.json")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    body = __import__("json").loads((tmp_path / "v.json").read_text())
+    assert body["settings"]["runtime"]["name"] == "onnxruntime"
+
+
 def _without_tflite_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != TFLITE_PYTHON_ENV}
     if importlib.util.find_spec("onnx2tf") is not None:

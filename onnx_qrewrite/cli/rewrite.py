@@ -134,11 +134,12 @@ def _target_runtime(profile: Any, asked: str | None) -> str:
     """``rewrite --target T --verify`` verifies on T's runtime when it is installed, and says so
     clearly (on stderr) when it is not and onnxruntime verifies instead. "Installed" is decided by
     the check ``verify --runtime`` makes (:func:`~onnx_qrewrite.verify.runtimes.require_runtime`):
-    for tflite, the interpreter ``$ONNX_QREWRITE_TFLITE_PYTHON`` names, not this one."""
+    for tflite, the interpreter ``$ONNX_QREWRITE_TFLITE_PYTHON`` names, not this one. A runtime
+    the user named (``asked``, onnxruntime included) wins: ``--runtime`` has no default here."""
     from onnx_qrewrite.errors import MissingDependencyError
     from onnx_qrewrite.verify.runtimes import RUNTIMES, install_hint, require_runtime
 
-    if asked not in (None, "onnxruntime"):
+    if asked is not None:
         return asked
     runtime = profile.runtime
     if runtime is None or runtime not in RUNTIMES:
@@ -222,12 +223,13 @@ def _outputs_for(models: tuple[str, ...], output: str) -> list[str]:
     "--verify",
     "do_verify",
     is_flag=True,
-    help="Verify each rewrite in onnxruntime (with --target: on its runtime when installed); a disagreement "
+    help="Verify each rewrite in onnxruntime (with --target: on its runtime when installed; --runtime "
+    "chooses); a disagreement "
     "exits 1 and removes the output.",
 )
 @click.option("--keep-failed", is_flag=True, help="With --verify: keep an output that failed verification.")
 @output_file_option("--junit", "junit_path", "With --verify: JUnit XML, one test suite per model, one case per output.")
-@verify_options(report=False, junit=False)
+@verify_options(report=False, junit=False, runtime_default=None)
 @click.pass_context
 def rewrite_command(
     ctx: click.Context,

@@ -49,14 +49,18 @@ def _per_output_option(
     )
 
 
-def verify_options(*, report: bool = True, junit: bool = True) -> Callable[[Callable], Callable]:
+def verify_options(
+    *, report: bool = True, junit: bool = True, runtime_default: str | None = "onnxruntime"
+) -> Callable[[Callable], Callable]:
     """The verification options, as one group shared by ``verify`` and ``rewrite --verify``
-    (which has its own ``--report`` and ``--junit``, hence the switches)."""
+    (which has its own ``--report`` and ``--junit``, hence the switches). ``rewrite`` leaves
+    ``--runtime`` unset by default (None), so that with ``--target`` an explicit
+    ``--runtime onnxruntime`` can be told apart from no choice (then the target's runtime)."""
     options: list[Callable[[Callable], Callable]] = [
         *_input_options(),
         *_tolerance_options(),
         *_drift_options(),
-        *_session_options(),
+        *_session_options(runtime_default),
     ]
     if report:
         options.append(
@@ -195,8 +199,15 @@ def _drift_options() -> list[Callable[[Callable], Callable]]:
     ]
 
 
-def _session_options() -> list[Callable[[Callable], Callable]]:
+def _session_options(runtime_default: str | None) -> list[Callable[[Callable], Callable]]:
     """How the models run: onnxruntime settings, files of inputs and outputs kept, the runtime, localisation."""
+    runtime_help = (
+        "Run the rewritten model on this runtime (the original stays in onnxruntime); each is an "
+        "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn); tflite runs in a Python 3.12+ environment "
+        "of its own, named by $ONNX_QREWRITE_TFLITE_PYTHON."
+    )
+    if runtime_default is None:
+        runtime_help += " Default: --target's runtime when installed, else onnxruntime."
     return [
         click.option(
             "--ort-opt-level",
@@ -227,11 +238,9 @@ def _session_options() -> list[Callable[[Callable], Callable]]:
         click.option(
             "--runtime",
             type=click.Choice(["onnxruntime", "openvino", "tract", "qnn", "tflite"]),
-            default="onnxruntime",
-            show_default=True,
-            help="Run the rewritten model on this runtime (the original stays in onnxruntime); each is an "
-            "extra: pip install 'onnx-qrewrite[openvino]' (or tract, qnn); tflite runs in a Python 3.12+ environment "
-            "of its own, named by $ONNX_QREWRITE_TFLITE_PYTHON.",
+            default=runtime_default,
+            show_default=runtime_default is not None,
+            help=runtime_help,
         ),
         click.option(
             "--providers",
@@ -267,7 +276,7 @@ def verify_kwargs(
     save_inputs: str | None,
     save_outputs: str | None,
     localize: bool,
-    runtime: str = "onnxruntime",
+    runtime: str | None = "onnxruntime",
     providers: str | None = None,
     drift_mode: str = "auto",
     drift_rel_l2: tuple[str, ...] = (),
@@ -310,7 +319,7 @@ def verify_kwargs(
         "save_inputs": save_inputs,
         "save_outputs": save_outputs,
         "localize_failures": localize,
-        "runtime": runtime,
+        "runtime": runtime or "onnxruntime",
         "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
         "drift": DriftThresholds.from_options(drift_mode, drift_rel_l2, drift_cosine, drift_argmax, drift_atol),
     }
