@@ -243,6 +243,20 @@ def test_rewrite_target_verifies_on_the_fixed_shapes(tmp_path):
     assert verification["settings"]["inputs"]["input_shapes"] == {"input": [3, 64]}
 
 
+def test_rewrite_verify_without_a_target_takes_input_shapes_for_its_samples(tmp_path):
+    """Without --target nothing is planned for fixed shapes: `rewrite --verify --input-shape DIM=N`
+    generates verify's samples with them, as `verify --input-shape DIM=N` does (it was exit 2), and
+    the output keeps its symbolic dimensions."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime (extra [verify])")
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
+    done = cli("rewrite", MLP, "-o", out, "--input-shape", "batch=3", "--verify", "--report", report)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verification = json.loads(report.read_text())["verification"]
+    assert verification["settings"]["inputs"]["input_dims"] == {"batch": 3}
+    assert [o["shape"] for o in verification["outputs"]] == [[3, 10]]
+    assert _dims(onnx.load(out).graph.input[0]) == _dims(onnx.load(MLP).graph.input[0])
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -254,6 +268,8 @@ def test_rewrite_target_verifies_on_the_fixed_shapes(tmp_path):
         (["inspect", MLP, "--input-shape", "batch=1"], "--target"),
         (["rewrite", MLP, "-o", "{out}", "--target", "qnn", "--input-shape", "nope:1,64"], "'nope'"),
         (["rewrite", MLP, "-o", "{out}", "--input-shape", "batch=1"], "--target"),
+        (["rewrite", MLP, "-o", "{out}", "--input-shape", "input:1,64"], "--verify"),
+        (["rewrite", MLP, "-o", "{out}", "--input-shape", "nope=2", "--verify"], "'nope'"),
     ],
 )
 def test_bad_input_shapes_exit_2_with_one_line(args, named, tmp_path):

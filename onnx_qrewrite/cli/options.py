@@ -198,19 +198,13 @@ def plan_options(*, inspecting: bool) -> Callable[[Callable], Callable]:
 
 def target_input_shapes(texts: tuple[str, ...], target: str | None) -> Any:
     """``--input-shape`` for a target (``inspect``/``rewrite --target``): the dimensions to fix before
-    planning (onnx_qrewrite.targets.shapes.InputShapes), None when none are given. A malformed one,
-    or ``DIM=N`` without ``--target`` (only a target's plan fixes dimensions), is a UsageError."""
-    if not texts:
+    planning (onnx_qrewrite.targets.shapes.InputShapes), None when none are given or there is no
+    target (then only ``--verify``'s samples take them). A malformed one is a UsageError."""
+    if not texts or target is None:
         return None
     from onnx_qrewrite.targets.shapes import parse_input_shapes
 
-    shapes = parse_input_shapes(texts)
-    if target is None and shapes.dims:
-        first = next(iter(shapes.dims))
-        raise UsageError(
-            f"--input-shape {first}={shapes.dims[first]}: DIM=N fixes a dimension for a target; give --target"
-        )
-    return shapes if target is not None else None
+    return parse_input_shapes(texts)
 
 
 #: Quark float16: its CPU kernel ignores scale and zero point, its documentation applies them.

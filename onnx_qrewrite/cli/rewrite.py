@@ -110,10 +110,16 @@ def _rewrite_one(task: _Task) -> Outcome:
     return outcome
 
 
-def _split_input_shapes(verify_opts: dict[str, Any], target: str | None) -> tuple[Any, dict[str, Any]]:
+def _split_input_shapes(verify_opts: dict[str, Any], target: str | None, do_verify: bool) -> tuple[Any, dict[str, Any]]:
     """``--input-shape`` with ``--target``: the dimensions to fix (targets/shapes.py), and verify's
-    options without the DIM=N ones (its samples take the fixed model's shapes, :func:`_verify_args`)."""
+    options without the DIM=N ones (its samples take the fixed model's shapes, :func:`_verify_args`).
+    Without ``--target`` the rewrite's shapes stay as they are and ``--verify``'s samples take them,
+    as ``verify --input-shape`` does; with neither, the option would act on nothing: a UsageError."""
     texts = verify_opts["input_shapes"]
+    if texts and target is None and not do_verify:
+        raise UsageError(
+            f"--input-shape {texts[0]}: fixes shapes for --target's plan or --verify's samples; give one of them"
+        )
     shapes = target_input_shapes(texts, target)
     if shapes is None:
         return None, verify_opts
@@ -280,7 +286,7 @@ def rewrite_command(
         profile = load_target(target)
         if do_verify:
             verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
-    shapes, verify_opts = _split_input_shapes(verify_opts, target)
+    shapes, verify_opts = _split_input_shapes(verify_opts, target, do_verify)
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
     quiet = bool((ctx.obj or {}).get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
