@@ -326,6 +326,28 @@ class VerifyReport:
 
     def to_table(self) -> str:
         """The human-readable report: settings, one row per output, localisation, verdict line."""
+        lines = [*self._settings_lines(), ""]
+        # A bounded rewrite adds rows that are not model outputs (their labels say "(node ..." or
+        # "(read by the replacement of ..."): the column's header then says so too.
+        header = (
+            "output / checked value" if any(o.role != "output" for o in self.outputs) else "output",
+            *_TABLE_COLUMNS,
+        )
+        rows: list[tuple[str, ...]] = [header]
+        for o in self.outputs:
+            rows += _output_rows(o, self.settings.anchors)
+        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        loc_lines = _localization_lines(self.localization)
+        if loc_lines:
+            lines += ["", *loc_lines]
+        if self.excluded:
+            lines += [""] + [f"excluded sample {h.sample!r}: {h.describe()}" for h in self.excluded]
+        lines += ["", self.summary]
+        return "\n".join(lines)
+
+    def _settings_lines(self) -> list[str]:
+        """What was compared, and how: the lines above the table."""
         s = self.settings
         original = self.original
         if s.reference_kernels:
@@ -333,7 +355,7 @@ class VerifyReport:
         elif s.session.custom_op_library is not None:
             original += f" (custom ops from {s.session.custom_op_library})"
         threads = s.session.threads or "default"
-        lines = [
+        return [
             f"original:  {original}",
             f"rewritten: {self.rewritten}",
             f"settings:  onnxruntime opt-level {s.session.opt_level}, threads {threads}; "
@@ -346,70 +368,55 @@ class VerifyReport:
                 else []
             ),
             *([f"drift:     {line}"] if (line := _drift_line(s.drift, s.drift_decision)) else []),
-            "",
         ]
-        # A bounded rewrite adds rows that are not model outputs (their labels say "(node ..." or
-        # "(read by the replacement of ..."): the column's header then says so too.
-        header = (
-            "output / checked value" if any(o.role != "output" for o in self.outputs) else "output",
-            "dtype",
-            "shape",
-            "verdict",
-            "tolerance",
-            "max abs err",
-            "max rel err",
-            "worst element (sample index: original -> rewritten)",
-            "mismatches",
-            "exact",
+
+
+# The table's columns after the first (whose title depends on the rows).
+_TABLE_COLUMNS = (
+    "dtype",
+    "shape",
+    "verdict",
+    "tolerance",
+    "max abs err",
+    "max rel err",
+    "worst element (sample index: original -> rewritten)",
+    "mismatches",
+    "exact",
+)
+_WORST = _TABLE_COLUMNS.index("worst element (sample index: original -> rewritten)") + 1
+
+
+def _output_rows(o: ValueComparison, anchors: Sequence[str]) -> list[tuple[str, ...]]:
+    """One output's row, then its notes (NaN/inf counts, drift, the comparison with the original
+    where it was re-anchored) as rows holding text only in the worst-element column."""
+    rows: list[tuple[str, ...]] = [
+        (
+            o.name,
+            o.dtype,
+            _fmt_shape(o.shape),
+            o.verdict.upper(),
+            o.tolerance_text + (" vs re-anchored" if o.reference == "re-anchored" else ""),
+            _fmt(o.max_abs_error),
+            _fmt(o.max_rel_error),
+            _fmt_worst(o) if o.problem is None else o.problem,
+            f"{o.mismatches}/{o.elements}",
+            f"{100 * o.exact_match_rate:.2f}%",
         )
-        rows = [header]
-        for o in self.outputs:
-            rows.append(
-                (
-                    o.name,
-                    o.dtype,
-                    _fmt_shape(o.shape),
-                    o.verdict.upper(),
-                    o.tolerance_text + (" vs re-anchored" if o.reference == "re-anchored" else ""),
-                    _fmt(o.max_abs_error),
-                    _fmt(o.max_rel_error),
-                    _fmt_worst(o) if o.problem is None else o.problem,
-                    f"{o.mismatches}/{o.elements}",
-                    f"{100 * o.exact_match_rate:.2f}%",
-                )
-            )
-            if o.nan_original or o.nan_rewritten or o.inf_original or o.inf_rewritten:
-                rows.append(
-                    (
-                        "",
-                        "",
-                        "",
-                        "",
-                        "",
-                        "",
-                        "",
-                        f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten}"
-                        " (original / rewritten)",
-                        "",
-                        "",
-                    )
-                )
-            if o.drift is not None:
-                rows.append(("", "", "", "", "", "", "", f"drift: {o.drift.describe()}", "", ""))
-            if o.against_original is not None:
-                rows.append(("", "", "", "", "", "", "", _against_original_text(o.against_original), "", ""))
-                if o.name in s.anchors:
-                    note = "itself a bounded replacement's output: its row below (node ..., bound ...) decides"
-                    rows.append(("", "", "", "", "", "", "", note, "", ""))
-        widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
-        lines += ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        loc_lines = _localization_lines(self.localization)
-        if loc_lines:
-            lines += ["", *loc_lines]
-        if self.excluded:
-            lines += [""] + [f"excluded sample {h.sample!r}: {h.describe()}" for h in self.excluded]
-        lines += ["", self.summary]
-        return "\n".join(lines)
+    ]
+    notes = []
+    if o.nan_original or o.nan_rewritten or o.inf_original or o.inf_rewritten:
+        notes.append(
+            f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten} (original / rewritten)"
+        )
+    if o.drift is not None:
+        notes.append(f"drift: {o.drift.describe()}")
+    if o.against_original is not None:
+        notes.append(_against_original_text(o.against_original))
+        if o.name in anchors:
+            notes.append("itself a bounded replacement's output: its row below (node ..., bound ...) decides")
+    width = len(_TABLE_COLUMNS) + 1
+    rows += [tuple(note if i == _WORST else "" for i in range(width)) for note in notes]
+    return rows
 
 
 # -- helpers ----------------------------------------------------------------------------------
