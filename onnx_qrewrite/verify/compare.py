@@ -331,31 +331,16 @@ def compare_values(
     exact, within, abs_error, magnitude = _errors(original, rewritten, tol, element_bound)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_error = np.where(abs_error == 0, 0.0, np.where(np.isinf(abs_error), np.inf, abs_error / magnitude))
-    nan = {"original": 0, "rewritten": 0}
-    inf = {"original": 0, "rewritten": 0}
-    if floating:
-        for side, values in (("original", original), ("rewritten", rewritten)):
-            as_float = values.astype(np.float64)
-            nan[side] = int(np.isnan(as_float).sum())
-            inf[side] = int(np.isinf(as_float).sum())
+    (nan_original, inf_original), (nan_rewritten, inf_rewritten) = (
+        _non_finite(original) if floating else (0, 0),
+        _non_finite(rewritten) if floating else (0, 0),
+    )
     mismatches = int(original.size - np.count_nonzero(within))
     max_abs_error = float(abs_error.max()) if original.size else 0.0
     measured = None
     if drift is not None:
         measured = measure_drift(sample, original, rewritten, drift, max_abs_error)
     failed = not measured.passed if measured is not None else bool(mismatches)
-    worst = None
-    if original.size and abs_error.max() > 0:
-        flat = int(np.argmax(abs_error))
-        index = tuple(int(i) for i in np.unravel_index(flat, original.shape))
-        worst = Worst(
-            sample,
-            index,
-            _scalar(original[index]),
-            _scalar(rewritten[index]),
-            float(abs_error[index]),
-            float(rel_error[index]),
-        )
     return ValueComparison(
         **base,
         elements=int(original.size),
@@ -363,13 +348,36 @@ def compare_values(
         exact_matches=int(np.count_nonzero(exact)),
         max_abs_error=max_abs_error,
         max_rel_error=float(rel_error.max()) if original.size else 0.0,
-        worst=worst,
+        worst=_worst(sample, original, rewritten, abs_error, rel_error),
         failed_samples=(sample,) if failed else (),
-        nan_original=nan["original"],
-        nan_rewritten=nan["rewritten"],
-        inf_original=inf["original"],
-        inf_rewritten=inf["rewritten"],
+        nan_original=nan_original,
+        nan_rewritten=nan_rewritten,
+        inf_original=inf_original,
+        inf_rewritten=inf_rewritten,
         drift=measured,
+    )
+
+
+def _non_finite(values: np.ndarray) -> tuple[int, int]:
+    """How many NaN and how many infinities a floating value holds."""
+    as_float = values.astype(np.float64)
+    return int(np.isnan(as_float).sum()), int(np.isinf(as_float).sum())
+
+
+def _worst(
+    sample: str, original: np.ndarray, rewritten: np.ndarray, abs_error: np.ndarray, rel_error: np.ndarray
+) -> Worst | None:
+    """The element with the largest absolute error (the first of equals), or None when all agree."""
+    if not (original.size and abs_error.max() > 0):  # a NaN maximum is not > 0 either
+        return None
+    index = tuple(int(i) for i in np.unravel_index(int(np.argmax(abs_error)), original.shape))
+    return Worst(
+        sample,
+        index,
+        _scalar(original[index]),
+        _scalar(rewritten[index]),
+        float(abs_error[index]),
+        float(rel_error[index]),
     )
 
 
