@@ -453,7 +453,24 @@ class IntegerMatMulBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         read = site.memo("integer-matmul", lambda: self._read(site))
         form = options["accumulate"]
-        notes = [f"{read.a.dtype} x {read.b.dtype}"]
+        notes = [f"{read.a.dtype} x {read.b.dtype}", *self._zero_point_notes(read)]
+        excess = self._saturation(read, options["u8s8_saturation"], notes)
+        opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
+        skip_nan = read.dynamic and skips_nan(site, read.a.name)
+        if skip_nan:
+            notes.append(f"A quantized with {SKIP_NAN_NOTE}")
+        data = {"read": read, "form": form, "skip_nan": skip_nan}
+        if form == "int32":
+            if read.conv:
+                raise NoMatch("ONNX Conv has no int32 form")
+            notes.append("int32 MatMul")
+            return Plan(min_opset=opset, notes=tuple(notes), data=data)
+        return self._float_plan(read, form, excess, notes, Plan(min_opset=opset, data=data))
+
+    @staticmethod
+    def _zero_point_notes(read: _Read) -> list[str]:
+        """What the zero points' shapes mean here; refuses the ones the rewrite cannot compute."""
+        notes = []
         if read.a.zero_point and read.a.zp_size not in (None, 1):
             if read.conv:
                 raise NoMatch(
@@ -471,17 +488,12 @@ class IntegerMatMulBuilder:
                 f"w zero point {read.b.zero_point!r} may be per channel and the rank of w {read.b.name!r} is not "
                 "recorded; run shape inference first"
             )
-        excess = self._saturation(read, options["u8s8_saturation"], notes)
-        opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
-        skip_nan = read.dynamic and skips_nan(site, read.a.name)
-        if skip_nan:
-            notes.append(f"A quantized with {SKIP_NAN_NOTE}")
-        data = {"read": read, "form": form, "skip_nan": skip_nan}
-        if form == "int32":
-            if read.conv:
-                raise NoMatch("ONNX Conv has no int32 form")
-            notes.append("int32 MatMul")
-            return Plan(min_opset=opset, notes=tuple(notes), data=data)
+        return notes
+
+    @staticmethod
+    def _float_plan(read: _Read, form: str, excess: int, notes: list[str], base: Plan) -> Plan:
+        """The plan of a float32-accumulating form: exact where the sums provably stay integers
+        (|sum| <= 2^24), else bounded by float32's summation error (plus any u8 x s8 excess)."""
         if read.k is None:
             raise NoMatch(
                 f"the reduction length K is unknown (the shape of {read.b.name!r} is not recorded), so no bound "
@@ -501,7 +513,7 @@ class IntegerMatMulBuilder:
                     + "): float32 accumulation is not provably exact"
                 )
             notes.append(f"float32 sums provably exact: |sum| <= {worst:.0f} <= 2^24 (K={read.k})")
-            return Plan(min_opset=opset, notes=tuple(notes), data=data)
+            return dataclasses.replace(base, notes=tuple(notes))
         if read.to_float:
             if worst > _EXACT_FLOAT_INTEGERS:
                 raise NoMatch("the bounded form covers float outputs only where the float32 sums are exact")
@@ -509,22 +521,16 @@ class IntegerMatMulBuilder:
                 raise NoMatch("no pair of products can saturate here: the exact rules apply")
             # The bound per element is the formula's (the excess times the scale product, which is
             # known at run time only, and the roundings after it): recorded as the excess.
-            return Plan(
-                min_opset=opset,
-                notes=tuple(notes),
-                data=data,
-                bound=float(excess),
-                bound_formula=f"{_FORMULA}:0.0",
-                bound_u8s8=float(excess),
+            return dataclasses.replace(
+                base, notes=tuple(notes), bound=float(excess), bound_formula=f"{_FORMULA}:0.0", bound_u8s8=float(excess)
             )
         bound = float32_sum_bound(read.k, worst)
         notes.append(f"float32 sums within {bound:g} of the exact integers (K={read.k}, |sum| <= {worst:.0f})")
         # verify adds each column's own excess to the float32 part (the formula's parameter).
         formula = f"{_FORMULA}:{bound!r}" if excess else None
-        return Plan(
-            min_opset=opset,
+        return dataclasses.replace(
+            base,
             notes=tuple(notes),
-            data=data,
             bound=bound + excess,
             bound_formula=formula,
             bound_u8s8=float(excess),
