@@ -154,3 +154,38 @@ def rule_marker(rule_id: str, kind: str):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "rule(rule_id, kind): positive/negative evidence for a shipped rule")
+
+
+#: rule id -> outputs compared by :func:`_check_output_types` this run (tests/test_output_types.py).
+OUTPUT_TYPES_COMPARED: dict[str, int] = {}
+
+
+@pytest.fixture(autouse=True)
+def _check_output_types(request, monkeypatch):
+    """In the tests that are a rule's positive evidence, every in-process rewrite writes the element
+    types its rules' contracts declare (tests/_output_types.py): the emitted ops are checked on
+    every rewrite by the Emitter, the emitted types here, on the same rewrites."""
+    if not any(m.args[1:2] == ("positive",) for m in request.node.iter_markers("rule")):
+        yield
+        return
+    from _output_types import output_type_problems
+
+    from onnx_qrewrite.io.encoded import to_proto
+    from onnx_qrewrite.rewriter import engine
+
+    problems: list[str] = []
+    real_run = engine.run
+
+    def checked_run(model, catalogue, *args, **kwargs):
+        original = onnx.ModelProto()
+        original.CopyFrom(model)
+        result, report = real_run(model, catalogue, *args, **kwargs)
+        found, compared = output_type_problems(original, to_proto(result), report, catalogue)
+        problems.extend(found)
+        for rule_id, n in compared.items():
+            OUTPUT_TYPES_COMPARED[rule_id] = OUTPUT_TYPES_COMPARED.get(rule_id, 0) + n
+        return result, report
+
+    monkeypatch.setattr(engine, "run", checked_run)
+    yield
+    assert not problems, "output types differ from the contracts':\n" + "\n".join(problems[:20])

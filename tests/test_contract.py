@@ -36,6 +36,7 @@ class _FakeBuilder:
             emits=frozenset({"Add"}),
             exactness=lambda options: level,
             bound="test bound" if level == BOUNDED else "",
+            output_types=lambda options, op: ("input 0",),
         )
 
     def quantized_dtype(self, site: Site) -> str | None:
@@ -139,6 +140,7 @@ def test_every_builder_declares_a_complete_contract():
     for name in builders.builder_names():
         contract = builders.get_builder(name).contract
         assert contract.emits and all(op[:1].isupper() for op in contract.emits), name
+        assert contract.output_types is not None, f"{name} declares no output types"
         names = contract.option_names()
         assert len(names) == len(set(names)), name
         for option in contract.options:

@@ -5,7 +5,7 @@
 
 Sources, and nothing else: ``rules/*.toml`` (each file's ``title``, ``about`` and ``notes``; each
 rule's id, match, conditions, summary, ``doc`` and exactness), the builders' contracts (emitted
-ops, opset, bound, options), the ``@rule_marker(rule_id, "positive" | "negative")`` decorators on
+ops, output types, opset, bound, options), the ``@rule_marker(rule_id, "positive" | "negative")`` decorators on
 the tests (the evidence columns), and ``tools/lowerings.md.in`` (the prose around the rules).
 """
 
@@ -53,6 +53,18 @@ def _tests(names: list[str]) -> str:
     return "<br>".join(f"`{n}`" for n in names) or "—"
 
 
+def _output_types(rule: Rule) -> str:
+    """The element types the rule's builder declares for each matched op's outputs."""
+    declared = rule.contract.output_types
+    assert declared is not None  # checked when the catalogue loaded
+    per_op = {
+        ref.op: "; ".join(f"{i}: {t}" for i, t in enumerate(declared(rule.options, ref.op) or ())) for ref in rule.match
+    }
+    if len(set(per_op.values())) == 1:
+        return next(iter(per_op.values()))
+    return "<br>".join(f"{op}: {types}" for op, types in per_op.items())
+
+
 def _rule_row(rule: Rule, evidence: dict[str, list[str]]) -> str:
     contract = rule.implementation.contract
     when = []
@@ -66,6 +78,7 @@ def _rule_row(rule: Rule, evidence: dict[str, list[str]]) -> str:
         "<br>".join(f"`{m}`" for m in rule.match),
         "; ".join(when) or "any",
         (rule.summary + (f". {rule.doc}" if rule.doc else "")).replace("<", "&lt;"),
+        _output_types(rule),
         contract.opset(rule.options, rule.dtypes),
         exactness,
         _tests(evidence.get("positive", [])),
@@ -83,8 +96,9 @@ def _file_section(path: Path, evidence: dict[str, dict[str, list[str]]]) -> str:
     if data.get("about"):
         out += [data["about"].strip(), ""]
     out += [
-        "| rule | matches | when | does | emitted ops need opset | exactness | proven by | declines in |",
-        "|---|---|---|---|---|---|---|---|",
+        "| rule | matches | when | does | output types | emitted ops need opset | exactness | proven by "
+        "| declines in |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     out += [_rule_row(r, evidence.get(r.id, {})) for r in rules]
     out.append("")

@@ -22,8 +22,10 @@ and give it options. Format (``rules/*.toml``)::
                                                        # other rules emit (see the engine)
 
 Every rule is checked against its builder's contract (:mod:`onnx_qrewrite.rewriter.contract`) when the
-catalogue is built: unknown keys and options, bad values, ops the builder does not emit, and an
-exactness the builder does not deliver are usage errors naming the file, the rule and the key.
+catalogue is built: unknown keys and options, bad values, ops the builder does not emit, output
+types the builder does not declare for a matched op (or cannot satisfy with the rule's options),
+and an exactness the builder does not deliver are usage errors naming the file, the rule and the
+key.
 The opset an emitted op needs is not stated here: builders take it from
 :mod:`onnx_qrewrite.rewriter.kernel_opsets`.
 
@@ -311,6 +313,10 @@ def checked(rule: Rule) -> Rule:
                 f"'emits' names {op!r}{closest(op, contract.emits)}, which builder {rule.builder} does not emit "
                 f"(its contract: {', '.join(sorted(contract.emits))})",
             )
+    for matched in dict.fromkeys(ref.op for ref in rule.match):
+        unsatisfied = contract.output_types_problem(resolved, matched)
+        if unsatisfied:
+            raise _fail(rule.source, where, f"output types ({rule.builder}): {unsatisfied}")
     delivered = contract.exactness(resolved)
     if rule.exactness != delivered:
         raise _fail(

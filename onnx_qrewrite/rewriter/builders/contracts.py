@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from onnx_qrewrite.rewriter import kernel_opsets
-from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, Contract, Option
+from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, UNREAD, Contract, Option
 
 __all__ = [
     "ATTENTION_EMITS",
@@ -38,6 +38,7 @@ __all__ = [
     "QDQ_TO_FLOAT_FORMS",
     "QDQ_WRAP_OPS",
     "QOPERATOR_EXACTNESS",
+    "QOPERATOR_OUTPUT_TYPES",
     "REQUIRE_ZERO_POINT",
     "SEMANTICS",
     "U8S8_POLICIES",
@@ -241,11 +242,92 @@ def _qdq_decompose_opset(options: Mapping[str, Any], dtypes: Collection[str] | N
     return str(minimum)
 
 
+# --- output types (onnx_qrewrite/rewriter/contract.py: OUTPUT_TYPE_GRAMMAR) ---------------------
+
+#: QuantizeLinear's output: output_dtype (opset 21), else the zero point's type, else uint8.
+QUANTIZED_OUTPUT = "attribute output_dtype else input 2 else uint8"
+#: DequantizeLinear's output: the scale's type.
+DEQUANTIZED_OUTPUT = "input 1"
+
+
+def _same_as_input_0(options: Mapping[str, Any], op: str) -> tuple[str, ...]:
+    """The op's one output has input 0's element type (the contrib fusions' T, a movement op's)."""
+    return ("input 0",)
+
+
+def _normalization_output_types(options: Mapping[str, Any], op: str) -> tuple[str, ...]:
+    """(Skip)(Simplified)LayerNormalization: output T, then mean and inv_std_var (U, float32 in
+    onnxruntime's schemas; the builder declines nodes that read them), then the skip sum (T)."""
+    if op.startswith("Skip"):
+        return ("input 0", "float32", "float32", "input 0")
+    return ("input 0", "float32", "float32")
+
+
+#: MatMulInteger and ConvInteger: int32.
+_INTEGER_MATMUL = ("int32",)
+#: integer_matmul: per op; DynamicQuantizeMatMul's output is A's float type, MatMulIntegerToFloat's
+#: its scales' (T3, input 2).
+_INTEGER_MATMUL_OUTPUTS = {
+    "MatMulInteger": _INTEGER_MATMUL,
+    "ConvInteger": _INTEGER_MATMUL,
+    "DynamicQuantizeMatMul": ("input 0",),
+    "MatMulIntegerToFloat": ("input 2",),
+}
+
+
+def _emulation_output_types(options: Mapping[str, Any], op: str) -> tuple[str, ...]:
+    """qdq_float_emulation: a QuantizeLinear's output is the quantized type (removed: unread);
+    a DequantizeLinear's, also the pair's anchor, the scale's type."""
+    return {
+        "quantize": (QUANTIZED_OUTPUT,),
+        "remove": (UNREAD,),
+        "dequantize": (DEQUANTIZED_OUTPUT,),
+        "pair": (DEQUANTIZED_OUTPUT,),
+    }[options["direction"]]
+
+
+def _pattern_output_types(options: Mapping[str, Any], op: str) -> tuple[str, ...] | None:
+    """weight_only, dynamic_qdq: the anchor's output (the scale product's Mul: input 0, the Cast to
+    float; a fused op as integer_matmul declares it; DequantizeLinear(Gather(W)): the scale's type);
+    the pattern's other nodes are removed only once nothing reads them."""
+    if options["role"] == "remove_dead":
+        return (UNREAD,)
+    if op == "Mul":
+        return ("input 0",)
+    if op == "DequantizeLinear":
+        return (DEQUANTIZED_OUTPUT,)
+    return _INTEGER_MATMUL_OUTPUTS.get(op)
+
+
+def _qdq_output_types(options: Mapping[str, Any], op: str) -> tuple[str, ...]:
+    """standard_qdq, qdq_decompose: the vendor's QuantizeLinear gives the zero point's type (uint8
+    without one, as the standard op), its DequantizeLinear the scale's."""
+    return (QUANTIZED_OUTPUT if options["direction"] == "quantize" else DEQUANTIZED_OUTPUT,)
+
+
+#: qoperator_to_qdq: the output type of each op: QLinearConv/QLinearMatMul (T3) and QLinearConcat
+#: (T8) that of y_zero_point; QGemm that of y_zero_point, uint8 with y_scale alone, float (the
+#: scales' type) without y_scale; the others A's type (T).
+QOPERATOR_OUTPUT_TYPES: dict[str, str] = {
+    "QLinearConv": "input 7 else uint8",
+    "QLinearMatMul": "input 7 else uint8",
+    "QGemm": "input 8 else uint8 if input 7 else input 1",
+    "QLinearAdd": "input 0",
+    "QLinearMul": "input 0",
+    "QLinearConcat": "input 1",
+    "QLinearAveragePool": "input 0",
+    "QLinearGlobalAveragePool": "input 0",
+    "QLinearLeakyRelu": "input 0",
+    "QLinearSigmoid": "input 0",
+    "QLinearSoftmax": "input 0",
+}
+
 #: builder name -> (module under ``onnx_qrewrite.rewriter.builders`` that registers it, its contract)
 _DECLARED: dict[str, tuple[str, Contract]] = {
     "dynamic_quantize_linear": (
         "dynamic_quantize",
         Contract(
+            output_types=lambda options, op: ("uint8", "float32", "uint8"),
             options=(
                 Option(
                     "semantics",
@@ -265,6 +347,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "dynamic_dequantize": (
         "dynamic_dequantize",
         Contract(
+            output_types=lambda options, op: ("input 1",),
             options=(
                 Option(
                     "form",
@@ -288,6 +371,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_activation": (
         "contrib_fusions",
         Contract(
+            output_types=_same_as_input_0,
             options=(Option("form", str, allowed=GELU_FORMS, doc="which op, and for FastGelu which decomposition"),),
             emits=frozenset({"Mul", "Add", "Erf", "Sigmoid", "Tanh", "Gelu"}),
             exactness=lambda options: BOUNDED if options["form"] == "fast_gelu_decomposed" else EXACT,
@@ -300,6 +384,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_gemm_conv": (
         "contrib_fusions",
         Contract(
+            output_types=_same_as_input_0,
             options=(Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),),
             emits=frozenset({"Gemm", "Conv", "Add", "Reshape", *(op for op, _ in FUSED_ACTIVATIONS.values())}),
             opset=lambda options, dtypes: f"{kernel_opsets.OP_VERSIONS['clip-inputs']} (Clip with inputs)",
@@ -308,6 +393,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_matmul": (
         "contrib_fusions",
         Contract(
+            output_types=_same_as_input_0,
             options=(
                 Option(
                     "any_alpha",
@@ -327,6 +413,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_normalization": (
         "contrib_fusions",
         Contract(
+            output_types=_normalization_output_types,
             options=(
                 Option(
                     "form",
@@ -347,6 +434,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_qattention": (
         "contrib_attention",
         Contract(
+            output_types=lambda options, op: ("input 3",),
             options=(U8S8_SATURATION,),
             emits=ATTENTION_EMITS | {"Sub"},
             exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
@@ -364,6 +452,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_attention": (
         "contrib_attention",
         Contract(
+            output_types=_same_as_input_0,
             options=(),
             emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
@@ -376,6 +465,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_multi_head_attention": (
         "contrib_attention",
         Contract(
+            output_types=_same_as_input_0,
             options=(),
             emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
@@ -388,6 +478,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_embed_layer_norm": (
         "contrib_embed",
         Contract(
+            output_types=lambda options, op: (
+                ("float32", "int32", "float32") if options["form"] == "quantized" else ("input 2", "int32", "input 2")
+            ),
             options=(
                 Option(
                     "form",
@@ -423,6 +516,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "integer_matmul_float_output": (
         "integer_matmul_float",
         Contract(
+            output_types=lambda options, op: (UNREAD,) if options["part"] == "producer" else ("attribute to",),
             options=(
                 Option(
                     "part",
@@ -440,6 +534,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_float_emulation": (
         "float_emulation",
         Contract(
+            output_types=_emulation_output_types,
             options=(EMULATION_DIRECTION, EMULATION_ELEMENTWISE),
             emits=frozenset(
                 {"Div", "Round", "Add", "Clip", "IsNaN", "Where", "Cast", "Sub", "Mul", "Reshape"}
@@ -453,6 +548,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "gather_block_quantized": (
         "gather_block_quantized",
         Contract(
+            output_types=lambda options, op: ("input 2",),
             options=(
                 Option(
                     "form",
@@ -473,6 +569,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "integer_matmul": (
         "integer_matmul",
         Contract(
+            output_types=lambda options, op: _INTEGER_MATMUL_OUTPUTS.get(op),
             options=(
                 Option(
                     "accumulate",
@@ -507,6 +604,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "matmul_nbits": (
         "matmul_nbits",
         Contract(
+            output_types=_same_as_input_0,
             options=(
                 Option(
                     "form",
@@ -536,6 +634,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_to_float": (
         "qdq_to_float",
         Contract(
+            output_types=lambda options, op: (UNREAD,) if options["form"] == "drop_pair_q" else ("input 1",),
             options=(
                 Option("form", str, allowed=QDQ_TO_FLOAT_FORMS, doc="which part of the QDQ form the rule removes"),
             ),
@@ -548,6 +647,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "weight_only": (
         "weight_only",
         Contract(
+            output_types=_pattern_output_types,
             options=(
                 Option(
                     "role",
@@ -587,6 +687,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "dynamic_qdq": (
         "dynamic_qdq",
         Contract(
+            output_types=_pattern_output_types,
             options=(
                 Option(
                     "role",
@@ -623,6 +724,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qoperator_to_qdq": (
         "qoperator",
         Contract(
+            output_types=lambda options, op: (QOPERATOR_OUTPUT_TYPES[options["op"]],),
             options=(
                 Option("op", str, allowed=tuple(QOPERATOR_EXACTNESS), doc="which QOperator op the rule replaces"),
                 U8S8_SATURATION,
@@ -661,6 +763,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "movement_equivalent": (
         "movement_equivalent",
         Contract(
+            output_types=_same_as_input_0,
             options=(),
             emits=frozenset({"Reshape", "GatherND", "Unsqueeze", "Transpose", "Cast"}),
             opset=lambda options, dtypes: (
@@ -672,6 +775,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_wrap": (
         "qdq_wrap",
         Contract(
+            output_types=_same_as_input_0,
             options=(),
             emits=frozenset({"DequantizeLinear", "QuantizeLinear", *QDQ_WRAP_OPS}),
             opset=lambda options, dtypes: kernel_opsets.describe(True, sorted(dtypes) if dtypes is not None else None),
@@ -680,6 +784,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "standard_qdq": (
         "vendor_qdq",
         Contract(
+            output_types=_qdq_output_types,
             options=(
                 DIRECTION,
                 AXIS_DEFAULT,
@@ -703,6 +808,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "qdq_decompose": (
         "vendor_qdq",
         Contract(
+            output_types=_qdq_output_types,
             options=(
                 DIRECTION,
                 AXIS_DEFAULT,
