@@ -150,6 +150,7 @@ _SAME_SHAPE = {
     "QuickGelu": (0, 0),
     "SkipLayerNormalization": (0, 0),
     "SkipSimplifiedLayerNormalization": (0, 0),
+    "BiasAdd": (0, 0),
     "DequantizeLinear": (0, 1),
     "QuantizeLinear": (0, None),
 }

@@ -410,6 +410,16 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=lambda options, dtypes: "any",
         ),
     ),
+    "unfuse_bias_add": (
+        "contrib_fusions",
+        Contract(
+            output_types=_same_as_input_0,
+            options=(),
+            emits=frozenset({"Add"}),
+            preserves_shape=True,
+            opset=lambda options, dtypes: "any",
+        ),
+    ),
     "unfuse_normalization": (
         "contrib_fusions",
         Contract(

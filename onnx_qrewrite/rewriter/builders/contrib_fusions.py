@@ -14,6 +14,7 @@ neural-compressor models run elsewhere. Each form was measured bit for bit again
     SkipSimplifiedLayerNormalization -> Add + RMSNormalization (opset 23)                   bounded
     SimplifiedLayerNormalization     -> RMSNormalization (opset 23)                         exact
                                      -> Mul/ReduceMean/Add/Sqrt/Div/Mul (below 23)          bounded
+    BiasAdd(x, bias, skip) -> Add(Add(x, bias), skip)       exact (read from the CUDA kernel, below)
 
 Where not exact, and why: FastGelu's kernel evaluates the tanh polynomial with roundings no
 sequence of standard float ops reproduces below opset 20 (within a few ulp); the Skip*
@@ -21,6 +22,21 @@ normalizations sum the mean and the mean square sequentially in float32 inside t
 LayerNormalization/RMSNormalization with vectorised reductions; FusedMatMul with transA or alpha != 1
 lets MLAS transpose A while packing and apply alpha per K panel, a MatMul on a transposed copy
 followed by Mul does not. All of these differ only in float32 rounding of the same computation.
+
+BiasAdd has no CPU kernel in onnxruntime (CUDA only), so it is lowered from the kernel's source,
+not measured: microsoft/onnxruntime ``onnxruntime/contrib_ops/cuda/diffusion/bias_add_impl.cu`` at
+4bd17315afbac8992997fbe811abf83377ac6e7c computes ``output = input + bias + residual`` for ``T``
+float and half, i.e. ``(input + bias) + residual`` with one rounding to ``T`` after each addition.
+For half that is cuda_fp16's ``operator+`` (``__hadd``, a half result): onnxruntime's CUDA build
+(``cmake/onnxruntime_providers_cuda.cmake`` at 00a744151b567ee30d4d6418e47030d018dcae42) does not
+define ``__CUDA_NO_HALF_OPERATORS__``, and its kernels rely on those operators (e.g.
+``contrib_ops/cuda/bert/add_bias_transpose.cu`` adds ``half2`` values with ``+``); the kernel does
+not accumulate in float. A half sum of two halves is the same computed in half or in float and
+rounded (float's 24 bits are at least 2·11 + 2), so numpy's float16 addition evaluates it.
+``bias_add.cc`` at 38b55301b3b2141a7a2657b02f1a6bad28a16232 checks the shapes: input (N, S, C)
+with C 320, 640 or 1280, bias (C), skip the input's shape. The schema (``diffusion_defs.cc`` at
+113bbbe525b524d7d6319e1d309c3ee871a6142e): "Add input with bias, then add residual inputs", T
+float or float16.
 """
 
 from __future__ import annotations
@@ -38,7 +54,7 @@ from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS, gelu_opset, normalization_opset
 from onnx_qrewrite.rewriter.graph import dtype_name
 
-__all__ = ["ActivationBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
+__all__ = ["ActivationBuilder", "BiasAddBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
 
 _T = onnx.TensorProto
 #: What onnxruntime's CPU kernels for these ops take (float16 kernels run in float32 and round).
@@ -117,6 +133,63 @@ class ActivationBuilder:
 
 
 register(ActivationBuilder())
+
+
+# --- BiasAdd -------------------------------------------------------------------------------------
+
+#: BiasAdd's T (com.microsoft schema, diffusion_defs.cc): float and float16; Add's kernels take both.
+_BIAS_ADD_TYPES = (_T.FLOAT, _T.FLOAT16)
+
+
+def _bias_add_shapes(
+    x: tuple[int | None, ...] | None, bias: tuple[int | None, ...] | None, skip: tuple[int | None, ...] | None
+) -> str | None:
+    """Why the recorded shapes are not the kernel's (input (N, S, C), bias (C), skip as input), or
+    None. Unknown shapes and dimensions pass: where a model leaves them unrecorded and they turn
+    out otherwise at run time, the kernel fails and the Adds broadcast (rules/80-contrib-fusions.toml
+    says so)."""
+
+    def agree(a: int | None, b: int | None) -> bool:
+        return a is None or b is None or a == b
+
+    if x is not None and len(x) != 3:
+        return f"input has rank {len(x)}; the kernel takes (N, S, C)"
+    if bias is not None and (len(bias) != 1 or (x is not None and not agree(x[2], bias[0]))):
+        return f"bias has shape {list(bias)}; the kernel takes (C), C the input's last dimension"
+    if skip is not None and (len(skip) != 3 or (x is not None and not all(map(agree, x, skip)))):
+        return f"skip has shape {list(skip)}; the kernel takes the input's shape (N, S, C)"
+    return None
+
+
+class BiasAddBuilder:
+    """Replaces com.microsoft BiasAdd with Add(Add(input, bias), skip), the CUDA kernel's order."""
+
+    name = "unfuse_bias_add"
+    contract = CONTRACTS["unfuse_bias_add"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        return _float_type(site)
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        _no_unknown_attributes(site, set())
+        node = site.node
+        if len(node.input) != 3 or not all(node.input) or len(node.output) != 1:
+            raise NoMatch("malformed node: BiasAdd takes input, bias and skip, and has one output")
+        types = {site.elem_type(name) for name in node.input}
+        if None in types or len(types) != 1 or not types <= set(_BIAS_ADD_TYPES):
+            named = ", ".join(dtype_name(t) if t else "unknown" for t in (site.elem_type(n) for n in node.input))
+            raise NoMatch(f"input types {named}: the kernel takes float32 or float16, the same for all three")
+        problem = _bias_add_shapes(*(value_shape(site.scope, name, site.same_shape_ops) for name in node.input))
+        if problem:
+            raise NoMatch(problem)
+        return Plan()
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        x, bias, skip = site.node.input
+        emit.op1("Add", [emit.op1("Add", [x, bias], hint="AddBias"), skip], site.node.output[0])
+
+
+register(BiasAddBuilder())
 
 
 # --- FusedGemm / FusedConv -----------------------------------------------------------------------
