@@ -135,6 +135,32 @@ def test_attention_at_opset_11_without_a_mask():
     assert_bitwise_equal(got, want, "opset 11")
 
 
+@pytest.mark.parametrize("opset", [11, 12])
+@pytest.mark.parametrize("mask", [m for m in MASK_SHAPES if m], ids=str)
+def test_attention_masks_at_opsets_11_and_12(opset, mask):
+    # The mask and causal arithmetic's newest op is Range-11 (kernel_opsets.FORMS["attention-mask"]):
+    # at 11 and 12 the model keeps its opset, passes onnx's full check, and is bit-exact.
+    model = attention_model(2, 8, 32, [32] * 3, 4, MASK_SHAPES[mask](2, 8), {"unidirectional": 1}, opset=opset)
+    result, want, got = rewrite_and_run(model, attention_feeds(2, 8, 32, [32] * 3, mask), keep_opset=True)
+    assert result.model.opset_import[0].version == opset
+    onnx.checker.check_model(result.model, full_check=True)
+    assert_bitwise_equal(got, want, f"opset {opset}, mask {mask}")
+    mha = mha_model(2, 8, 6, 32, 32, 4, True, {"lengths": (2,), "raw": (2, 6), "3d": (2, 8, 6)}.get(mask))
+    if mha.graph.node[0].input[-1] == "m":
+        mha.opset_import[0].version = opset
+        result = onnx_qrewrite.rewrite(mha, keep_opset=True)
+        feeds = mha_feeds(2, 8, 6, 32, 32, True, mask)
+        assert_bitwise_equal(run(result.model, feeds)["y"], run(mha, feeds)["y"], f"MultiHeadAttention opset {opset}")
+    if mask in ("lengths", "raw"):  # QAttention: uint8 weights (no pair of products leaves int16)
+        shape = MASK_SHAPES[mask](2, 8)
+        qattention = qattention_model(2, 8, 32, 4, "uint8", False, shape)
+        qattention.opset_import[0].version = opset
+        result = onnx_qrewrite.rewrite(qattention, keep_opset=True)
+        assert result.model.opset_import[0].version == opset
+        feeds = qattention_feeds(2, 8, 32, shape)
+        assert_bitwise_equal(run(result.model, feeds)["y"], run(qattention, feeds)["y"], f"QAttention opset {opset}")
+
+
 def _attention_bound(feeds, sizes, heads):
     """The rule's stated bound: 2^-20 · (1 + max|score|) · max|V|, score = scale · Q·Kᵀ per head."""
     x, w, b = (feeds[k].astype(np.float64) for k in ("x", "w", "b"))

@@ -232,6 +232,8 @@ def gelu_opset(form: str) -> int:
 def _attention_opset(mask: str) -> str:
     """The attention rules' opset in words: with ``mask`` or unidirectional, and without."""
     forms = kernel_opsets.FORMS
+    if forms["attention-mask"] == forms["attention"]:
+        return str(forms["attention"])
     return f"{forms['attention-mask']} ({forms['attention']} without {mask} and unidirectional)"
 
 
