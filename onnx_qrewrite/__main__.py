@@ -1,4 +1,4 @@
-from onnx_qrewrite.cli import main
+from onnx_qrewrite.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

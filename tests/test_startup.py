@@ -157,3 +157,47 @@ def test_verify_reads_the_models_for_the_clash_check_only_when_it_writes(tmp_pat
     with pytest.raises(SystemExit) as exit:
         cli.main(["-q", "verify", str(model), str(out), "--report", str(model)])
     assert exit.value.code == 2
+
+
+def _gc_state_after(code: str) -> str:
+    """The last line ``code`` prints, run in a fresh interpreter (asserting it exits 0)."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_command_in_its_own_process_leaves_the_final_collection_nothing_to_walk():
+    """``python -m onnx_qrewrite`` (and the console script, ``cli.run``) freezes what is alive
+    when the command ends: the interpreter's final collections then skip onnx's and numpy's
+    objects. The command's output is the same."""
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
+    code = (
+        "import atexit, gc, runpy, sys\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+        f"sys.argv = ['onnx-qrewrite', 'inspect', {str(model)!r}]\n"
+        "runpy.run_module('onnx_qrewrite', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "quantization ops: 6 nodes" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "frozen at exit: True"
+
+
+def test_in_process_callers_keep_their_garbage_collector():
+    """``main`` called in-process (a test, a notebook) freezes nothing, so the caller's garbage is
+    still collected, and the collector paused while a subcommand's module loads runs again."""
+    from pathlib import Path
+
+    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
+    code = (
+        "import gc\n"
+        "from onnx_qrewrite.cli import main\n"
+        f"try:\n    main(['inspect', {str(model)!r}])\n"
+        "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+        "print(gc.get_freeze_count(), gc.isenabled())"
+    )
+    assert _gc_state_after(code) == "0 True"
+    paused = "import gc\ngc.disable()\n" + code
+    assert _gc_state_after(paused) == "0 False"  # a caller's own setting is kept
