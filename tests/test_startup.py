@@ -187,7 +187,7 @@ def test_the_command_in_its_own_process_leaves_the_final_collection_nothing_to_w
 
 def test_in_process_callers_keep_their_garbage_collector():
     """``main`` called in-process (a test, a notebook) freezes nothing, so the caller's garbage is
-    still collected, and the collector paused while a subcommand's module loads runs again."""
+    still collected, and leaves the collector on or off as the caller had it."""
     from pathlib import Path
 
     model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
