@@ -25,9 +25,11 @@ infer     onnxruntime latency of the rewritten model over the original's (a BERT
 startup   ``onnx-qrewrite --help``, ``rules`` and ``inspect`` of a small model, against
           ``polygraphy --help`` (when polygraphy is installed: ``pip install polygraphy``).
 
-The verify and startup cases add a reference row each: the bare-sessions floor with ``import
-onnx`` added, and ``python -c "import onnx"`` against ``polygraphy --help``: the part of our time
-that parsing models with onnx costs before any work.
+The verify and startup cases add reference rows: the bare-sessions floor with ``import onnx``
+added, and ``python -c "import onnx"`` against ``polygraphy --help`` (the part of our time that
+parsing models with onnx costs before any work); and ``verify`` and ``inspect`` run through
+``cli.main`` as an in-process caller runs them, without the console script's garbage-collector
+freezes (``cli.run``): what skipping the interpreter's final collections saves.
 
 Medians of ``--repeat`` runs are reported. The verify and startup cases interleave their commands
 (floor, ours, floor, ours, ...) after one warm-up round, so a load that changes during the run
@@ -238,16 +240,24 @@ def bench_verify(src: Path, label: str, work: Path, repeat: int) -> list[Row]:
             "floor": _bare_sessions(src, out, inputs),
             "ours": [*CLI, "-q", "verify", str(src), str(out), "--inputs", str(inputs)],
             "onnx": _bare_sessions(src, out, inputs, import_onnx=True),
+            "unfrozen": [*_UNFROZEN, "-q", "verify", str(src), str(out), "--inputs", str(inputs)],
         },
         repeat,
     )
     cpu = _cpu_ratio(timed["ours"], timed["floor"])
     note = f"two ORT sessions + runs on the same {samples} samples; interleaved; {cpu}"
     reference = f"interleaved with the above; {_cpu_ratio(timed['onnx'], timed['floor'])}"
+    unfrozen = f"cli.main, no gc.freeze; interleaved with the above; {_cpu_ratio(timed['unfrozen'], timed['floor'])}"
     return [
         Row(f"verify {label}", timed["floor"], timed["ours"], note),
         Row(f"(reference) floor + import onnx, {label}", timed["floor"], timed["onnx"], reference),
+        Row(f"(reference) verify without the exit freeze, {label}", timed["floor"], timed["unfrozen"], unfrozen),
     ]
+
+
+#: The command line as an in-process caller runs it (``cli.main``): without the garbage-collector
+#: freezes of the console script (``cli.run``), for the reference rows that show what they save.
+_UNFROZEN = [PY, "-c", "from onnx_qrewrite.cli import main; main()"]
 
 
 def _cpu_ratio(ours: Sample, floor: Sample) -> str:
@@ -340,6 +350,7 @@ def bench_startup(work: Path, repeat: int) -> list[Row]:
     cases = {"--help": ["--help"], "rules": ["rules"], "inspect": ["inspect", str(small)]}
     cmds = {label: [*base, *args] for label, args in cases.items()}
     cmds["import onnx"] = [PY, "-c", "import onnx"]  # reference: what any command reading a model pays
+    cmds["unfrozen inspect"] = [*_UNFROZEN, "inspect", str(small)]  # reference: without cli.run's freezes
     if poly:
         cmds = {"floor": [poly, "--help"], **cmds}
     timed = measure_named(cmds, repeat)
@@ -349,7 +360,12 @@ def bench_startup(work: Path, repeat: int) -> list[Row]:
         Row(f"start-up {label}", floor, timed[label], f"{note}; {_cpu_ratio(timed[label], floor)}") for label in cases
     ]
     reference = f"{note}; {_cpu_ratio(timed['import onnx'], floor)}"
-    return [*rows, Row("(reference) python -c 'import onnx'", floor, timed["import onnx"], reference)]
+    unfrozen = f"cli.main, no gc.freeze; {note}; {_cpu_ratio(timed['unfrozen inspect'], floor)}"
+    return [
+        *rows,
+        Row("(reference) python -c 'import onnx'", floor, timed["import onnx"], reference),
+        Row("(reference) inspect without the exit freeze", floor, timed["unfrozen inspect"], unfrozen),
+    ]
 
 
 def machine() -> str:
