@@ -15,9 +15,11 @@ chain-N   rewrite of an N-block DynamicQuantizeLinear -> MatMulInteger chain (5N
 llm       rewrite of a 32-layer LLM-shaped model with 4 GB of external weights, to another folder
           (weights streamed into a new data file) against the floor of copying the data file alone
           (``cp``); and with ``--reference-external-data`` (zero copy) in the same folder.
-verify    ``onnx-qrewrite verify`` of a model against its rewrite (the chain, and the BERT-like
-          encoder) on saved inputs (``--inputs``), against a bare script that creates the same two
-          onnxruntime sessions (verify's default settings) and runs both on the same samples.
+verify    ``onnx-qrewrite verify`` of a model against its rewrite (the chain, the BERT-like
+          encoder, and LLM-sized 4-bit MatMulNBits layers, K = N = 2048, 8 tokens, whose bounded
+          rewrite verify checks per element and through its identity probe) on saved inputs
+          (``--inputs``), against a bare script that creates the same two onnxruntime sessions
+          (verify's default settings) and runs both on the same samples.
 infer     onnxruntime latency of the rewritten model over the original's (a BERT-like encoder and a
           CNN, made by onnxruntime.quantization.quantize_dynamic; default session options, i.e.
           graph optimisation on, one intra-op thread), interleaved runs in one child process; the
@@ -57,7 +59,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.models import make_bert, make_cnn, make_dql_chain, make_llm  # noqa: E402
+from benchmarks.models import make_bert, make_cnn, make_dql_chain, make_llm, make_nbits  # noqa: E402
 
 PY = sys.executable
 CLI = [PY, "-m", "onnx_qrewrite"]
@@ -403,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--blocks", default="20000,100000", help="chain sizes")
     parser.add_argument("--verify-blocks", type=int, default=5000, help="chain size for verify (0: skip)")
+    parser.add_argument(
+        "--verify-nbits-layers", type=int, default=2, help="MatMulNBits layers (K = N = 2048) for verify (0: skip)"
+    )
     parser.add_argument("--weights-gb", type=float, default=4.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--infer-seconds", type=float, default=6.0, help="timing budget per infer case")
@@ -431,6 +436,11 @@ def main(argv: list[str] | None = None) -> None:
                 make_dql_chain(args.verify_blocks, chain)
             add(bench_verify(chain, f"chain-{args.verify_blocks // 1000}k", work, args.repeat))
         add(bench_verify(_small_models(work)[0], "bert-tiny", work, args.repeat))
+        if args.verify_nbits_layers > 0:
+            nbits = work / f"nbits_{args.verify_nbits_layers}x2048.onnx"
+            if not nbits.exists():
+                make_nbits(nbits, layers=args.verify_nbits_layers)
+            add(bench_verify(nbits, f"nbits-{args.verify_nbits_layers}x2048", work, args.repeat))
     if "infer" in cases:
         bert, cnn = _small_models(work)
         for shape in ([1, 8], [1, 64], [8, 64]):

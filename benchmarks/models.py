@@ -522,6 +522,56 @@ def float_cnn(channels: tuple[int, ...] = (16, 32, 64), classes: int = 10, seed:
 
 
 # ---------------------------------------------------------------------------------------------------
+# LLM-sized weight-only 4-bit layers: what verify's per-element MatMulNBits bound is timed on
+
+
+def make_nbits(
+    path: str | os.PathLike, k: int = 2048, n: int = 2048, layers: int = 1, tokens: int = 8, seed: int = 0
+) -> Path:
+    """``layers`` chained com.microsoft MatMulNBits nodes (K = N, 4 bits, blocks of 32, uint8 zero
+    points), as onnxruntime's MatMulNBits quantizer writes them for an LLM's projections. Input
+    ``A`` float [1, tokens, k], output the last layer's [1, tokens, n]. Opset 21, IR 10."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "A"
+    for i in range(layers):
+        width = k if i == 0 else n
+        block, blocks = 32, -(-width // 32)
+        q = rng.integers(0, 16, (n, blocks, block)).astype(np.uint8)
+        zp = rng.integers(0, 16, (n, blocks + blocks % 2)).astype(np.uint8)
+        inits += [
+            numpy_helper.from_array(q[..., 0::2] | (q[..., 1::2] << 4), f"layer{i}.B"),  # low nibble first
+            numpy_helper.from_array(rng.uniform(1e-3, 0.1, (n, blocks)).astype(np.float32), f"layer{i}.scales"),
+            numpy_helper.from_array((zp[:, 0::2] | (zp[:, 1::2] << 4)).reshape(-1), f"layer{i}.zero_points"),
+        ]
+        inputs = [x, f"layer{i}.B", f"layer{i}.scales", f"layer{i}.zero_points"]
+        x = f"layer{i}.out"
+        nodes.append(
+            helper.make_node(
+                "MatMulNBits",
+                inputs,
+                [x],
+                name=f"layer{i}",
+                domain="com.microsoft",
+                K=width,
+                N=n,
+                bits=4,
+                block_size=32,
+            )
+        )
+    graph = helper.make_graph(
+        nodes,
+        f"nbits_{layers}x{k}x{n}",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, tokens, k])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, tokens, n])],
+        inits,
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name=PRODUCER, ir_version=10)
+    onnx.save(model, path)
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Command line
 
 

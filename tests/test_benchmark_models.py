@@ -175,3 +175,23 @@ def test_small_quantized_models_run_and_their_rewrite_is_bit_exact(tmp_path: Pat
             np.testing.assert_array_equal(run[1].view(np.uint32), run[0].view(np.uint32))
         else:
             np.testing.assert_allclose(run[1], run[0], rtol=0, atol=2e-6)
+
+
+def test_nbits_layers_run_and_match_numpy(tmp_path: Path) -> None:
+    """The MatMulNBits benchmark model computes ``A @ ((q - zp) * scale)`` layer after layer:
+    its nibbles packed low first, its zero points two to a byte, as the kernel reads them."""
+    path = models.make_nbits(tmp_path / "nbits.onnx", k=96, n=64, layers=2, tokens=3)
+    model = onnx.load(path)
+    onnx.checker.check_model(model, full_check=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    x = np.random.default_rng(1).standard_normal((1, 3, 96)).astype(np.float32)
+    want = x.astype(np.float64)
+    for i, (k, blocks) in enumerate(((96, 3), (64, 2))):
+        packed, zp = inits[f"layer{i}.B"], inits[f"layer{i}.zero_points"].reshape(64, -1)
+        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(64, blocks, 32).astype(np.float64)
+        zps = np.stack([zp & 15, zp >> 4], axis=-1).reshape(64, -1)[:, :blocks, None].astype(np.float64)
+        w = ((q - zps) * inits[f"layer{i}.scales"][..., None]).reshape(64, k)
+        want = want @ w.T
+    got = _session(path).run(None, {"A": x})[0]
+    assert got.shape == (1, 3, 64)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -375,6 +375,38 @@ def test_float16_a_is_computed_in_float32_like_the_kernel(bits, zp):
     assert np.all(diff <= ulp), f"{np.max(diff / ulp):g} float16 ulp"
 
 
+def test_verify_dequantizes_each_nodes_weights_once_and_judges_the_same_within_a_memory_budget():
+    """The per-element bound's dequantized weights are computed once per node, not once per sample
+    (two nodes, 3 samples, each also re-anchored: 12 judgements each); with no room for pending
+    values (long sequences) once per judgement instead. The rows are the same either way."""
+    from unittest import mock
+
+    from onnx_qrewrite.verify import bounds, element_bounds
+
+    original, _ = nbits_model(64, 64, 4, 32, "uint8", a_shape=(5, 64))
+    second = copy.deepcopy(original.graph.node[0])
+    second.name, second.input[0], second.output[0] = "nbits2", "Y", "Y2"
+    original.graph.node.insert(1, second)
+    original.graph.output.append(helper.make_tensor_value_info("Y2", TensorProto.FLOAT, [5, 64]))
+    rewritten = onnx_qrewrite.rewrite(original).model
+
+    def rows(budget: int) -> tuple[list, int]:
+        with (
+            mock.patch.object(bounds, "_PENDING_BYTES", budget),
+            mock.patch.object(bounds.element_bounds, "prepare", wraps=element_bounds.prepare) as prepare,
+        ):
+            report = verify(original, rewritten, samples=3)
+        assert report.passed, report.to_table()
+        return [
+            (r.name, r.max_abs_error, r.tolerance, r.mismatches) for r in report.outputs if "nbits" in r.name
+        ], prepare.call_count
+
+    kept, once = rows(1 << 28)
+    flushed, every = rows(0)
+    assert once == 2 and every > 2 * 6, (once, every)
+    assert kept == flushed and len([r for r in kept if "float32-sum-order" in r[0]]) == 2, kept
+
+
 @pytest.mark.parametrize("how", ["wrong block size", "zero point dropped"])
 def test_verify_checks_the_per_element_bound_at_the_node(how):
     """verify evaluates 2 gamma(K + 1) (|A| @ |W| + |bias|) per element at the MatMulNBits node

@@ -21,8 +21,10 @@ rewritten with ``--provenance none`` records no bound, so nothing is checked her
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -167,6 +169,40 @@ def _constants(original: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarr
     return {t.name: numpy_helper.to_array(t) for t in original.graph.initializer if t.name in names}
 
 
+#: Judges one output of one sample, given its formula's part read from constants (or None).
+_Judge = Callable[[Any], ValueComparison]
+
+
+@dataclasses.dataclass
+class _Reads:
+    """What the per-element bounds read: each formula rewrite's original node, the names of that
+    node's inputs its formula reads, and those of them that are constants of the original."""
+
+    originals: dict[int, onnx.NodeProto | None]
+    names: dict[int, list[str]]
+    constants: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, original: onnx.ModelProto, rewrites: Sequence[BoundedRewrite]) -> _Reads:
+        originals = {id(r): _original_node(original, r) for r in rewrites if r.formula}
+        names = {
+            id(r): element_bounds.needed_inputs(r.formula, node)
+            for r in rewrites
+            if r.formula and (node := originals[id(r)]) is not None
+        }
+        return cls(originals, names, _constants(original, {n for ns in names.values() for n in ns}))
+
+    def prepared_later(self, rewrites: Sequence[BoundedRewrite]) -> set[int]:
+        """The rewrites whose formula has a part read from constants only (element_bounds.prepare)."""
+        return {
+            index
+            for index, r in enumerate(rewrites)
+            if len(r.outputs) == 1
+            and (node := self.originals.get(id(r))) is not None
+            and element_bounds.preparable(r.formula, node, self.constants)
+        }
+
+
 def check_bounds(
     original: onnx.ModelProto,
     rewritten: onnx.ModelProto,
@@ -182,32 +218,88 @@ def check_bounds(
     from the rewritten model's values upstream (samples named ``<sample> (re-anchored)``), against
     the original kernel on the same inputs: the inputs each bounded replacement sees in the
     rewritten model, up to the exact part's tolerance (which :mod:`.reanchor` checks at the
-    replacements' inputs)."""
+    replacements' inputs).
+
+    A formula whose bound has a part read from constants only (MatMulNBits' dequantized weights)
+    is judged after every sample has run, one node at a time: that part is computed once per node,
+    not once per sample, and only one node's is held at a time (and the samples' values of those
+    nodes meanwhile, up to ``_PENDING_BYTES``: beyond it they are judged, and the part computed
+    again for the rest)."""
     rewrites, saturates = _for_this_cpu(bounded_rewrites(original, rewritten))
     if not rewrites:
         return []
-    initializers = {t.name for t in rewritten.graph.initializer}
-    # Per-element bounds read the original node's inputs: constants from the original model,
-    # the rest from its run.
-    originals = {id(r): _original_node(original, r) for r in rewrites if r.formula}
-    formula_reads = {
-        id(r): element_bounds.needed_inputs(r.formula, node)
-        for r in rewrites
-        if r.formula and (node := originals[id(r)]) is not None
-    }
-    constants = _constants(original, {n for names in formula_reads.values() for n in names})
-    needed = list(
-        dict.fromkeys(
-            [
-                n
-                for r in rewrites
-                for n in (*r.inputs, *r.outputs, *([r.unit] if r.unit else ()))
-                if n not in initializers
-            ]
-            + [n for names in formula_reads.values() for n in names if n not in constants]
+    reads = _Reads.of(original, rewrites)
+    later = reads.prepared_later(rewrites)
+    per_value: dict[str, list[ValueComparison | None]] = {}
+    pending: _Pending = {}
+    held = 0
+    for index, label, judge in _cases(original, rewritten, rewrites, samples, make_runner, anchored, reads, saturates):
+        parts = per_value.setdefault(label, [])
+        parts.append(None if index in later else judge(None))
+        if index in later:
+            pending.setdefault(index, []).append((parts, len(parts) - 1, judge))
+            held += _held_bytes(judge, reads.constants)
+            if held > _PENDING_BYTES:
+                _judge_pending(pending, rewrites, reads)
+                held = 0
+    _judge_pending(pending, rewrites, reads)
+    # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
+    rows = [
+        dataclasses.replace(
+            merge_comparisons(done), tolerance=max((p.tolerance for p in done), key=_size), role="bound"
         )
-    )
-    per_value: dict[str, list[ValueComparison]] = {}
+        for done in ([p for p in parts if p is not None] for parts in per_value.values())
+    ]
+    return rows + _identity_probes(original, rewritten, rewrites, reads.originals, make_runner)
+
+
+#: Outputs awaiting their formula's part read from constants: per rewrite index, (the row's
+#: parts, the slot, the judge).
+_Pending = dict[int, list[tuple[list[ValueComparison | None], int, _Judge]]]
+
+#: The values pending judgements may hold (the node's inputs and outputs per sample) before they
+#: are judged: beyond it (long sequences), the weights' part is computed again for the next ones.
+_PENDING_BYTES = 1 << 28
+
+
+def _held_bytes(judge: _Judge, constants: dict[str, np.ndarray]) -> int:
+    """The bytes a pending judgement holds: its sample's values of the node (not the constants)."""
+    assert isinstance(judge, functools.partial)
+    case, expected, actual = judge.args
+    reads = sum(v.nbytes for n, v in case.reads.items() if n not in constants)
+    return int(expected.nbytes + actual.nbytes + reads)
+
+
+def _judge_pending(pending: _Pending, rewrites: Sequence[BoundedRewrite], reads: _Reads) -> None:
+    """Judge every pending output, node by node: the formula's part read from constants (the
+    dequantized weights) computed once per node, and one node's held at a time."""
+    for index, jobs in pending.items():
+        node, formula = reads.originals[id(rewrites[index])], rewrites[index].formula
+        assert node is not None and formula is not None
+        prepared = element_bounds.prepare(formula, node, reads.constants)
+        for parts, slot, judge in jobs:
+            parts[slot] = judge(prepared)
+        del prepared
+    pending.clear()
+
+
+def _cases(
+    original: onnx.ModelProto,
+    rewritten: onnx.ModelProto,
+    rewrites: Sequence[BoundedRewrite],
+    samples: Sequence[Sample],
+    make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
+    anchored: Anchored | None,
+    reads: _Reads,
+    saturates: bool,
+) -> Iterator[tuple[int, str, _Judge]]:
+    """(rewrite index, row label, its judge) for each output of each bounded replacement on each
+    sample (and re-anchored sample): the replacement run alone on the original's values of its inputs."""
+    initializers = {t.name for t in rewritten.graph.initializer}
+    needed = [
+        n for r in rewrites for n in (*r.inputs, *r.outputs, *([r.unit] if r.unit else ())) if n not in initializers
+    ]
+    needed = list(dict.fromkeys(needed + [n for ns in reads.names.values() for n in ns if n not in reads.constants]))
     alone_runners: dict[int, ModelRunner] = {}
     for model, feeds_of, suffix, expected_name in _original_runs(original, samples, anchored):
         # In the cut model a replacement's output is a graph input (the rewritten model's value, what
@@ -225,25 +317,17 @@ def check_bounds(
                 if index not in alone_runners:
                     alone_runners[index] = make_runner(_alone(rewrite, rewritten, feeds), "rewritten")
                 actual = alone_runners[index].run(feeds, list(rewrite.outputs))
-                node = originals.get(id(rewrite))
-                reads = {n: constants[n] if n in constants else values[n] for n in formula_reads.get(id(rewrite), ())}
+                node = reads.originals.get(id(rewrite))
+                formula_values = {
+                    n: reads.constants[n] if n in reads.constants else values[n]
+                    for n in reads.names.get(id(rewrite), ())
+                }
                 for name in rewrite.outputs:
-                    expected = values[expected_name(name)]
-                    tol, per_element = _tolerance(rewrite, node, reads, values, expected, actual[name], saturates)
                     label = rewrite.label if len(rewrite.outputs) == 1 else f"{name} of {rewrite.label}"
-                    per_value.setdefault(label, []).append(
-                        compare_values(
-                            label, sample.name + suffix, expected, actual[name], tol, element_bound=per_element
-                        )
+                    case = _Case(
+                        rewrite, node, formula_values, rewrite.bound_for(values), saturates, label, sample.name + suffix
                     )
-    # A data-dependent bound differs per sample: each sample is judged by its own, the row shows the largest.
-    rows = [
-        dataclasses.replace(
-            merge_comparisons(parts), tolerance=max((p.tolerance for p in parts), key=_size), role="bound"
-        )
-        for parts in per_value.values()
-    ]
-    return rows + _identity_probes(original, rewritten, rewrites, originals, make_runner)
+                    yield index, label, functools.partial(_judge, case, values[expected_name(name)], actual[name])
 
 
 def _for_this_cpu(rewrites: list[BoundedRewrite]) -> tuple[list[BoundedRewrite], bool]:
@@ -279,23 +363,39 @@ def _original_runs(original: onnx.ModelProto, samples: Sequence[Sample], anchore
     return runs
 
 
+@dataclasses.dataclass(frozen=True)
+class _Case:
+    """One output of one bounded replacement on one sample: what judging it needs besides the values."""
+
+    rewrite: BoundedRewrite
+    node: onnx.NodeProto | None
+    reads: dict[str, np.ndarray]
+    bound: float  # the rewrite's scalar bound on this sample (BoundedRewrite.bound_for)
+    saturates: bool
+    label: str
+    sample: str
+
+
+def _judge(case: _Case, expected: np.ndarray, actual: np.ndarray, prepared: Any) -> ValueComparison:
+    """The comparison of one output on one sample within its bound; ``prepared``: the formula's
+    part read from constants (element_bounds.prepare), or None."""
+    tol, per_element = _tolerance(case, expected, actual, prepared)
+    return compare_values(case.label, case.sample, expected, actual, tol, element_bound=per_element)
+
+
 def _tolerance(
-    rewrite: BoundedRewrite,
-    node: onnx.NodeProto | None,
-    reads: dict[str, np.ndarray],
-    values: dict[str, np.ndarray],
-    expected: np.ndarray,
-    actual: np.ndarray,
-    saturates: bool,
+    case: _Case, expected: np.ndarray, actual: np.ndarray, prepared: Any
 ) -> tuple[Tolerance, np.ndarray | None]:
     """The tolerance of one output of one sample: the rewrite's bound (integer outputs: in steps),
     or its formula's per-element bound where it has one, and that per-element bound."""
-    bound = rewrite.bound_for(values)
+    bound, rewrite = case.bound, case.rewrite
     integer = expected.dtype.kind in "iub"
     tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
-    if not rewrite.formula or node is None or len(rewrite.outputs) != 1:
+    if not rewrite.formula or case.node is None or len(rewrite.outputs) != 1:
         return tol, None
-    per_element = element_bounds.element_bound(rewrite.formula, node, reads, expected, actual, saturates=saturates)
+    per_element = element_bounds.element_bound(
+        rewrite.formula, case.node, case.reads, expected, actual, saturates=case.saturates, prepared=prepared
+    )
     if per_element is None:
         return tol, None
     largest = float(np.max(per_element, initial=0.0))
