@@ -10,9 +10,12 @@ same cases and a case added to the table reaches both.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import zlib
+from collections.abc import Iterator
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -255,3 +258,168 @@ CONV_CASES = [
     for edge in ("random", "extremes")
     for attrs_i in range(len(CONV_ATTRS))
 ]
+
+
+# --- a saturating CPU, emulated on any CPU ------------------------------------------------------
+
+
+class _Nodes:
+    """Appends nodes named under one prefix, in order."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix, self.nodes = prefix, []
+
+    def const(self, name: str, value) -> str:
+        out = f"{self.prefix}/{name}"
+        self.nodes.append(
+            helper.make_node("Constant", [], [out], value=numpy_helper.from_array(np.asarray(value), out))
+        )
+        return out
+
+    def op(self, kind: str, inputs: list[str], name: str, output: str | None = None, **attrs) -> str:
+        out = output or f"{self.prefix}/{name}"
+        self.nodes.append(helper.make_node(kind, inputs, [out], name=f"{self.prefix}/{name}", **attrs))
+        return out
+
+
+def saturating_matmul_nodes(node: onnx.NodeProto, b: np.ndarray, zb: np.ndarray | None) -> list[onnx.NodeProto]:
+    """Standard-ONNX nodes (opset 13+) computing ``node`` (MatMulInteger, uint8 A, constant int8 B)
+    as :func:`saturating_matmul` does, in int32: the products of each aligned pair along K
+    (k = 2j, 2j + 1) summed and clipped to int16, the pairs summed (the last product of an odd K
+    alone: within int16 whatever its values), then the zero points applied exactly."""
+    g, k = _Nodes(f"{node.name or node.output[0]}/saturating"), b.shape[0]
+    b32, half = b.astype(np.int32), k // 2
+    i64 = lambda v: np.array([v], np.int64)  # noqa: E731
+    zero, one, two, last, pair_axis = (
+        g.const("0", i64(0)),
+        g.const("1", i64(1)),
+        g.const("2", i64(2)),
+        g.const("-1", i64(-1)),
+        g.const("-2", i64(-2)),
+    )
+    end, middle = g.const("k", i64(k)), g.const("half", i64(half))
+    a = g.op("Cast", [node.input[0]], "a", to=T.INT32)
+    products = []
+    for start, part in ((zero, "even"), (one, "odd")):
+        column = g.op("Unsqueeze", [g.op("Slice", [a, start, end, last, two], f"a_{part}"), last], f"a_{part}_col")
+        products.append(g.op("Mul", [column, g.const(f"b_{part}", b32[0 if part == "even" else 1 :: 2])], f"p_{part}"))
+    paired = g.op("Slice", [products[0], zero, middle, pair_axis], "p_even_paired")
+    pairs = g.op("Add", [paired, products[1]], "pairs")
+    clipped = g.op(
+        "Clip", [pairs, g.const("lo", np.array(-32768, np.int32)), g.const("hi", np.array(32767, np.int32))], "clipped"
+    )
+    acc = g.op("ReduceSum", [clipped, pair_axis], "acc_pairs", keepdims=0)
+    if k % 2:
+        alone = g.op(
+            "ReduceSum",
+            [g.op("Slice", [products[0], middle, end, pair_axis], "p_last"), pair_axis],
+            "acc_last",
+            keepdims=0,
+        )
+        acc = g.op("Add", [acc, alone], "acc")
+    has_za = len(node.input) > 2 and node.input[2]
+    za = g.op("Cast", [node.input[2]], "za", to=T.INT32) if has_za else g.const("za", np.zeros((), np.int32))
+    zb32 = g.const("zb", np.zeros((), np.int32) if zb is None else np.asarray(zb, np.int32))
+    rowsum = g.op("ReduceSum", [a, last], "rowsum", keepdims=1)
+    acc = g.op(
+        "Sub", [acc, g.op("Mul", [za, g.const("colsum", b32.sum(axis=0).astype(np.int32))], "za_colsum")], "minus_za"
+    )
+    acc = g.op("Sub", [acc, g.op("Mul", [zb32, rowsum], "zb_rowsum")], "minus_zb")
+    zazb = g.op("Mul", [g.op("Mul", [za, zb32], "za_zb"), g.const("k_count", np.array(k, np.int32))], "zazb_k")
+    g.op("Add", [acc, zazb], "out", output=node.output[0])
+    return g.nodes
+
+
+def _saturating_ms_nodes(node: onnx.NodeProto, b: np.ndarray, zb: np.ndarray | None) -> list[onnx.NodeProto]:
+    """com.microsoft MatMulIntegerToFloat (uint8 A) or DynamicQuantizeMatMul as the integer
+    product of :func:`saturating_matmul_nodes`, then ``float(acc) * (a_scale * b_scale) (+ bias)``
+    in float32: the saturating kernel up to the order of those last float32 roundings (not bit for
+    bit: for assertions coarser than an ulp)."""
+    g = _Nodes(f"{node.name or node.output[0]}/saturating_float")
+    inputs = list(node.input) + [""] * 7
+    if node.op_type == "DynamicQuantizeMatMul":
+        a, a_scale, a_zp = (f"{g.prefix}/{n}" for n in ("a_q", "a_scale", "a_zp"))
+        g.nodes.append(
+            helper.make_node("DynamicQuantizeLinear", [inputs[0]], [a, a_scale, a_zp], name=f"{g.prefix}/dql")
+        )
+        b_scale, bias = inputs[2], inputs[4]
+    else:
+        a, a_scale, b_scale, a_zp, bias = inputs[0], inputs[2], inputs[3], inputs[4], inputs[6]
+    acc = f"{g.prefix}/acc"
+    integer = helper.make_node("MatMulInteger", [a, node.input[1], a_zp], [acc], name=f"{g.prefix}/mmi")
+    g.nodes += saturating_matmul_nodes(integer, b, zb)
+    scaled = g.op(
+        "Mul", [g.op("Cast", [acc], "acc_float", to=T.FLOAT), g.op("Mul", [a_scale, b_scale], "scale")], "scaled"
+    )
+    if bias:
+        g.op("Add", [scaled, bias], "out", output=node.output[0])
+    else:
+        g.op("Identity", [scaled], "out", output=node.output[0])
+    return g.nodes
+
+
+#: op -> (its B input, its B zero point input, whether A is uint8 by construction)
+_EMULATED = {
+    ("", "MatMulInteger"): (1, 3, False),
+    ("com.microsoft", "MatMulIntegerToFloat"): (1, 5, False),
+    ("com.microsoft", "DynamicQuantizeMatMul"): (1, 3, True),
+}
+
+
+def emulate_saturating_kernels(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with every uint8 x int8 product of constant int8 weights (MatMulInteger; the
+    com.microsoft MatMulIntegerToFloat and DynamicQuantizeMatMul, see :func:`_saturating_ms_nodes`)
+    computed as onnxruntime's kernel on x86 without VNNI computes it, so that a test can run what
+    such a CPU runs on any CPU. Other nodes unchanged; ``model`` itself when there is none."""
+    inits = {t.name: t for t in model.graph.initializer}
+    typed = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*typed.input, *typed.value_info)}
+    nodes, changed = [], False
+    for node in model.graph.node:
+        spec = _EMULATED.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        b = inits.get(node.input[1]) if spec else None
+        if spec is None or b is None or b.data_type != T.INT8 or not (spec[2] or types.get(node.input[0]) == T.UINT8):
+            nodes.append(node)
+            continue
+        zb_name = node.input[spec[1]] if len(node.input) > spec[1] else ""
+        assert not zb_name or zb_name in inits, f"{node.name}: the emulation takes a constant B zero point"
+        zb = numpy_helper.to_array(inits[zb_name]) if zb_name else None
+        emulate = saturating_matmul_nodes if node.op_type == "MatMulInteger" else _saturating_ms_nodes
+        nodes += emulate(node, numpy_helper.to_array(b), zb)
+        changed = True
+    if not changed:
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    kept = [t for t in out.graph.initializer if t.name in read]  # B moved into the emulation's constants
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    return out
+
+
+@contextlib.contextmanager
+def on_a_saturating_cpu() -> Iterator[None]:
+    """Inside, onnxruntime sessions run every uint8 x int8 product of constant int8 weights
+    (MatMulInteger exactly, MatMulIntegerToFloat and DynamicQuantizeMatMul up to float32 rounding
+    order) as x86 without VNNI runs it (:func:`emulate_saturating_kernels`), and verify's
+    measurement of the kernel (``default_kernel_saturates``) says it saturates: what verify does on
+    such a CPU, on any CPU. Other ops (QLinearMatMul, QGemm, QAttention) are not emulated: they run
+    as this CPU runs them, and only verify's bounds take the saturating CPU's values."""
+    import onnxruntime as ort
+
+    from onnx_qrewrite.verify import u8s8_reference
+
+    real = ort.InferenceSession
+
+    def emulating(source, *args, **kwargs):
+        model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(source)
+        return real(emulate_saturating_kernels(model).SerializeToString(), *args, **kwargs)
+
+    with (
+        mock.patch.object(ort, "InferenceSession", emulating),
+        mock.patch.object(u8s8_reference, "default_kernel_saturates", lambda: True),
+    ):
+        yield

@@ -102,7 +102,9 @@ def u8s8_saturates_here() -> bool:
     int16: x86 without VNNI does ([255, 255] . [127, 127] = 32767), CPUs with AVX-VNNI or
     AVX512-VNNI and ARM give the definition (64770). verify's own measurement, which
     tests/test_u8s8_saturation.py checks against the kernels at realistic shapes. Tests of those
-    kernels assert whichever this CPU does; the rewrite's own output is the definition either way."""
+    kernels assert whichever this CPU does; the rewrite's own output is the definition either way.
+    What a saturating CPU changes beyond the kernel (bounds, verify's verdicts) is tested on any CPU
+    too, inside ``_int_matmul_helpers.on_a_saturating_cpu``."""
     from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates
 
     return default_kernel_saturates()

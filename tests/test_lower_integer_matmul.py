@@ -77,6 +77,9 @@ def test_matmul_integer_float_form_is_bit_exact(case: MatMulCase):
         kernel = saturating_matmul(a, b, azp, bzp) if u8s8_saturates_here() else reference.astype(np.int32)
         assert_bitwise_equal(original, kernel, "onnxruntime u8s8 kernel")
         assert np.all(np.abs(original.astype(np.int64) - actual) <= excess), "beyond the pair excess"
+        # The same of the saturating kernel, emulated: on a CPU that does not saturate, the bound is tried here.
+        emulated = saturating_matmul(a, b, azp, bzp).astype(np.int64)
+        assert np.all(np.abs(emulated - actual) <= excess), "the saturating kernel beyond the pair excess"
         if case.b_const and saturable:
             assert result.report.rewrites[0].bound == float(excess.max())
     else:
@@ -222,6 +225,7 @@ def test_conv_integer_int8_x_uint8_w_saturates_in_onnxruntime_and_the_rewrite_do
     assert (applied.rule, applied.bound) == ("int-matmul-float-bounded", 32512.0)
     assert run(result.model, {"X": x})["Y"].item() == -65280
     assert run(model, {"X": x})["Y"].item() == (-32768 if u8s8_saturates_here() else -65280)
+    assert saturating_matmul(x.reshape(1, -1), w.reshape(1, -1).T, None, None).item() == -32768  # emulated
 
 
 def test_conv_integer_per_channel_w_zero_point_follows_the_onnx_definition():

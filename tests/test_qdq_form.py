@@ -24,6 +24,7 @@ from unittest import mock
 import numpy as np
 import onnx
 import pytest
+from _int_matmul_helpers import on_a_saturating_cpu
 from _verify_helpers import node_row
 from conftest import rule_marker, session
 from onnx import TensorProto, helper, numpy_helper
@@ -347,7 +348,8 @@ def test_full_range_weights_across_two_of_the_kernels_pairs_keep_the_form(op):
     kernel pairs (0, 1) and (2, 3), each within int16. The check on every adjacent pair gave way
     here; the kernel's own pairs (u8s8.pair_excess) prove no saturation, and onnxruntime's default
     kernel agrees: the rewrite stays within its float32 bound. The same form forced onto weights the
-    kernel does pair (2, 3) is beyond it where the kernel saturates: the check is what keeps it sound."""
+    kernel does pair (2, 3) is beyond it where the kernel saturates (this CPU's, or the saturating
+    kernel emulated): the check is what keeps it sound."""
     model = _with_pair(op, (1, 2))
     result = _rewrite(model)
     rule = "qdq-matmul" if op == "MatMulInteger" else "qdq-ms-matmul"
@@ -360,6 +362,9 @@ def test_full_range_weights_across_two_of_the_kernels_pairs_keep_the_form(op):
     assert forced.report.by_rule().get(rule) == 1, forced.report.by_rule()
     error, bound = _error_and_bound(paired, forced.model, (2, 3))
     assert (error > 100 * bound) == SATURATES, (error, bound)
+    with on_a_saturating_cpu():  # the kernel of a CPU that saturates, emulated on any CPU
+        error, bound = _error_and_bound(paired, forced.model, (2, 3))
+    assert error > 100 * bound, (error, bound)
 
 
 @rule_marker("qdq-matmul", "negative")

@@ -5,19 +5,25 @@ bounded by each column's pair excess elsewhere, checked per column by verify at 
 compares the outputs with the original as onnxruntime's session.x64quantprecision runs it.
 
 The kernel tests assert what this CPU does when it saturates; on a CPU with VNNI (or ARM) nothing
-saturates, and they assert that instead, so the suite is honest on either."""
+saturates, and they assert that instead, so the suite is honest on either. What depends on the
+saturation beyond the kernel itself (the bounds, verify's verdicts at the node) is also asserted
+against the saturating kernel emulated (``_int_matmul_helpers.on_a_saturating_cpu``, checked here
+against the kernel where it is exact and against the int16-pair emulation everywhere), so both
+halves run on any CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from _int_matmul_helpers import saturating_matmul
+from _int_matmul_helpers import on_a_saturating_cpu, saturating_matmul
 from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto as T
@@ -26,7 +32,7 @@ from onnx import helper, numpy_helper
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.rewriter import provenance, u8s8
-from onnx_qrewrite.verify import verify
+from onnx_qrewrite.verify import u8s8_reference, verify
 from onnx_qrewrite.verify.bounds import bounded_rewrites
 from onnx_qrewrite.verify.u8s8_reference import default_kernel_saturates, without_saturation
 
@@ -102,11 +108,17 @@ def test_the_kernel_pairs_adjacent_terms_along_k_of_the_raw_values():
         b[[i, j], 0] = 127
         got = int(_ort(_mmi(b), {"A": a}).item())
         assert got == (32767 if paired and SATURATES else 64770), (i, j, got)
+        # The emulation of the saturating kernel (what verify's tests run as a saturating CPU), on any CPU.
+        assert int(saturating_matmul(a, b, None, None).item()) == (32767 if paired else 64770), (i, j)
+        with on_a_saturating_cpu():
+            assert int(_ort(_mmi(b), {"A": a}).item()) == (32767 if paired else 64770), (i, j)
     b = np.zeros((4, 1), np.int8)
     b[:2] = 127
-    assert int(_ort(_mmi(b, za=255), {"A": np.full((1, 4), 255, np.uint8)}).item()) == (
-        32767 - 255 * 254 if SATURATES else 0
-    )
+    a = np.full((1, 4), 255, np.uint8)
+    assert int(_ort(_mmi(b, za=255), {"A": a}).item()) == (32767 - 255 * 254 if SATURATES else 0)
+    assert int(saturating_matmul(a, b, np.uint8(255), None).item()) == 32767 - 255 * 254
+    with on_a_saturating_cpu():
+        assert int(_ort(_mmi(b, za=255), {"A": a}).item()) == 32767 - 255 * 254
 
 
 def test_conv_integer_pairs_along_the_flattened_channel_kernel_axis():
@@ -128,6 +140,9 @@ def test_conv_integer_pairs_along_the_flattened_channel_kernel_axis():
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
         if int(_ort(model, {"x": x}).item()) != 127 * 510:
             saturated.append((i, j))
+        # The pairs as the emulation forms them (x and w flattened per output channel), on any CPU.
+        emulated = saturating_matmul(x.reshape(1, -1), w.reshape(1, -1).T, None, None).item()
+        assert (emulated != 127 * 510) is ((i, j) in ((0, 1), (2, 3), (24, 25))), (i, j, emulated)
     assert saturated == ([(0, 1), (2, 3), (24, 25)] if SATURATES else [])
 
 
@@ -143,8 +158,10 @@ def test_the_pair_excess_bounds_the_kernel_and_is_reached():
     diff = got[0] - _definition(a, b)[0]
     excess = u8s8.pair_excess(b.T, "int8")
     assert np.all(np.abs(diff) <= excess)
-    if SATURATES:
-        assert diff[0] == -excess[0] == -4 * 32003 and diff[1] == excess[1] == 4 * 32512
+    # The excess is reached by the saturating kernel (emulated on any CPU; the kernel itself where it saturates).
+    emulated = saturating_matmul(a, b, None, None)[0].astype(np.int64) - _definition(a, b)[0]
+    assert emulated[0] == -excess[0] == -4 * 32003 and emulated[1] == excess[1] == 4 * 32512
+    assert np.array_equal(diff, emulated if SATURATES else np.zeros_like(diff))
     for seed in range(20):
         rng = np.random.default_rng(seed)
         m, k, n = rng.integers(1, 9), rng.integers(1, 70), rng.integers(1, 9)
@@ -172,13 +189,68 @@ def test_the_pair_saturation_of_given_activations_is_what_the_kernel_loses():
         emulated = saturating_matmul(a, b, za, zb).astype(np.int64) - _definition(a, b, za, zb)
         assert np.all(np.abs(emulated) <= lost) and np.array_equal(np.abs(emulated[:, 0]), lost[:, 0]), seed
         assert np.all(lost <= u8s8.pair_excess(b.T, "int8")), seed
-        if SATURATES:
-            kernel = _ort(_mmi(b, za, zb), {"A": a}).astype(np.int64) - _definition(a, b, za, zb)
-            assert np.array_equal(kernel, emulated), seed
+        kernel = _ort(_mmi(b, za, zb), {"A": a}).astype(np.int64) - _definition(a, b, za, zb)
+        assert np.array_equal(kernel, emulated if SATURATES else np.zeros_like(emulated)), seed
         if k >= 2:
             assert lost[0, 0] > 0, seed  # 255 x 127 twice leaves int16
     small = np.random.default_rng(1).integers(-64, 65, (16, 4)).astype(np.int8)
     assert not u8s8.pair_saturation(np.full((3, 16), 255, np.uint8), small.T).any()
+
+
+def _ms_model(op: str, b: np.ndarray, zb: int, bias: bool) -> onnx.ModelProto:
+    """com.microsoft MatMulIntegerToFloat (uint8 A, zero point 131) or DynamicQuantizeMatMul with
+    constant int8 B, per-column B scales, B zero point ``zb``."""
+    k, n = b.shape
+    b_scale = np.linspace(0.01, 0.02, n).astype(np.float32)
+    if op == "MatMulIntegerToFloat":
+        values = {"B": b, "a_scale": np.float32(0.03), "b_scale": b_scale, "a_zp": np.uint8(131), "b_zp": np.int8(zb)}
+    else:
+        values = {"B": b, "b_scale": b_scale, "b_zp": np.int8(zb)}
+    if bias:  # the input after the B zero point in both
+        values["bias"] = np.linspace(-1, 1, n).astype(np.float32)
+    names = list(values)
+    a_type = T.UINT8 if op == "MatMulIntegerToFloat" else T.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node(op, ["A", *names], ["Y"], name="ms", domain="com.microsoft")],
+        "g",
+        [helper.make_tensor_value_info("A", a_type, [2, 3, k])],
+        [helper.make_tensor_value_info("Y", T.FLOAT, [2, 3, n])],
+        [numpy_helper.from_array(np.asarray(v), name) for name, v in values.items()],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+@pytest.mark.parametrize("op", ["MatMulIntegerToFloat", "DynamicQuantizeMatMul"])
+@pytest.mark.parametrize("k", [33, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_saturating_cpu_emulation_of_the_float_ops(op, k, bias):
+    """tests/_int_matmul_helpers.on_a_saturating_cpu for the com.microsoft float-output ops, on any
+    CPU: with weights whose pairs stay within int16 it is onnxruntime's kernel (to float32 rounding:
+    the same zero points, scales and bias, in the same places); with full-range weights it moves
+    each column by the saturating integer product's difference times the scale product."""
+    rng = np.random.default_rng(k + bias)
+    calm = rng.integers(-64, 65, (k, 5)).astype(np.int8)
+    a = rng.integers(0, 256, (2, 3, k)).astype(np.uint8) if op == "MatMulIntegerToFloat" else None
+    feeds = {"A": a if a is not None else rng.uniform(-2, 6, (2, 3, k)).astype(np.float32)}
+    model = _ms_model(op, calm, -7, bias)
+    want = _ort(model, feeds)
+    with on_a_saturating_cpu():
+        got = _ort(model, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    full = calm.copy()
+    full[0:2, 1] = 127  # column 1: its first pair leaves int16 where A is 255 there
+    full = _ms_model(op, full, -7, bias)
+    feeds["A"][..., 0:2] = 255 if op == "MatMulIntegerToFloat" else 6.0
+    exact = _ort(full, feeds)
+    with on_a_saturating_cpu():
+        saturated = _ort(full, feeds)
+    moved = np.abs(saturated - exact)
+    assert np.all(moved[..., [0, 2, 3, 4]] <= 1e-5 * np.abs(exact).max()), moved
+    a_scale = 0.03 if op == "MatMulIntegerToFloat" else 8.0 / 255  # DynamicQuantizeLinear of [-2, 6]
+    steps = (255 * 127 * 2 - 32767) * a_scale * 0.01 * 1.25  # the pair's excess times column 1's scales
+    assert np.all(moved[..., 1] >= 0.99 * steps), (moved[..., 1], steps)
+    assert np.array_equal(exact, saturated) is False
 
 
 def test_x64quantprecision_gives_the_onnx_definition_and_so_does_verifys_reference():
@@ -250,39 +322,47 @@ def _scale_one_ulp_off(rewritten: onnx.ModelProto, origin: str) -> onnx.ModelPro
 
 @rule_marker("int-matmul-float-bounded", "positive")
 @rule_marker("int-matmul-float", "negative")
-def test_the_default_quantize_dynamic_bert_rewrites_by_default_and_verifies(bert):
+@pytest.mark.parametrize("cpu", ["this", "saturating"])
+def test_the_default_quantize_dynamic_bert_rewrites_by_default_and_verifies(bert, cpu):
+    """The rewrite is the same on every CPU (every weight of the tiny BERT has pairs that can leave
+    int16: the bounded rule everywhere). verify checks each node against the kernel it runs: on a
+    saturating CPU (this one, or emulated: ``cpu="saturating"``) it differs within each column's
+    excess and a dropped zero point breaks it; elsewhere it is the definition, exactly."""
     result = onnx_qrewrite.rewrite(bert["dynamic"])
     assert {n.domain for n in result.model.graph.node} == {""}
-    rules = result.report.by_rule()
-    if SATURATES:  # every weight of the tiny BERT has pairs that can leave int16
-        assert rules == {"dql-expand": 8, "int-matmul-float-bounded": 12}
+    assert result.report.by_rule() == {"dql-expand": 8, "int-matmul-float-bounded": 12}
     feeds = bert_feeds()
-    report = verify(bert["dynamic"], result.model, inputs=feeds)
+    with on_a_saturating_cpu() if cpu == "saturating" else contextlib.nullcontext():
+        report = verify(bert["dynamic"], result.model, inputs=feeds)
+        broken = verify(bert["dynamic"], _drop_a_zero_point(result.model, "l0.o.mm_quant"), inputs=feeds)
     assert report.passed, report.to_table()
     assert report.settings.u8s8_reference_nodes == 12
     row = node_row(report, "l0.o.mm_quant")
     assert "per element (u8s8-pairs)" in row.tolerance_text
-    if SATURATES:
-        # The default kernel on this CPU differs at the node, within each column's excess.
-        assert 0 < row.max_abs_error <= row.tolerance.lsb and row.exact_match_rate < 1
-    broken = verify(bert["dynamic"], _drop_a_zero_point(result.model, "l0.o.mm_quant"), inputs=feeds)
+    if cpu == "saturating" or SATURATES:
+        # The default kernel differs at the node, within each column's excess.
+        assert 0 < row.max_abs_error <= row.tolerance.lsb and row.exact_match_rate < 1, report.to_table()
+    else:
+        assert row.max_abs_error == 0 and row.tolerance.lsb == 0, report.to_table()
     assert broken.exit_code == EXIT_DISAGREE
     bad = node_row(broken, "l0.o.mm_quant")
     assert not bad.passed and bad.max_abs_error > row.tolerance.lsb, broken.to_table()
 
 
 @rule_marker("ms-int-matmul-float-bounded", "positive")
-def test_the_fused_default_bert_rewrites_by_default_and_a_scale_one_ulp_off_is_caught(bert):
+@pytest.mark.parametrize("cpu", ["this", "saturating"])
+def test_the_fused_default_bert_rewrites_by_default_and_a_scale_one_ulp_off_is_caught(bert, cpu):
     result = onnx_qrewrite.rewrite(bert["fused"])
     assert {n.domain for n in result.model.graph.node} == {""}
-    if SATURATES:
-        assert result.report.by_rule()["ms-int-matmul-float-bounded"] == 12
+    assert result.report.by_rule()["ms-int-matmul-float-bounded"] == 12  # on every CPU
     feeds = bert_feeds()
-    report = verify(bert["fused"], result.model, inputs=feeds)
-    assert report.passed, report.to_table()
     origin = "l0.o.mm_quant"
+    with on_a_saturating_cpu() if cpu == "saturating" else contextlib.nullcontext():
+        report = verify(bert["fused"], result.model, inputs=feeds)
+        broken = verify(bert["fused"], _scale_one_ulp_off(result.model, origin), inputs=feeds)
+    assert report.passed, report.to_table()
     good = node_row(report, origin)
-    broken = verify(bert["fused"], _scale_one_ulp_off(result.model, origin), inputs=feeds)
+    assert (good.max_abs_error > 0) is (cpu == "saturating" or SATURATES), report.to_table()
     assert broken.exit_code == EXIT_DISAGREE
     bad = node_row(broken, origin)
     # Columns without a pair excess are bit-exact: one ulp of a scale shows there.
@@ -332,13 +412,14 @@ def _qlinear_matmul(b: np.ndarray) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is_caught():
+@pytest.mark.parametrize("cpu", ["this", "saturating"])
+def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is_caught(cpu):
     """One column whose first pair can leave int16 (127 + 127): the bounded rule adds its excess
     (32003 * a_scale * b_scale / y_scale = 32 steps) to the bound; verify checks it at the node
     against the default kernel, and a dropped activation zero point (137 steps off) breaks it. A
     dropped weight zero point moves this node by 13 steps: where the kernel does not saturate (CPUs
     with AVX-VNNI), verify leaves the 32 saturation steps out of the bound (1 step) and catches that
-    too."""
+    too; where it does (this CPU, or verify told so: ``cpu="saturating"``), it is within the bound."""
     rng = np.random.default_rng(3)
     b = rng.integers(-40, 41, (64, 8)).astype(np.int8)
     b[0:2, 3] = 127
@@ -354,20 +435,27 @@ def test_qlinear_matmul_saturating_pairs_are_bounded_and_a_dropped_zero_point_is
     got = run(result.model, {"A": a})["Y"].astype(np.int64)
     want = run(model, {"A": a})["Y"].astype(np.int64)
     assert np.abs(got - want).max() <= applied.bound
-    if SATURATES:
-        assert np.abs(got - want)[:, 3].min() >= 30  # the column really saturates
-    report = verify(model, result.model, inputs={"A": a})
-    assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
-    row = node_row(report, "qmm")
-    assert ("+32 where the u8 x s8 kernel saturates" in row.name) is not SATURATES, row.name
-    dqs = [n for n in result.model.graph.node if n.op_type == "DequantizeLinear"]
-    activation = next(i for i, n in enumerate(dqs) if n.input[0] == "A")
-    breaks = [activation] + ([] if SATURATES else [next(i for i in range(len(dqs)) if i != activation)])
-    for index in breaks:
-        broken = copy.deepcopy(result.model)
-        del [n for n in broken.graph.node if n.op_type == "DequantizeLinear"][index].input[2]
-        report = verify(model, broken, inputs={"A": a})
-        assert not node_row(report, "qmm").passed, report.to_table()
+    # The saturating kernel's integer product moves the column by 30 steps or more (emulated, any
+    # CPU): the 32 steps are needed there. This CPU's kernel does so where it saturates.
+    lost = saturating_matmul(a, b, np.uint8(120), np.int8(10)).astype(np.int64) - _definition(a, b, 120, 10)
+    assert np.abs(lost[:, 3] * (0.02 * 0.01 / 0.2)).min() >= 30
+    assert bool(np.abs(got - want)[:, 3].min() >= 30) is SATURATES
+    saturating = cpu == "saturating" or SATURATES
+    told = mock.patch.object(u8s8_reference, "default_kernel_saturates", lambda: True)
+    with told if cpu == "saturating" else contextlib.nullcontext():
+        report = verify(model, result.model, inputs={"A": a})
+        assert report.passed and report.settings.u8s8_reference_nodes == 1, report.to_table()
+        row = node_row(report, "qmm")
+        assert ("+32 where the u8 x s8 kernel saturates" in row.name) is not saturating, row.name
+        assert row.tolerance.lsb == (33 if saturating else 1), row.tolerance
+        dqs = [n for n in result.model.graph.node if n.op_type == "DequantizeLinear"]
+        activation = next(i for i, n in enumerate(dqs) if n.input[0] == "A")
+        weights = next(i for i in range(len(dqs)) if i != activation)
+        for index, caught in ((activation, True), (weights, not saturating)):
+            broken = copy.deepcopy(result.model)
+            del [n for n in broken.graph.node if n.op_type == "DequantizeLinear"][index].input[2]
+            report = verify(model, broken, inputs={"A": a})
+            assert node_row(report, "qmm").passed is not caught, report.to_table()
 
 
 def test_a_saturating_node_the_rewrite_kept_runs_the_same_way_on_both_sides():

@@ -11,9 +11,11 @@ exports it, fused by onnxruntime.transformers' optimizer itself.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import re
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -26,7 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
 from onnx_qrewrite.rewriter import u8s8
-from onnx_qrewrite.verify import element_bounds, verify
+from onnx_qrewrite.verify import element_bounds, u8s8_reference, verify
 from onnx_qrewrite.verify.u8s8_reference import without_saturation
 
 RNG = np.random.default_rng(7)
@@ -689,26 +691,34 @@ def test_qattention_saturation_bound_is_checked_at_the_node_and_catches_a_droppe
 
 
 @rule_marker("unfuse-qattention", "positive")
-def test_qattention_bound_leaves_out_the_saturation_where_the_kernel_does_not_saturate():
+@pytest.mark.parametrize("cpu", ["this", "saturating"])
+def test_qattention_bound_leaves_out_the_saturation_where_the_kernel_does_not_saturate(cpu):
     """Full-range int8 weights, as quantize_dynamic writes them: the node's per-element bound
-    includes the int16 pair saturation only where onnxruntime's kernel saturates (measured). Where
-    it does not (CPUs with VNNI), a rewrite whose value bias is 0.5 off in half the columns breaks
-    the node's bound; where it does, that slack is real and the bound is wider than the break."""
+    includes the int16 pair saturation only where onnxruntime's kernel saturates (measured; or
+    verify told so: ``cpu="saturating"``). Where it does not (CPUs with VNNI), a rewrite whose value
+    bias is 0.5 off in half the columns breaks the node's bound; where it does, that slack is real
+    (the emulated saturating kernel moves the output by more than the break) and the bound is wider
+    than the break."""
     rng = np.random.default_rng(11)
     model = qattention_model(2, 8, 64, 4, "int8", weight_range=127, rng=rng)
     feeds = qattention_feeds(2, 8, 64, None, rng=rng)
+    _, saturated = _qattention_in_float64(model, feeds, saturate=True)
+    _, exact = _qattention_in_float64(model, feeds, saturate=False)
+    assert np.abs(saturated - exact).max() > 0.5  # a bound of 0.5 would not hold where it saturates
     result = onnx_qrewrite.rewrite(model)
-    report = verify(model, result.model, inputs=feeds)
-    assert report.passed, report.to_table()
-    assert (node_row(report, "qattn").tolerance.atol > 0.5) is u8s8_saturates_here()
     broken = copy.deepcopy(result.model)
     (bias,) = [t for t in broken.graph.initializer if t.name == "b"]
     shifted = numpy_helper.to_array(bias).copy()
     shifted[128:192:2] += np.float32(0.5)  # the value part of the projection: every other column
     bias.CopyFrom(numpy_helper.from_array(shifted, "b"))
-    report = verify(model, broken, inputs=feeds)
-    if not u8s8_saturates_here():
-        assert not node_row(report, "qattn").passed, report.to_table()
+    saturating = cpu == "saturating" or u8s8_saturates_here()
+    told = mock.patch.object(u8s8_reference, "default_kernel_saturates", lambda: True)
+    with told if cpu == "saturating" else contextlib.nullcontext():
+        report = verify(model, result.model, inputs=feeds)
+        assert report.passed, report.to_table()
+        assert (node_row(report, "qattn").tolerance.atol > 0.5) is saturating
+        report = verify(model, broken, inputs=feeds)
+        assert node_row(report, "qattn").passed is saturating, report.to_table()
 
 
 def _qattention_in_float64(model: onnx.ModelProto, feeds: dict, *, saturate: bool) -> tuple[dict, np.ndarray]:
