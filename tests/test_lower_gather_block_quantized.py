@@ -1,6 +1,8 @@
 """com.microsoft GatherBlockQuantized -> Gather + blocked DequantizeLinear, bit for bit against
 onnxruntime's CPU kernel: every storage (uint8 with bits 4 and 8, int4, uint4), with and without
-zero points, block sizes 16-128 with a partial last block, negative and repeated indices."""
+zero points, block sizes 16-128 with a partial last block, negative and repeated indices; below
+opset 21 (and for float16 scales, bits 2) the packed table unpacked per lookup, and the table
+dequantized at rewrite time, on one battery."""
 
 from __future__ import annotations
 
@@ -169,42 +171,72 @@ def _ids(vocab: int) -> np.ndarray:
     return np.concatenate([np.arange(-vocab, vocab), [0, 0, vocab - 1, -1]]).reshape(4, -1).astype(np.int64)
 
 
+@rule_marker("gather-block-quantized-packed", "positive")
 @rule_marker("gather-block-quantized-table", "positive")
+@pytest.mark.parametrize("form", ["packed", "table"])
 @pytest.mark.parametrize("opset", [13, 21])
 @pytest.mark.parametrize(
     "storage, with_zp, block, scale_type",
     TABLE_CASES,
     ids=[f"{s}-zp{z}-bs{b}-{np.dtype(t).name}" for s, z, b, t in TABLE_CASES],
 )
-def test_dequantized_table_gathers_bit_for_bit(storage, with_zp, block, scale_type, opset):
+def test_dequantized_table_gathers_bit_for_bit(storage, with_zp, block, scale_type, opset, form):
+    """Where the blocked form does not apply, the packed table (the default: unpacked per lookup)
+    and the dequantized one (``--skip gather-block-quantized-packed``) are both the kernel, bit for bit."""
     original = table_model(storage, with_zp, block, scale_type, opset)
-    result = onnx_qrewrite.rewrite(original, keep_opset=True)
+    skip = ["gather-block-quantized-packed"] if form == "table" else []
+    result = onnx_qrewrite.rewrite(original, keep_opset=True, skip=skip)
     blocked = opset >= 21 and scale_type == np.float32 and storage != "uint8-2"
-    expected_rule = "gather-block-quantized" if blocked else "gather-block-quantized-table"
+    expected_rule = "gather-block-quantized" if blocked else f"gather-block-quantized-{form}"
     assert result.report.by_rule() == {expected_rule: 1}
     assert {o.domain for o in result.model.opset_import} == {""}
     assert [o.version for o in result.model.opset_import] == [opset]
-    if not blocked:
+    if not blocked and form == "table":
         assert op_types(result.model) == ["Gather"]
+    if not blocked and form == "packed":  # the table stays packed (bits per value); no float table
+        arrays = [numpy_helper.to_array(t) for t in result.model.graph.initializer]
+        per_byte = 8 // {"uint8-2": 2, "uint8-8": 8}.get(storage, 4)
+        assert any(a.dtype == np.uint8 and a.shape == (40, -(-300 // per_byte)) for a in arrays)
+        assert max(a.size for a in arrays if a.dtype.kind == "f") < 40 * 300
     feeds = {"ids": _ids(40)}
-    what = f"{storage}, zp {with_zp}, block {block}, {np.dtype(scale_type).name}, opset {opset}"
+    what = f"{storage}, zp {with_zp}, block {block}, {np.dtype(scale_type).name}, opset {opset}, {form}"
     assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], what)
+
+
+@rule_marker("gather-block-quantized-packed", "positive")
+def test_the_packed_table_keeps_a_4_bit_table_at_its_packed_size():
+    """The 1000 x 256 4-bit table with float32 scales: the dequantized table is 8x the packed bytes
+    (plus the scales); the packed form keeps the packed bytes plus a byte of zero point per block."""
+    original = table_model("uint8-4", True, 32, np.float32, 13, shape=(1000, 256))
+    packed = onnx_qrewrite.rewrite(original, keep_opset=True)
+    table = onnx_qrewrite.rewrite(original, keep_opset=True, skip=["gather-block-quantized-packed"])
+
+    def size(model) -> int:
+        return sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
+
+    assert size(table.model) >= 1000 * 256 * 4 and size(packed.model) <= 1000 * (128 + 8) + 1000 * 8 * 4 + 8192
+    feeds = {"ids": np.array([[0, 999, -1, 500]], np.int64)}
+    assert_bitwise_equal(run(packed.model, feeds)["emb"], run(original, feeds)["emb"], "packed 1000 x 256")
 
 
 AXES = [((40, 48), 1, 0), ((40, 48), 0, 1), ((6, 5, 48), 1, 2), ((6, 40, 5), 2, 1), ((40, 6, 5), 2, 0)]
 
 
+@rule_marker("gather-block-quantized-packed", "positive")
 @rule_marker("gather-block-quantized-table", "positive")
 @pytest.mark.parametrize("storage", ["int4", "uint4"])
 @pytest.mark.parametrize("shape, gather_axis, quantize_axis", AXES)
 def test_dequantized_table_on_every_axis_pair_the_kernel_takes(storage, shape, gather_axis, quantize_axis):
+    """The packed form gathers along 0 with blocks along the last axis; the table takes the rest."""
     original = table_model(storage, True, 16, np.float16, 13, shape, gather_axis, quantize_axis)
     result = onnx_qrewrite.rewrite(original, keep_opset=True)
-    assert result.report.by_rule() == {"gather-block-quantized-table": 1}
+    packed = gather_axis == 0 and quantize_axis == len(shape) - 1
+    assert result.report.by_rule() == {f"gather-block-quantized-{'packed' if packed else 'table'}": 1}
     feeds = {"ids": np.array([[0, -1], [1, shape[gather_axis] - 1]], np.int64)}
     assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"{shape} {gather_axis}")
 
 
+@rule_marker("gather-block-quantized-packed", "negative")
 @rule_marker("gather-block-quantized-table", "negative")
 def test_runtime_scales_and_uint8_on_other_axes_are_not_tabled():
     original = table_model("uint4", True, 16, np.float16, 13)

@@ -87,6 +87,10 @@ FORMS: dict[str, int] = {
     # Transpose, Softmax over the last axis of 4-D scores (axis 3 below Softmax-13), Unsqueeze on a
     # negative axis: 11 (measured at 11, test_unfuse_attention.py::test_attention_at_opset_11_without_a_mask).
     "attention": 11,
+    # GatherBlockQuantized's packed table: Gather with negative indices 11; the unpacking (Cast to
+    # int32, Div/Mul/Sub on int32) and Concat older. (BitShift is 11 but onnxruntime's Sub takes no
+    # uint8, and BitwiseAnd is 18: int32 division serves every opset.)
+    "gather-block-unpack": 11,
     # ... with mask_index / key_padding_mask or unidirectional: the mask and causal-fill arithmetic
     # adds Range (first version 11: the newest), Slice with inputs (10), Greater/Less on int32/int64
     # (9: Greater-7/Less-7 take floats only), Where (9), Cast, Concat, Not, And: 11, as the form

@@ -129,6 +129,7 @@ NBITS_UNPACKED = "unpacked"
 #: gather_block_quantized
 GBQ_BLOCKED = "blocked_dequantize"
 GBQ_TABLE = "dequantized_table"
+GBQ_PACKED = "packed_table"
 #: qdq_to_float
 QDQ_TO_FLOAT_FORMS = ("fold_constant", "drop_pair_dq", "drop_pair_q")
 #: weight_only, dynamic_qdq: the role of a rule in the pattern; weight_only: how the weights are written
@@ -566,15 +567,20 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     "form",
                     str,
                     GBQ_BLOCKED,
-                    (GBQ_BLOCKED, GBQ_TABLE),
+                    (GBQ_BLOCKED, GBQ_TABLE, GBQ_PACKED),
                     doc="blocked_dequantize: Gather the quantized rows, then a blocked DequantizeLinear (opset 21); "
                     "dequantized_table: the table dequantized at rewrite time (float32 or float16 like the "
-                    "scales), then Gather (opset 11)",
+                    "scales), then Gather (opset 11); packed_table: the table kept packed, each lookup's rows "
+                    "unpacked with Div/Mul/Sub and dequantized with Cast/Sub/Mul (opset 11)",
                 ),
             ),
-            emits=frozenset({"Gather", "DequantizeLinear"}),
+            emits=frozenset({"Gather", "DequantizeLinear", "Div", "Sub", "Concat", "Cast", "Mul"}),
             opset=lambda options, dtypes: str(
-                kernel_opsets.BLOCKED if options["form"] == GBQ_BLOCKED else kernel_opsets.GATHER_NEGATIVE_INDICES
+                {
+                    GBQ_BLOCKED: kernel_opsets.BLOCKED,
+                    GBQ_TABLE: kernel_opsets.GATHER_NEGATIVE_INDICES,
+                    GBQ_PACKED: kernel_opsets.FORMS["gather-block-unpack"],
+                }[options["form"]]
             ),
         ),
     ),

@@ -14,10 +14,15 @@ per table.
 
 onnxruntime's Gather takes no 4-bit tensors, so the table is stored with one byte per value (int8
 holding ``q - zp_default`` when there is no zero point): twice the packed size, still quantized.
-Form ``dequantized_table`` (below opset 21 with ``--keep-opset``, float16 scales, other axes,
-bits 2): the constant table is dequantized at rewrite time exactly as the kernel computes each
-element and gathered, ``Gather(T2(float32(q - zp) * scale), indices, axis=gather_axis)``: one float
-per value (8x a 4-bit table's packed size in float32), any opset from 11.
+Form ``packed_table`` (below opset 21 with ``--keep-opset``, float16 scales, bits 2; gathering along
+0 with blocks along the last axis): the table stays packed (``bits`` per value, rows byte-aligned,
+int4 offset by 8) with one byte of zero point per block; each lookup gathers its rows and unpacks
+them in int32 (Div, Mul, Sub: onnxruntime's Sub takes no uint8 and BitwiseAnd is opset 18), then
+``T2(float32(q - zp) * float32(scale))`` with Cast, Sub, Mul, any opset from 11. Form
+``dequantized_table`` (other axes, or asked by skipping the packed rule): the constant table is
+dequantized at rewrite time exactly as the kernel computes each element and gathered,
+``Gather(T2(float32(q - zp) * scale), indices, axis=gather_axis)``: one float per value (8x a 4-bit
+table's packed size in float32), any opset from 11.
 
 One behaviour is not reproduced: an index outside ``[-V, V)`` gives a row of zeros in the kernel and
 an error in Gather; embedding lookups never produce one, and the rule's notes say so.
@@ -33,8 +38,8 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, GBQ_TABLE
-from onnx_qrewrite.rewriter.builders.matmul_nbits import unpack
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, GBQ_PACKED, GBQ_TABLE
+from onnx_qrewrite.rewriter.builders.matmul_nbits import pack, unpack
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["GatherBlockQuantizedBuilder"]
@@ -129,11 +134,9 @@ def _table_zero_points(site: Site, storage: str, bits: int, shape: tuple[int, ..
     return zp
 
 
-def _check_table(site: Site) -> Plan:
-    """The whole table dequantized at rewrite time as the kernel computes each element:
-    ``T2(float32(q - zp) * float32(scale))``, numpy's float32 product and float16 cast being the
-    same correctly rounded operations (with float16 scales the float32 product is exact: at most
-    9 by 11 significant bits; the one rounding is to float16)."""
+def _read_table(site: Site) -> tuple[np.ndarray, str, int, int, int, int, np.ndarray, np.ndarray | int]:
+    """The constant table as the kernel reads it: (values as int32, storage, bits, block,
+    gather_axis, quantize_axis, scales, zero points as int32 of the scales' shape or the default)."""
     bits, block = _attr(site, "bits", 4), _attr(site, "block_size", 128)
     if block < 16 or block & (block - 1):
         raise NoMatch(f"malformed node: block_size={block} (the kernel takes powers of two >= 16)")
@@ -149,6 +152,15 @@ def _check_table(site: Site) -> Plan:
     if list(scales.shape) != shape:
         raise NoMatch(f"malformed node: scales {site.input(2)!r} have shape {list(scales.shape)}, not {shape}")
     zp = _table_zero_points(site, storage, bits, tuple(shape))
+    return values, storage, bits, block, gather_axis, quantize_axis, scales, zp
+
+
+def _check_table(site: Site) -> Plan:
+    """The whole table dequantized at rewrite time as the kernel computes each element:
+    ``T2(float32(q - zp) * float32(scale))``, numpy's float32 product and float16 cast being the
+    same correctly rounded operations (with float16 scales the float32 product is exact: at most
+    9 by 11 significant bits; the one rounding is to float16)."""
+    values, storage, _, block, gather_axis, quantize_axis, scales, zp = _read_table(site)
     dim = values.shape[quantize_axis]
     if not isinstance(zp, int):
         zp = np.repeat(zp, block, axis=quantize_axis).take(range(dim), axis=quantize_axis)
@@ -164,6 +176,79 @@ def _check_table(site: Site) -> Plan:
         ),
         data={"table": table, "axis": gather_axis},
     )
+
+
+def _check_packed(site: Site) -> Plan:
+    """The table kept packed (uint8, ``bits`` per value, each row starting on a byte), the zero
+    points one byte per block; each lookup unpacks its rows with Div, Mul and Sub and computes
+    ``T2(float32(q - zp) * float32(scale))`` as the kernel does. int4 values are stored offset by 8
+    (0..15) and their zero points with them, so ``q - zp`` is unchanged. Gathering along axis 0 with
+    blocks along the last axis only (every uint8 table; int4/uint4 ones on other axes take the table)."""
+    values, storage, bits, block, gather_axis, quantize_axis, scales, zp = _read_table(site)
+    if gather_axis != 0 or quantize_axis != values.ndim - 1 or values.ndim < 2:
+        raise NoMatch(
+            f"gather_axis={gather_axis}, quantize_axis={quantize_axis}: the packed form gathers along 0 with "
+            "blocks along the last axis"
+        )
+    bits = 4 if storage in ("int4", "uint4") else bits
+    offset = -8 if storage == "int4" else 0  # stored value = value - offset
+    rows = (values - offset).astype(np.uint8).reshape(-1, values.shape[-1])
+    packed = pack(rows, bits).reshape(*values.shape[:-1], -1)
+    count = values.shape[-1]
+    zp_stored = zp - offset if isinstance(zp, int) else (zp - offset).astype(np.uint8)
+    zp_note = "given" if site.input(3) else f"none (kernel default {zp})"
+    return Plan(
+        min_opset=kernel_opsets.FORMS["gather-block-unpack"],
+        notes=(
+            f"{storage} table {list(values.shape)}, block_size={block}, zero points: {zp_note}; "
+            f"kept packed: {packed.nbytes} bytes, unpacked per lookup",
+        ),
+        data={"packed": packed, "bits": bits, "count": count, "block": block, "zp": zp_stored, "dtype": scales.dtype},
+    )
+
+
+def _build_packed(site: Site, emit: Emitter, data: Mapping[str, Any]) -> None:
+    """Gather the packed rows, their scales and zero points; unpack the rows' fields in int32 (field
+    j of a byte: ``b // 2^(bits j) - (b // 2^(bits (j+1))) * 2^bits``), concatenated field after field, and
+    put each value in its place, and each block's scale and zero point beside its values, with
+    constant index Gathers along the last axis; then the kernel's arithmetic."""
+    indices, bits, count, block = site.input(1), data["bits"], data["count"], data["block"]
+    packed = data["packed"]
+    width, per_byte = packed.shape[-1], 8 // bits
+    rows = emit.op1("Gather", [emit.const(packed), indices], axis=0, hint="GatherPacked")
+    fields = [rows]
+    if per_byte > 1:
+        # int32: onnxruntime's Sub takes no uint8, and BitwiseAnd is opset 18; Div of non-negative
+        # int32 truncates, i.e. shifts right.
+        wide = emit.op1("Cast", [rows], to=_T.INT32)
+        shifted = [wide] + [
+            emit.op1("Div", [wide, emit.const(np.array(1 << (bits * j), np.int32))], hint="Shift")
+            for j in range(1, per_byte)
+        ]
+        radix = emit.const(np.array(1 << bits, np.int32))
+        fields = [
+            emit.op1("Sub", [shifted[j], emit.op1("Mul", [shifted[j + 1], radix])], hint="Field")
+            for j in range(per_byte - 1)
+        ] + [shifted[-1]]
+        fields = [emit.op1("Concat", fields, axis=-1, hint="Fields")]
+    k = np.arange(count, dtype=np.int64)
+    place = emit.const((k % per_byte) * width + k // per_byte)
+    q = emit.op1("Cast", [emit.op1("Gather", [fields[0], place], axis=-1, hint="Values")], to=_T.FLOAT)
+    of_block = emit.const(k // block)
+    if isinstance(data["zp"], int):
+        zp = emit.const(np.array(data["zp"], np.float32))
+    else:
+        zp_rows = emit.op1("Gather", [emit.const(data["zp"]), indices], axis=0, hint="GatherZeroPoints")
+        zp = emit.op1("Cast", [emit.op1("Gather", [zp_rows, of_block], axis=-1, hint="ZeroPoints")], to=_T.FLOAT)
+    scale = emit.op1(
+        "Gather", [emit.op1("Gather", [site.input(2), indices], axis=0, hint="GatherScales"), of_block], axis=-1
+    )
+    if data["dtype"] == np.float16:
+        scale = emit.op1("Cast", [scale], to=_T.FLOAT)
+    out = site.node.output[0]
+    product = emit.op1("Mul", [emit.op1("Sub", [q, zp]), scale], None if data["dtype"] == np.float16 else out)
+    if data["dtype"] == np.float16:
+        emit.op1("Cast", [product], out, to=_T.FLOAT16)
 
 
 class GatherBlockQuantizedBuilder:
@@ -185,6 +270,8 @@ class GatherBlockQuantizedBuilder:
             raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
         if options["form"] == GBQ_TABLE:
             return _check_table(site)
+        if options["form"] == GBQ_PACKED:
+            return _check_packed(site)
         bits, block = _attr(site, "bits", 4), _attr(site, "block_size", 128)
         if bits not in (4, 8) or block < 16 or block & (block - 1):
             raise NoMatch(f"bits={bits}, block_size={block}: lowered for bits 4/8 and power-of-two blocks >= 16")
@@ -222,6 +309,9 @@ class GatherBlockQuantizedBuilder:
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         indices = site.input(1)
+        if options["form"] == GBQ_PACKED:
+            _build_packed(site, emit, plan.data)
+            return
         if options["form"] == GBQ_TABLE:
             table = emit.const(plan.data["table"])
             emit.op1("Gather", [table, indices], site.node.output[0], axis=plan.data["axis"])
