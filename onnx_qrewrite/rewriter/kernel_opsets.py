@@ -98,6 +98,9 @@ FORMS: dict[str, int] = {
     # test_unfuse_attention.py::test_attention_masks_at_opsets_11_and_12). It said 13, unmeasured
     # below: models at opset 11-12 with a mask were raised to 13 for nothing.
     "attention-mask": 11,
+    # com.microsoft RotaryEmbedding: Range-11 (positions from a start), Equal-11 on float64 (the
+    # fused multiply-add's rounding, emulated in float64; Equal-7 takes integers and bool only).
+    "rotary-embedding": 11,
 }
 
 #: Versions of standard ops whose semantics a builder relies on, from the onnx operator changelog

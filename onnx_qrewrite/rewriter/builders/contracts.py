@@ -488,6 +488,20 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
     ),
+    "unfuse_rotary_embedding": (
+        "contrib_rotary",
+        Contract(
+            options=(),
+            emits=frozenset(
+                {"Gather", "Range", "Reshape", "Shape", "Slice", "Unsqueeze", "Concat", "Cast", "Mul", "Add", "Sub"}
+                | {"Equal", "Greater", "And", "Not", "Where"}
+            ),
+            exactness=lambda options: EXACT,
+            output_types=_same_as_input_0,
+            preserves_shape=True,
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["rotary-embedding"]),
+        ),
+    ),
     "unfuse_embed_layer_norm": (
         "contrib_embed",
         Contract(
