@@ -227,6 +227,12 @@ def _with_input(index, name, shape):
     return model
 
 
+def _with_past(model):
+    model.graph.node[0].output.append("present")
+    model.graph.output.append(helper.make_tensor_value_info("present", TensorProto.FLOAT, [2, 2, 4, 11, 8]))
+    return model
+
+
 def _without_bias():
     model = attention_model(2, 8, 32, [32] * 3, 4)
     del model.graph.node[0].input[2]
@@ -235,9 +241,22 @@ def _without_bias():
 
 
 NOT_LOWERED = {
-    "past": (lambda: _with_input(4, "past", [2, 2, 4, 0, 8]), "input 4 (past) is given"),
+    "past without present": (lambda: _with_input(4, "past", [2, 2, 4, 0, 8]), "past without present"),
     "attention_bias": (lambda: _with_input(5, "ab", [2, 4, 8, 8]), "input 5 (attention_bias) is given"),
-    "present": (lambda: attention_model(2, 8, 32, [32] * 3, 4, outputs=("y", "present")), "output 1 (present)"),
+    "present with K and V sizes apart": (
+        lambda: attention_model(
+            2, 8, 32, [32, 32, 16], 4, attrs={"qkv_hidden_sizes": [32, 32, 16]}, outputs=("y", "p")
+        ),
+        "past/present with K and V of different sizes [32, 16]",
+    ),
+    "past of another head size": (
+        lambda: _with_past(_with_input(4, "past", [2, 2, 4, 3, 4])),
+        "past of shape (2, 2, 4, 3, 4) is not (2, batch, 4, past length, 8)",
+    ),
+    "shared past/present buffer": (
+        lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"past_present_share_buffer": 1}),
+        "past_present_share_buffer=1",
+    ),
     "4-D mask": (lambda: attention_model(2, 8, 32, [32] * 3, 4, (2, 1, 8, 8)), "a 4-D mask_index is not lowered"),
     "rotary": (lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"do_rotary": 1}), "do_rotary=1"),
     "no bias": (
@@ -254,6 +273,143 @@ def test_attention_forms_not_lowered_say_why(case):
     make, reason = NOT_LOWERED[case]
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
         onnx_qrewrite.rewrite(make())
+
+
+# --- Attention with past / present state (the KV cache of GPT-2-like decoders) --------------------
+
+
+def past_attention_model(batch, seq, past, hidden, heads, mask_shape=None, attrs=None, with_past=True):
+    """Attention reading past (2, B, N, P, H) and writing present (2, B, N, P + S, H)."""
+    model = attention_model(batch, seq, hidden, [hidden] * 3, heads, mask_shape, attrs, outputs=("y", "present"))
+    head, total = hidden // heads, past + seq if with_past else seq
+    if with_past:
+        node = model.graph.node[0]
+        while len(node.input) < 4:
+            node.input.append("")
+        node.input.append("past")
+        model.graph.input.append(
+            helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, batch, heads, past, head])
+        )
+    model.graph.output.append(
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, [2, batch, heads, total, head])
+    )
+    return model
+
+
+def past_feeds(batch, seq, past, hidden, heads, mask=None, scale=1.0):
+    total = past + seq
+    feeds = attention_feeds(batch, seq, hidden, [hidden] * 3, None, scale)
+    feeds["past"] = (RNG.standard_normal((2, batch, heads, past, hidden // heads)) * scale).astype(np.float32)
+    if mask == "raw":
+        feeds["m"] = RNG.integers(-1, 3, (batch, total)).astype(np.int32)
+    elif mask == "lengths":
+        feeds["m"] = RNG.integers(0, total + 1, batch).astype(np.int32)
+    elif mask == "lengths+starts":
+        ends = RNG.integers(1, total + 1, batch)
+        feeds["m"] = np.concatenate([ends, RNG.integers(0, ends)]).astype(np.int32)
+    elif mask == "3d":
+        feeds["m"] = RNG.integers(0, 2, (batch, seq, total)).astype(np.int32)
+    return feeds
+
+
+PAST_MASKS = {
+    None: lambda b, s, t: None,
+    "lengths": lambda b, s, t: (b,),
+    "lengths+starts": lambda b, s, t: (2 * b,),
+    "raw": lambda b, s, t: (b, t),
+    "3d": lambda b, s, t: (b, s, t),
+}
+
+
+def run_past(model, feeds):
+    result = onnx_qrewrite.rewrite(model)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert result.report.by_rule() == {"unfuse-attention": 1}
+    return run(model, feeds), run(result.model, feeds)
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("mask", list(PAST_MASKS), ids=lambda m: m or "no-mask")
+@pytest.mark.parametrize("unidirectional", [0, 1])
+@pytest.mark.parametrize("shape", [(2, 4, 3, 32, 4), (1, 5, 0, 64, 2), (3, 2, 7, 128, 8)], ids=str)
+def test_attention_with_past_and_present_is_bit_exact_where_measured_so(mask, unidirectional, shape):
+    """Sequence > 1 and input hidden size <= 128, as without state: output and present bit for bit
+    (past length 0 included; causal masks the keys after past length + i for query i)."""
+    batch, seq, past, hidden, heads = shape
+    model = past_attention_model(
+        batch, seq, past, hidden, heads, PAST_MASKS[mask](batch, seq, past + seq), {"unidirectional": unidirectional}
+    )
+    want, got = run_past(model, past_feeds(batch, seq, past, hidden, heads, mask))
+    for name in ("y", "present"):
+        assert_bitwise_equal(got[name], want[name], f"{name}: {shape}, mask {mask}, unidirectional {unidirectional}")
+
+
+@rule_marker("unfuse-attention", "positive")
+def test_attention_present_without_past_is_bit_exact():
+    model = past_attention_model(2, 6, 0, 32, 4, (2, 6), {"unidirectional": 1}, with_past=False)
+    feeds = past_feeds(2, 6, 0, 32, 4, "raw")
+    del feeds["past"]
+    want, got = run_past(model, feeds)
+    for name in ("y", "present"):
+        assert_bitwise_equal(got[name], want[name], name)
+
+
+def _projection_bound(feeds, hidden):
+    """The present's bound: K and V are float32 sums of `hidden` products and the bias in another
+    order than the kernel's, within 2·(hidden + 1)·2^-24·(|x|·|W| + |b|) at each element."""
+    x, w, b = (np.abs(feeds[k].astype(np.float64)) for k in ("x", "w", "b"))
+    return 2 * (hidden + 1) * 2.0**-24 * (x @ w + b)
+
+
+def _past_attention_bound(feeds, hidden, heads):
+    """Attention's stated bound with the past keys and values included: 2^-20·(1 + max|score|)·max|V|."""
+    x, w, b = (feeds[k].astype(np.float64) for k in ("x", "w", "b"))
+    q, k, v = np.split(x @ w + b, 3, axis=-1)
+    head = hidden // heads
+    kh, vh = (t.reshape(*t.shape[:2], heads, head).transpose(0, 2, 1, 3) for t in (k, v))
+    kh, vh = (np.concatenate([feeds["past"][i], t], axis=2) for i, t in enumerate((kh, vh)))
+    qh = q.reshape(*q.shape[:2], heads, head).transpose(0, 2, 1, 3)
+    scores = qh @ kh.transpose(0, 1, 3, 2) / math.sqrt(head)
+    return 2.0**-20 * (1 + np.abs(scores).max()) * np.abs(vh).max()
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("mask", [None, "raw"], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 9, 64, 2), (3, 1, 5, 32, 4), (2, 3, 4, 256, 4)], ids=str)
+def test_attention_with_past_beyond_the_bit_exact_cases_is_within_the_stated_bounds(shape, mask):
+    """One new token per step (the decoder's case) and hidden sizes > 128: the output within
+    Attention's bound (past keys and values included), the present within the projection's."""
+    batch, seq, past, hidden, heads = shape
+    model = past_attention_model(batch, seq, past, hidden, heads, PAST_MASKS[mask](batch, seq, past + seq))
+    feeds = past_feeds(batch, seq, past, hidden, heads, mask)
+    if mask:
+        feeds["m"][:, -1] = 1
+    want, got = run_past(model, feeds)
+    diff = np.abs(got["y"].astype(np.float64) - want["y"])
+    assert diff.max() <= _past_attention_bound(feeds, hidden, heads)
+    new = np.abs(got["present"][:, :, :, past:].astype(np.float64) - want["present"][:, :, :, past:])
+    bound = _projection_bound(feeds, hidden)
+    k_bound, v_bound = (t.reshape(batch, seq, heads, -1).transpose(0, 2, 1, 3) for t in np.split(bound, 3, -1)[1:])
+    assert (new <= np.stack([k_bound, v_bound])).all()
+    assert_bitwise_equal(got["present"][:, :, :, :past], want["present"][:, :, :, :past], "the past, copied")
+    assert new.max() > 0 or diff.max() > 0  # not bit-exact here: the bounds are what is claimed
+
+
+def test_attention_with_past_a_causal_mask_without_the_past_offset_is_caught():
+    """The causal mask must let query i see the keys up to past length + i: masking as if there
+    were no past (keys after i) changes the output far beyond the bound."""
+    model = past_attention_model(2, 4, 3, 32, 4, None, {"unidirectional": 1})
+    feeds = past_feeds(2, 4, 3, 32, 4)
+    rewritten = onnx_qrewrite.rewrite(model).model
+    broken = copy.deepcopy(rewritten)
+    adds = [n for n in broken.graph.node if n.op_type == "Add" and any("Range" in i for i in n.input)]
+    assert len(adds) == 1  # rows + past length
+    rows = adds[0].input[0] if "Range" in adds[0].input[0] else adds[0].input[1]
+    for node in broken.graph.node:
+        node.input[:] = [rows if i == adds[0].output[0] else i for i in node.input]
+    want, got = run(model, feeds)["y"], run(broken, feeds)["y"]
+    assert np.abs(got.astype(np.float64) - want).max() > _past_attention_bound(feeds, 32, 4)
+    assert_bitwise_equal(run(rewritten, feeds)["y"], want, "the rewrite itself")
 
 
 # --- MultiHeadAttention ------------------------------------------------------------------------

@@ -465,13 +465,15 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_attention": (
         "contrib_attention",
         Contract(
-            output_types=_same_as_input_0,
+            output_types=lambda options, op: ("input 0", "input 0"),  # output, present
             options=(),
             emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
             bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
-            "the input hidden size is <= 128 and batch·sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
-            "at each output, score = scale·Q·Kᵀ (asserted on the tests' battery; worst measured 2^-22.6)",
+            "the input hidden size is <= 128 and sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
+            "at each output, score = scale·Q·Kᵀ, past keys and values included (asserted on the tests' battery; "
+            "worst measured 2^-22.6); present: its past part copied bit for bit, its new K and V within "
+            "2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size",
             opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
     ),

@@ -1,8 +1,10 @@
 """onnxruntime's ``com.microsoft`` attention fusions -> the standard ops they fuse (what
 onnxruntime.transformers' optimizer writes into BERT-like models)::
 
-    Attention(x, W, bias, mask_index)  -> MatMul(x, W) + bias, Slice into Q, K, V,
-                                          Reshape/Transpose to heads, MatMul(Q, Kᵀ) · scale
+    Attention(x, W, bias, mask_index, past)
+                                       -> MatMul(x, W) + bias, Slice into Q, K, V,
+                                          Reshape/Transpose to heads, [Concat past K, V before them,
+                                          present = their stack], MatMul(Q, Kᵀ) · scale
                                           [+ Where(keep, 0, mask_filter_value)], Softmax,
                                           MatMul(·, V), Transpose/Reshape back
 
@@ -13,17 +15,22 @@ get -inf whatever the padding mask says), then onnxruntime's own Softmax, then t
 
 Masks (``mask_index``): absent; 1-D key lengths (B: keys at or after the length are masked; 2B: also
 those before the start positions in the second half); 2-D raw 0/1 mask (B, T) and 3-D (B, S, T)
-(a key is attended where the value is > 0); ``unidirectional`` adds the causal mask. Not lowered
-(the node stays, with the reason): past / present state, ``attention_bias``, rotary embeddings,
-4-D (Megatron) masks, float16, a missing bias (the CPU kernel crashes without one).
+(a key is attended where the value is > 0); ``unidirectional`` adds the causal mask. With past state
+(2, B, N, P, H) the keys and values are the past ones then the new ones (the kernel's
+ConcatStateChunk; T = P + S, masks over T), query i sits at position P + i (the causal mask hides the
+keys after it), and ``present`` is (2, B, N, T, H). Not lowered (the node stays, with the reason):
+past without present (the kernel refuses it), ``past_present_share_buffer`` / ``past_sequence_length``,
+``attention_bias``, rotary embeddings, 4-D (Megatron) masks, float16, a missing bias (the CPU kernel
+crashes without one).
 
 Why bounded, not exact: the kernel computes each head's projection as its own GEMM whose output
 starts from the bias (C = bias, then C += x·W per K block), the standard form adds the bias after the
 whole MatMul. The float32 sums agree bit for bit while the input hidden size fits one MLAS K block
-(<= 128) and batch · sequence > 1 (measured, and asserted in tests/test_unfuse_attention.py); beyond
-that the bias joins the sum in another place, and at batch · sequence 1 MLAS takes its GEMV path for
-the MatMul, not for the kernel's GEMMs. The rest (scores, mask, Softmax, probabilities · V) is
-bit-exact in every measured case.
+(<= 128) and sequence > 1 (measured, and asserted in tests/test_unfuse_attention.py); beyond that the
+bias joins the sum in another place, and at sequence 1 (one row per batch entry in the kernel's
+GEMMs, a decoder's step with past state) they round differently. The rest (scores, mask, Softmax,
+probabilities · V, the past copied into present) is bit-exact in every measured case. The present's
+new K and V are the projection itself: within 2·(K + 1)·2^-24·(|x|·|W| + |b|) of the kernel's.
 """
 
 from __future__ import annotations
@@ -238,11 +245,9 @@ class AttentionBuilder:
         for attr in ("do_rotary", "past_present_share_buffer"):
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
-        for index, what in ((4, "past"), (5, "attention_bias"), (6, "past_sequence_length")):
+        for index, what in ((5, "attention_bias"), (6, "past_sequence_length")):
             if site.input(index):
                 raise NoMatch(f"input {index} ({what}) is given; not lowered")
-        if any(site.node.output[1:]):
-            raise NoMatch("output 1 (present) is used; not lowered")
         if not site.input(0) or not site.input(1):
             raise NoMatch("malformed node: input and weights are required")
         if not site.input(2):
@@ -264,7 +269,9 @@ class AttentionBuilder:
             sizes = [w_shape[1] // 3] * 3
         if len(sizes) != 3 or sizes[0] != sizes[1] or any(s <= 0 or s % heads for s in sizes):
             raise NoMatch(f"qkv_hidden_sizes {sizes} do not split into {heads} heads with Q and K alike")
-        return _mask_plan(site, 3, "mask_index", sizes, heads)
+        plan = _mask_plan(site, 3, "mask_index", sizes, heads)
+        state = _kv_state(site, sizes, heads)
+        return dataclasses.replace(plan, data={**plan.data, **state}) if state else plan
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
@@ -285,8 +292,54 @@ class AttentionBuilder:
             for i in range(3)
         )
         scale = float(site.attribute("scale", 0.0))
-        keep, causal = emit_masks(emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"])
-        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
+        kv, key_length, past_length = None, None, None
+        if plan.data.get("state"):
+            kv = _emit_kv_state(emit, site.input(4), k, v, heads, sizes, site.node.output[1])
+            if site.input(4):  # keys: the past ones, then these; query i sits at past length + i
+                key_length, past_length = _dim(emit, kv[0], 2), _dim(emit, site.input(4), 3)
+        keep, causal = emit_masks(
+            emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"], key_length, past_length
+        )
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv)
+
+
+def _kv_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
+    """Attention's past (2, B, N, P, H) and present (2, B, N, P + S, H): the plan's data for them
+    (empty without either), refusing what the kernel's layout does not allow."""
+    past, present = site.input(4), len(site.node.output) > 1 and bool(site.node.output[1])
+    if not past and not present:
+        return {}
+    if past and not present:
+        raise NoMatch("past without present: onnxruntime's kernel refuses it, nothing to measure against")
+    if sizes[1] != sizes[2]:
+        raise NoMatch(f"past/present with K and V of different sizes {sizes[1:]}: the state stacks them")
+    if past:
+        _float32(site, past)
+        shape = value_shape(site.scope, past, site.same_shape_ops)
+        want = (2, None, heads, None, sizes[1] // heads)
+        if shape is not None and (
+            len(shape) != 5 or any(w is not None and d not in (w, None) for d, w in zip(shape, want, strict=False))
+        ):
+            raise NoMatch(f"past of shape {shape} is not (2, batch, {heads}, past length, {sizes[1] // heads})")
+    return {"state": True}
+
+
+def _emit_kv_state(
+    emit: Emitter, past: str, k: str, v: str, heads: int, sizes: list[int], present: str
+) -> tuple[str, str]:
+    """K and V split into heads (B, N, T, H), after the past ones when ``past`` is given (the
+    kernel's ConcatStateChunk), and stacked into ``present`` when it is used."""
+    head = sizes[1] // heads
+    shape = emit.const(np.array([0, 0, heads, head], np.int64))
+    kh, vh = (emit.op1("Transpose", [emit.op1("Reshape", [t, shape])], perm=[0, 2, 1, 3]) for t in (k, v))
+    if past:
+        kh, vh = (
+            emit.op1("Concat", [emit.op1("Gather", [past, emit.const(np.int64(i))], axis=0), t], axis=2)
+            for i, t in enumerate((kh, vh))
+        )
+    if present:
+        emit.op1("Concat", [_unsqueeze(emit, kh, [0]), _unsqueeze(emit, vh, [0])], present, axis=0)
+    return kh, vh
 
 
 class MultiHeadAttentionBuilder:
@@ -364,11 +417,19 @@ register(MultiHeadAttentionBuilder())
 
 
 def emit_masks(
-    emit: Emitter, mask: str, rank: int | None, query: str, key: str, causal: bool
+    emit: Emitter,
+    mask: str,
+    rank: int | None,
+    query: str,
+    key: str,
+    causal: bool,
+    key_length: str | None = None,
+    past_length: str | None = None,
 ) -> tuple[str | None, str | None]:
     """Where the mask input lets a key be attended, and where the causal mask does (bool,
     broadcastable to B x N x S x T; None: everywhere). ``query`` (B, S, ...) and ``key`` (B, T, ...)
-    give the lengths at run time."""
+    give the lengths at run time, or ``key_length`` T; with past state query i sits at position
+    ``past_length`` + i (the kernel masks keys after it)."""
     keep = None
     if rank == 1:
         # B key lengths, or 2B: lengths then start positions. Concatenating B zeros and taking
@@ -378,7 +439,7 @@ def emit_masks(
         ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
         padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
         starts = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
-        keys = _positions(emit, _dim(emit, key, 1))
+        keys = _positions(emit, key_length or _dim(emit, key, 1))
         inside = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
         before = emit.op1("Less", [keys, _unsqueeze(emit, starts, [1])])
         keep = _unsqueeze(emit, emit.op1("And", [inside, emit.op1("Not", [before])]), [1, 2])
@@ -387,8 +448,11 @@ def emit_masks(
         keep = _unsqueeze(emit, attended, [1, 2] if rank == 2 else [1])
     allowed = None
     if causal:
-        rows = _unsqueeze(emit, _positions(emit, _dim(emit, query, 1)), [1])
-        allowed = emit.op1("Not", [emit.op1("Greater", [_positions(emit, _dim(emit, key, 1)), rows])])
+        rows = _positions(emit, _dim(emit, query, 1))
+        if past_length is not None:
+            rows = emit.op1("Add", [rows, past_length])
+        rows = _unsqueeze(emit, rows, [1])
+        allowed = emit.op1("Not", [emit.op1("Greater", [_positions(emit, key_length or _dim(emit, key, 1)), rows])])
     return keep, allowed
 
 
@@ -404,9 +468,11 @@ def emit_heads_attention(
     causal: str | None,
     site: Site,
     output: str,
+    kv_heads: tuple[str, str] | None = None,
 ) -> None:
     """Scaled dot-product attention over ``heads`` heads of Q (B, S, Hq), K (B, T, Hk), V (B, T, Hv),
-    as onnxruntime's CPU kernel computes it; writes (B, S, Hv) to ``output``."""
+    as onnxruntime's CPU kernel computes it; writes (B, S, Hv) to ``output``. ``kv_heads``: K and V
+    already split into heads, (B, N, T, H) each (past state concatenated)."""
     head_qk, head_v = sizes[0] // heads, sizes[2] // heads
     if scale == 0.0:  # the kernel: 1.0f / sqrt(static_cast<float>(head_size))
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_qk)))
@@ -415,7 +481,11 @@ def emit_heads_attention(
         shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size], np.int64))])
         return emit.op1("Transpose", [shaped], perm=perm)
 
-    qh, kh, vh = split(q, head_qk, [0, 2, 1, 3]), split(k, head_qk, [0, 2, 3, 1]), split(v, head_v, [0, 2, 1, 3])
+    qh = split(q, head_qk, [0, 2, 1, 3])
+    if kv_heads is None:
+        kh, vh = split(k, head_qk, [0, 2, 3, 1]), split(v, head_v, [0, 2, 1, 3])
+    else:
+        kh, vh = emit.op1("Transpose", [kv_heads[0]], perm=[0, 1, 3, 2]), kv_heads[1]
     scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kh]), emit.const(np.float32(scale))], hint="Scale")
     if keep is not None:
         fill = np.float32(site.attribute("mask_filter_value", _DEFAULT_FILTER))
