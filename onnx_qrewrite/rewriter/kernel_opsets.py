@@ -101,6 +101,9 @@ FORMS: dict[str, int] = {
     # com.microsoft RotaryEmbedding: Range-11 (positions from a start), Equal-11 on float64 (the
     # fused multiply-add's rounding, emulated in float64; Equal-7 takes integers and bool only).
     "rotary-embedding": 11,
+    # com.microsoft GroupQueryAttention: Max-12 on int64 (the present length), GatherElements-11,
+    # Unsqueeze-13's axes input (the form is written once, at 13).
+    "group-query-attention": 13,
 }
 
 #: Versions of standard ops whose semantics a builder relies on, from the onnx operator changelog

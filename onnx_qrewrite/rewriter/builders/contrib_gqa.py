@@ -1,0 +1,176 @@
+"""onnxruntime's ``com.microsoft`` GroupQueryAttention -> standard ops (what onnxruntime-genai and
+the ORT transformers optimizer write into LLM decoders: Llama, Mistral, Phi, Qwen)::
+
+    GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length)
+        present_key/value = each batch entry's past (its first past_b positions), then the new
+                            K/V, then zeros, over max(total_sequence_length, past buffer) positions
+        output            = softmax(scale · Q·Kᵀ over the keys up to past_b + i for query i) · V,
+                            query head h reading key/value head h // (num_heads / kv_num_heads)
+
+in onnxruntime 1.31.1's CPU kernel order (``gqa_attention_base.h``): ``total_b = seqlens_k[b] + 1``;
+the first prompt (``S == total_sequence_length``) has no past (``past_b = 0``), every other call
+``past_b = total_b - S``. The present buffers are built with GatherElements from
+``Concat(past, new, zeros)`` at each entry's own offset; the causal mask is ``Where(key < past_b + i + 1,
+score, -inf)``, which Softmax turns into the exact zeros the kernel writes.
+
+Not lowered (the node stays, with the reason): packed QKV, ``do_rotary`` (and cos/sin caches),
+``softcap``, ``smooth_softmax``, ``local_window_size``, ``qk_output``, position_ids,
+``attention_bias``, ``head_sink``, float16, shapes that are not recorded. Where the kernel is
+undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
+(``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+
+from onnx_qrewrite.rewriter import kernel_opsets
+from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._qdq import value_shape
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.graph import dtype_name
+
+__all__ = ["GroupQueryAttentionBuilder"]
+
+_T = onnx.TensorProto
+_REFUSED_ATTRIBUTES = ("do_rotary", "softcap", "smooth_softmax", "qk_output")
+_KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "rotary_interleaved", "local_window_size"}
+_REFUSED_INPUTS = ((7, "cos_cache"), (8, "sin_cache"), (9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
+
+
+def _i64(emit: Emitter, values: list[int]) -> str:
+    return emit.const(np.array(values, np.int64))
+
+
+def _dim(emit: Emitter, x: str, axis: int) -> str:
+    return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
+
+
+class GroupQueryAttentionBuilder:
+    """Replaces com.microsoft GroupQueryAttention (separate Q, K, V; no rotary) with GatherElements
+    for the KV cache and the causal softmax attention of grouped heads."""
+
+    name = "unfuse_group_query_attention"
+    contract = CONTRACTS["unfuse_group_query_attention"]
+
+    def quantized_dtype(self, site: Site) -> str | None:
+        elem = site.elem_type(site.input(0))
+        return dtype_name(elem) if elem else None
+
+    def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
+        unknown = sorted({a.name for a in site.node.attribute} - _KNOWN_ATTRIBUTES - set(_REFUSED_ATTRIBUTES))
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        for attr in _REFUSED_ATTRIBUTES:
+            if site.attribute(attr, 0):
+                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        if int(site.attribute("local_window_size", -1)) != -1:
+            raise NoMatch(f"local_window_size={site.attribute('local_window_size')} is not lowered (-1 is)")
+        for index, what in _REFUSED_INPUTS:
+            if site.input(index):
+                raise NoMatch(f"input {index} ({what}) is given; not lowered")
+        if not (site.input(1) and site.input(2)):
+            raise NoMatch("packed QKV (no separate key and value) is not lowered")
+        if not (site.input(5) and site.input(6)):
+            raise NoMatch("malformed node: seqlens_k and total_sequence_length are required")
+        if bool(site.input(3)) != bool(site.input(4)):
+            raise NoMatch("past_key and past_value must both be given or both absent")
+        if len(site.node.output) < 3 or not all(site.node.output[:3]):
+            raise NoMatch("present_key and present_value are required outputs (the kernel writes them)")
+        for index in (0, 1, 2, 3, 4):
+            elem = site.elem_type(site.input(index)) if site.input(index) else None
+            if elem is not None and elem != _T.FLOAT:
+                raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 is lowered")
+        heads, kv_heads = int(site.attribute("num_heads", 0)), int(site.attribute("kv_num_heads", 0))
+        if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
+            raise NoMatch(f"num_heads={heads} is not a multiple of kv_num_heads={kv_heads}")
+        shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
+        if shape is None or len(shape) != 3 or shape[2] is None:
+            raise NoMatch(
+                f"the hidden size of query {site.input(0)!r} is not recorded; run onnx shape inference on the model "
+                "first (onnx.shape_inference.infer_shapes)"
+            )
+        if shape[2] % heads:
+            raise NoMatch(f"query hidden size {shape[2]} does not split into {heads} heads")
+        data = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // heads}
+        return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
+
+    def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
+        heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
+        q, k, v = site.input(0), site.input(1), site.input(2)
+        seq = _dim(emit, q, 1)
+        total = emit.op1("Add", [emit.op1("Cast", [site.input(5)], to=_T.INT64), emit.const(np.int64(1))])
+        requested = emit.op1("Cast", [emit.op1("Reshape", [site.input(6), _i64(emit, [])])], to=_T.INT64)
+        first_prompt = emit.op1("Equal", [seq, requested])
+        zero = emit.const(np.int64(0))
+        past = emit.op1("Where", [first_prompt, zero, emit.op1("Sub", [total, seq])], hint="PastLengths")  # (B,)
+        new_k, new_v = (
+            emit.op1("Transpose", [emit.op1("Reshape", [t, _i64(emit, [0, 0, kv_heads, head])])], perm=[0, 2, 1, 3])
+            for t in (k, v)
+        )
+        buffer = _dim(emit, site.input(3), 2) if site.input(3) else zero
+        length = emit.op1("Max", [requested, buffer], hint="PresentLength")
+        keys = emit.op1("Range", [zero, length, emit.const(np.int64(1))])  # (T,)
+        source = _present_index(emit, keys, past, seq, buffer, kv_heads, head, new_k)
+        present_k, present_v = (
+            _present(emit, site.input(3 + i) if site.input(3) else "", new, source, site.node.output[1 + i])
+            for i, new in enumerate((new_k, new_v))
+        )
+        rows = emit.op1("Add", [_unsqueeze(emit, past, [1]), emit.op1("Range", [zero, seq, emit.const(np.int64(1))])])
+        allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(1))]), [2])])
+        allowed = _unsqueeze(emit, allowed, [1, 2])  # (B, 1, 1, S, T)
+        scale = float(site.attribute("scale", 0.0)) or float(np.float32(1.0) / np.sqrt(np.float32(head)))
+        groups = heads // kv_heads
+        qh = emit.op1("Reshape", [q, _i64(emit, [0, 0, kv_heads, groups, head])])
+        qh = emit.op1("Transpose", [qh], perm=[0, 2, 3, 1, 4])  # (B, Nkv, G, S, H)
+        kt = emit.op1("Transpose", [_unsqueeze(emit, present_k, [2])], perm=[0, 1, 2, 4, 3])  # (B, Nkv, 1, H, T)
+        scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kt]), emit.const(np.float32(scale))], hint="Scale")
+        scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
+        probs = emit.op1("Softmax", [scores], axis=-1)
+        context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
+        context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
+        emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], site.node.output[0])
+
+
+def _present_index(
+    emit: Emitter, keys: str, past: str, seq: str, buffer: str, kv_heads: int, head: int, new_k: str
+) -> str:
+    """For each present position t of entry b: where it comes from in Concat(past, new, zeros) along
+    the sequence axis (t < past_b: past t; then new t - past_b; after them the zero row), expanded
+    to the present's shape (B, Nkv, T, H) for GatherElements."""
+    past_b = _unsqueeze(emit, past, [1])  # (B, 1)
+    in_past = emit.op1("Less", [keys, past_b])
+    in_new = emit.op1("Less", [keys, emit.op1("Add", [past_b, seq])])
+    from_new = emit.op1("Add", [emit.op1("Sub", [keys, past_b]), buffer])
+    zero_row = emit.op1("Add", [buffer, seq])
+    index = emit.op1("Where", [in_past, keys, emit.op1("Where", [in_new, from_new, zero_row])])  # (B, T)
+    shape = emit.op1(
+        "Concat",
+        [
+            emit.op1("Slice", [emit.op1("Shape", [new_k]), _i64(emit, [0]), _i64(emit, [1])]),
+            _i64(emit, [kv_heads]),
+            emit.op1("Shape", [keys]),
+            _i64(emit, [head]),
+        ],
+        axis=0,
+    )
+    return emit.op1("Expand", [_unsqueeze(emit, index, [1, 3]), shape])
+
+
+def _present(emit: Emitter, past: str, new: str, source: str, output: str) -> str:
+    """The kernel's present buffer: memset to 0, this entry's past, then the new keys or values."""
+    row = emit.op1("Slice", [new, _i64(emit, [0]), _i64(emit, [1]), _i64(emit, [2])])  # (B, Nkv, 1, H)
+    zeros = emit.op1("Expand", [emit.const(np.zeros((1, 1, 1, 1), np.float32)), emit.op1("Shape", [row])])
+    parts = [past, new, zeros] if past else [new, zeros]
+    return emit.op1("GatherElements", [emit.op1("Concat", parts, axis=2), source], output, axis=2)
+
+
+def _unsqueeze(emit: Emitter, x: str, axes: list[int]) -> str:
+    return emit.op1("Unsqueeze", [x, emit.const(np.array(axes, np.int64))])
+
+
+register(GroupQueryAttentionBuilder())

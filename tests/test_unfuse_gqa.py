@@ -1,0 +1,204 @@
+"""com.microsoft GroupQueryAttention -> standard ops, against onnxruntime 1.31.1's CPU kernel.
+
+The kernel's present_key / present_value (each batch entry's past, then the new K/V, then zeros) are
+asserted bit for bit; its output rounds differently from MatMul/Softmax/MatMul (measured: up to a
+few float32 ulps), so the rule is bounded and the stated bound is asserted, and shown to catch a
+rewrite that lets a query see one key too many. Cases: first prompts (with and without an empty
+past), token steps with equal and per-entry past lengths, a subsequent prompt, 1, 2 and 4 query
+heads per KV head, the scale attribute, inputs scaled by 30.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from conftest import assert_bitwise_equal, rule_marker, run
+from onnx import TensorProto, helper
+
+import onnx_qrewrite
+
+RNG = np.random.default_rng(5)
+
+
+def gqa_model(batch, seq, past, heads, kv_heads, head, attrs=None):
+    """GroupQueryAttention(query, key, value, [past_key, past_value], seqlens_k, total_sequence_length)."""
+    with_past = past is not None
+    inputs = ["q", "k", "v", "pk" if with_past else "", "pv" if with_past else "", "sl", "tl"]
+    values = [
+        helper.make_tensor_value_info("q", TensorProto.FLOAT, [batch, seq, heads * head]),
+        helper.make_tensor_value_info("k", TensorProto.FLOAT, [batch, seq, kv_heads * head]),
+        helper.make_tensor_value_info("v", TensorProto.FLOAT, [batch, seq, kv_heads * head]),
+    ]
+    if with_past:
+        values += [
+            helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, kv_heads, past, head])
+            for name in ("pk", "pv")
+        ]
+    values += [
+        helper.make_tensor_value_info("sl", TensorProto.INT32, [batch]),
+        helper.make_tensor_value_info("tl", TensorProto.INT32, []),
+    ]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        inputs,
+        ["y", "present_key", "present_value"],
+        domain="com.microsoft",
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        **(attrs or {}),
+    )
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, seq, heads * head])]
+    outputs += [
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, kv_heads, "total", head])
+        for name in ("present_key", "present_value")
+    ]
+    graph = helper.make_graph([node], "g", values, outputs)
+    return helper.make_model(
+        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+
+
+def gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total, scale=1.0):
+    def normal(*shape):
+        return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+    feeds = {"q": normal(batch, seq, heads * head), "k": normal(batch, seq, kv_heads * head)}
+    feeds["v"] = normal(batch, seq, kv_heads * head)
+    if past is not None:
+        feeds["pk"], feeds["pv"] = normal(batch, kv_heads, past, head), normal(batch, kv_heads, past, head)
+    feeds["sl"] = np.array(lengths, np.int32) - 1
+    feeds["tl"] = np.array(total, np.int32)
+    return feeds
+
+
+def gqa_bound(feeds, heads, kv_heads, head, scale):
+    """Attention's stated bound: 2^-20·(1 + max|score|)·max|V|, over every key and value the node sees."""
+    keys = [feeds["k"].reshape(*feeds["k"].shape[:2], kv_heads, head).transpose(0, 2, 1, 3)]
+    values = [feeds["v"]]
+    if "pk" in feeds:
+        keys.append(feeds["pk"])
+        values.append(feeds["pv"])
+    q = feeds["q"].astype(np.float64).reshape(*feeds["q"].shape[:2], kv_heads, heads // kv_heads, head)
+    worst = max(np.abs(np.einsum("bsngh,bnth->bngst", q, k.astype(np.float64))).max(initial=0) for k in keys)
+    return 2.0**-20 * (1 + scale * worst) * max(np.abs(v).max(initial=0) for v in values)
+
+
+# batch, sequence, past buffer (None: no past inputs), heads, kv heads, head size, lengths (past + new
+# per entry), total_sequence_length
+CASES = {
+    "first prompt": (2, 5, None, 4, 2, 8, [5, 5], 5),
+    "first prompt, empty past": (3, 6, 0, 6, 3, 8, [6, 6, 6], 6),
+    "first prompt, 4 per group": (1, 7, None, 8, 2, 16, [7], 7),
+    "token step": (2, 1, 5, 4, 2, 8, [6, 6], 6),
+    "token step, per-entry lengths": (3, 1, 9, 4, 2, 64, [10, 4, 7], 10),
+    "token step, buffer longer than needed": (2, 1, 12, 4, 4, 8, [6, 3], 6),
+    "subsequent prompt": (1, 3, 5, 4, 1, 8, [8], 8),
+    "long cache": (2, 1, 40, 4, 2, 32, [41, 17], 41),
+}
+
+
+def check_within_bound(model, feeds, shape, attrs_scale, rows=None):
+    result = onnx_qrewrite.rewrite(model)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert result.report.by_rule() == {"unfuse-group-query-attention": 1}
+    assert [r.exactness for r in result.report.rewrites] == ["bounded"]
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in ("present_key", "present_value"):
+        assert_bitwise_equal(got[name], want[name], name)
+    _, _, _, heads, kv_heads, head, _, _ = shape
+    scale = attrs_scale or 1 / math.sqrt(head)
+    y_want, y_got = want["y"], got["y"]
+    if rows is not None:
+        y_want, y_got = y_want[rows], y_got[rows]
+    diff = np.abs(y_got.astype(np.float64) - y_want)
+    bound = gqa_bound(feeds, heads, kv_heads, head, scale)
+    assert diff.max() <= bound, f"{diff.max():g} > {bound:g}"
+    return diff.max()
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("magnitude", [1.0, 30.0])
+@pytest.mark.parametrize("case", list(CASES))
+def test_group_query_attention_within_the_bound_present_bit_exact(case, magnitude):
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total, magnitude)
+    check_within_bound(model, feeds, shape, 0.0)
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+def test_group_query_attention_scale_attribute():
+    shape = CASES["token step, per-entry lengths"]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, {"scale": 0.3})
+    check_within_bound(model, gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total), shape, 0.3)
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+def test_group_query_attention_padded_first_prompt_where_the_kernel_is_defined():
+    """A first prompt with an entry shorter than the sequence: its rows past its length read scores
+    the kernel never computed (undefined there); the rows before it are within the bound."""
+    shape = (2, 5, None, 4, 2, 8, [5, 3], 5)
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    defined = np.ones((batch, seq), bool)
+    defined[1, 3:] = False
+    check_within_bound(model, feeds, shape, 0.0, rows=defined)
+
+
+def test_group_query_attention_one_key_too_many_exceeds_the_bound():
+    """The causal mask lets query i see keys up to past_b + i: one more (Less -> LessOrEqual) is caught."""
+    shape = CASES["first prompt"]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    rewritten = onnx_qrewrite.rewrite(model).model
+    causal = [
+        n for n in rewritten.graph.node if n.op_type == "Less" and n.output[0] in _inputs_of(rewritten, "Unsqueeze")
+    ]
+    assert len(causal) == 1
+    causal[0].op_type = "LessOrEqual"
+    diff = np.abs(run(rewritten, feeds)["y"].astype(np.float64) - run(model, feeds)["y"]).max()
+    assert diff > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head))
+
+
+def _inputs_of(model, op_type):
+    return {i for n in model.graph.node if n.op_type == op_type for i in n.input}
+
+
+def _refused(attrs=None, drop=(), extra=None):
+    model = gqa_model(2, 1, 5, 4, 2, 8, attrs)
+    node = model.graph.node[0]
+    for index in drop:
+        node.input[index] = ""
+    if extra:
+        index, name = extra
+        while len(node.input) <= index:
+            node.input.append("")
+        node.input[index] = name
+        model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [8, 4]))
+    return model
+
+
+NOT_LOWERED = {
+    "rotary": (lambda: _refused({"do_rotary": 1}), "do_rotary=1 is not lowered"),
+    "softcap": (lambda: _refused({"softcap": 30.0}), "softcap=30.0 is not lowered"),
+    "smooth softmax": (lambda: _refused({"smooth_softmax": 1}), "smooth_softmax=1 is not lowered"),
+    "local window": (lambda: _refused({"local_window_size": 4}), "local_window_size=4 is not lowered"),
+    "packed qkv": (lambda: _refused(drop=(1, 2)), "packed QKV"),
+    "cos cache": (lambda: _refused(extra=(7, "cos")), "input 7 (cos_cache) is given"),
+    "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
+}
+
+
+@rule_marker("unfuse-group-query-attention", "negative")
+@pytest.mark.parametrize("case", list(NOT_LOWERED))
+def test_group_query_attention_forms_not_lowered_say_why(case):
+    make, reason = NOT_LOWERED[case]
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
+        onnx_qrewrite.rewrite(make())
