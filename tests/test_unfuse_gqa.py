@@ -151,6 +151,33 @@ def test_group_query_attention_padded_first_prompt_where_the_kernel_is_defined()
     check_within_bound(model, feeds, shape, 0.0, rows=defined)
 
 
+ROTARY_CASES = {
+    "first prompt": ((2, 5, None, 4, 2, 16, [5, 5], 5), 0, 8),
+    "token step, per-entry lengths": ((2, 1, 7, 4, 2, 16, [8, 3], 8), 0, 8),
+    "token step, interleaved, partial": ((2, 1, 7, 4, 2, 32, [8, 3], 8), 1, 8),
+    "subsequent prompt, partial": ((1, 3, 5, 4, 1, 32, [8], 8), 0, 8),
+}
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_group_query_attention_do_rotary(case):
+    """do_rotary: Q and the new K rotated at positions past_b + i as RotaryEmbedding's kernel does
+    (its fused multiply-add emulated exactly): the rotated keys in present_key bit for bit."""
+    shape, interleaved, width = ROTARY_CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, {"do_rotary": 1, "rotary_interleaved": interleaved})
+    model.graph.node[0].input.extend(["cos", "sin"])
+    positions = 16
+    model.graph.input.extend(
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, [positions, width]) for name in ("cos", "sin")
+    )
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    angles = RNG.uniform(0, 2 * np.pi, (positions, width))
+    feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    check_within_bound(model, feeds, shape, 0.0)
+
+
 def test_group_query_attention_one_key_too_many_exceeds_the_bound():
     """The causal mask lets query i see keys up to past_b + i: one more (Less -> LessOrEqual) is caught."""
     shape = CASES["first prompt"]
@@ -186,12 +213,13 @@ def _refused(attrs=None, drop=(), extra=None):
 
 
 NOT_LOWERED = {
-    "rotary": (lambda: _refused({"do_rotary": 1}), "do_rotary=1 is not lowered"),
+    "rotary without caches": (lambda: _refused({"do_rotary": 1}), "do_rotary without cos_cache and sin_cache"),
+    "caches without rotary": (lambda: _refused(extra=(7, "cos")), "cos_cache/sin_cache without do_rotary"),
     "softcap": (lambda: _refused({"softcap": 30.0}), "softcap=30.0 is not lowered"),
     "smooth softmax": (lambda: _refused({"smooth_softmax": 1}), "smooth_softmax=1 is not lowered"),
     "local window": (lambda: _refused({"local_window_size": 4}), "local_window_size=4 is not lowered"),
     "packed qkv": (lambda: _refused(drop=(1, 2)), "packed QKV"),
-    "cos cache": (lambda: _refused(extra=(7, "cos")), "input 7 (cos_cache) is given"),
+    "position ids": (lambda: _refused(extra=(9, "pos")), "input 9 (position_ids) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
 }
 

@@ -497,6 +497,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             emits=frozenset(
                 {"Reshape", "Transpose", "Concat", "Gather", "GatherElements", "Expand", "Shape", "Slice", "Range"}
                 | {"Cast", "Add", "Sub", "Mul", "MatMul", "Softmax", "Where", "Less", "Equal", "Max", "Unsqueeze"}
+                | {"Greater", "And", "Not"}  # do_rotary: RotaryEmbedding's form (contrib_rotary.py)
             ),
             exactness=lambda options: BOUNDED,
             bound="the kernel's products and softmax round differently from MatMul/Softmax/MatMul (a few float32 "

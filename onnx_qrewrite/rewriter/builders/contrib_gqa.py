@@ -13,9 +13,12 @@ the first prompt (``S == total_sequence_length``) has no past (``past_b = 0``), 
 ``Concat(past, new, zeros)`` at each entry's own offset; the causal mask is ``Where(key < past_b + i + 1,
 score, -inf)``, which Softmax turns into the exact zeros the kernel writes.
 
-Not lowered (the node stays, with the reason): packed QKV, ``do_rotary`` (and cos/sin caches),
-``softcap``, ``smooth_softmax``, ``local_window_size``, ``qk_output``, position_ids,
-``attention_bias``, ``head_sink``, float16, shapes that are not recorded. Where the kernel is
+``do_rotary``: Q and the new K are rotated at positions ``past_b + i`` with cos/sin cache rows, as
+RotaryEmbedding's kernel (the same MLAS routine; contrib_rotary.rotate, exact), before the cache.
+
+Not lowered (the node stays, with the reason): packed QKV, ``softcap``, ``smooth_softmax``,
+``local_window_size``, ``qk_output``, position_ids, ``attention_bias``, ``head_sink``, float16,
+shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -32,14 +35,15 @@ from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contrib_rotary import INTERLEAVED_BLOCK, rotate
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["GroupQueryAttentionBuilder"]
 
 _T = onnx.TensorProto
-_REFUSED_ATTRIBUTES = ("do_rotary", "softcap", "smooth_softmax", "qk_output")
-_KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "rotary_interleaved", "local_window_size"}
-_REFUSED_INPUTS = ((7, "cos_cache"), (8, "sin_cache"), (9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
+_REFUSED_ATTRIBUTES = ("softcap", "smooth_softmax", "qk_output")
+_KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size"}
+_REFUSED_INPUTS = ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
 
 
 def _i64(emit: Emitter, values: list[int]) -> str:
@@ -51,8 +55,9 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
 
 
 class GroupQueryAttentionBuilder:
-    """Replaces com.microsoft GroupQueryAttention (separate Q, K, V; no rotary) with GatherElements
-    for the KV cache and the causal softmax attention of grouped heads."""
+    """Replaces com.microsoft GroupQueryAttention (separate Q, K, V) with the rotation of
+    RotaryEmbedding's form, GatherElements for the KV cache and the causal softmax attention of
+    grouped heads."""
 
     name = "unfuse_group_query_attention"
     contract = CONTRACTS["unfuse_group_query_attention"]
@@ -97,20 +102,28 @@ class GroupQueryAttentionBuilder:
         if shape[2] % heads:
             raise NoMatch(f"query hidden size {shape[2]} does not split into {heads} heads")
         data = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // heads}
+        data["rotary"] = _rotary_dim(site, shape[2] // heads)
         return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
         q, k, v = site.input(0), site.input(1), site.input(2)
         seq = _dim(emit, q, 1)
+        zero, one = emit.const(np.int64(0)), emit.const(np.int64(1))
         total = emit.op1("Add", [emit.op1("Cast", [site.input(5)], to=_T.INT64), emit.const(np.int64(1))])
         requested = emit.op1("Cast", [emit.op1("Reshape", [site.input(6), _i64(emit, [])])], to=_T.INT64)
         first_prompt = emit.op1("Equal", [seq, requested])
-        zero = emit.const(np.int64(0))
         past = emit.op1("Where", [first_prompt, zero, emit.op1("Sub", [total, seq])], hint="PastLengths")  # (B,)
+        rows = emit.op1("Add", [_unsqueeze(emit, past, [1]), emit.op1("Range", [zero, seq, one])])  # positions (B, S)
+        q, k = (
+            emit.op1("Reshape", [q, _i64(emit, [0, 0, heads, head])]),
+            emit.op1("Reshape", [k, _i64(emit, [0, 0, kv_heads, head])]),
+        )
+        if plan.data["rotary"]:  # the kernel rotates Q and the new K at positions past_b + i
+            q, k = _rotate(emit, site, rows, plan.data["rotary"], head, q, k)
         new_k, new_v = (
-            emit.op1("Transpose", [emit.op1("Reshape", [t, _i64(emit, [0, 0, kv_heads, head])])], perm=[0, 2, 1, 3])
-            for t in (k, v)
+            emit.op1("Transpose", [t], perm=[0, 2, 1, 3])
+            for t in (k, emit.op1("Reshape", [v, _i64(emit, [0, 0, kv_heads, head])]))
         )
         buffer = _dim(emit, site.input(3), 2) if site.input(3) else zero
         length = emit.op1("Max", [requested, buffer], hint="PresentLength")
@@ -120,8 +133,7 @@ class GroupQueryAttentionBuilder:
             _present(emit, site.input(3 + i) if site.input(3) else "", new, source, site.node.output[1 + i])
             for i, new in enumerate((new_k, new_v))
         )
-        rows = emit.op1("Add", [_unsqueeze(emit, past, [1]), emit.op1("Range", [zero, seq, emit.const(np.int64(1))])])
-        allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(1))]), [2])])
+        allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, one]), [2])])
         allowed = _unsqueeze(emit, allowed, [1, 2])  # (B, 1, 1, S, T)
         scale = float(site.attribute("scale", 0.0)) or float(np.float32(1.0) / np.sqrt(np.float32(head)))
         groups = heads // kv_heads
@@ -134,6 +146,46 @@ class GroupQueryAttentionBuilder:
         context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
         context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
         emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], site.node.output[0])
+
+
+def _rotary_dim(site: Site, head: int) -> int:
+    """The rotary dim of ``do_rotary`` (cos_cache's width · 2; 0: no rotation), refusing what the
+    RotaryEmbedding lowering refuses (contrib_rotary.py)."""
+    if not site.attribute("do_rotary", 0):
+        if site.input(7) or site.input(8):
+            raise NoMatch("cos_cache/sin_cache without do_rotary: not lowered")
+        return 0
+    if not (site.input(7) and site.input(8)):
+        raise NoMatch("do_rotary without cos_cache and sin_cache: the kernel refuses it")
+    for index in (7, 8):
+        elem = site.elem_type(site.input(index))
+        if elem is not None and elem != _T.FLOAT:
+            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 is lowered")
+    cache = value_shape(site.scope, site.input(7), site.same_shape_ops)
+    if cache is None or len(cache) != 2 or cache[1] is None:
+        raise NoMatch(f"the width of cos_cache {site.input(7)!r} is not recorded (run onnx shape inference first)")
+    rotary = 2 * cache[1]
+    if rotary > head:
+        raise NoMatch(f"cos_cache of width {cache[1]} is wider than half a head ({head})")
+    if site.attribute("rotary_interleaved", 0) and rotary % INTERLEAVED_BLOCK:
+        raise NoMatch(
+            f"rotary_interleaved with rotary dim {rotary}: the kernel's AVX2 tail rounds pairs in two ways "
+            f"(lowered for multiples of {INTERLEAVED_BLOCK})"
+        )
+    return rotary
+
+
+def _rotate(emit: Emitter, site: Site, positions: str, rotary: int, head: int, *heads: str) -> list[str]:
+    """Each of ``heads`` (B, S, N, H) rotated as RotaryEmbedding's kernel does, at ``positions`` (B, S)."""
+    cos, sin = (
+        _unsqueeze(emit, emit.op1("Gather", [site.input(i), positions], axis=0, hint=hint), [2])
+        for i, hint in ((7, "Cos"), (8, "Sin"))
+    )
+    interleaved = bool(site.attribute("rotary_interleaved", 0))
+    return [
+        emit.op1("Concat", rotate(emit, x, cos, sin, rotary, head, interleaved=interleaved, float16=False), axis=-1)
+        for x in heads
+    ]
 
 
 def _present_index(

@@ -49,12 +49,12 @@ from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
 
-__all__ = ["RotaryEmbeddingBuilder", "emit_fma"]
+__all__ = ["INTERLEAVED_BLOCK", "RotaryEmbeddingBuilder", "emit_fma", "rotate"]
 
 _T = onnx.TensorProto
 #: The AVX2 kernel's interleaved form runs whole vectors of 16 values (8 pairs); what is left over
 #: goes through a scalar tail whose pairs round in two ways (measured), so only multiples of this.
-_INTERLEAVED_BLOCK = 16
+INTERLEAVED_BLOCK = 16
 
 
 def _static_shape(site: Site, index: int, what: str) -> tuple[int | None, ...]:
@@ -95,10 +95,10 @@ def _geometry(site: Site, interleaved_tail_ok: bool) -> dict[str, Any]:
             "rotary_embedding_dim / 2 (lowered only where that is the cache's width)"
         )
     interleaved = bool(site.attribute("interleaved", 0))
-    if interleaved and rotary % _INTERLEAVED_BLOCK and not interleaved_tail_ok:
+    if interleaved and rotary % INTERLEAVED_BLOCK and not interleaved_tail_ok:
         raise NoMatch(
             f"interleaved with rotary dim {rotary}: onnxruntime's AVX2 kernel rounds the pairs after the last "
-            f"whole block of {_INTERLEAVED_BLOCK} in two ways (measured); lowered for multiples of {_INTERLEAVED_BLOCK}"
+            f"whole block of {INTERLEAVED_BLOCK} in two ways (measured); lowered for multiples of {INTERLEAVED_BLOCK}"
         )
     return {"rank": len(x_shape), "head": head, "heads": heads, "rotary": rotary, "interleaved": interleaved}
 
@@ -141,33 +141,44 @@ class RotaryEmbeddingBuilder:
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         d = plan.data
-        x, rotary, half = site.input(0), d["rotary"], d["rotary"] // 2
+        x, rotary = site.input(0), d["rotary"]
         heads_last = d["rank"] == 3  # (B, S, N, H) once split into heads; else (B, N, S, H)
         if heads_last:
             x = emit.op1("Reshape", [x, emit.const(np.array([0, 0, d["heads"], d["head"]], np.int64))])
         cos, sin = _cache_rows(emit, site, d["start"], heads_last)
-        if d["interleaved"]:
-            x1, x2 = (_slice(emit, x, first, rotary, 2) for first in (0, 1))
-        else:
-            x1, x2 = _slice(emit, x, 0, half), _slice(emit, x, half, rotary)
-        if d["float16"]:
-            out1, out2 = _float16_rotation(emit, x1, x2, cos, sin)
-        else:
-            out1 = emit_fma(emit, x1, cos, x2, sin, subtract=True)
-            out2 = emit_fma(emit, x1, sin, x2, cos)
-        if d["interleaved"]:  # (..., half, 2) -> (..., rotary): even, odd, even, ...
-            pairs = emit.op1("Concat", [_unsqueeze(emit, out1, [-1]), _unsqueeze(emit, out2, [-1])], axis=-1)
-            parts = [emit.op1("Reshape", [pairs, emit.const(np.array([0, 0, 0, rotary], np.int64))])]
-        else:
-            parts = [out1, out2]
-        if rotary < d["head"]:
-            parts.append(_slice(emit, x, rotary, d["head"]))
+        parts = rotate(emit, x, cos, sin, rotary, d["head"], interleaved=d["interleaved"], float16=d["float16"])
         output = site.node.output[0]
         if not heads_last:
             emit.op1("Concat", parts, output, axis=-1)
             return
         joined = emit.op1("Concat", parts, axis=-1)
         emit.op1("Reshape", [joined, emit.op1("Shape", [site.input(0)])], output)
+
+
+def rotate(
+    emit: Emitter, x: str, cos: str, sin: str, rotary: int, head: int, *, interleaved: bool, float16: bool
+) -> list[str]:
+    """The kernel's rotation of the first ``rotary`` values of each head of the 4-D ``x`` (heads on
+    the last axis), ``cos``/``sin`` rows broadcastable to its (..., rotary / 2) halves; returns the
+    parts whose Concat on the last axis is the result (the rest of each head passes through)."""
+    half = rotary // 2
+    if interleaved:
+        x1, x2 = (_slice(emit, x, first, rotary, 2) for first in (0, 1))
+    else:
+        x1, x2 = _slice(emit, x, 0, half), _slice(emit, x, half, rotary)
+    if float16:
+        out1, out2 = _float16_rotation(emit, x1, x2, cos, sin)
+    else:
+        out1 = emit_fma(emit, x1, cos, x2, sin, subtract=True)
+        out2 = emit_fma(emit, x1, sin, x2, cos)
+    if interleaved:  # (..., half, 2) -> (..., rotary): even, odd, even, ...
+        pairs = emit.op1("Concat", [_unsqueeze(emit, out1, [-1]), _unsqueeze(emit, out2, [-1])], axis=-1)
+        parts = [emit.op1("Reshape", [pairs, emit.const(np.array([0, 0, 0, rotary], np.int64))])]
+    else:
+        parts = [out1, out2]
+    if rotary < head:
+        parts.append(_slice(emit, x, rotary, head))
+    return parts
 
 
 def _cache_rows(emit: Emitter, site: Site, start: bool, heads_last: bool) -> tuple[str, str]:
