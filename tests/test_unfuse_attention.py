@@ -981,13 +981,66 @@ def test_qattention_full_range_weights_have_a_finite_bound_that_catches_broken_r
         assert report.exit_code == EXIT_DISAGREE and not row.passed and row.mismatches > 0, report.to_table()
 
 
+def qattention_with_past(batch, seq, past, hidden, heads, mask_shape=None, unidirectional=0, weight_range=20):
+    """QAttention (uint8 weights unless ``weight_range`` says int8 ones that can saturate) reading
+    past (2, B, N, P, H) and writing present."""
+    weights = "int8" if weight_range > 64 else "uint8"
+    model = qattention_model(batch, seq, hidden, heads, weights, False, mask_shape, weight_range=weight_range)
+    node = model.graph.node[0]
+    if unidirectional:
+        node.attribute.append(helper.make_attribute("unidirectional", 1))
+    while len(node.input) < 8:
+        node.input.append("")
+    node.input.append("past")
+    node.output.append("present")
+    head = hidden // heads
+    model.graph.input.append(helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, batch, heads, past, head]))
+    model.graph.output.append(
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, [2, batch, heads, past + seq, head])
+    )
+    return model
+
+
+@rule_marker("unfuse-qattention", "positive")
+@pytest.mark.parametrize("unidirectional", [0, 1])
+@pytest.mark.parametrize("mask", [None, "raw"], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 3, 32, 4), (1, 3, 0, 64, 2), (1, 1, 6, 64, 2)], ids=str)
+def test_qattention_with_past_and_present(shape, mask, unidirectional):
+    """As Attention's state: present bit for bit (the integer projection is exact), the output bit
+    for bit at sequence > 1 and within Attention's bound at a one-token step."""
+    batch, seq, past, hidden, heads = shape
+    mask_shape = (batch, past + seq) if mask else None
+    model = qattention_with_past(batch, seq, past, hidden, heads, mask_shape, unidirectional)
+    feeds = qattention_feeds(batch, seq, hidden)
+    feeds["past"] = RNG.standard_normal((2, batch, heads, past, hidden // heads)).astype(np.float32)
+    if mask:
+        feeds["m"] = RNG.integers(0, 2, mask_shape).astype(np.int32)
+        feeds["m"][:, -1] = 1
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-qattention": 1}
+    want, got = run(model, feeds), run(result.model, feeds)
+    assert_bitwise_equal(got["present"], want["present"], "present")
+    if seq > 1:
+        assert_bitwise_equal(got["y"], want["y"], f"QAttention with past {shape}")
+    else:
+        values = {**{t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, **feeds}
+        x = (values["x"].astype(np.float64) - float(values["xzp"])) * float(values["xs"])
+        w = (values["w"].astype(np.float64) - values["wzp"].astype(np.float64)) * values["ws"].astype(np.float64)
+        state = {"x": x, "w": w, "b": values["b"], "past": feeds["past"]}
+        diff = np.abs(got["y"].astype(np.float64) - want["y"]).max()
+        assert diff <= _past_attention_bound(state, hidden, heads)
+
+
 @rule_marker("unfuse-qattention", "negative")
 def test_qattention_forms_not_lowered_say_why():
     model = qattention_model(2, 8, 32, 2)
     model.graph.node[0].input.append("past")
     model.graph.input.append(helper.make_tensor_value_info("past", TensorProto.FLOAT, [2, 2, 2, 0, 16]))
-    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape("input 8 (past) is given")):
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape("past without present")):
         onnx_qrewrite.rewrite(model, allow=("exact", "bounded", "approximate"))
+    saturating = qattention_with_past(2, 4, 3, 32, 2, weight_range=127)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="its bound formula has no past"):
+        onnx_qrewrite.rewrite(saturating, only=["unfuse-qattention"])
     model = qattention_model(2, 8, 32, 2)
     model.graph.input[0].type.tensor_type.elem_type = TensorProto.INT8
     model.graph.input[2].type.tensor_type.elem_type = TensorProto.INT8

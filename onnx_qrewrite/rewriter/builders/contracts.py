@@ -447,7 +447,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_qattention": (
         "contrib_attention",
         Contract(
-            output_types=lambda options, op: ("input 3",),
+            output_types=lambda options, op: ("input 3", "input 3"),  # output, present
             options=(U8S8_SATURATION,),
             emits=ATTENTION_EMITS | {"Sub"},
             exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,

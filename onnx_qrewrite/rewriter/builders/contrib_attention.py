@@ -77,7 +77,8 @@ _EXACT_FLOAT_INTEGERS = 2**24
 
 
 class QAttentionBuilder:
-    """Replaces com.microsoft QAttention with float arithmetic on the integer values and Attention's form.
+    """Replaces com.microsoft QAttention with float arithmetic on the integer values and Attention's form
+    (past/present state included, as Attention's).
 
     ``(Cast(x) - x_zp) @ (Cast(W) - W_zp) · (x_scale · W_scale) + bias``, then the heads, mask and
     Softmax as for Attention. The integer products are exact in float32 and so is their sum while it
@@ -98,10 +99,6 @@ class QAttentionBuilder:
         for attr in ("do_rotary", "past_present_share_buffer"):
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
-        if site.input(8):
-            raise NoMatch("input 8 (past) is given; not lowered")
-        if any(site.node.output[1:]):
-            raise NoMatch("output 1 (present) is used; not lowered")
         for index in range(5):
             if not site.input(index):
                 raise NoMatch(f"malformed node: input {index} is required")
@@ -147,7 +144,10 @@ class QAttentionBuilder:
         if 255 * int(shift) > _EXACT_FLOAT_INTEGERS:
             notes += ("integer sums may exceed 2^24: float32 rounds them (bounded)",)
         plan = _mask_plan(site, 5, "mask_index", [hidden] * 3, heads, notes)
-        return dataclasses.replace(plan, bound_formula=formula)
+        state = _kv_state(site, [hidden] * 3, heads, past_index=8)
+        if state and formula:
+            raise NoMatch("past/present with weights onnxruntime's kernel can saturate: its bound formula has no past")
+        return dataclasses.replace(plan, bound_formula=formula, data={**plan.data, **state})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
@@ -164,9 +164,12 @@ class QAttentionBuilder:
         qkv = emit.op1("Add", [emit.op1("Mul", [products, scale]), site.input(2)], hint="AddBias")
         bounds = np.cumsum([0, *sizes])
         q, k, v = (_slice(emit, qkv, int(bounds[i]), int(bounds[i + 1]), -1) for i in range(3))
-        keep, causal = emit_masks(emit, site.input(5), plan.data["mask_rank"], x, x, plan.data["causal"])
+        kv, key_length, past_length = _emit_state(emit, site, plan, 8, k, v)
+        keep, causal = emit_masks(
+            emit, site.input(5), plan.data["mask_rank"], x, x, plan.data["causal"], key_length, past_length
+        )
         scale_attr = float(site.attribute("scale", 0.0))
-        emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0])
+        emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0], kv)
 
 
 def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int, notes: tuple[str, ...] = ()) -> Plan:
@@ -292,21 +295,32 @@ class AttentionBuilder:
             for i in range(3)
         )
         scale = float(site.attribute("scale", 0.0))
-        kv, key_length, past_length = None, None, None
-        if plan.data.get("state"):
-            kv = _emit_kv_state(emit, site.input(4), k, v, heads, sizes, site.node.output[1])
-            if site.input(4):  # keys: the past ones, then these; query i sits at past length + i
-                key_length, past_length = _dim(emit, kv[0], 2), _dim(emit, site.input(4), 3)
+        kv, key_length, past_length = _emit_state(emit, site, plan, 4, k, v)
         keep, causal = emit_masks(
             emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"], key_length, past_length
         )
         emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv)
 
 
-def _kv_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
+def _emit_state(
+    emit: Emitter, site: Site, plan: Plan, past_index: int, k: str, v: str
+) -> tuple[tuple[str, str] | None, str | None, str | None]:
+    """With past/present: K and V in heads after the past ones (present written), the key count
+    and the past length for the masks; (None, None, None) without."""
+    if not plan.data.get("state"):
+        return None, None, None
+    past = site.input(past_index)
+    kv = _emit_kv_state(emit, past, k, v, plan.data["heads"], plan.data["sizes"], site.node.output[1])
+    if not past:
+        return kv, None, None
+    # keys: the past ones, then these; query i sits at past length + i
+    return kv, _dim(emit, kv[0], 2), _dim(emit, past, 3)
+
+
+def _kv_state(site: Site, sizes: list[int], heads: int, past_index: int = 4) -> dict[str, Any]:
     """Attention's past (2, B, N, P, H) and present (2, B, N, P + S, H): the plan's data for them
     (empty without either), refusing what the kernel's layout does not allow."""
-    past, present = site.input(4), len(site.node.output) > 1 and bool(site.node.output[1])
+    past, present = site.input(past_index), len(site.node.output) > 1 and bool(site.node.output[1])
     if not past and not present:
         return {}
     if past and not present:
