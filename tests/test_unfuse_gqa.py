@@ -178,6 +178,35 @@ def test_group_query_attention_do_rotary(case):
     check_within_bound(model, feeds, shape, 0.0)
 
 
+def packed(model, feeds, heads, kv_heads, head):
+    """The same node with Q, K and V packed into its query input, (B, S, (N + 2 Nkv) H)."""
+    node = model.graph.node[0]
+    node.input[1] = node.input[2] = ""
+    batch, seq = feeds["q"].shape[:2]
+    del model.graph.input[1:3]
+    width = (heads + 2 * kv_heads) * head
+    model.graph.input[0].CopyFrom(helper.make_tensor_value_info("q", TensorProto.FLOAT, [batch, seq, width]))
+    merged = {name: value for name, value in feeds.items() if name not in ("k", "v")}
+    merged["q"] = np.concatenate([feeds["q"], feeds["k"], feeds["v"]], axis=-1)
+    return model, merged
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("case", ["first prompt", "token step, per-entry lengths", "subsequent prompt"])
+def test_group_query_attention_packed_qkv(case):
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    model, merged = packed(gqa_model(batch, seq, past, heads, kv_heads, head), feeds, heads, kv_heads, head)
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-group-query-attention": 1}
+    want, got = run(model, merged), run(result.model, merged)
+    for name in ("present_key", "present_value"):
+        assert_bitwise_equal(got[name], want[name], name)
+    diff = np.abs(got["y"].astype(np.float64) - want["y"]).max()
+    assert diff <= gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head))
+
+
 def test_group_query_attention_one_key_too_many_exceeds_the_bound():
     """The causal mask lets query i see keys up to past_b + i: one more (Less -> LessOrEqual) is caught."""
     shape = CASES["first prompt"]
@@ -218,7 +247,7 @@ NOT_LOWERED = {
     "softcap": (lambda: _refused({"softcap": 30.0}), "softcap=30.0 is not lowered"),
     "smooth softmax": (lambda: _refused({"smooth_softmax": 1}), "smooth_softmax=1 is not lowered"),
     "local window": (lambda: _refused({"local_window_size": 4}), "local_window_size=4 is not lowered"),
-    "packed qkv": (lambda: _refused(drop=(1, 2)), "packed QKV"),
+    "key without value": (lambda: _refused(drop=(2,)), "key and value must both be given or both absent"),
     "position ids": (lambda: _refused(extra=(9, "pos")), "input 9 (position_ids) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
 }

@@ -16,7 +16,9 @@ score, -inf)``, which Softmax turns into the exact zeros the kernel writes.
 ``do_rotary``: Q and the new K are rotated at positions ``past_b + i`` with cos/sin cache rows, as
 RotaryEmbedding's kernel (the same MLAS routine; contrib_rotary.rotate, exact), before the cache.
 
-Not lowered (the node stays, with the reason): packed QKV, ``softcap``, ``smooth_softmax``,
+Packed QKV (query (B, S, (N + 2·Nkv)·H), no key and value) is sliced into Q, K and V.
+
+Not lowered (the node stays, with the reason): ``softcap``, ``smooth_softmax``,
 ``local_window_size``, ``qk_output``, position_ids, ``attention_bias``, ``head_sink``, float16,
 shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
@@ -78,8 +80,9 @@ class GroupQueryAttentionBuilder:
         for index, what in _REFUSED_INPUTS:
             if site.input(index):
                 raise NoMatch(f"input {index} ({what}) is given; not lowered")
-        if not (site.input(1) and site.input(2)):
-            raise NoMatch("packed QKV (no separate key and value) is not lowered")
+        packed = not site.input(1) and not site.input(2)
+        if not packed and not (site.input(1) and site.input(2)):
+            raise NoMatch("malformed node: key and value must both be given or both absent (packed QKV)")
         if not (site.input(5) and site.input(6)):
             raise NoMatch("malformed node: seqlens_k and total_sequence_length are required")
         if bool(site.input(3)) != bool(site.input(4)):
@@ -99,15 +102,22 @@ class GroupQueryAttentionBuilder:
                 f"the hidden size of query {site.input(0)!r} is not recorded; run onnx shape inference on the model "
                 "first (onnx.shape_inference.infer_shapes)"
             )
-        if shape[2] % heads:
-            raise NoMatch(f"query hidden size {shape[2]} does not split into {heads} heads")
-        data = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // heads}
-        data["rotary"] = _rotary_dim(site, shape[2] // heads)
+        parts = heads + 2 * kv_heads if packed else heads  # packed: Q, K, V heads side by side
+        if shape[2] % parts:
+            raise NoMatch(f"query hidden size {shape[2]} does not split into {parts} heads")
+        data = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
+        data["rotary"] = _rotary_dim(site, shape[2] // parts)
         return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
         q, k, v = site.input(0), site.input(1), site.input(2)
+        if plan.data["packed"]:  # (B, S, (N + 2 Nkv) H): Q, then K, then V
+            bounds = np.cumsum([0, heads * head, kv_heads * head, kv_heads * head])
+            q, k, v = (
+                emit.op1("Slice", [q, _i64(emit, [int(bounds[i])]), _i64(emit, [int(bounds[i + 1])]), _i64(emit, [2])])
+                for i in range(3)
+            )
         seq = _dim(emit, q, 1)
         zero, one = emit.const(np.int64(0)), emit.const(np.int64(1))
         total = emit.op1("Add", [emit.op1("Cast", [site.input(5)], to=_T.INT64), emit.const(np.int64(1))])
