@@ -101,21 +101,29 @@ _CHUNK = 4096
 
 def _output_hashes(nodes: Sequence[onnx.NodeProto], start: int, stop: int) -> tuple[np.ndarray, ...]:
     """Of the outputs of ``nodes[start:stop]`` (absent optional ones left out): their hashes, the
-    index of each one's node, and the hashes of their heads (see :class:`NameAllocator`)."""
+    index of each one's node; and of those outputs and the nodes' own names, the hashes of the
+    names and of their heads (see :class:`NameAllocator`). One walk: each node read from protobuf
+    costs a new wrapper object, so the name allocator does not walk the nodes again for their names."""
     names: list[str] = []
     counts: list[int] = []
-    extend, count = names.extend, counts.append
+    node_names: list[str] = []
+    extend, count, named = names.extend, counts.append, node_names.append
     for i in range(start, stop):
-        outputs = nodes[i].output
+        node = nodes[i]
+        outputs = node.output
         extend(outputs)
         count(len(outputs))
+        named(node.name)
     found = np.fromiter(map(hash, names), np.int64, len(names))
     owners = np.repeat(np.arange(start, stop, dtype=np.int32), counts)
     present = np.fromiter(map(bool, names), bool, len(names))  # '': an absent optional output
     if not present.all():
         found, owners = found[present], owners[present]
+    node_names = [n for n in node_names if n]
+    own = np.fromiter(map(hash, node_names), np.int64, len(node_names))
+    names.extend(node_names)
     heads = np.fromiter((hash(n.rpartition("/")[0]) for n in names if "/" in n), np.int64)
-    return found, owners, heads
+    return found, owners, heads, own
 
 
 class _Producers:
@@ -128,25 +136,30 @@ class _Producers:
     repeat (not SSA), the last node writing one wins, as a dict built in node order would have it.
     """
 
-    __slots__ = ("hashes", "heads", "owners", "recent")
+    __slots__ = ("hashes", "heads", "node_names", "owners", "recent")
 
     def __init__(self, nodes: Sequence[onnx.NodeProto]):
-        hashes, owners, heads = [], [], []
+        hashes, owners, heads, own = [], [], [], []
         for start in range(0, len(nodes), _CHUNK):
             # In chunks: the names of a whole graph at once, as strings, were ~10 MB more at a time.
-            chunk_hashes, chunk_owners, chunk_heads = _output_hashes(nodes, start, min(start + _CHUNK, len(nodes)))
+            chunk_hashes, chunk_owners, chunk_heads, chunk_own = _output_hashes(
+                nodes, start, min(start + _CHUNK, len(nodes))
+            )
             hashes.append(chunk_hashes)
             owners.append(chunk_owners)
             heads.append(chunk_heads)
+            own.append(chunk_own)
         found = np.concatenate(hashes) if hashes else _NO_HASHES
         owners_all = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int32)
         order = np.argsort(found, kind="stable")  # equal hashes stay in node order
         #: Hashes of the output names, sorted; ``owners[k]``: the index of the node writing the k-th.
         self.hashes: np.ndarray = found[order]
         self.owners: np.ndarray = owners_all[order]
-        #: Hashes of the outputs' parts before their last ``/``, sorted (for :class:`NameAllocator`:
-        #: computed here, where the names are read anyway).
+        #: Hashes of the outputs' and node names' parts before their last ``/``, sorted, and of the
+        #: (non-empty) node names, unsorted (for :class:`NameAllocator`: computed here, where the
+        #: nodes are read anyway).
         self.heads: np.ndarray = np.sort(np.concatenate(heads)) if heads else _NO_HASHES
+        self.node_names: np.ndarray = np.concatenate(own) if own else _NO_HASHES
         #: The last names looked up and what was found (see :data:`_RECENT`).
         self.recent: dict[str, int | None] = {}
 
@@ -536,8 +549,9 @@ class NameAllocator:
         #: A template's hints -> their set when they can form a family (None: they cannot).
         self._family_hints: dict[tuple[str, ...], frozenset[str] | None] = {}
 
-    def _own_names(self, scope: Scope) -> Iterator[str]:
-        """The names of ``scope`` other than its nodes' outputs: values it declares, node names."""
+    @staticmethod
+    def _declared_names(scope: Scope) -> Iterator[str]:
+        """The names ``scope`` declares: its inputs, outputs, value_info and initializers."""
         c = scope.container
         if isinstance(c, onnx.GraphProto):
             yield from (v.name for v in itertools.chain(c.input, c.output, c.value_info))
@@ -545,13 +559,13 @@ class NameAllocator:
         else:
             yield from c.input
             yield from c.output
-        yield from (n.name for n in c.node)
 
     def _model_names(self) -> set[str]:
         """Every name in the model (every value is some node's output or a declared one)."""
         used: set[str] = set()
         for scope in self._scopes:
-            used.update(self._own_names(scope))
+            used.update(self._declared_names(scope))
+            used.update(n.name for n in scope.container.node)
             used.update(itertools.chain.from_iterable(n.output for n in scope.container.node))
         used.discard("")
         return used
@@ -559,13 +573,15 @@ class NameAllocator:
     def _index_hashes(self) -> None:
         """The hashes of every name in the model, and of each name's part before its last ``/``
         (its *head*: no name is ``<prefix>/<tail>`` unless its head is ``prefix``). The outputs'
-        come from the scopes' producer indexes, which matching has usually built already."""
+        and node names' come from the scopes' producer indexes, which matching has usually built
+        already."""
         hashes, heads = [], []
         for scope in self._scopes:
             producers = scope._producer_index()
             hashes.append(producers.hashes)
+            hashes.append(producers.node_names)
             heads.append(producers.heads)
-            names = self._own_names(scope)
+            names = self._declared_names(scope)
             while batch := list(itertools.islice(names, _CHUNK)):  # in chunks, as _Producers reads
                 named = [name for name in batch if name]
                 hashes.append(np.fromiter(map(hash, named), np.int64, len(named)))
