@@ -146,3 +146,48 @@ def test_missing_external_data_is_an_invalid_model(tmp_path):
     )
     assert proc.returncode == 3, proc.stderr
     assert str(path) in proc.stderr and not (tmp_path / "o.onnx").exists()
+
+
+def _tensor_with_location(key: bytes, value: bytes) -> onnx.TensorProto:
+    """A TensorProto whose ``data_location`` field is encoded as ``key`` + ``value`` (wire bytes)."""
+    plain = numpy_helper.from_array(np.zeros(2, np.float32), "t")
+    plain.ClearField("data_location")
+    tensor = onnx.TensorProto()
+    tensor.ParseFromString(plain.SerializeToString() + key + value)
+    return tensor
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        (b"\x70", b"\x01"),  # as protobuf writes it
+        (b"\x70", b"\x81\x00"),  # an overlong value
+        (b"\x70", b"\x81\x80\x80\x80\x10"),  # 2**32 + 1: an int32 enum keeps the low 32 bits
+        (b"\xf0\x00", b"\x01"),  # an overlong key
+        (b"\xf0\x80\x00", b"\x81\x00"),
+    ],
+)
+def test_every_encoding_of_an_external_tensor_takes_the_external_data_path(tmp_path, key, value):
+    """The byte scan that lets a model without external data skip a parse must never miss one:
+    each encoding protobuf reads as ``data_location: EXTERNAL`` is found."""
+    tensor = _tensor_with_location(key, value)
+    assert tensor.data_location == TensorProto.EXTERNAL  # protobuf reads it so
+    assert not model_io._no_external_data(tensor.SerializeToString())
+    assert not model_io._no_external_data(b"\x00" + key + value + b"\x00")
+    assert model_io._no_external_data(_tensor_with_location(b"\x70", b"\x00").SerializeToString())
+
+
+def test_a_model_without_external_data_loads_as_with_the_parse_first(tmp_path, monkeypatch):
+    """The fast path (checker first, one parse) gives the model the general path gives, and a
+    model the checker refuses gets the general path's error."""
+    src = _dql_matmul_model(tmp_path, external=False)
+    fast = model_io.open_model(src)
+    monkeypatch.setattr(model_io, "_no_external_data", lambda data: False)
+    slow = model_io.open_model(src)
+    assert fast.external is None and slow.external is None
+    assert fast.proto.SerializeToString() == slow.proto.SerializeToString()
+    monkeypatch.undo()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(src.read_bytes()[:-7])
+    with pytest.raises(onnx_qrewrite.errors.InvalidModelError, match="cannot parse the protobuf"):
+        model_io.open_model(truncated)
