@@ -13,13 +13,15 @@ model is converted between the two phases and matched again.
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import gc
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 
 from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
@@ -174,7 +176,7 @@ def _match(
     ``restrict`` (a later pass, see :func:`_run`): only the nodes it lists, keyed by (scope path,
     node name), are matched, only against ``on_replacements`` rules not in the node's lineage (the
     rules that made it and its ancestors); a node none of them lowers stays as it was made."""
-    scopes = iter_scopes(model, external)
+    scopes = iter_scopes(model, external, op_codes=True)
     matches: dict[int, list[_Match]] = {}
     unlowered: list[Unlowered] = []
     counts: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -190,11 +192,21 @@ def _match(
             node = site.node
             unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
 
+    def candidates_for(key: tuple[str, str]) -> list[Rule]:
+        found = candidates_of.get(key)
+        if found is None:
+            found = candidates_of[key] = _in_order(catalogue.candidates(*key))
+        return found
+
     for s, scope in enumerate(scopes):
         pending: list[_Pending] = []
-        for index, node in enumerate(scope.container.node):
-            key = (node.domain, node.op_type)
-            counts[key] += 1
+        nodes = scope.container.node
+        codes, keys = scope.op_codes()
+        for code, n in collections.Counter(codes).items():
+            counts[keys[code]] += n
+        for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None):
+            node = nodes[index]
+            key = keys[codes[index]]
             picked = chosen.get((scope.path, index)) if chosen is not None else None
             candidates: list[Rule] | None
             if picked is not None:
@@ -202,9 +214,7 @@ def _match(
                 if not candidates:
                     continue
             else:
-                candidates = candidates_of.get(key)
-                if candidates is None:
-                    candidates = candidates_of[key] = _in_order(catalogue.candidates(*key))
+                candidates = candidates_for(key)
             if restrict is not None:
                 lineage = restrict.get((scope.path, node.name))
                 if lineage is None:
@@ -233,6 +243,27 @@ def _match(
                 decide(s, p.site, p.index, rule, plan, p.reasons, quiet)
             matches.get(s, []).sort(key=lambda m: m.index)
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
+
+
+def _maybe_rewritten(
+    codes: array.array,
+    keys: list[tuple[str, str]],
+    candidates_for: Callable[[tuple[str, str]], list[Rule]],
+    every: bool,
+) -> list[int] | range:
+    """Indices of the nodes whose op some rule of the catalogue matches, in node order (``every``:
+    all of them, for a per-node rule choice that may name any node). The other nodes are never
+    read again: each read of a node from protobuf makes a wrapper object, and on a chain three
+    nodes in five are ops no rule rewrites."""
+    if every:
+        return range(len(codes))
+    wanted = [code for code, key in enumerate(keys) if candidates_for(key)]
+    if len(wanted) == len(keys):
+        return range(len(codes))
+    if not wanted:
+        return []
+    found: list[int] = np.flatnonzero(np.isin(np.frombuffer(codes, dtype=f"u{codes.itemsize}"), wanted)).tolist()
+    return found
 
 
 def _names_read_inside(node: onnx.NodeProto) -> Iterator[str]:

@@ -7,6 +7,7 @@ one node list plus what it can see: its own values, its outer scopes' values, an
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -217,6 +218,10 @@ class Scope:
     #: Indices of the nodes whose op is ``Constant`` (any domain): found by the walk that makes
     #: the scope (:func:`iter_scopes`), which reads every node's op anyway.
     _constant_ops: list[int] | None = dataclasses.field(default=None, repr=False)
+    #: Per node, the index of its (domain, op_type) in ``_op_keys``, in first-seen order: noted by
+    #: the walk when asked (:func:`iter_scopes`), so that matching reads no other node's op again.
+    _op_codes: array.array | None = dataclasses.field(default=None, repr=False)
+    _op_keys: list[tuple[str, str]] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def is_function(self) -> bool:
@@ -295,6 +300,7 @@ class Scope:
         self._records = None
         self._producers = None
         self._constant_ops = None
+        self._op_codes = self._op_keys = None
         self._memo.clear()
 
     def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
@@ -331,6 +337,15 @@ class Scope:
         if found is None:
             found = self._constant_ops = [i for i, node in enumerate(self.container.node) if node.op_type == "Constant"]
         return found
+
+    def op_codes(self) -> tuple[array.array, list[tuple[str, str]]]:
+        """Each node's (domain, op_type) as an index into the list returned with it (distinct
+        keys, in the order they first occur): from the walk that made the scope when it noted
+        them, else read now."""
+        if self._op_codes is None or self._op_keys is None:
+            codes, keys = _op_codes(self.container.node)
+            self._op_codes, self._op_keys = codes, keys
+        return self._op_codes, self._op_keys
 
     @property
     def constant_nodes(self) -> list[int]:
@@ -484,13 +499,36 @@ def subgraphs(node: onnx.NodeProto) -> Iterator[tuple[str, onnx.GraphProto]]:
 _STANDARD_CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
-def _walk(scope: Scope) -> Iterator[Scope]:
+def _op_codes(nodes: Sequence[onnx.NodeProto]) -> tuple[array.array, list[tuple[str, str]]]:
+    """(domain, op_type) of each node as codes (see :meth:`Scope.op_codes`)."""
+    codes = array.array("I")
+    seen: dict[tuple[str, str], int] = {}
+    for node in nodes:
+        key = (node.domain, node.op_type)
+        code = seen.get(key)
+        if code is None:
+            code = seen[key] = len(seen)
+        codes.append(code)
+    return codes, list(seen)
+
+
+def _walk(scope: Scope, op_codes: bool = False) -> Iterator[Scope]:
     """Post-order: a subgraph is visited before the scope that holds it, so that a parent node is
-    serialized only after its bodies were rewritten."""
+    serialized only after its bodies were rewritten. ``op_codes``: note each node's op as it is
+    read (:meth:`Scope.op_codes`)."""
     constant_ops = []
+    codes = array.array("I")
+    seen: dict[tuple[str, str], int] = {}
     for index, node in enumerate(scope.container.node):
         op = node.op_type
-        if op not in _STANDARD_CONTROL_FLOW and node.domain in ("", "ai.onnx"):
+        domain = node.domain
+        if op_codes:
+            key = (domain, op)
+            code = seen.get(key)
+            if code is None:
+                code = seen[key] = len(seen)
+            codes.append(code)
+        if op not in _STANDARD_CONTROL_FLOW and domain in ("", "ai.onnx"):
             if op == "Constant":
                 constant_ops.append(index)
             continue
@@ -499,18 +537,22 @@ def _walk(scope: Scope) -> Iterator[Scope]:
         for attr_name, g in subgraphs(node):
             label = node.name or (node.output[0] if node.output else node.op_type)
             child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.external)
-            yield from _walk(child)
+            yield from _walk(child, op_codes)
     scope._constant_ops = constant_ops
+    if op_codes:
+        scope._op_codes, scope._op_keys = codes, list(seen)
     yield scope
 
 
-def iter_scopes(model: onnx.ModelProto, external: ExternalData | None = None) -> list[Scope]:
-    """Every node list of the model, innermost first, local functions included."""
+def iter_scopes(model: onnx.ModelProto, external: ExternalData | None = None, *, op_codes: bool = False) -> list[Scope]:
+    """Every node list of the model, innermost first, local functions included. ``op_codes``:
+    each scope notes its nodes' ops as the walk reads them (:meth:`Scope.op_codes`; for
+    matching, which then reads only the nodes some rule may rewrite)."""
     opsets = {o.domain: o.version for o in model.opset_import}
-    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external)))
+    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external), op_codes))
     for fn in model.functions:
         fn_opsets = {o.domain: o.version for o in fn.opset_import} or opsets
-        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, external)))
+        scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, external), op_codes))
     return scopes
 
 
