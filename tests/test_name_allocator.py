@@ -38,8 +38,9 @@ def _model(names: list[str]):
 
 
 def assert_families_match_a_plain_set(rng: random.Random, trials: int, steps: int, *, frozen: bool) -> None:
-    """Random models and random draws (families of hints, single names): the allocator takes
-    exactly the names a plain set of every name would."""
+    """Random models and random draws (families of hints claimed or drawn, single names): the
+    allocator takes exactly the names a plain set of every name would, and never claims a family
+    with a taken name."""
     parts = ["a", "b", "a/b", "x", "x_1", "", "b/"]
     hint_sets = [["/x", "/y"], ["/x", "/x"], ["/x", "/y_1"], ["x", "/y"], ["/a/b"], ["/x_1", "/x"], ["/"]]
     for trial in range(trials):
@@ -48,7 +49,16 @@ def assert_families_match_a_plain_set(rng: random.Random, trials: int, steps: in
         plain = _PlainAllocator({*existing, "x", "g"} | {f"node{i}" for i in range(len(existing))})
         for step in range(steps):
             prefix = rng.choice(parts)
-            if rng.random() < 0.7:
+            draw = rng.random()
+            if draw < 0.15:  # the stamps' claim: all of a family's names at once, or none
+                hints = rng.choice(hint_sets)
+                names = [prefix + h for h in hints]
+                free = len(set(names)) == len(names) and not plain.used.intersection(names)
+                claimed = ours.claim_family(prefix, hints)
+                assert free or not claimed, (trial, step, names)
+                if claimed:
+                    plain.used.update(names)
+            elif draw < 0.7:
                 hints = rng.choice(hint_sets)
                 assert ours.fresh_all(prefix, hints) == plain.fresh_all(prefix, hints), (trial, step)
             else:

@@ -579,6 +579,10 @@ class NameAllocator:
         self._scopes = list(iter_scopes(model) if scopes is None else scopes)
         #: Names drawn so far (and, unless ``frozen``, every name of the model).
         self._used: set[str] = set()
+        #: The heads (parts before the last ``/``) of the names drawn one by one into ``_used``
+        #: since it was made: a family's names all have its prefix as head, so a prefix no drawn
+        #: name has is checked against ``_used`` without making the family's names.
+        self._used_heads: set[str] = set()
         #: Every name of the model, once read (None: only their hashes are kept).
         self._exact: set[str] | None = None
         self._hashes = self._heads = _NO_HASHES
@@ -636,6 +640,7 @@ class NameAllocator:
     def release(self) -> None:
         """Forget the names (when no more will be drawn): frees what is kept of every name in the model."""
         self._used = set()
+        self._used_heads = set()
         self._families = {}
         self._exact = None
         self._scopes = []
@@ -674,6 +679,11 @@ class NameAllocator:
             found = self._family_hints[key] = frozenset(key) if ok else None
         return found  # type: ignore[return-value]
 
+    def _clashes_drawn(self, prefix: str) -> bool:
+        """Whether a name ``prefix/<tail>`` may be in ``_used``: always when ``_used`` holds the
+        model's names (not frozen), else when a name drawn one by one has that head."""
+        return self._exact is self._used or prefix in self._used_heads
+
     def claim_family(self, prefix: str, hints: Sequence[str]) -> bool:
         """Take ``prefix + hint`` for every hint as one family when none of them is taken and they
         can form one (what :meth:`fresh_all` does in its common case, without making the names);
@@ -682,7 +692,7 @@ class NameAllocator:
         if (
             family is None
             or prefix in self._families
-            or not self._used.isdisjoint(map(prefix.__add__, hints))
+            or (self._clashes_drawn(prefix) and not self._used.isdisjoint(map(prefix.__add__, hints)))
             or (self._exact is not self._used and self._in_model_any(prefix, hints))
         ):
             return False
@@ -712,6 +722,7 @@ class NameAllocator:
                 clashed = True
             else:
                 add(wanted)
+                self._used_heads.add(wanted.rpartition("/")[0])
                 out.append(wanted)
         return out, clashed
 
@@ -722,6 +733,7 @@ class NameAllocator:
             n += 1
             name = f"{base}_{n}"
         self._used.add(name)
+        self._used_heads.add(name.rpartition("/")[0])
         return name
 
 
