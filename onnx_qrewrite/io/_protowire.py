@@ -23,6 +23,9 @@ from onnx_qrewrite.io.spool import Spool
 from onnx_qrewrite.io.wire_model import read_varint
 
 __all__ = [
+    "NODE_INPUT",
+    "NODE_NAME",
+    "NODE_OUTPUT",
     "encode_attribute",
     "encode_metadata",
     "encode_metadata_entry",
@@ -47,9 +50,12 @@ def _field(tag: bytes, payload: bytes) -> bytes:
     return tag + (_SMALL_VARINTS[n] if n < 16384 else _varint(n)) + payload
 
 
-_NODE_INPUT = _tag(onnx.NodeProto, "input")
-_NODE_OUTPUT = _tag(onnx.NodeProto, "output")
-_NODE_NAME = _tag(onnx.NodeProto, "name")
+#: Tags (field key bytes) of a NodeProto's input, output and name fields: public for the modules
+#: that assemble or search node bytes themselves (the stamped templates, the engine's byte search
+#: for dead initializers).
+NODE_INPUT = _tag(onnx.NodeProto, "input")
+NODE_OUTPUT = _tag(onnx.NodeProto, "output")
+NODE_NAME = _tag(onnx.NodeProto, "name")
 _NODE_OP = _tag(onnx.NodeProto, "op_type")
 _NODE_ATTR = _tag(onnx.NodeProto, "attribute")
 _NODE_DOMAIN = _tag(onnx.NodeProto, "domain")
@@ -109,10 +115,10 @@ def encode_node(
 def encode_node_fields(inputs: Sequence[str], outputs: Sequence[str], name: str, tail: bytes) -> bytes:
     """inputs, outputs and name fields followed by ``tail`` (see :func:`node_tail`)."""
     field = _field
-    parts = [field(_NODE_INPUT, i.encode()) for i in inputs]
+    parts = [field(NODE_INPUT, i.encode()) for i in inputs]
     for o in outputs:
-        parts.append(field(_NODE_OUTPUT, o.encode()))
-    parts.append(field(_NODE_NAME, name.encode()))
+        parts.append(field(NODE_OUTPUT, o.encode()))
+    parts.append(field(NODE_NAME, name.encode()))
     parts.append(tail)
     return b"".join(parts)
 

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
-from onnx_qrewrite.io._protowire import _NODE_INPUT, encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
+from onnx_qrewrite.io._protowire import NODE_INPUT, encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
 from onnx_qrewrite.io._wire import length_prefixed
 from onnx_qrewrite.io.encoded import EncodedModel, to_proto
 from onnx_qrewrite.io.external_data import ExternalData
@@ -584,7 +584,7 @@ def _spool_reads_none(spool: Spool, names: set[str]) -> bool:
     a node reading one holds its input field (tag, length, name) in its bytes, so where none of
     those byte strings occurs, no node reads them. A false alarm (the bytes inside some other
     field) only means the nodes are read to decide."""
-    fields = [_NODE_INPUT + length_prefixed(name.encode()) for name in names]
+    fields = [NODE_INPUT + length_prefixed(name.encode()) for name in names]
     overlap = max(len(f) for f in fields) - 1
     tail = b""
     for chunk in spool.chunks():

@@ -17,7 +17,7 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from onnx_qrewrite.io._protowire import _NODE_INPUT, _NODE_NAME, _NODE_OUTPUT, frame_nodes, node_field_tag
+from onnx_qrewrite.io._protowire import NODE_INPUT, NODE_NAME, NODE_OUTPUT, frame_nodes, node_field_tag
 from onnx_qrewrite.io._wire import SMALL_VARINTS, length_prefixed, varint
 from onnx_qrewrite.rewriter.report import CreatedNames
 
@@ -80,7 +80,7 @@ class Template:
             indices = []
             for tag, (kind, value) in spec.head:
                 indices += [piece(tag), slot(kind, value)]
-                if tag == _NODE_INPUT and kind == "in":
+                if tag == NODE_INPUT and kind == "in":
                     inputs_read.add(value)
             indices.append(piece(spec.tail))
             indices.append(-1 if self._indices else -2)  # metadata: the first node's, then the rest's
@@ -118,7 +118,7 @@ class Template:
         specs = []
         for op_type, domain, ins, outs, name, tail in emit.records:
             head = []
-            for tag, names in ((_NODE_INPUT, ins), (_NODE_OUTPUT, outs), (_NODE_NAME, (name,))):
+            for tag, names in ((NODE_INPUT, ins), (NODE_OUTPUT, outs), (NODE_NAME, (name,))):
                 for n in names:
                     r = ref(n)
                     if r is None:
