@@ -255,3 +255,17 @@ def test_a_main_graph_without_subgraphs_is_spooled_and_written_as_protobuf_would
     ops = [n.op_type for n in result.model.graph.node]
     assert ops[0] == "Relu" and ops[-1] == "Sigmoid" and "DynamicQuantizeLinear" not in ops
     assert result.model.SerializeToString() == encoded
+
+
+def test_plans_are_slotted_and_share_equal_notes():
+    """A plan waits in memory for every matched node until its replacement is built: plans have
+    no per-instance dict, and equal notes (built anew for each node) are kept once."""
+    from onnx_qrewrite.rewriter.builders import Plan
+
+    k = 16
+    first = Plan(notes=(f"uint8 x {'u' + 'int8'}", f"K={k}"))
+    second = Plan(notes=(f"uint8 x {'ui' + 'nt8'}", f"K={k}"))
+    other = Plan(notes=("uint8 x int8", "K=17"))
+    assert first.notes == second.notes == ("uint8 x uint8", "K=16")
+    assert first.notes is second.notes and other.notes == ("uint8 x int8", "K=17")
+    assert not hasattr(first, "__dict__")

@@ -49,20 +49,25 @@ class Site:
         #: iterating it.)
         self.inputs: tuple[str, ...] = tuple(node.input[:])
         self.outputs: tuple[str, ...] = tuple(node.output[:])
-        self._memo: dict[Hashable, Any] = {}
+        #: Made on the first :meth:`memo` (most nodes' rules never ask: a dict per node was ~2 MB
+        #: of a 100k-node chain's peak memory while the matches wait for their builds).
+        self._memo: dict[Hashable, Any] | None = None
 
     def __repr__(self) -> str:
         return f"Site(node={self.node.name!r}, scope={self.scope.path!r})"
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()`` once per node and key; a :class:`NoMatch` is remembered and raised again."""
-        found = self._memo.get(key, _MISSING)
+        memo = self._memo
+        if memo is None:
+            memo = self._memo = {}
+        found = memo.get(key, _MISSING)
         if found is _MISSING:
             try:
                 found = compute()
             except NoMatch as why:
                 found = why
-            self._memo[key] = found
+            memo[key] = found
         if isinstance(found, NoMatch):
             raise type(found)(str(found))
         return found
