@@ -356,6 +356,45 @@ def test_rewrite_target_verify_runtime_onnxruntime_wins_over_the_targets_runtime
     assert body["settings"]["runtime"]["name"] == "onnxruntime"
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--runtime", "openvino"], "--runtime openvino"),
+        (["--target", "openvino"], "--target openvino --verify verifies on openvino"),
+    ],
+)
+def test_rewrite_verify_providers_for_another_runtime_is_refused_before_any_work(
+    tmp_path, monkeypatch, capsys, extra, named
+):
+    """--providers is onnxruntime's: with --runtime R, or --target T --verify (T's runtime), it is a
+    usage error before the model is rewritten (verify refused it only after the rewrite's work),
+    naming where the runtime came from (the user gave no --runtime with --target)."""
+    if "--target" in extra:
+        _runtime("openvino")  # else --target's verify falls back to onnxruntime, where they apply
+    from onnx_qrewrite import api, cli
+
+    def no_rewrite(*args, **kwargs):
+        raise AssertionError("the model was rewritten before the usage error")
+
+    monkeypatch.setattr(api, "rewrite", no_rewrite)
+    out = tmp_path / "out.onnx"
+    args = [
+        "rewrite",
+        str(SAMPLES / "dynamic_mlp.onnx"),
+        "-o",
+        str(out),
+        "--verify",
+        "--providers",
+        "CPUExecutionProvider",
+    ]
+    with pytest.raises(SystemExit) as exit:
+        cli.main([*args, *extra])
+    assert exit.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--providers" in lines[0] and named in lines[0], lines
+    assert not out.exists()
+
+
 def _without_tflite_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != TFLITE_PYTHON_ENV}
     if importlib.util.find_spec("onnx2tf") is not None:

@@ -136,15 +136,17 @@ def _verify_args(task: _Task, result: Any) -> dict[str, Any]:
     return {**task.verify, "input_shapes": {**fixed["shapes"], **task.verify["input_shapes"]}}
 
 
-def _target_runtime(profile: Any, asked: str | None) -> str:
+def _target_runtime(profile: Any, verify_opts: dict[str, Any]) -> str:
     """``rewrite --target T --verify`` verifies on T's runtime when it is installed, and says so
     clearly (on stderr) when it is not and onnxruntime verifies instead. "Installed" is decided by
     the check ``verify --runtime`` makes (:func:`~onnx_qrewrite.verify.runtimes.require_runtime`):
     for tflite, the interpreter ``$ONNX_QREWRITE_TFLITE_PYTHON`` names, not this one. A runtime
-    the user named (``asked``, onnxruntime included) wins: ``--runtime`` has no default here."""
+    the user named (``--runtime``, onnxruntime included) wins: it has no default here.
+    ``--providers`` (onnxruntime's) with T's runtime is a usage error naming the target."""
     from onnx_qrewrite.errors import MissingDependencyError
     from onnx_qrewrite.verify.runtimes import RUNTIMES, install_hint, require_runtime
 
+    asked, providers = verify_opts.get("runtime"), verify_opts.get("providers")
     if asked is not None:
         return asked
     runtime = profile.runtime
@@ -160,6 +162,11 @@ def _target_runtime(profile: Any, asked: str | None) -> str:
             err=True,
         )
         return "onnxruntime"
+    if providers:
+        raise UsageError(
+            f"--providers chooses onnxruntime's execution providers; --target {profile.id} --verify verifies on "
+            f"{runtime}: give --runtime onnxruntime to verify in onnxruntime with them"
+        )
     return runtime
 
 
@@ -285,7 +292,7 @@ def rewrite_command(
 
         profile = load_target(target)
         if do_verify:
-            verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts.get("runtime"))}
+            verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts)}
     shapes, verify_opts = _split_input_shapes(verify_opts, target, do_verify)
     verify_args = verify_kwargs(**verify_opts) if do_verify else None
     quiet = bool((ctx.obj or {}).get("quiet"))

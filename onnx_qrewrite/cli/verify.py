@@ -319,10 +319,22 @@ def verify_kwargs(
         "save_inputs": save_inputs,
         "save_outputs": save_outputs,
         "localize_failures": localize,
-        "runtime": runtime or "onnxruntime",
+        "runtime": _checked_runtime(runtime, providers),
         "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
         "drift": DriftThresholds.from_options(drift_mode, drift_rel_l2, drift_cosine, drift_argmax, drift_atol),
     }
+
+
+def _checked_runtime(runtime: str | None, providers: str | None) -> str:
+    """The runtime the rewrite runs on (onnxruntime unless given). ``--providers`` are onnxruntime's:
+    ``verify`` refuses them with another runtime too, but ``rewrite --verify`` would only after its
+    work, so they are refused here, with the other option checks."""
+    runtime = runtime or "onnxruntime"
+    if providers and runtime != "onnxruntime":
+        raise UsageError(
+            f"--providers chooses onnxruntime's execution providers; it does not apply to --runtime {runtime}"
+        )
+    return runtime
 
 
 def combined_junit(
