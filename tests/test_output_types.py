@@ -160,3 +160,23 @@ def test_the_committed_real_models_rewrite_to_their_declared_types(form):
         for rule_id, n in compared.items():
             total[rule_id] = total.get(rule_id, 0) + n
     assert total, "no rewrite was compared"
+
+
+def test_the_positive_tests_check_sees_the_apis_rewrites(monkeypatch):
+    """conftest's check replaces ``engine.run`` for the positive tests: the API (and a target's
+    plan) must reach the engine through that module attribute, or every positive test would go
+    unchecked without a word (a ``from ...engine import run`` would do that)."""
+    from onnx_qrewrite.rewriter import engine
+
+    seen: list[str] = []
+    real_run = engine.run
+
+    def counted(model, *args, **kwargs):
+        seen.append(model.graph.node[0].op_type)
+        return real_run(model, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "run", counted)
+    onnx_qrewrite.rewrite(_gelu_model())
+    assert seen == ["Gelu"]
+    onnx_qrewrite.rewrite(_gelu_model(), target="onnx")
+    assert len(seen) > 1
