@@ -248,3 +248,15 @@ def test_runtime_scales_and_uint8_on_other_axes_are_not_tabled():
     original = table_model("uint8-4", False, 16, np.float32, 13, (40, 48), 1, 0)
     with pytest.raises(onnx_qrewrite.LoweringError, match="uint8 data gathers along 0"):
         onnx_qrewrite.rewrite(original, keep_opset=True)
+
+
+@rule_marker("gather-block-quantized-table", "positive")
+def test_a_block_larger_than_the_table_allocates_nothing_by_it():
+    """block_size is the model's (a power of two >= 16, any size: onnxruntime runs 2^40 as one block
+    per row): the table form picks each value's scale by index, where it repeated the scales
+    block_size times (192 TiB here: exit 5; a smaller huge block filled the memory first)."""
+    original = table_model("int4", True, 2**40, np.float16, 13, (40, 48), 1, 0)
+    result = onnx_qrewrite.rewrite(original, keep_opset=True)
+    assert result.report.by_rule() == {"gather-block-quantized-table": 1}
+    feeds = {"ids": np.array([[0, -1], [1, 47]], np.int64)}
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], "block 2^40")

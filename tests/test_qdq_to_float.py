@@ -100,6 +100,20 @@ def test_folding_constant_weights_is_bit_exact_with_dequantize_linear(per_axis, 
     assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], "model output")
 
 
+@rule_marker("qdq-to-float-fold-weights", "positive")
+def test_folding_with_a_block_larger_than_the_weights_allocates_nothing_by_it():
+    """block_size is the model's: a block of 2^40 covers the whole axis (onnxruntime runs it). The
+    fold picks each weight's scale by index; it repeated the scales block_size times (exit 5 here,
+    and a smaller huge block filled the memory first)."""
+    model = _qdq_conv(False, np.int8, blocked=True)
+    dqw = next(n for n in model.graph.node if n.name == "dqw")
+    next(a for a in dqw.attribute if a.name == "block_size").i = 2**40
+    result = onnx_qrewrite.rewrite(model, rules=FORM)
+    assert result.report.by_rule() == {"qdq-to-float-fold-weights": 1}
+    x = np.random.default_rng(0).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], "block 2^40")
+
+
 @rule_marker("qdq-to-float-drop-dq", "positive")
 @rule_marker("qdq-to-float-drop-q", "positive")
 def test_with_approximate_allowed_the_model_becomes_its_float_reference():

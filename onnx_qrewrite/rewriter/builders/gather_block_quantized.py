@@ -161,10 +161,11 @@ def _check_table(site: Site) -> Plan:
     same correctly rounded operations (with float16 scales the float32 product is exact: at most
     9 by 11 significant bits; the one rounding is to float16)."""
     values, storage, _, block, gather_axis, quantize_axis, scales, zp = _read_table(site)
-    dim = values.shape[quantize_axis]
+    # Each value's block, by index: block_size comes from the model, so nothing is sized by it.
+    of_block = np.arange(values.shape[quantize_axis]) // block
     if not isinstance(zp, int):
-        zp = np.repeat(zp, block, axis=quantize_axis).take(range(dim), axis=quantize_axis)
-    wide = np.repeat(scales.astype(np.float32), block, axis=quantize_axis).take(range(dim), axis=quantize_axis)
+        zp = zp.take(of_block, axis=quantize_axis)
+    wide = scales.astype(np.float32).take(of_block, axis=quantize_axis)
     with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf is NaN in the kernel too
         table = ((values - zp).astype(np.float32) * wide).astype(scales.dtype)
     zp_note = "given" if site.input(3) else f"none (kernel default {zp})"

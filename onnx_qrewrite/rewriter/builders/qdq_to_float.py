@@ -76,10 +76,11 @@ def dequantize_constant(
     zp_wide = np.zeros((), np.int64) if zp is None else np.asarray(zp).astype(np.int64)
     if scale.size > 1 or block_size:
         axis %= x.ndim
-        if block_size:
-            scale = np.repeat(scale, block_size, axis=axis).take(range(x.shape[axis]), axis=axis)
+        if block_size:  # each value's block by index: block_size is the model's, nothing is sized by it
+            of_block = np.arange(x.shape[axis]) // block_size
+            scale = scale.take(of_block, axis=axis)
             if zp is not None:
-                zp_wide = np.repeat(zp_wide, block_size, axis=axis).take(range(x.shape[axis]), axis=axis)
+                zp_wide = zp_wide.take(of_block, axis=axis)
         else:
             shape = [1] * x.ndim
             shape[axis] = -1
