@@ -91,7 +91,8 @@ def dequantize_constant(
         zp_wide = zp_wide.reshape(())
     # exact for every type up to 16 bits; int32 (zero point 0) rounds to nearest as the kernel's cast
     difference = (wide - zp_wide).astype(np.float32)
-    return (difference * scale).astype(np.float32)
+    with np.errstate(over="ignore"):  # a product beyond float32's range is inf, as in the kernel
+        return (difference * scale).astype(np.float32)
 
 
 def _clamp(site: Site) -> tuple[np.ndarray, np.ndarray, tuple[int, ...] | None] | str:
