@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -134,6 +136,24 @@ def test_option_parsers():
         GenerationOptions(int_range=(9, 1))
     with pytest.raises(UsageError, match=r"^--int-range: \[300, 400\] holds no uint8 value \(input 'u'\)"):
         generate_samples(input_specs(_model(("u", TensorProto.UINT8, [2]))), GenerationOptions(int_range=(300, 400)))
+
+
+@pytest.mark.parametrize(
+    ("elem_type", "largest"),
+    [(TensorProto.FLOAT, "3.40282e+38"), (TensorProto.FLOAT16, "65504"), (TensorProto.BFLOAT16, "3.38953e+38")],
+)
+def test_a_value_range_beyond_the_inputs_finite_values_is_a_usage_error(elem_type, largest):
+    """Values beyond the type's largest finite value would be generated as infinities (a numpy
+    overflow warning on the user's terminal, found by the CLI fuzz test): refused, naming the input."""
+    specs = input_specs(_model(("x", elem_type, [4])))
+    for low, high in ((0.0, 5.3e38), (-1e39, 0.0), (0.0, 7e4)):
+        if elem_type != TensorProto.FLOAT16 and high == 7e4:
+            continue
+        expected = rf"^--val-range x: \[.*\] goes beyond .* {re.escape(largest)} \(input 'x'\)$"
+        with pytest.raises(UsageError, match=expected):
+            generate_samples(specs, GenerationOptions(value_ranges={"x": (low, high)}))
+    (sample, *_) = generate_samples(specs, GenerationOptions(value_ranges={"x": (-65504.0, 65504.0)}, battery=False))
+    assert np.isfinite(sample.feeds["x"].astype(np.float64)).all()
 
 
 def test_saved_samples_load_back_including_bfloat16_bit_patterns(tmp_path):

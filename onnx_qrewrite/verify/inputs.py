@@ -387,6 +387,25 @@ def _check_dims(specs: Sequence[InputSpec], dims: Mapping[str, int]) -> None:
             )
 
 
+def _check_float_range(spec: InputSpec, value_range: ValueRange) -> None:
+    """Refuse a range beyond the input type's finite values (values are drawn in float32, then cast):
+    they would be generated as infinities, which is not what the range asked for."""
+    assert value_range.low is not None and value_range.high is not None
+    try:
+        largest = float(np.finfo(spec.dtype).max)
+    except ValueError:  # bfloat16 (ml_dtypes): numpy's finfo does not know it
+        import ml_dtypes
+
+        largest = float(ml_dtypes.finfo(spec.dtype).max)
+    largest = min(largest, float(np.finfo(np.float32).max))
+    if max(abs(value_range.low), abs(value_range.high)) > largest:
+        option = value_range.why if value_range.why.startswith("--") else "--val-range"
+        raise UsageError(
+            f"{option}: [{value_range.low:g}, {value_range.high:g}] goes beyond the largest finite value generated "
+            f"{spec.type_name} inputs can take, {largest:g} (input {spec.name!r})"
+        )
+
+
 def _integer_bounds(spec: InputSpec, value_range: ValueRange) -> tuple[int, int]:
     """The inclusive integer bounds of ``value_range`` within the input's type, or a UsageError."""
     assert value_range.low is not None and value_range.high is not None
@@ -405,6 +424,7 @@ def _integer_bounds(spec: InputSpec, value_range: ValueRange) -> tuple[int, int]
 def _random(spec: InputSpec, shape: tuple[int, ...], rng: np.random.Generator, value_range: ValueRange) -> np.ndarray:
     if spec.elem_type in _FLOAT_TYPES:
         if value_range.low is not None and value_range.high is not None:
+            _check_float_range(spec, value_range)
             return rng.uniform(value_range.low, value_range.high, size=shape).astype(np.float32).astype(spec.dtype)
         return rng.standard_normal(shape, dtype=np.float32).astype(spec.dtype)
     if spec.elem_type in _INT_TYPES:
