@@ -1,9 +1,10 @@
 """Lowering a model's default-domain opset exactly, for a target that loads only lower opsets.
 
 TensorRT's parser loads opsets up to 20, while onnxruntime.quantization writes opset 21 for 16-bit
-Q/DQ; once the rewrite has replaced what needed opset 21, the model often runs unchanged at 20.
-This step proves that node by node and only then changes the opset import; nothing else in the
-model changes (node metadata and provenance included).
+Q/DQ and newer exporters write 22-26; once the rewrite has replaced what needed the newer opset, the
+model often runs unchanged at 20. This proves that node by node, one opset step at a time (26 -> 25
+... 21 -> 20), and only then changes the opset import; nothing else in the model changes (node
+metadata and provenance included).
 
 Why not onnx's ``version_converter.convert_version(model, 20)``: measured on onnx 1.23.2, it
 drops every node's ``metadata_props`` (our provenance), rewrites value_info, and refuses by
@@ -18,6 +19,7 @@ schemas (``onnx.defs.get_schema(op, max_inclusive_version=...)``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import tomllib
@@ -32,6 +34,8 @@ from onnx_qrewrite.rewriter.graph import Scope, iter_scopes
 from onnx_qrewrite.targets.check import Refused, _inferred, check_model
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from onnx_qrewrite.targets.profile import TargetProfile
 
 __all__ = [
@@ -45,7 +49,7 @@ __all__ = [
     "set_default_opset",
 ]
 
-_EXACT = ("when-valid", "never")
+_EXACT = ("when-valid", "never", "absent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +57,11 @@ class OpChange:
     """What changed in one op between a step's two opsets, and whether a node of it lowers exactly."""
 
     change: str
-    exact: str  # "when-valid" (only types/attributes added) or "never" (semantics changed)
+    exact: str  # "when-valid" (only types/attributes added), "never" (semantics changed), "absent" (new op)
+    #: "when-valid" ops whose semantics changed only for some attribute values or tensor types: a
+    #: node setting one of these values (``ceil_mode = 1``) or using one of these types blocks.
+    differs_if_attribute: tuple[tuple[str, int | float | str], ...] = ()
+    differs_if_type: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +91,24 @@ def lowering_steps() -> dict[int, LoweringStep]:
         if raw.get("source") not in sources or raw["to"] != raw["from"] - 1:
             step = f"step {raw.get('from')} -> {raw.get('to')}"
             raise InternalError(f"{path}: {step} cites no [[source]] or skips an opset")
-        ops = {}
+        ops: dict[str, OpChange] = {}
         for entry in raw.get("op", []):
-            if entry["exact"] not in _EXACT:
-                raise InternalError(f"{path}: exact = {entry['exact']!r} (one of {', '.join(_EXACT)})")
-            ops.update(dict.fromkeys(entry["names"], OpChange(entry["change"], entry["exact"])))
+            if twice := sorted(set(entry["names"]) & set(ops)):
+                raise InternalError(f"{path}: step {raw['from']} -> {raw['to']} lists {', '.join(twice)} twice")
+            ops.update(dict.fromkeys(entry["names"], _op_change(path, entry)))
         steps[raw["from"]] = LoweringStep(raw["from"], raw["to"], ops, f"[opsets/{raw['source']}]")
     return steps
+
+
+def _op_change(path: Path, entry: dict[str, Any]) -> OpChange:
+    """One ``[[step.op]]`` entry of the table, checked."""
+    if entry["exact"] not in _EXACT:
+        raise InternalError(f"{path}: exact = {entry['exact']!r} (one of {', '.join(_EXACT)})")
+    attrs = tuple(sorted(entry.get("differs_if_attribute", {}).items()))
+    types = tuple(entry.get("differs_if_type", ()))
+    if (attrs or types) and entry["exact"] != "when-valid":
+        raise InternalError(f'{path}: {entry["names"]}: differs_if_* only qualifies exact = "when-valid"')
+    return OpChange(entry["change"], entry["exact"], attrs, types)
 
 
 def _type_name(elem: int) -> str:
@@ -100,6 +119,7 @@ def _io_problem(node: onnx.NodeProto, scope: Scope, schema: defs.OpSchema, opset
     """Why ``node``'s inputs or outputs are not valid for ``schema`` (the op at ``opset``), if so."""
     allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
     variadic = defs.OpSchema.FormalParameterOption.Variadic
+    bound: dict[str, tuple[str, str]] = {}  # type parameter -> (the type it is bound to, by which value)
     for kind, names, params in (("input", node.input, schema.inputs), ("output", node.output, schema.outputs)):
         for index, name in enumerate(names):
             if not name:
@@ -112,12 +132,21 @@ def _io_problem(node: onnx.NodeProto, scope: Scope, schema: defs.OpSchema, opset
                 return f"the type of {kind} {name!r} is not known, so it cannot be shown valid at opset {opset}"
             if f"tensor({_type_name(elem)})" not in allowed.get(param.type_str, {param.type_str}):
                 return f"{kind} {name!r} is {_type_name(elem)}, which {node.op_type} does not take at opset {opset}"
+            first = bound.setdefault(param.type_str, (_type_name(elem), name))
+            if first[0] != _type_name(elem) and param.type_str in allowed and param.is_homogeneous:
+                return (
+                    f"{kind} {name!r} is {_type_name(elem)} and {first[1]!r} is {first[0]}, which {node.op_type} "
+                    f"requires to be one type ({param.type_str}) at opset {opset}"
+                )
     return None
 
 
 def _node_problem(node: onnx.NodeProto, scope: Scope, step: LoweringStep) -> str | None:
     """Why ``node`` does not compute the same at ``step.target`` (None: it does)."""
-    current = defs.get_schema(node.op_type, step.source, "")
+    try:
+        current = defs.get_schema(node.op_type, step.source, "")
+    except defs.SchemaError:
+        return f"{node.op_type} does not exist at opset {step.source}"
     if current.since_version < step.source:
         return None  # the same schema at both opsets
     change = step.ops.get(node.op_type)
@@ -128,12 +157,33 @@ def _node_problem(node: onnx.NodeProto, scope: Scope, step: LoweringStep) -> str
     try:
         lower = defs.get_schema(node.op_type, step.target, "")
     except defs.SchemaError:
-        return f"{node.op_type} does not exist at opset {step.target}"
+        return f"{node.op_type} does not exist at opset {step.target} ({change.change})"
     extra = [a.name for a in node.attribute if a.name not in lower.attributes]
     if extra:
         return f"sets {', '.join(extra)}, which {node.op_type} does not have at opset {step.target} ({change.change})"
-    problem = _io_problem(node, scope, lower, step.target)
+    problem = _io_problem(node, scope, lower, step.target) or _differs(node, scope, change, step.target)
     return f"{problem} ({change.change})" if problem else None
+
+
+def _differs(node: onnx.NodeProto, scope: Scope, change: OpChange, opset: int) -> str | None:
+    """Why a node valid at ``opset`` still computes something else there: it sets an attribute
+    value, or uses a tensor type, for which the op's semantics changed (None: neither)."""
+    for attr in node.attribute:
+        for name, value in change.differs_if_attribute:
+            if attr.name == name and _attribute_value(attr) == value:
+                return f"sets {name} = {value!r}, for which {node.op_type} computes something else at opset {opset}"
+    names = [n for n in (*node.input, *node.output) if n]
+    for name in names:
+        elem = scope.elem_type(name)
+        if elem and _type_name(elem) in change.differs_if_type:
+            return f"{name!r} is {_type_name(elem)}, for which {node.op_type} computes something else at opset {opset}"
+    return None
+
+
+def _attribute_value(attr: onnx.AttributeProto) -> object:
+    """An attribute's value as Python (a string attribute decoded)."""
+    value = onnx.helper.get_attribute_value(attr)
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _problems(model: onnx.ModelProto, step: LoweringStep) -> list[str]:
@@ -149,7 +199,9 @@ def _problems(model: onnx.ModelProto, step: LoweringStep) -> list[str]:
             if why:
                 name = node.name or (node.output[0] if node.output else "")
                 where = "" if scope.path == "main" else f" in {scope.path}"
-                out.append(f"node {name} ({node.op_type}){where}: {why} {step.cite}")
+                out.append(
+                    f"node {name} ({node.op_type}){where}: {why} [step {step.source} -> {step.target}] {step.cite}"
+                )
     return out
 
 
@@ -160,19 +212,39 @@ def _default_opset(model: onnx.ModelProto) -> int | None:
 def lowering_blockers(model: onnx.ModelProto, target: int) -> list[str]:
     """Why lowering ``model``'s default-domain opset to ``target`` would not be exact (empty: it
     would be). ``model`` should carry inferred types (value_info): a changed op whose types are
-    unknown cannot be shown valid and blocks the step."""
+    unknown cannot be shown valid and blocks the step.
+
+    The steps run one opset at a time (23 -> 22 -> 21 -> 20), each judging the model as declared
+    at its ``from``; the first step a node blocks is the answer, since the model at the steps
+    below it would not be the same model (an Attention-23 node has no schema at 22 to judge)."""
     current = _default_opset(model)
     if current is None or current <= target:
         return []
     steps = lowering_steps()
-    blockers: list[str] = []
     for version in range(current, target, -1):
         step = steps.get(version)
         if step is None:
             table = "rules/opsets/lowering.toml"
             return [f"no exact lowering from opset {version} to {version - 1} is described ({table})"]
-        blockers.extend(_problems(_with_default_opset(model, version), step))
-    return blockers
+        with _declared_at(model, version):
+            blockers = _problems(model, step)
+        if blockers:
+            return blockers
+    return []
+
+
+@contextlib.contextmanager
+def _declared_at(model: onnx.ModelProto, version: int) -> Iterator[None]:
+    """``model`` declaring ``version`` for the duration (its imports restored after): judging each
+    step on a copy would copy the weights once per step."""
+    imports = [*model.opset_import, *(o for fn in model.functions for o in fn.opset_import)]
+    saved = [(entry, entry.version) for entry in imports if entry.domain in ("", "ai.onnx")]
+    set_default_opset(model, version)
+    try:
+        yield
+    finally:
+        for entry, before in saved:
+            entry.version = before
 
 
 def _with_default_opset(model: onnx.ModelProto, version: int) -> onnx.ModelProto:
