@@ -385,6 +385,30 @@ def test_rewrite_verify_that_proves_nothing_or_cannot_run_leaves_no_output(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--runtime", "openvino"], "--runtime"),
+        (["--atol", "1e-3"], "--atol"),
+        (["--samples", "3"], "--samples"),
+        (["--providers", "CPUExecutionProvider"], "--providers"),
+        (["--no-battery"], "--battery/--no-battery"),
+        (["--save-inputs", "in.npz"], "--save-inputs"),
+    ],
+)
+def test_rewrite_refuses_a_verification_option_without_verify(tmp_path, args, named):
+    """Given without --verify, the option would act on nothing: exit 2 before any work, as
+    --keep-failed and --junit are (it was silently ignored)."""
+    from conftest import SAMPLES
+
+    out = tmp_path / "mlp.onnx"
+    result = invoke("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, *args)
+    assert result.exit_code == 2, result.output
+    assert f"{named} needs --verify" in result.output
+    assert list(tmp_path.iterdir()) == []
+    assert invoke("rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "-q").exit_code == 0
+
+
 @pytest.mark.parametrize("option", ["--save-outputs", "--save-inputs", "--report", "--junit"])
 def test_verify_never_writes_a_file_it_reads(toy, tmp_path, option):
     original = tmp_path / "o.onnx"

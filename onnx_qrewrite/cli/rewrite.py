@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from onnx_qrewrite.cli.batch import Outcome, run_tasks
 from onnx_qrewrite.cli.options import (
@@ -108,6 +109,18 @@ def _rewrite_one(task: _Task) -> Outcome:
                 why = "verification failed" if report.verdict_key == "failed" else "verification proved nothing"
                 outcome.lines.append(f"  removed {task.output}: {why} (--keep-failed keeps it)")
     return outcome
+
+
+def _refuse_verify_options(ctx: click.Context, verify_opts: dict[str, Any]) -> None:
+    """A verification option the user gave without ``--verify`` would act on nothing: say so
+    (exit 2) rather than ignore it. ``--input-shape`` also serves ``--target``, which checks it."""
+    for name in verify_opts:
+        if name == "input_shapes":
+            continue
+        source = ctx.get_parameter_source(name)
+        if source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            param = next(p for p in ctx.command.params if p.name == name)
+            raise UsageError(f"{'/'.join([*param.opts, *param.secondary_opts])} needs --verify")
 
 
 def _split_input_shapes(verify_opts: dict[str, Any], target: str | None, do_verify: bool) -> tuple[Any, dict[str, Any]]:
@@ -284,6 +297,8 @@ def rewrite_command(
     )
     if (keep_failed or junit_path) and not do_verify:
         raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
+    if not do_verify:
+        _refuse_verify_options(ctx, verify_opts)
     outputs, reads, other_writes = _plan_writes(models, output, report_path, junit_path, verify_opts)
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
     load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
