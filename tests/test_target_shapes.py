@@ -243,6 +243,30 @@ def test_rewrite_target_verifies_on_the_fixed_shapes(tmp_path):
     assert verification["settings"]["inputs"]["input_shapes"] == {"input": [3, 64]}
 
 
+def test_rewrite_target_verifies_a_dimension_fixed_by_name_beside_a_symbolic_one(tmp_path):
+    """`--input-shape seq=5` on an input [batch, seq] leaves batch symbolic, so the output's input
+    has no static shape: verify's samples must still take seq=5 (they took 1, and onnxruntime
+    refused the output's input: exit 3)."""
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime (extra [verify])")
+    node = helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"], name="dql")
+    outputs = [("y", TensorProto.UINT8, ["batch", "seq"]), ("s", TensorProto.FLOAT, []), ("z", TensorProto.UINT8, [])]
+    graph = helper.make_graph(
+        [node],
+        "two_dims",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+        [helper.make_tensor_value_info(*o) for o in outputs],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    src, out, report = tmp_path / "m.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
+    onnx.save(model, src)
+    done = cli("rewrite", src, "-o", out, "--target", "onnx", "--input-shape", "seq=5", "--verify", "--report", report)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _dims(onnx.load(out).graph.input[0]) == ["batch", 5]
+    verification = json.loads(report.read_text())["verification"]
+    assert verification["settings"]["inputs"]["input_dims"] == {"seq": 5}
+    assert verification["outputs"][0]["shape"] == [1, 5]
+
+
 def test_rewrite_verify_without_a_target_takes_input_shapes_for_its_samples(tmp_path):
     """Without --target nothing is planned for fixed shapes: `rewrite --verify --input-shape DIM=N`
     generates verify's samples with them, as `verify --input-shape DIM=N` does (it was exit 2), and

@@ -141,12 +141,18 @@ def _split_input_shapes(verify_opts: dict[str, Any], target: str | None, do_veri
 
 def _verify_args(task: _Task, result: Any) -> dict[str, Any]:
     """``verify``'s arguments; when ``--input-shape`` fixed dimensions for the target, the samples
-    take the output's static input shapes (a DIM=N the original's inputs also have by name)."""
+    take the output's static input shapes, and each fixed DIM=N by name (the original's inputs have
+    it too): an input whose other dimensions stay symbolic, e.g. ``seq=16`` on ``[batch, seq]``, has
+    no static shape, and its samples must still have the 16 the output now declares."""
     assert task.verify is not None
     fixed = (result.report.target or {}).get("input_shapes") if task.engine.get("input_shapes") else None
     if not fixed:
         return task.verify
-    return {**task.verify, "input_shapes": {**fixed["shapes"], **task.verify["input_shapes"]}}
+    return {
+        **task.verify,
+        "input_shapes": {**fixed["shapes"], **task.verify["input_shapes"]},
+        "input_dims": {**fixed["dims"], **task.verify["input_dims"]},
+    }
 
 
 def _target_runtime(profile: Any, verify_opts: dict[str, Any]) -> str:
