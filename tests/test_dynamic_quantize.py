@@ -277,8 +277,9 @@ def test_nan_in_at_most_seven_elements_matches_the_kernel(opt):
 
 
 def test_nan_guard_only_where_the_shape_is_known_to_be_small():
-    """8+ elements or an unknown shape: the 13-op expansion, no extra op (the kernel is vectorised
-    there and a NaN's effect depends on its position, so nothing could be matched)."""
+    """8+ elements or an unknown shape: the 13-op expansion, no extra op (from 8 elements the kernel
+    is vectorised and a NaN's effect depends on its position, so nothing could be matched; an
+    unknown shape holding 1-7 elements at run time is not matched: the test below)."""
     for shape in ([8], [2, 4], [1000]):
         assert op_types(onnx_qrewrite.rewrite(_static_dql_model(shape)).model) == KERNEL_OPS
     assert op_types(onnx_qrewrite.rewrite(dql_model(13)).model) == KERNEL_OPS
@@ -287,6 +288,31 @@ def test_nan_guard_only_where_the_shape_is_known_to_be_small():
     kernel = run(_static_dql_model([8]), {"x": x})
     skipping = run(onnx_qrewrite.rewrite(_static_dql_model([7])).model, {"x": x[[0, 1, 2, 3, 4, 5, 7]]})
     assert kernel["y_scale"] != skipping["y_scale"]
+
+
+def test_nan_in_a_small_tensor_of_unrecorded_shape_is_matched_once_the_shape_is_fixed():
+    """A symbolic dimension ([d0, 4], d0 = 1 at run time) hides that the tensor holds 4 elements,
+    where the kernel skips NaN deterministically: the plain rewrite does not match it and verify
+    excludes the sample (README, Numerics); `--target T --input-shape d0=1` records the shape, the
+    guard applies and the NaN is matched bit for bit."""
+    from onnx_qrewrite.io.input_shape import parse_input_shapes
+    from onnx_qrewrite.verify import Sample, verify
+
+    model = dql_model(13, rank=2)
+    for value in (model.graph.input[0], model.graph.output[0]):
+        value.type.tensor_type.shape.dim[1].dim_value = 4
+    x = _f32(np.nan, 1.0, -2.0, 3.0).reshape(1, 4)
+    kernel = run(model, {"x": x})
+    plain = onnx_qrewrite.rewrite(model).model
+    assert op_types(plain) == KERNEL_OPS
+    assert np.isnan(run(plain, {"x": x})["y_scale"]) and not np.isnan(kernel["y_scale"])
+    assert verify(model, plain, inputs=[Sample("nan", {"x": x})], localize_failures=False).verdict_key == "inconclusive"
+    fixed = onnx_qrewrite.rewrite(model, target="onnx", input_shapes=parse_input_shapes(("d0=1",))).model
+    assert op_types(fixed)[:2] == ["IsNaN", "Where"]
+    got = run(fixed, {"x": x})
+    for out in ("y", "y_scale", "y_zero_point"):
+        assert_bitwise_equal(got[out], kernel[out], out)
+    assert verify(model, fixed, inputs=[Sample("nan", {"x": x})]).passed
 
 
 def test_nan_guard_keeps_templates_apart():

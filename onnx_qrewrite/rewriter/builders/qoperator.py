@@ -68,6 +68,14 @@ _RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
 _NP = {"uint8": np.uint8, "int8": np.int8}
 
 
+#: What makes a run-time reduction length known (targets/shapes.py records shapes through the
+#: com.microsoft ops where onnx's inference stops, once the inputs' symbolic dimensions are fixed).
+_FIX_DIMS = (
+    "rewrite --target T --input-shape DIM=N fixes the input dimension it comes from (the output keeps it "
+    "fixed) and records it"
+)
+
+
 def summation_error_bound(terms: int) -> float:
     """``gamma(n) = n u / (1 - n u)``: the relative bound of a float32 sum/dot product of n terms."""
     n = terms * _U
@@ -377,10 +385,11 @@ def _accumulation_bound(
             if _rank(site, b) is not None:  # the shape is recorded, the dimension is symbolic
                 raise NoMatch(
                     f"the reduction length of {site.label} (a dimension of {b!r}) is not fixed in the model, and "
-                    "the bound on float32 accumulation grows with it"
+                    f"the bound on float32 accumulation grows with it ({_FIX_DIMS})"
                 )
             raise NoMatch(
-                f"the reduction length of {site.label} is not recorded in the model; run shape inference first"
+                f"the reduction length of {site.label} is not recorded in the model; run onnx shape inference "
+                f"first, or, where it stops at com.microsoft ops, {_FIX_DIMS}"
             )
         blo, bhi = _RANGES[b_dtype]
         bz = int(b_zp.reshape(-1).max()) if b_zp is not None else 0
