@@ -561,6 +561,100 @@ def test_uint8_softmax_over_one_value_is_left_where_onnxruntime_gives_0():
     assert run(onnx_qrewrite.rewrite(model).model, {"x": longer})["y"].tolist() == expected.tolist()
 
 
+def _softmax_of_unknown_rank(inverse_scale: int) -> onnx.ModelProto:
+    """QLinearSoftmax of x reshaped to a shape given at run time: neither the softmax's length nor
+    the input's rank is recorded (only the output's, 3)."""
+    nodes = [
+        helper.make_node("Reshape", ["flat", "shape"], ["x"]),
+        helper.make_node("QLinearSoftmax", ["x", "xs", "xz", "ys", "yz"], ["y"], domain=MS, axis=-1, opset=13),
+    ]
+    inits = [_const("xs", np.float32(0.1)), _const("xz", np.uint8(0)), _const("ys", np.float32(1 / inverse_scale))]
+    inits.append(_const("yz", np.uint8(0)))
+    inputs = [
+        helper.make_tensor_value_info("flat", TensorProto.UINT8, ["m"]),
+        helper.make_tensor_value_info("shape", TensorProto.INT64, ["r"]),
+    ]
+    output = helper.make_tensor_value_info("y", TensorProto.UINT8, ["a", "b", "c"])
+    graph = helper.make_graph(nodes, "g", inputs, [output], inits)
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)], ir_version=9
+    )
+
+
+def _shapeless_cases():
+    """(model, feeds) with the softmax length unrecorded: rank known (last axis, a middle axis, the
+    opset < 13 form flattened from axis 1), and rank unknown; lengths 1 and more."""
+    rng = np.random.default_rng(5)
+    two = [rng.integers(0, 256, s).astype(np.uint8) for s in ((2, 1), (2, 4), (2, 7))]
+    three = [rng.integers(0, 256, s).astype(np.uint8) for s in ((2, 1, 3), (2, 5, 3))]
+    model = _softmax_model(256, [2, "n"])
+    yield model, [{"x": x} for x in two]
+    middle = _softmax_model(256, ["b", "n", 3])
+    middle.graph.node[0].attribute[0].CopyFrom(helper.make_attribute("axis", 1))
+    yield middle, [{"x": x} for x in three]
+    legacy = _softmax_model(256, ["b", "n", 1])
+    del legacy.graph.node[0].attribute[:]
+    legacy.graph.node[0].attribute.extend([helper.make_attribute("axis", 1), helper.make_attribute("opset", 11)])
+    yield legacy, [{"x": x[..., None]} for x in two]
+    shapes = [np.array(s, np.int64) for s in ((2, 3, 1), (3, 1, 1), (2, 3, 4))]
+    yield (
+        _softmax_of_unknown_rank(256),
+        [{"flat": rng.integers(0, 256, s.prod()).astype(np.uint8), "shape": s} for s in shapes],
+    )
+
+
+@rule_marker("qop-softmax-shapeless", "positive")
+def test_softmax_length_checked_without_shape_gives_what_the_shape_check_gives():
+    """qop-softmax-shapeless (for targets that refuse Shape, NNAPI) multiplies the softmax by
+    Min(4·(1 - Softmax(x·0)), 1), 0 over one value and 1 over more: bit for bit qop-softmax's output
+    (the zero point at length 1, as onnxruntime's uint8 kernel gives), within its bound of the
+    kernel, verified at the node; no Shape, Gather, Equal or Where where the opset is 13 or more."""
+    from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.verify import verify
+
+    shapeless, shaped = load_rules(only=["qop-softmax-shapeless"]), load_rules(only=["qop-softmax"])
+    for index, (model, feeds) in enumerate(_shapeless_cases()):
+        for zp in (0, 10, 200):
+            next(t for t in model.graph.initializer if t.name == "yz").CopyFrom(_const("yz", np.uint8(zp)))
+            less, shape = onnx_qrewrite.rewrite(model, rules=shapeless), onnx_qrewrite.rewrite(model, rules=shaped)
+            applied = less.report.rewrites[0]
+            assert applied.rule == "qop-softmax-shapeless" and "Softmax of zeros" in applied.notes[0]
+            ops = {n.op_type for n in less.model.graph.node}
+            assert "Softmax" in ops and "Min" in ops and ("Where" not in ops), index
+            assert ("Slice" in ops) == (index != 3), index  # one row checked, where the rank is known
+            if index != 2:  # the opset < 13 form reshapes by Shape (qop-softmax's own Flatten/Reshape)
+                assert not ops & {"Shape", "Gather", "Equal"}, index
+            for feed in feeds:
+                want, a, b = run(model, feed)["y"], run(shape.model, feed)["y"], run(less.model, feed)["y"]
+                assert np.array_equal(a, b), (index, zp, feed)
+                assert np.abs(want.astype(int) - b.astype(int)).max() <= applied.bound, (index, zp, feed)
+                length = feed["x"].shape[1] if "x" in feed else feed["shape"][-1]
+                if length == 1:
+                    assert (b == zp).all(), (index, zp, feed)
+    for n in (1, 4):
+        model = _softmax_model(256, [2, "n"])
+        report = verify(model, onnx_qrewrite.rewrite(model, rules=shapeless).model, input_dims={"n": n})
+        assert report.passed, report.to_table()
+
+
+@rule_marker("qop-softmax-shapeless", "negative")
+def test_shapeless_length_check_needs_a_finite_x_scale_and_is_absent_where_no_check_is_needed():
+    """x·0 is zero only for finite x: a non-finite x scale is declined. Where the length is
+    recorded, or the kernel is right at length 1 (1/y_scale <= 148), nothing is checked: the
+    replacement is qop-softmax's."""
+    from onnx_qrewrite.api import load_rules
+
+    shapeless, shaped = load_rules(only=["qop-softmax-shapeless"]), load_rules(only=["qop-softmax"])
+    model = _softmax_model(256, [2, "n"])
+    next(t for t in model.graph.initializer if t.name == "xs").CopyFrom(_const("xs", np.float32(np.inf)))
+    with pytest.raises(LoweringError, match="x_scale is not finite"):
+        onnx_qrewrite.rewrite(model, rules=shapeless)
+    for model in (_softmax_model(256, [2, 4]), _softmax_model(148, [2, "n"])):
+        less, shape = onnx_qrewrite.rewrite(model, rules=shapeless), onnx_qrewrite.rewrite(model, rules=shaped)
+        assert [n.op_type for n in less.model.graph.node] == [n.op_type for n in shape.model.graph.node]
+        assert "Min" not in {n.op_type for n in less.model.graph.node}
+
+
 @rule_marker("qop-add", "negative")
 @rule_marker("qop-mul", "negative")
 @rule_marker("qop-concat", "negative")

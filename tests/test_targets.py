@@ -336,6 +336,25 @@ def test_mobile_targets_agree_with_onnxruntimes_usability_checker(target, checke
         assert ours == theirs, model.graph.name
 
 
+def test_nnapi_takes_a_qlinear_softmax_of_unrecorded_length_without_shape():
+    """qop-softmax checks an unrecorded softmax length with Shape, which NNAPI refuses (so the
+    QLinearSoftmax stayed); qop-softmax-shapeless checks it with a Softmax of zeros, which NNAPI
+    runs: the plan chooses it there (onnxruntime's NNAPI checker agrees), and only there: without a
+    target, and for a target that runs Shape, qop-softmax comes first."""
+    from test_lower_qoperator import _softmax_model
+
+    from onnx_qrewrite import rewrite
+
+    model = _softmax_model(256, [2, "n"])
+    result = rewrite(model, target="nnapi")
+    assert result.report.by_rule() == {"qop-softmax-shapeless": 1}
+    assert result.report.target["refused_after"] == 0 and not check_model(result.model, load_target("nnapi"))
+    ck = pytest.importorskip("onnxruntime.tools.mobile_helpers.usability_checker", reason="needs onnxruntime")
+    assert ck.check_nnapi_partitions(result.model, require_fixed_input_sizes=False).unsupported_ops == set()
+    assert rewrite(model).report.by_rule() == {"qop-softmax": 1}
+    assert rewrite(model, target="onnx").report.by_rule() == {"qop-softmax": 1}
+
+
 # -- inspect --target -----------------------------------------------------------------------------
 
 

@@ -781,6 +781,15 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             options=(
                 Option("op", str, allowed=tuple(QOPERATOR_EXACTNESS), doc="which QOperator op the rule replaces"),
                 U8S8_SATURATION,
+                Option(
+                    "length_check",
+                    str,
+                    "shape",
+                    ("shape", "softmax"),
+                    doc="QLinearSoftmax whose softmax length is not recorded: check it at run time by Shape, "
+                    "Gather, Equal, Where ('shape'), or by a Softmax of zeros, which is 1 only over one value "
+                    "('softmax': Slice, Mul, Softmax, Sub, Min; for targets that refuse Shape)",
+                ),
             ),
             emits=frozenset(
                 {
@@ -804,6 +813,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     "Gather",
                     "Equal",
                     "Where",
+                    "Slice",
+                    "Sub",
+                    "Min",
                 }
             ),
             exactness=_qoperator_exactness,

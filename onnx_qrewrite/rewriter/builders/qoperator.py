@@ -207,6 +207,10 @@ class QOperatorBuilder:
                 min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["gemm-optional-c"])
         elif op == "QLinearSoftmax":
             bound, note, data["one_value_guard"] = _softmax_check(site, attrs, inputs, out)
+            if data["one_value_guard"] and options["length_check"] == "softmax":
+                if not np.isfinite(inputs[0][1].value).all():
+                    raise NoMatch("x_scale is not finite: the length check's Softmax of x·0 would not see zeros")
+                note = note.replace("(it checks the length)", "(a Softmax of zeros, 1 only over one value)")
             notes.append(note)
             min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["softmax-single-axis"])
         elif op == "QLinearConcat" and "axis" not in attrs:
@@ -223,9 +227,12 @@ class QOperatorBuilder:
         out_scale, out_zp, out_dtype = plan.data["out"]
         float_out = site.node.output[0] if out_scale is None else None
         y = _FLOAT_OPS[op](emit, site, attrs, floats, plan, float_out)
+        guard = plan.data.get("one_value_guard", False)
+        if guard and options["length_check"] == "softmax":
+            y = emit.op1("Mul", [y, _more_than_one(emit, site, attrs, floats[0], plan)])
+            guard = False  # y is 0 where the length is 1: QuantizeLinear gives the zero point there
         if out_scale is not None:
             zp = out_zp if out_zp is not None else np.zeros((), _NP[out_dtype])
-            guard = plan.data.get("one_value_guard", False)
             zp_name = emit.const(zp.reshape(()))
             q = emit.op1(
                 "QuantizeLinear",
@@ -625,6 +632,29 @@ def _one_value_guard(emit: Emitter, x: str, attrs: dict[str, Any], q: str, zp: s
     length = emit.op1("Gather", [shape, emit.const(np.asarray(index, np.int64))], axis=0)
     one = emit.op1("Equal", [length, emit.const(np.asarray(1, np.int64))])
     emit.op1("Where", [one, zp, q], out)
+
+
+def _more_than_one(emit: Emitter, site: Site, attrs: dict[str, Any], x: str, plan: Plan) -> str:
+    """1 where the softmax normalises more than one value, 0 where it normalises one, without Shape
+    (which NNAPI refuses): a softmax of zeros is exactly 1 over one value (exp(0) / exp(0)) and
+    1/L <= 1/2 over L >= 2, so Min(4·(1 - s), 1) is 0 or 1 even where exp is approximate. The zeros
+    are x·0 (x is dequantized with a finite scale, so finite), sliced to one element along every
+    axis the softmax does not normalise when the rank is recorded (the check then costs one row)."""
+    legacy = int(attrs["opset"]) < kernel_opsets.OP_VERSIONS["softmax-single-axis"]
+    axis = int(attrs.get("axis", 1 if legacy else -1))
+    rank = _rank(site, site.input(0))
+    if rank is not None and -rank <= axis < rank:
+        axis %= rank
+        others = list(range(axis)) if legacy else [a for a in range(rank) if a != axis]
+        if others:
+            ints = np.zeros(len(others), np.int64)
+            x = emit.op1("Slice", [x, emit.const(ints), emit.const(ints + 1), emit.const(np.asarray(others, np.int64))])
+    zeros = emit.op1("Mul", [x, emit.const(np.asarray(0, np.float32))])
+    s = _softmax(emit, site, attrs, [zeros], plan, None)
+    four = emit.op1(
+        "Mul", [emit.op1("Sub", [emit.const(np.asarray(1, np.float32)), s]), emit.const(np.asarray(4, np.float32))]
+    )
+    return emit.op1("Min", [four, emit.const(np.asarray(1, np.float32))])
 
 
 def _simple(op: str, **fixed: Any) -> Callable:
