@@ -18,7 +18,8 @@ call (verify/runtimes.py), so its latency is mostly that process starting, not t
 A target that needs static input shapes (QNN: its profile's ``[shapes]``) is planned with each
 model's symbolic dimensions fixed to its recorded inputs' shapes (``--input-shape``), as its runtime
 runs it; ``--fix-shapes`` plans every target so (what ``inspect``/``rewrite --target T
---input-shape`` see: shapes recorded through the com.microsoft ops, onnx_qrewrite/targets/shapes.py).
+--input-shape`` see: shapes recorded through the com.microsoft ops, onnx_qrewrite/targets/shapes.py),
+and runs the original with those dims fixed too (what its before-verdict judged).
 A disagreement on the recorded inputs is confirmed on two more seeded inputs (target_models.py's
 CONFIRM_SEEDS, as tests/test_targets_runtime.py does): when both agree the cell says ``(step
 flip)``, a requantized activation one step off through float rounding, not a wrong runtime.
@@ -343,6 +344,10 @@ def _measure(
         "runtime": runtime,
     }
     original = onnx.load(item.path)
+    if shapes is not None:  # what the before-verdict judged: the original with those dims fixed
+        from onnx_qrewrite.targets.shapes import fix_input_shapes
+
+        fix_input_shapes(original, shapes)
     reference = _reference(original)
     if runtime is not None:
         row["original"] = _run(runtime, original, inputs, expected, args.repeat, reference=reference, seeds=args.seeds)

@@ -278,6 +278,73 @@ def _unfused(node: onnx.NodeProto, scope: Scope, readers: frozenset[str]) -> str
     return None
 
 
+#: Standard ops a runtime cannot fold at load time although every input is a constant.
+_NOT_FOLDED = frozenset(
+    {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike"}
+)
+
+
+def _folded(scope: Scope) -> frozenset[str]:
+    """The values of ``scope`` a runtime that folds constants at load time (OpenVINO) sees as
+    constants: initializers and Constants, the Shape or Size of a value whose recorded shape is
+    static (``--input-shape`` makes an input's so), and what a standard op without subgraphs
+    computes from such values alone. One pass in node order: a value out of order is not folded."""
+
+    def compute() -> frozenset[str]:
+        shapes = scope.recorded_shapes
+        folded: set[str] = set()
+        for node in scope.container.node:
+            if node.domain not in _STANDARD or node.op_type in _NOT_FOLDED:
+                continue
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                continue
+            inputs = [x for x in node.input if x]
+            if node.op_type in ("Shape", "Size"):
+                folds = bool(inputs) and known_shape(shapes.get(inputs[0])) is not None
+            else:
+                folds = node.op_type == "Constant" or (
+                    bool(inputs) and all(x in folded or _is_constant(scope, x) for x in inputs)
+                )
+            if folds:
+                folded.update(o for o in node.output if o)
+        return frozenset(folded)
+
+    return scope.memo("targets.check.folded", compute)
+
+
+def _quantized_from(scope: Scope, name: str) -> str | None:
+    """The input of the QuantizeLinear -> DequantizeLinear pair (standard ops) whose
+    DequantizeLinear gives ``name``, or None when ``name`` is not such a pair's output."""
+    dq = scope.producer(name)
+    if dq is None or dq.domain not in _STANDARD or dq.op_type != "DequantizeLinear" or not dq.input:
+        return None
+    q = scope.producer(dq.input[0])
+    if q is None or q.domain not in _STANDARD or q.op_type != "QuantizeLinear" or not q.input:
+        return None
+    return q.input[0]
+
+
+def _folded_quantize_input(node: onnx.NodeProto, scope: Scope) -> str | None:
+    """Two inputs of ``node`` are Q -> DQ pairs, one of a value the runtime folds to a constant of
+    more than one element, one of a value computed at run time: what it saw, else None."""
+    folded = _folded(scope)
+    constant, computed = None, None
+    for name in node.input:
+        source = _quantized_from(scope, name) if name else None
+        if source is None:
+            continue
+        if source in folded or _is_constant(scope, source):
+            dims = known_shape(scope.recorded_shapes.get(source))
+            value = scope.constant(source) if dims is None else None
+            size = int(np.prod(dims)) if dims is not None else (value.size if value is not None else 1)
+            constant = constant or (source if size > 1 else None)
+        else:
+            computed = computed or source
+    if constant is None or computed is None:
+        return None
+    return f" of a quantized run-time value ({computed!r}) and a quantized constant ({constant!r}, folded at load time)"
+
+
 def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """None when the refusal does not hold for this node, else a phrase saying what it saw."""
     when, types, ops = refusal.when, refusal.types, refusal.ops
@@ -333,6 +400,8 @@ def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
         return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
     if when == "unfused-outputs":
         return _unfused(node, scope, ops)
+    if when == "folded-quantize-input":
+        return _folded_quantize_input(node, scope)
     if when == "read-by":
         readers = _consumers(scope).get(node.output[0], []) if node.output and node.output[0] else []
         reader = next((c for c in readers if c.domain in _STANDARD and c.op_type in ops), None)

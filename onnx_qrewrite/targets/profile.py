@@ -54,7 +54,11 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # output, or is read by no node or by more than one, or the
                                      # first output's reader is none of these standard ops) |
                                      # read-by (with ops = [...]: one of these standard ops reads
-                                     # its first output; with types, only a Q/DQ of those types)
+                                     # its first output; with types, only a Q/DQ of those types) |
+                                     # folded-quantize-input (two of its inputs are
+                                     # QuantizeLinear -> DequantizeLinear pairs: one of a value
+                                     # computed at run time, one of a value the runtime folds to
+                                     # a constant of more than one element at load time)
     inputs = [0]                     # rank-above / computed-input / input-from: the input
                                      # positions looked at (default: the first)
     rank = 2                         # rank-above: the most dimensions the target takes there
@@ -152,6 +156,7 @@ REFUSE_WHEN = (
     "outside-chain",
     "unfused-outputs",
     "read-by",
+    "folded-quantize-input",
 )
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
