@@ -355,6 +355,29 @@ def test_nnapi_takes_a_qlinear_softmax_of_unrecorded_length_without_shape():
     assert rewrite(model, target="onnx").report.by_rule() == {"qop-softmax": 1}
 
 
+def test_a_plan_infers_each_model_it_reaches_once(monkeypatch):
+    """A plan tries many rewrites and reaches the same model by several choices: onnx's shape
+    inference (check._inferred, which check_model and a later stage's input both need) runs once
+    per distinct model, plus once more for the input's before-verdict; the plan is unchanged (the
+    battery's plans compared before and after, CHANGELOG). It ran 35 times for 19 models."""
+    import collections
+    import hashlib
+
+    import onnx_qrewrite.targets.check as check
+
+    seen: collections.Counter[bytes] = collections.Counter()
+    inferred = check._inferred
+
+    def counting(model: onnx.ModelProto) -> onnx.ModelProto:
+        seen[hashlib.sha256(model.SerializeToString(deterministic=True)).digest()] += 1
+        return inferred(model)
+
+    monkeypatch.setattr(check, "_inferred", counting)
+    plan = plan_for_target(SAMPLES / "dynamic_mlp.onnx", load_rules(), load_target("tensorrt"))
+    assert plan.ok and len(seen) > 10
+    assert sum(seen.values()) <= len(seen) + 1, sorted(seen.values())
+
+
 # -- inspect --target -----------------------------------------------------------------------------
 
 

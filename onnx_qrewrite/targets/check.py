@@ -481,13 +481,18 @@ def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile,
     return []
 
 
-def check_model(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]:
+def check_model(
+    model: onnx.ModelProto, profile: TargetProfile, *, inferred: onnx.ModelProto | None = None
+) -> list[Refused]:
     """Every node ``profile`` refuses in ``model`` (plus a ``(model)`` entry for model-wide reasons).
 
-    ``model`` is not modified; shape inference runs on a copy. Constant nodes are judged like any
-    node (a target that has no Constant op folds them at load time only if its table says so).
+    ``model`` is not modified; shape inference runs on a copy (``inferred``: that copy, when the
+    caller has made it with :func:`_inferred` already: a plan keeps it for its next stage). Constant
+    nodes are judged like any node (a target that has no Constant op folds them at load time only if
+    its table says so).
     """
-    inferred = _inferred(model)
+    if inferred is None:
+        inferred = _inferred(model)
     graph_io = {v.name for v in (*inferred.graph.input, *inferred.graph.output)}
     out: list[Refused] = []
     model_reasons = model_level_reasons(inferred, profile)

@@ -295,23 +295,30 @@ def _check_lowered(lowered: onnx.ModelProto, target: int) -> None:
         raise InternalError(f"{what}: onnx's shape inference: {first_line(exc)}") from None
 
 
-def check_for_target(model: onnx.ModelProto, profile: TargetProfile, *, may_lower: bool = True) -> list[Refused]:
+def check_for_target(
+    model: onnx.ModelProto,
+    profile: TargetProfile,
+    *,
+    may_lower: bool = True,
+    inferred: onnx.ModelProto | None = None,
+) -> list[Refused]:
     """What ``profile`` refuses of ``model`` as ``rewrite --target`` would ship it: lowered to the
     target's highest opset when the model declares a higher one and the lowering is exact (then
-    the opset is no refusal); otherwise the model-wide refusal says what blocks the lowering."""
+    the opset is no refusal); otherwise the model-wide refusal says what blocks the lowering.
+    ``inferred``: ``model`` with inferred types (check._inferred), when the caller has it."""
     limit, opset = profile.opset_max, _default_opset(model)
     if limit is None or opset is None or opset <= limit:
-        return check_model(model, profile)
+        return check_model(model, profile, inferred=inferred)
     if not may_lower:
         why = "; not lowered: the opset is kept (--keep-opset) or chosen (--target-opset)"
-    elif blockers := lowering_blockers(_inferred(model), limit):
+    elif blockers := lowering_blockers(inferred if inferred is not None else _inferred(model), limit):
         more = f" (and {len(blockers) - 1} more node(s))" if len(blockers) > 1 else ""
         why = f"; not lowered to {limit}: {blockers[0]}{more}"
     else:
         return check_model(_with_default_opset(model, limit), profile)
     return [
         dataclasses.replace(r, reasons=(r.reasons[0] + why, *r.reasons[1:])) if r.node == "(model)" else r
-        for r in check_model(model, profile)
+        for r in check_model(model, profile, inferred=inferred)
     ]
 
 

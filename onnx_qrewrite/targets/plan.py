@@ -374,6 +374,8 @@ class _State:
     reports: list[Any]
     options: list[Any]
     after: list[Refused]
+    #: ``rewritten`` with the types check_model inferred: what a later stage rewrites (stage_input).
+    inferred: onnx.ModelProto | None = None
 
 
 def stage_input(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -450,6 +452,10 @@ class _Context:
     #: (scope, engine label) -> rule -> (stage, why it did not apply there): the deepest stage
     #: that tried it, whose model is the most rewritten (inspect says why a rule was not used).
     why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
+    #: A model's digest -> its refusals and inferred copy (:func:`_checked`).
+    checked: dict[bytes, tuple[list[Refused], onnx.ModelProto]] = dataclasses.field(default_factory=dict)
+    #: (depth, a stage's output digest) -> the later stages planned on it (:func:`_follow`).
+    follows: dict[tuple[int, bytes], _State] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -502,7 +508,8 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             known = ctx.why.setdefault((done.scope, done.node), {})
             if known.get(done.rule, (-1, ""))[0] <= depth:
                 known[done.rule] = (depth, "")
-        state = _State(rewritten, [report], [used], check_for_target(rewritten, ctx.profile, may_lower=ctx.may_lower))
+        after, inferred = _checked(rewritten, ctx)
+        state = _State(rewritten, [report], [used], after, inferred)
         if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
             state = _follow(state, ctx, depth)
         tried[key] = state
@@ -617,10 +624,34 @@ def _follow(state: _State, ctx: _Context, depth: int) -> _State:
     a later stage adds the next one to the choice it made, which bounds the plan's cost."""
     if depth + 1 >= MAX_STAGES or not state.after or not _may_follow(state, ctx):
         return state
-    follow = _stage(stage_input(state.rewritten), ctx, depth + 1, state.after).state
+    key = (depth, _digest(state.rewritten))
+    follow = ctx.follows.get(key)
+    if follow is None:  # the same model, reached by another choice, is planned the same way
+        inferred = state.inferred if state.inferred is not None else stage_input(state.rewritten)
+        follow = ctx.follows[key] = _stage(inferred, ctx, depth + 1, state.after).state
     if len(follow.after) >= len(state.after):
         return state
-    return _State(follow.rewritten, [*state.reports, *follow.reports], [*state.options, *follow.options], follow.after)
+    reports, options = [*state.reports, *follow.reports], [*state.options, *follow.options]
+    return _State(follow.rewritten, reports, options, follow.after, follow.inferred)
+
+
+def _digest(model: onnx.ModelProto) -> bytes:
+    """A key for a model's content (plans reach the same model by several choices)."""
+    import hashlib
+
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).digest()
+
+
+def _checked(model: onnx.ModelProto, ctx: _Context) -> tuple[list[Refused], onnx.ModelProto]:
+    """What the target refuses of ``model`` (check_for_target) and ``model`` with inferred types
+    (stage_input's), each computed once per distinct model of the plan: about half the rewrites
+    a plan tries give a model another choice gave already (195 runs, 97 distinct models, planning
+    the QOperator BERT for webgpu)."""
+    key = _digest(model)
+    if key not in ctx.checked:
+        inferred = stage_input(model)
+        ctx.checked[key] = (check_for_target(model, ctx.profile, may_lower=ctx.may_lower, inferred=inferred), inferred)
+    return ctx.checked[key]
 
 
 def _listed_as(request: Any) -> str:
