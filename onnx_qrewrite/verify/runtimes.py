@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -237,7 +238,26 @@ class _Runner:
 _OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 
 
+#: The lines OpenVINO nests its C++ exceptions in ("Exception from src/inference/src/cpp/core.cpp:117:"),
+#: which say where it was thrown, not what went wrong.
+_OPENVINO_WHERE = re.compile(r"^Exception from \S+:\d+:$")
+
+
+def openvino_message(exc: BaseException) -> str:
+    """OpenVINO's error in one line: its first line that is not a nesting "Exception from
+    file:line:" line, and the last one when they differ (the check that failed). The first line
+    alone, as other runtimes are quoted, says only "Exception from src/inference/src/cpp/core.cpp"."""
+    lines = [line.strip() for line in str(exc).splitlines()]
+    said = [line for line in lines if line and not _OPENVINO_WHERE.match(line)]
+    if not said:
+        return first_line(exc)
+    return said[0] if len(said) == 1 else f"{said[0]} ... {said[-1]}"
+
+
 class OpenVINORunner(_Runner):
+    def _fail(self, what: str, exc: BaseException) -> InvalidModelError:
+        return InvalidModelError(f"{self.label}: {self.runtime} {what}: {openvino_message(exc)}")
+
     def __init__(self, model: onnx.ModelProto, *, label: str, threads: int = 1) -> None:
         super().__init__(model, label, "openvino")
         ov = require_runtime("openvino")
