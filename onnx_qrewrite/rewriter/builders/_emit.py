@@ -6,7 +6,7 @@ contracts, because they need onnx and numpy, which loading the rule catalogue do
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -92,6 +92,13 @@ class Site:
 
     def has_attribute(self, name: str) -> bool:
         return any(a.name == name for a in self.node.attribute)
+
+    def no_unknown_attributes(self, known: Collection[str]) -> None:
+        """Decline a node carrying an attribute outside ``known``: a builder writes only what it
+        was shown to compute, and an attribute it does not read may change what the kernel does."""
+        unknown = sorted({a.name for a in self.node.attribute} - set(known))
+        if unknown:
+            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
 
     def elem_type(self, value: str) -> int | None:
         return self.scope.elem_type(value) if value else None

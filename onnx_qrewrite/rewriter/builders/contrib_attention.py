@@ -93,9 +93,7 @@ class QAttentionBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         known = {"num_heads", "unidirectional", "mask_filter_value", "scale", "do_rotary", "past_present_share_buffer"}
-        unknown = sorted({a.name for a in site.node.attribute} - known)
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes(known)
         for attr in ("do_rotary", "past_present_share_buffer"):
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
@@ -242,9 +240,7 @@ class AttentionBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         known = {"num_heads", "unidirectional", "qkv_hidden_sizes", "mask_filter_value", "scale"}
         known |= {"do_rotary", "rotary_embedding_dim", "past_present_share_buffer"}
-        unknown = sorted({a.name for a in site.node.attribute} - known)
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes(known)
         for attr in ("do_rotary", "past_present_share_buffer"):
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
@@ -370,11 +366,7 @@ class MultiHeadAttentionBuilder:
         return dtype_name(elem) if elem else None
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        unknown = sorted(
-            {a.name for a in site.node.attribute} - {"num_heads", "unidirectional", "mask_filter_value", "scale"}
-        )
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes({"num_heads", "unidirectional", "mask_filter_value", "scale"})
         for index, what in (
             (5, "attention_bias"),
             (6, "past_key"),

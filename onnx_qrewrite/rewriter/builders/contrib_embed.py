@@ -49,9 +49,7 @@ class EmbedLayerNormalizationBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         quantized = options["form"] == "quantized"
         known = {"epsilon"} if quantized else {"epsilon", "mask_index_type"}
-        unknown = sorted({a.name for a in site.node.attribute} - known)
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes(known)
         if int(site.attribute("mask_index_type", 1)) != 1:
             raise NoMatch(f"mask_index_type={site.attribute('mask_index_type')} is not lowered (1 is)")
         required = (2, 3, 5, 6, 8, 9, 11, 12, 13, 14, 16, 17) if quantized else (2, 3, 5, 6)

@@ -68,12 +68,6 @@ def _float_only(site: Site, *names: str) -> None:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
 
-def _no_unknown_attributes(site: Site, known: set[str]) -> None:
-    unknown = sorted({a.name for a in site.node.attribute} - known)
-    if unknown:
-        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
-
-
 def _float_type(site: Site) -> str | None:
     elem = site.elem_type(site.input(0))
     return dtype_name(elem) if elem else None
@@ -97,7 +91,7 @@ class ActivationBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         form = options["form"]
-        _no_unknown_attributes(site, {"alpha"} if form == "quick_gelu" else set())
+        site.no_unknown_attributes({"alpha"} if form == "quick_gelu" else set())
         _float_only(site, *site.node.input)
         if len(site.node.output) != 1:
             raise NoMatch("malformed node: one output expected")
@@ -171,7 +165,7 @@ class BiasAddBuilder:
         return _float_type(site)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        _no_unknown_attributes(site, set())
+        site.no_unknown_attributes(set())
         node = site.node
         if len(node.input) != 3 or not all(node.input) or len(node.output) != 1:
             raise NoMatch("malformed node: BiasAdd takes input, bias and skip, and has one output")
@@ -239,7 +233,7 @@ class FusedGemmConvBuilder:
             if conv
             else {"activation", "activation_alpha", "activation_beta", "activation_gamma"}
         )
-        _no_unknown_attributes(site, (_CONV_ATTRS if conv else gemm_attrs) | act_attrs)
+        site.no_unknown_attributes((_CONV_ATTRS if conv else gemm_attrs) | act_attrs)
         _float_only(site, *site.node.input)
         op, attrs, clip = self._activation(site, conv)
         data: dict[str, Any] = {"activation": (op, attrs, clip)}
@@ -292,7 +286,7 @@ class FusedMatMulBuilder:
         return _float_type(site)
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        _no_unknown_attributes(site, {"alpha", "transA", "transB", "transBatchA", "transBatchB"})
+        site.no_unknown_attributes({"alpha", "transA", "transB", "transBatchA", "transBatchB"})
         _float_only(site, *site.node.input)
         if site.attribute("transBatchA", 0) or site.attribute("transBatchB", 0):
             raise NoMatch("transBatchA/transBatchB are not lowered")
@@ -347,7 +341,7 @@ class NormalizationBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         form = options["form"]
         skip = form.startswith("skip")
-        _no_unknown_attributes(site, {"epsilon"} if skip else {"epsilon", "axis", "stash_type"})
+        site.no_unknown_attributes({"epsilon"} if skip else {"epsilon", "axis", "stash_type"})
         _float_only(site, *site.node.input)
         outputs = list(site.node.output)
         if skip:

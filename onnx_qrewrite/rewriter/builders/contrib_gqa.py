@@ -69,9 +69,7 @@ class GroupQueryAttentionBuilder:
         return dtype_name(elem) if elem else None
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        unknown = sorted({a.name for a in site.node.attribute} - _KNOWN_ATTRIBUTES - set(_REFUSED_ATTRIBUTES))
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes(_KNOWN_ATTRIBUTES | set(_REFUSED_ATTRIBUTES))
         for attr in _REFUSED_ATTRIBUTES:
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")

@@ -116,9 +116,7 @@ class RotaryEmbeddingBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         known = {"interleaved", "is_packed_batching", "num_heads", "rotary_embedding_dim", "scale"}
-        unknown = sorted({a.name for a in site.node.attribute} - known)
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes(known)
         if not all(site.input(i) for i in range(4)):
             raise NoMatch("malformed node: input, position_ids, cos_cache and sin_cache are required")
         types = {site.elem_type(site.input(index)) for index in (0, 2, 3)}

@@ -266,9 +266,7 @@ class GatherBlockQuantizedBuilder:
         node = site.node
         if len(node.input) < 3 or not all(node.input[:3]) or len(node.output) != 1:
             raise NoMatch("malformed node: GatherBlockQuantized takes data, indices, scales[, zero_points]")
-        unknown = sorted({a.name for a in node.attribute} - {"gather_axis", "quantize_axis", "block_size", "bits"})
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        site.no_unknown_attributes({"gather_axis", "quantize_axis", "block_size", "bits"})
         if options["form"] == GBQ_TABLE:
             return _check_table(site)
         if options["form"] == GBQ_PACKED:

@@ -111,10 +111,7 @@ def _read(site: Site) -> _Read:
     node = site.node
     if len(node.input) < 3 or not all(node.input[:3]) or len(node.output) != 1:
         raise NoMatch("malformed node: MatMulNBits takes A, B, scales[, zero_points, g_idx, bias] and gives Y")
-    known = {"K", "N", "bits", "block_size", "accuracy_level"}
-    unknown = sorted({a.name for a in node.attribute} - known)
-    if unknown:
-        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+    site.no_unknown_attributes({"K", "N", "bits", "block_size", "accuracy_level"})
     k, n = _attr_int(site, "K"), _attr_int(site, "N")
     bits, block_size = _attr_int(site, "bits", 4), _attr_int(site, "block_size")
     accuracy_level = _attr_int(site, "accuracy_level", 0)
