@@ -25,6 +25,16 @@ T = TypeVar("T")
 _MISSING = object()
 
 
+def no_unknown_attributes(node: onnx.NodeProto, known: Collection[str]) -> None:
+    """Decline a node carrying an attribute outside ``known``: a builder writes only what it was
+    shown to compute, and an attribute it does not read may change what the kernel does. The
+    message lists what is read, so a user sees at once which attribute stopped the rewrite."""
+    unknown = sorted({a.name for a in node.attribute} - set(known))
+    if unknown:
+        read = f"only {', '.join(sorted(known))}" if known else "the op takes none here"
+        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported ({read})")
+
+
 class Site:
     """A node in its scope: everything a builder may look at.
 
@@ -94,11 +104,8 @@ class Site:
         return any(a.name == name for a in self.node.attribute)
 
     def no_unknown_attributes(self, known: Collection[str]) -> None:
-        """Decline a node carrying an attribute outside ``known``: a builder writes only what it
-        was shown to compute, and an attribute it does not read may change what the kernel does."""
-        unknown = sorted({a.name for a in self.node.attribute} - set(known))
-        if unknown:
-            raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported")
+        """Decline a node carrying an attribute outside ``known``: see :func:`no_unknown_attributes`."""
+        no_unknown_attributes(self.node, known)
 
     def elem_type(self, value: str) -> int | None:
         return self.scope.elem_type(value) if value else None

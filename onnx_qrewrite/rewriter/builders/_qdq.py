@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Site
+from onnx_qrewrite.rewriter.builders._emit import no_unknown_attributes
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, known_shape
 
 __all__ = [
@@ -256,9 +257,7 @@ def _check_arity(node: onnx.NodeProto, require_zp: bool) -> None:
         raise NoMatch(f"malformed node: {node.op_type} takes inputs (x, scale[, zero point]), it has {n_inputs}")
     if len(node.output) != 1 or not node.output[0]:
         raise NoMatch(f"malformed node: {node.op_type} has one output, it has {len(node.output)}")
-    unknown_attrs = sorted({a.name for a in node.attribute} - {"axis"})
-    if unknown_attrs:
-        raise NoMatch(f"attribute(s) {', '.join(unknown_attrs)} not supported (only 'axis')")
+    no_unknown_attributes(node, {"axis"})
 
 
 def _float_type(site: Site, float_input: str | None, scale: str, float16: bool, bfloat16: bool) -> str:

@@ -71,9 +71,7 @@ def _qtype(site: Site) -> str:
         raise NoMatch(f"malformed node: DynamicDequantize takes inputs (src, scales[, zps]), it has {len(node.input)}")
     if len(node.output) != 1:
         raise NoMatch(f"malformed node: DynamicDequantize has one output, it has {len(node.output)}")
-    unknown = sorted({a.name for a in node.attribute} - {"qtype", "axis"})
-    if unknown:
-        raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported (only qtype, axis)")
+    site.no_unknown_attributes({"qtype", "axis"})
     qtype = site.attribute("qtype", b"per_tensor")
     qtype = qtype.decode() if isinstance(qtype, bytes) else str(qtype)
     if qtype not in _QTYPES:
