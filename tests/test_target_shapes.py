@@ -326,6 +326,9 @@ def test_rewrite_verify_without_a_target_takes_input_shapes_for_its_samples(tmp_
         (["inspect", MLP, "--target", "qnn", "--input-shape", "input:1,32"], "'input'"),
         (["inspect", MLP, "--target", "qnn", "--input-shape", "seq=4"], "'seq'"),
         (["inspect", MLP, "--target", "qnn", "--input-shape", "batch=0"], "'batch'"),
+        # Beyond int64, what a dimension holds: it was exit 5 (protobuf's "Value out of range").
+        (["inspect", MLP, "--target", "qnn", "--input-shape", f"batch={2**63}"], "'batch'"),
+        (["rewrite", MLP, "-o", "{out}", "--target", "qnn", "--input-shape", f"input:{2**63},64"], "'input'"),
         (["inspect", MLP, "--input-shape", "batch=1"], "--target"),
         (["rewrite", MLP, "-o", "{out}", "--target", "qnn", "--input-shape", "nope:1,64"], "'nope'"),
         (["rewrite", MLP, "-o", "{out}", "--input-shape", "batch=1"], "--target"),

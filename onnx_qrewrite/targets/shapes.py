@@ -74,9 +74,15 @@ def symbolic_dims(model: onnx.ModelProto) -> list[tuple[str, int, str]]:
     return out
 
 
+#: An ONNX dimension is an int64 (TensorShapeProto.Dimension.dim_value): a larger value cannot be written.
+_DIM_MAX = 2**63 - 1
+
+
 def _checked_value(value: int, what: str) -> int:
     if value < 1:
         raise UsageError(f"{OPTION}: {what} must be at least 1 to be fixed (as make_dynamic_shape_fixed), got {value}")
+    if value > _DIM_MAX:
+        raise UsageError(f"{OPTION}: {what} must be at most 2**63-1 (an ONNX dimension is int64), got {value}")
     return value
 
 
