@@ -38,9 +38,9 @@ import onnx
 import pytest
 from conftest import REAL_MODELS, SAMPLES
 
-from onnx_qrewrite import rewrite
+from onnx_qrewrite import rewrite, verify
 from onnx_qrewrite.api import load_rules
-from onnx_qrewrite.errors import QRewriteError
+from onnx_qrewrite.errors import QRewriteError, UsageError
 from onnx_qrewrite.targets import check_model, load_target, plan_for_model, plan_for_target
 from onnx_qrewrite.targets.shapes import InputShapes, fix_input_shapes
 from onnx_qrewrite.verify.runtimes import RUNTIMES, TFLITE_PYTHON_ENV, TFLITE_SETUP, make_runner
@@ -293,6 +293,26 @@ def test_providers_apply_to_onnxruntime_only(tmp_path):
     copy.write_bytes((SAMPLES / "dynamic_mlp.onnx").read_bytes())
     proc = cli("verify", SAMPLES / "dynamic_mlp.onnx", copy, "--providers", "CPUExecutionProvider")
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "rewrite"])
+def test_providers_this_onnxruntime_does_not_have_are_refused(command, tmp_path):
+    """onnxruntime only warns about a provider it does not have and runs the CPU: the report said
+    "rewritten ran on onnxruntime (providers=QNNExecutionProvider)" and PASSED. Exit 2, before any
+    work (rewrite --verify writes nothing), naming the provider and the ones there are."""
+    out = tmp_path / "out.onnx"
+    if command == "verify":
+        out.write_bytes((SAMPLES / "dynamic_mlp.onnx").read_bytes())
+        args = ["verify", SAMPLES / "dynamic_mlp.onnx", out]
+    else:
+        args = ["rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify"]
+    proc = cli(*args, "--providers", "CPUExecutionProvider,QNNExecutionProvider")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "--providers: QNNExecutionProvider is not" in line and "CPUExecutionProvider" in line, line
+    assert out.exists() == (command == "verify")
+    with pytest.raises(UsageError, match="NoSuchEP is not"):
+        verify(SAMPLES / "dynamic_mlp.onnx", SAMPLES / "dynamic_mlp.onnx", providers=["NoSuchEP"])
 
 
 @pytest.mark.parametrize(

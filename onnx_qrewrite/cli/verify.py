@@ -334,6 +334,10 @@ def _checked_runtime(runtime: str | None, providers: str | None) -> str:
         raise UsageError(
             f"--providers chooses onnxruntime's execution providers; it does not apply to --runtime {runtime}"
         )
+    if providers:
+        from onnx_qrewrite.verify.runtimes import check_providers
+
+        check_providers([p.strip() for p in providers.split(",") if p.strip()])
     return runtime
 
 

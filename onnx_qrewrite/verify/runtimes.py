@@ -42,7 +42,15 @@ if TYPE_CHECKING:
 
 from onnx_qrewrite.errors import InvalidModelError, MissingDependencyError, UsageError, first_line
 
-__all__ = ["RUNTIMES", "RuntimeInfo", "install_hint", "make_runner", "require_runtime", "runtime_info"]
+__all__ = [
+    "RUNTIMES",
+    "RuntimeInfo",
+    "check_providers",
+    "install_hint",
+    "make_runner",
+    "require_runtime",
+    "runtime_info",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,12 +149,27 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def check_providers(providers: Sequence[str]) -> None:
+    """``--providers`` must name execution providers this onnxruntime has: given another, onnxruntime
+    only warns and runs the model on the CPU, and the report would say it ran on the one asked for.
+    A plugin provider (onnxruntime-qnn's QNN) is not among them: ``--runtime qnn`` registers it."""
+    module = require_runtime("onnxruntime")
+    available = list(module.get_available_providers())
+    missing = [p for p in providers if p not in available]
+    if missing:
+        raise UsageError(
+            f"--providers: {', '.join(missing)} is not an execution provider of this onnxruntime "
+            f"(available: {', '.join(available)}; QNN: --runtime qnn)"
+        )
+
+
 def runtime_info(name: str, providers: Sequence[str] = (), threads: int = 1) -> RuntimeInfo:
     """Check ``name`` is installed (else exit 2 naming the extra) and say how it will be run."""
     module = require_runtime(name)
     spec = RUNTIMES[name]
     settings: dict[str, str]
     if name == "onnxruntime":
+        check_providers(providers)
         settings = {"providers": ",".join(providers or ("CPUExecutionProvider",))}
         # The module's own version: any onnxruntime flavour (onnxruntime-gpu, ...) is that module,
         # and reading it costs nothing where a distribution lookup scans the installed packages.
