@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 import pytest
 from conftest import REAL_MODELS, SAMPLES
+from onnx import TensorProto, helper
 
 from onnx_qrewrite import rewrite, verify
 from onnx_qrewrite.api import load_rules
@@ -123,14 +124,21 @@ def _agrees(runtime: str, got: dict[str, np.ndarray], expected: dict[str, np.nda
     return True, f"max abs error {worst:.3g}"
 
 
-def runs_on(runtime: str, model: onnx.ModelProto, inputs, expected, original: Path | None = None) -> tuple[bool, str]:
+def runs_on(
+    runtime: str, model: onnx.ModelProto, inputs, expected, original: Path | None = None, refused: bool = False
+) -> tuple[bool, str]:
     """Loads, runs and agrees with onnxruntime running the original (recorded outputs); a
     disagreement is confirmed on two more seeded inputs (target_models.CONFIRM_SEEDS; onnxruntime
-    running ``original`` gives their expected outputs) and counts when it repeats on one of them."""
+    running ``original`` gives their expected outputs) and counts when it repeats on one of them.
+    A model the verdict ``refused`` that agrees on the recorded inputs is also run on verify's
+    wide-range and negative samples (_battery_agrees): a runtime computing wrong numbers only there
+    (OpenVINO's 16-bit Q/DQ) fails ``verify --runtime``, so it does not run it."""
     shapes = {k: v.shape for k, v in inputs.items()}
     try:
         runner = make_runner(runtime, model, label="model", shapes=shapes)
         ran, detail = _agrees(runtime, runner.run(inputs), expected)
+        if ran and refused:
+            return _battery_agrees(runtime, runner, model, inputs, detail)
         if ran or original is None:
             return ran, detail
         reference = _reference(original)
@@ -147,7 +155,33 @@ def runs_on(runtime: str, model: onnx.ModelProto, inputs, expected, original: Pa
     return False, f"{detail}; also on {again.count(False)} of two more seeded inputs"
 
 
-def _reference(original: Path):
+def _battery_agrees(runtime: str, runner, model: onnx.ModelProto, inputs, detail: str) -> tuple[bool, str]:
+    """The runtime against onnxruntime running the same model on verify's wide-range and negative
+    samples (verify/inputs.py's battery: magnitudes 1e-4 to 1e4 of both signs; -5 to -0.01) in
+    place of the float inputs; the model's own numbers in onnxruntime are what its rewrite's
+    exactness is proven against. Agrees when onnxruntime cannot run the model."""
+    reference = _reference(model.SerializeToString())
+    if reference is None:
+        return True, detail
+    rng = np.random.default_rng(0)
+    for kind in ("wide-range", "negative"):
+        feeds = {}
+        for name, value in inputs.items():
+            if not np.issubdtype(value.dtype, np.floating):
+                feeds[name] = value
+            elif kind == "wide-range":
+                feeds[name] = (10.0 ** rng.uniform(-4, 4, value.shape) * rng.choice([-1.0, 1.0], value.shape)).astype(
+                    value.dtype
+                )
+            else:
+                feeds[name] = (-rng.uniform(0.01, 5.0, value.shape)).astype(value.dtype)
+        ran, why = _agrees(runtime, runner.run(feeds), reference(feeds))
+        if not ran:
+            return False, f"{detail} on the recorded inputs; on verify's {kind} sample: {why}"
+    return True, detail
+
+
+def _reference(original: Path | bytes):
     """onnxruntime (CPU, graph optimizations off, as the outputs were recorded) running the
     original, or None when it cannot (the Quark models' vendor ops)."""
     import onnxruntime as ort
@@ -155,7 +189,8 @@ def _reference(original: Path):
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        session = ort.InferenceSession(str(original), opts, providers=["CPUExecutionProvider"])
+        model = original if isinstance(original, bytes) else str(original)
+        session = ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
     except Exception:  # noqa: BLE001 - onnxruntime raises its own types
         return None
     names = [o.name for o in session.get_outputs()]
@@ -218,7 +253,7 @@ def test_verdict_agrees_with_the_runtime(runtime, model, request):
     ran_as = {}
     for form, candidate in _forms(path, runtime, _recorded_shapes(inputs)):
         refused = check_model(candidate, profile)
-        ran, detail = runs_on(runtime, candidate, inputs, expected, original=path)
+        ran, detail = runs_on(runtime, candidate, inputs, expected, original=path, refused=bool(refused))
         ran_as[form] = ran
         why = "; ".join(f"{r.node}: {r.reasons[0]}" for r in refused[:3])
         assert ran == (not refused), f"{form}: runtime says {'runs' if ran else 'fails'} ({detail}); verdict: {why}"
@@ -272,6 +307,47 @@ def test_openvino_wrong_numbers_on_uint16_qdq_are_an_obvious_failure(tmp_path):
     cli("verify", SAMPLES / "qdq_contrib_u16.onnx", out, "--runtime", "openvino", "--report", report)
     (output,) = __import__("json").loads(report.read_text())["outputs"]
     assert output["max_abs_error"] > 100, output  # far outside any tolerance: an obvious failure
+
+
+def _qdq_pair(dtype: int) -> onnx.ModelProto:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])
+    consts = [helper.make_tensor("s", TensorProto.FLOAT, [], [0.01]), helper.make_tensor("z", dtype, [], [0])]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["d"]),
+        helper.make_node("Identity", ["d"], ["y"]),  # a pair straight to the output fails compiling
+    ]
+    graph = helper.make_graph(nodes, "qdq", [x], [y], consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.INT16, TensorProto.UINT16])
+def test_openvino_16_bit_qdq_is_refused_as_it_computes_it_wrongly(dtype):
+    """OpenVINO 2026.4.1 neither saturates a 16-bit Q -> DQ pair at its type's range nor rounds every
+    negative value as onnxruntime does; the profile refused uint16 only, and int16 was taken on the
+    strength of one model's recorded inputs."""
+    _runtime("openvino")
+    model = _qdq_pair(dtype)
+    x = {"x": np.linspace(-1000, 1000, 8, dtype=np.float32)[None]}
+    low = 0 if dtype == TensorProto.UINT16 else -32768
+    high = 65535 if dtype == TensorProto.UINT16 else 32767
+    want = np.clip(np.round(x["x"] / np.float32(0.01)), low, high) * np.float32(0.01)  # onnxruntime's
+    got = make_runner("openvino", model, label="qdq", shapes={"x": (1, 8)}).run(x)["y"]
+    assert np.max(np.abs(got - want)) > 100  # not saturated: a runtime bug, not arithmetic
+    assert [r.op for r in check_model(model, load_target("openvino"))] == ["QuantizeLinear", "DequantizeLinear"]
+
+
+def test_rewrite_for_openvino_of_the_quark_a16w8_model_passes_verify_on_openvino(tmp_path):
+    """Its Quark Q/DQ as int16 standard ones agreed with onnxruntime on the recorded inputs only:
+    `rewrite --target openvino --verify` failed (435 max abs on the wide-range and negative
+    samples). As the exact primitive decompositions the profile leaves, it agrees on every sample."""
+    _runtime("openvino")
+    out = tmp_path / "out.onnx"
+    proc = cli("rewrite", REAL_MODELS / "quark_cnn_op17_a16w8_ext.onnx", "-o", out, "--target", "openvino", "--verify")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rewritten ran on openvino" in proc.stdout and "wide-range" in proc.stdout and "negative" in proc.stdout
+    assert not {"QuantizeLinear"} & {n.op_type for n in onnx.load(out).graph.node}
 
 
 def test_a_runtime_refusing_the_rewrite_is_one_line_naming_it(tmp_path):
