@@ -350,6 +350,20 @@ def test_rewrite_for_openvino_of_the_quark_a16w8_model_passes_verify_on_openvino
     assert not {"QuantizeLinear"} & {n.op_type for n in onnx.load(out).graph.node}
 
 
+@pytest.mark.parametrize("shape", ["batch=0", "input:0,3,16,16"])
+def test_qnn_with_a_dimension_of_0_is_a_usage_error(shape, tmp_path):
+    """--runtime qnn fixes symbolic dimensions in the model, as make_dynamic_shape_fixed, which
+    takes values from 1: a 0 reached QNN, which failed finalizing its graph (exit 3, blaming the
+    model). The other runtimes take the empty batch (exit 6, nothing compared)."""
+    _runtime("qnn")
+    copy = tmp_path / "copy.onnx"
+    copy.write_bytes((SAMPLES / "dynamic_cnn.onnx").read_bytes())
+    proc = cli("verify", SAMPLES / "dynamic_cnn.onnx", copy, "--runtime", "qnn", "--input-shape", shape)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "LIBNATIVE" not in line]
+    assert len(lines) == 1 and "--input-shape" in lines[0] and "'batch'" in lines[0], proc.stderr
+
+
 def test_a_runtime_refusing_the_rewrite_is_one_line_naming_it(tmp_path):
     _runtime("tract")
     out = tmp_path / "out.onnx"

@@ -404,6 +404,11 @@ def fix_input_shapes(
         for i, dim in enumerate(vi.type.tensor_type.shape.dim):
             if dim.dim_param:
                 value = int(given[i]) if given is not None and i < len(given) else (dims or {}).get(dim.dim_param, 1)
+                if value < 1:  # QNN then fails finalizing its graph ("QNN_COMMON_ERROR_MEM_ALLOC"), exit 3
+                    raise UsageError(
+                        f"--input-shape: dimension {dim.dim_param!r} of input {vi.name!r} must be at least 1 for "
+                        f"--runtime qnn, which fixes it in the model (as make_dynamic_shape_fixed), got {value}"
+                    )
                 make_dim_param_fixed(fixed.graph, dim.dim_param, value)
     # Outputs declared without a type (the localiser's extra outputs, verify/localize.py) stay so:
     # fix_output_shapes cannot read them, and the runtime infers them.
