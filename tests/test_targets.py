@@ -986,7 +986,9 @@ def test_an_op_taken_only_inside_a_chain_and_raw_integer_tensors():
 def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     """A rule that matches a refused node but declines it is weighed with the engine's reason, so
     `inspect --target` says what would make it apply (here: the reduction length of an activation
-    x activation QLinearMatMul, which the bounded QDQ rewrite needs and the model does not record)."""
+    x activation QLinearMatMul, which qop-matmul with reduction_length = 'recorded' needs and the
+    model does not record). The shipped rule bounds it at run time instead (a bound that depends on
+    K, tests/test_qoperator_run_time_k.py)."""
     f = onnx.numpy_helper.from_array
     consts = [f(np.float32(0.1), "s"), f(np.uint8(128), "z")]
     node = helper.make_node("QLinearMatMul", ["a", "s", "z", "b", "s", "z", "s", "z"], ["y"], name="mm")
@@ -997,7 +999,8 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     model = _graph([node], inputs, [helper.make_tensor_value_info("y", TensorProto.UINT8, [2, 3])], consts)
     path = tmp_path / "mm.onnx"
     onnx.save(model, path)
-    plan = plan_for_target(path, load_rules(), load_target("tflite"))
+    recorded = load_rules().with_options({"qop-matmul": {"reduction_length": "recorded"}})
+    plan = plan_for_target(path, recorded, load_target("tflite"))
     (verdict,) = [n for n in plan.nodes if n.node == "mm"]
     assert verdict.rule is None and verdict.after
     assert any(
@@ -1007,9 +1010,13 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     ), verdict.considered
     # What the reason proposes makes the rule apply (onnx's shape inference cannot help a QOperator
     # BERT's attention: it stops at the com.microsoft ops before it).
-    fixed = plan_for_target(path, load_rules(), load_target("tflite"), input_shapes=parse_input_shapes(("k=4",)))
+    fixed = plan_for_target(path, recorded, load_target("tflite"), input_shapes=parse_input_shapes(("k=4",)))
     (verdict,) = [n for n in fixed.nodes if n.node == "mm"]
     assert not any("reduction length" in c for c in verdict.considered), verdict.considered
+    assert verdict.rule == "qop-matmul" and not verdict.after
+    shipped = plan_for_target(path, load_rules(), load_target("tflite"))
+    (verdict,) = [n for n in shipped.nodes if n.node == "mm"]
+    assert verdict.rule == "qop-matmul" and not verdict.after and shipped.refused_after == 0
 
 
 def test_readers_decide_the_unfused_outputs_and_read_by_refusals():

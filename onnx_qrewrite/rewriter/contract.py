@@ -40,6 +40,7 @@ __all__ = [
     "EXACTNESS",
     "OUTPUT_TYPE_GRAMMAR",
     "REQUIRED",
+    "RUN_TIME_K_FORMULA",
     "UNREAD",
     "Contract",
     "Option",
@@ -54,6 +55,11 @@ BOUNDED = "bounded"
 APPROXIMATE = "approximate"
 #: In order of preference: the engine tries exact rules first, then bounded ones.
 EXACTNESS = (EXACT, BOUNDED, APPROXIMATE)
+
+#: The bound formula (``Plan.bound_formula``, ``run-time-k:<c>``) of a bound that is a function of a
+#: reduction length K known only at run time: ``floor(gamma(K + 4)·K·c) + 1`` steps, which ``verify``
+#: evaluates at each sample's K (verify/element_bounds.py). Named here, where the report reads it.
+RUN_TIME_K_FORMULA = "run-time-k"
 
 
 def closest(name: str, valid: Iterable[str]) -> str:

@@ -486,6 +486,7 @@ def _apply(
                     plan.notes,
                     rule.exactness,
                     plan.bound,
+                    plan.bound_formula,
                 )
             )
         if spool is not None and spooled:

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
 from onnx_qrewrite.io.outputs import write_report_file
+from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 
 if TYPE_CHECKING:
     import onnx
@@ -77,6 +78,10 @@ class AppliedRewrite:
     #: The rule's exactness (onnx_qrewrite.rewriter.contract) and, when bounded, this node's bound.
     exactness: str = "exact"
     bound: float | None = None
+    #: Where the bound is a formula ``verify`` evaluates on each sample (``Plan.bound_formula``):
+    #: its name and parameter, e.g. ``run-time-k:<c>`` (a function of a reduction length known only
+    #: at run time).
+    bound_formula: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,7 @@ class RewriteReport:
                     "notes": list(r.notes),
                     "exactness": r.exactness,
                     "bound": r.bound,
+                    "bound_formula": r.bound_formula,
                 }
                 for r in self.rewrites
             ],
@@ -184,6 +190,13 @@ class RewriteReport:
             lines.append(
                 f"  {bounded} node{'s' if bounded != 1 else ''} rewritten by bounded rules (no exact rule applies "
                 "there): within each rule's stated bound of the original, not bit-exact"
+            )
+        at_run_time = sum((r.bound_formula or "").startswith(RUN_TIME_K_FORMULA + ":") for r in inexact)
+        if at_run_time:
+            lines.append(
+                f"  {at_run_time} of them with a bound that depends on the reduction length K, known only at run "
+                "time (a symbolic dimension): floor(gamma(K + 4)·K·c) + 1 steps, which verify evaluates at each "
+                "sample's K"
             )
         forms = (self.target or {}).get("forms", {})
         if len(inexact) > bounded:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,7 +69,7 @@ class BoundedRewrite:
     @property
     def label(self) -> str:
         if self.formula:
-            bound = f"per element ({self.formula.partition(':')[0]})"
+            bound = element_bounds.describe(self.formula)
         else:
             bound = f"{self.bound:g}" + (f" + {self.per_unit:g}·max|{self.unit}|" if self.unit else "")
         if self.u8s8_dropped:
@@ -390,7 +391,9 @@ def _tolerance(
     or its formula's per-element bound where it has one, and that per-element bound."""
     bound, rewrite = case.bound, case.rewrite
     integer = expected.dtype.kind in "iub"
-    tol = Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0)
+    # A formula's bound with no scalar bound recorded is unbounded until the formula is evaluated.
+    steps = (math.floor(bound) if math.isfinite(bound) else sys.maxsize) if integer else 0
+    tol = Tolerance(0.0 if integer else bound, 0.0, steps)
     if not rewrite.formula or case.node is None or len(rewrite.outputs) != 1:
         return tol, None
     per_element = element_bounds.element_bound(
@@ -399,7 +402,7 @@ def _tolerance(
     if per_element is None:
         return tol, None
     largest = float(np.max(per_element, initial=0.0))
-    text = f"per element ({rewrite.formula.partition(':')[0]}), at most {largest:g}"
+    text = f"{element_bounds.describe(rewrite.formula, case.node, case.reads)}, at most {largest:g}"
     return Tolerance(0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text), per_element
 
 

@@ -32,6 +32,12 @@ Formulas (``name`` or ``name:parameter``):
     sum of magnitudes, more than ``K + 1`` times below this bound (measured: 365 times on K = 96,
     ``tests/test_lower_matmul_nbits.py``), so no sound per-element bound on dense inputs sees it;
     verify's identity probe (:mod:`.probe`), where every sum is exact, does.
+``run-time-k:<c>``
+    QLinearMatMul of two run-time operands whose reduction length K the model does not record (a
+    symbolic sequence length): ``floor(gamma(K + 4)·K·c) + 1`` steps at every element, K the last
+    dimension of the sample's own A, ``c`` the largest product in output steps (the rule's
+    parameter): the bound ``qop-matmul`` computes for a recorded K
+    (``onnx_qrewrite.rewriter.builders.qoperator.run_time_k_steps``), at the K this sample runs with.
 """
 
 from __future__ import annotations
@@ -43,8 +49,9 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 
-__all__ = ["FORMULAS", "element_bound", "needed_inputs", "preparable", "prepare", "uses_saturation"]
+__all__ = ["FORMULAS", "describe", "element_bound", "needed_inputs", "preparable", "prepare", "uses_saturation"]
 
 _U = 2.0**-24
 _ROUNDING = 2.0**-20  # generous: a few roundings of float32 values, each at most u
@@ -59,6 +66,7 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
     },
     "float32-sum-order": {"MatMulNBits": (0, 1, 2, 3, 5)},
     "u8s8-attention": {"QAttention": (0, 1, 2, 3, 4, 6, 7)},
+    RUN_TIME_K_FORMULA: {"QLinearMatMul": (0,)},
 }
 
 
@@ -244,6 +252,32 @@ def _u8s8_attention(
     return bound + _ROUNDING * larger
 
 
+def _reduction_length(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> int:
+    """K of a QLinearMatMul on this sample: the last dimension of its A (1-D A: its length)."""
+    a = _input(node, values, 0)
+    assert a is not None
+    return int(a.shape[-1])
+
+
+def _run_time_k(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    from onnx_qrewrite.rewriter.builders.qoperator import run_time_k_steps
+
+    return np.asarray(run_time_k_steps(_reduction_length(node, values), float(parameter)))
+
+
+def describe(formula: str, node: onnx.NodeProto | None = None, values: Mapping[str, np.ndarray] | None = None) -> str:
+    """How a row names ``formula``'s bound: the K it was evaluated at, for ``run-time-k`` (with
+    ``node`` and the sample's ``values``), else the formula's name, per element."""
+    name = _split(formula)[0]
+    if name != RUN_TIME_K_FORMULA:
+        return f"per element ({name})"
+    if node is None or values is None:
+        return "a function of the run-time reduction length K (run-time-k)"
+    return f"at the run-time reduction length K = {_reduction_length(node, values)} (run-time-k)"
+
+
 #: The formulas whose bound is onnxruntime's u8 x s8 pair saturation (they take ``saturates``).
 _SATURATION_FORMULAS = frozenset({"u8s8-pairs", "u8s8-attention"})
 
@@ -252,6 +286,7 @@ FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     "u8s8-pairs": _u8s8_pairs,
     "float32-sum-order": _float32_sum_order,
     "u8s8-attention": _u8s8_attention,
+    RUN_TIME_K_FORMULA: _run_time_k,
 }
 
 

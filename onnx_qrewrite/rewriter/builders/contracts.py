@@ -782,6 +782,15 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 Option("op", str, allowed=tuple(QOPERATOR_EXACTNESS), doc="which QOperator op the rule replaces"),
                 U8S8_SATURATION,
                 Option(
+                    "reduction_length",
+                    str,
+                    "recorded",
+                    ("recorded", "run-time"),
+                    doc="QLinearMatMul of two run-time operands: bounded at the reduction length K the model "
+                    "records; where K is not recorded (a symbolic sequence length), decline ('recorded') or bound it "
+                    "by a function of K that verify evaluates at each sample's K ('run-time')",
+                ),
+                Option(
                     "length_check",
                     str,
                     "shape",
@@ -821,7 +830,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=_qoperator_exactness,
             bound="one quantization step at the node's output for every op but QLinearSoftmax with a non-integral "
             "1/y_scale (two); more only where float32 accumulation of the dot products cannot be bounded below "
-            "one step (computed per node from the weights: floor(d) + 1 steps)",
+            "one step (computed per node from the weights: floor(d) + 1 steps; for a QLinearMatMul of two run-time "
+            "operands whose reduction length K is not recorded (reduction_length 'run-time'), a function of K, "
+            "floor(gamma(K + 4)·K·c) + 1, that verify evaluates at each sample's K)",
             opset=_qoperator_opset,
         ),
     ),

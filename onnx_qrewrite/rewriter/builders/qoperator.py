@@ -58,10 +58,10 @@ from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, QOPERATOR_EXACTNESS
-from onnx_qrewrite.rewriter.contract import EXACT
+from onnx_qrewrite.rewriter.contract import EXACT, RUN_TIME_K_FORMULA
 from onnx_qrewrite.rewriter.graph import dtype_name
 
-__all__ = ["QOperatorBuilder", "summation_error_bound"]
+__all__ = ["QOperatorBuilder", "run_time_k_steps", "summation_error_bound"]
 
 _U = 2.0**-24  # unit roundoff of float32
 _RANGES = {"uint8": (0, 255), "int8": (-128, 127)}
@@ -74,6 +74,10 @@ _FIX_DIMS = (
     "rewrite --target T --input-shape DIM=N fixes the input dimension it comes from (the output keeps it "
     "fixed) and records it"
 )
+
+
+#: ``reduction_length``: a QLinearMatMul whose reduction length is not recorded is bounded at run time.
+RUN_TIME = "run-time"
 
 
 def summation_error_bound(terms: int) -> float:
@@ -198,11 +202,12 @@ class QOperatorBuilder:
         data: dict[str, Any] = {"attrs": attrs, "inputs": inputs, "out": out}
         notes: list[str] = []
         bound_u8s8 = 0.0
+        formula: str | None = None
         if op in _ACCUMULATING:
-            bound, note, bound_u8s8 = _accumulation_bound(site, op, attrs, inputs, out, options)
+            bound, note, bound_u8s8, formula = _accumulation_bound(site, op, attrs, inputs, out, options)
             notes.append(note)
             if options["u8s8_saturation"] == "ignore":
-                bound, bound_u8s8 = None, 0.0  # approximate: no bound against a kernel that saturates
+                bound, bound_u8s8, formula = None, 0.0, None  # approximate: no bound against a kernel that saturates
             if op == "QGemm":
                 min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["gemm-optional-c"])
         elif op == "QLinearSoftmax":
@@ -217,7 +222,14 @@ class QOperatorBuilder:
             raise NoMatch("malformed node: QLinearConcat needs an 'axis' attribute")
         if per_axis and op not in ("QLinearConv", "QLinearMatMul", "QGemm"):
             raise NoMatch(f"{op} takes per-tensor scales only; a scale here has more than one element")
-        return Plan(min_opset=min_opset, bound=bound, notes=tuple(notes), data=data, bound_u8s8=bound_u8s8)
+        return Plan(
+            min_opset=min_opset,
+            bound=bound,
+            notes=tuple(notes),
+            data=data,
+            bound_u8s8=bound_u8s8,
+            bound_formula=formula,
+        )
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op = options["op"]
@@ -227,20 +239,21 @@ class QOperatorBuilder:
         out_scale, out_zp, out_dtype = plan.data["out"]
         float_out = site.node.output[0] if out_scale is None else None
         y = _FLOAT_OPS[op](emit, site, attrs, floats, plan, float_out)
-        guard = plan.data.get("one_value_guard", False)
-        if guard and options["length_check"] == "softmax":
-            y = emit.op1("Mul", [y, _more_than_one(emit, site, attrs, floats[0], plan)])
-            guard = False  # y is 0 where the length is 1: QuantizeLinear gives the zero point there
+        if plan.data.get("one_value_guard", False):
+            # y is 0 where the softmax normalises one value: QuantizeLinear gives the zero point there
+            # (0 / y_scale rounds to 0), in float before it, so the quantization stays one
+            # QuantizeLinear a target's float emulation or Q/DQ fusion recognises.
+            if options["length_check"] == "softmax":
+                y = emit.op1("Mul", [y, _more_than_one(emit, site, attrs, floats[0], plan)])
+            else:
+                y = _zero_over_one_value(emit, floats[0], attrs, y)
         if out_scale is not None:
             zp = out_zp if out_zp is not None else np.zeros((), _NP[out_dtype])
-            zp_name = emit.const(zp.reshape(()))
-            q = emit.op1(
+            emit.op1(
                 "QuantizeLinear",
-                [y, emit.const(out_scale.reshape(())), zp_name],
-                None if guard else site.node.output[0],
+                [y, emit.const(out_scale.reshape(())), emit.const(zp.reshape(()))],
+                site.node.output[0],
             )
-            if guard:
-                _one_value_guard(emit, floats[0], attrs, q, zp_name, site.node.output[0])
 
 
 # ---------------------------------------------------------------------------------------- reading
@@ -343,9 +356,11 @@ def _dim(site: Site, name: str, axis: int) -> int | None:
 
 def _accumulation_bound(
     site: Site, op: str, attrs: dict[str, Any], inputs: list, out: tuple, options: Mapping[str, Any]
-) -> tuple[float, str, float]:
+) -> tuple[float | None, str, float, str | None]:
     """The bound of an integer-accumulating op: ``floor(d) + 1`` steps (float output: ``d`` units),
-    and the part of it that only onnxruntime's u8 x s8 pair saturation uses (``Plan.bound_u8s8``)."""
+    the part of it that only onnxruntime's u8 x s8 pair saturation uses (``Plan.bound_u8s8``), and
+    the formula ``verify`` evaluates where the bound is a function of a reduction length known only
+    at run time (then no scalar bound: :func:`_run_time_operands_bound`)."""
     (a, a_scale, a_zp, a_dtype), (b, b_scale, b_zp, b_dtype) = inputs
     if a_scale.value.size != 1:
         raise NoMatch(f"{op}: the scale of input {a!r} must have one element (onnxruntime's kernel requires it)")
@@ -353,10 +368,13 @@ def _accumulation_bound(
     a_zero = int(a_zp.reshape(-1)[0]) if a_zp is not None else 0
     a_max = max(hi - a_zero, a_zero - lo)
     weights = site.constant(b)
-    # Per output channel: sum over the reduction of |w - zw| (the weights' L1 norms), or K * the
-    # largest |w - zw| when b is computed at run time.
+    if weights is None:
+        if op != "QLinearMatMul":
+            raise NoMatch(f"{op}: the weights {b!r} are computed at run time")
+        return _run_time_operands_bound(site, inputs, out, options, a_max)
+    # Per output channel: sum over the reduction of |w - zw| (the weights' L1 norms).
     if op == "QLinearConv":
-        reduce_axes: tuple[int, ...] = tuple(range(1, weights.ndim)) if weights is not None else ()
+        reduce_axes: tuple[int, ...] = tuple(range(1, weights.ndim))
         channel_axis = 0
     elif op == "QGemm":
         channel_axis = 0 if attrs.get("transB") else 1
@@ -364,53 +382,25 @@ def _accumulation_bound(
     else:
         channel_axis = -1
         reduce_axes = (-2,)
-    if weights is not None:
-        w = weights.astype(np.int64)
-        zw = (b_zp if b_zp is not None else np.zeros(1, np.int64)).astype(np.int64).reshape(-1)
-        n_channels = w.shape[channel_axis]
-        shape = [1] * w.ndim
-        shape[channel_axis] = n_channels
-        centred = np.abs(w - (zw.reshape(shape) if zw.size > 1 else zw[0]))
-        l1 = centred.sum(axis=tuple(ax % w.ndim for ax in reduce_axes))
-        while l1.ndim > 1:  # batched MatMul weights: the worst batch
-            l1 = l1.max(axis=0)
-        k = int(np.prod([w.shape[ax] for ax in reduce_axes]))
-        excess = _pair_excess(op, weights, channel_axis, a_dtype, b_dtype)
-        at_risk = bool(excess.max(initial=0) > 0)
-        _saturation(options, at_risk, bounded=True)
-        if at_risk and options["u8s8_saturation"] == "decline":
-            raise NoMatch(
-                f"uint8 activations x int8 weights {b!r}: onnxruntime's kernel on x86 CPUs without AVX-VNNI saturates "
-                f"pairs of products to int16 and can here (up to {int(excess.max())} per element): the rule with "
-                "u8s8_saturation = 'bound' takes it"
-            )
-    else:
-        if op != "QLinearMatMul":
-            raise NoMatch(f"{op}: the weights {b!r} are computed at run time")
-        k_dim = _dim(site, b, -2) if (_rank(site, b) or 0) >= 2 else _dim(site, a, -1)
-        if k_dim is None:
-            if _rank(site, b) is not None:  # the shape is recorded, the dimension is symbolic
-                raise NoMatch(
-                    f"the reduction length of {site.label} (a dimension of {b!r}) is not fixed in the model, and "
-                    f"the bound on float32 accumulation grows with it ({_FIX_DIMS})"
-                )
-            raise NoMatch(
-                f"the reduction length of {site.label} is not recorded in the model; run onnx shape inference "
-                f"first, or, where it stops at com.microsoft ops, {_FIX_DIMS}"
-            )
-        blo, bhi = _RANGES[b_dtype]
-        bz = int(b_zp.reshape(-1).max()) if b_zp is not None else 0
-        bz_min = int(b_zp.reshape(-1).min()) if b_zp is not None else 0
-        l1 = np.asarray([k_dim * max(bhi - bz_min, bz - blo)])
-        k = k_dim
-        excess = np.zeros(1)
-        at_risk = b_dtype == "int8" and a_dtype == "uint8"
-        _saturation(options, at_risk, bounded=False)
-        if at_risk and options["u8s8_saturation"] != "ignore":
-            raise NoMatch(
-                "uint8 x int8 weights computed at run time: onnxruntime's kernel on x86 CPUs without AVX-VNNI may "
-                "saturate pairs of products to int16, and no useful bound on that can be computed from the types"
-            )
+    w = weights.astype(np.int64)
+    zw = (b_zp if b_zp is not None else np.zeros(1, np.int64)).astype(np.int64).reshape(-1)
+    n_channels = w.shape[channel_axis]
+    shape = [1] * w.ndim
+    shape[channel_axis] = n_channels
+    centred = np.abs(w - (zw.reshape(shape) if zw.size > 1 else zw[0]))
+    l1 = centred.sum(axis=tuple(ax % w.ndim for ax in reduce_axes))
+    while l1.ndim > 1:  # batched MatMul weights: the worst batch
+        l1 = l1.max(axis=0)
+    k = int(np.prod([w.shape[ax] for ax in reduce_axes]))
+    excess = _pair_excess(op, weights, channel_axis, a_dtype, b_dtype)
+    at_risk = bool(excess.max(initial=0) > 0)
+    _saturation(options, at_risk, bounded=True)
+    if at_risk and options["u8s8_saturation"] == "decline":
+        raise NoMatch(
+            f"uint8 activations x int8 weights {b!r}: onnxruntime's kernel on x86 CPUs without AVX-VNNI saturates "
+            f"pairs of products to int16 and can here (up to {int(excess.max())} per element): the rule with "
+            "u8s8_saturation = 'bound' takes it"
+        )
     alpha = float(attrs.get("alpha", 1.0))
     a_s = float(a_scale.value.reshape(-1)[0])
     b_scales = b_scale.value.astype(np.float64).reshape(-1)
@@ -436,7 +426,7 @@ def _accumulation_bound(
         part = bound - own
         while part > 0 and bound - part < own:  # verify's bound - part must not round below own
             part = math.nextafter(part, 0.0)
-        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}", part
+        return bound, f"float output, accumulation of {k} products bounded by {bound:.3g}{note}", part, None
     step = float(out_scale.reshape(-1)[0])
     d = (error + saturation * (1 + 4 * _U)) / step
     steps = math.floor(d) + 1
@@ -444,7 +434,78 @@ def _accumulation_bound(
         float(steps),
         f"accumulation of {k} products: at most {d:.2g} of a step before rounding, bound {steps}{note}",
         float(steps - (math.floor(error / step) + 1)),
+        None,
     )
+
+
+def run_time_k_steps(k: int, per_k: float) -> float:
+    """The bound, in steps, of a QLinearMatMul both of whose operands are computed at run time, for
+    reduction length ``k``: ``floor(d) + 1`` with ``d = gamma(k + 4) · k · per_k`` (the float32
+    summation bound of ``k`` products each at most ``per_k`` steps). The rule computes it where ``k``
+    is recorded; ``verify`` evaluates the same function at each sample's ``k`` where it is not
+    (:mod:`onnx_qrewrite.verify.element_bounds`, formula ``run-time-k``)."""
+    return float(math.floor(summation_error_bound(k + 4) * k * per_k) + 1)
+
+
+def _one_step_limit(per_k: float) -> int:
+    """The largest reduction length whose bound is one step (run_time_k_steps increases with k)."""
+    if run_time_k_steps(1, per_k) > 1:
+        return 0
+    low, high = 1, 1 << 24
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if run_time_k_steps(mid, per_k) <= 1 else (low, mid - 1)
+    return low
+
+
+def _run_time_operands_bound(
+    site: Site, inputs: list, out: tuple, options: Mapping[str, Any], a_max: int
+) -> tuple[float | None, str, float, str | None]:
+    """QLinearMatMul of two run-time operands (attention's scores and context): each product is at
+    most ``a_max · max|b - zb|`` integer units, so ``d = gamma(K + 4) · K · per_k``, ``per_k`` that
+    product in output steps, whatever the values. With K recorded, the bound at K. With K not
+    recorded (a symbolic sequence length, or a shape onnx's inference does not reach) and option
+    ``reduction_length = 'run-time'``, no scalar bound: the formula ``run-time-k:<per_k>``, which
+    ``verify`` evaluates at each sample's K, at the node's own output, as this function computes it
+    for a recorded K; with ``'recorded'``, the rule declines."""
+    (a, a_scale, _, a_dtype), (b, b_scale, b_zp, b_dtype) = inputs
+    k_dim = _dim(site, b, -2) if (_rank(site, b) or 0) >= 2 else _dim(site, a, -1)
+    if k_dim is None and options["reduction_length"] != RUN_TIME:
+        if _rank(site, b) is not None:  # the shape is recorded, the dimension is symbolic
+            raise NoMatch(
+                f"the reduction length of {site.label} (a dimension of {b!r}) is not fixed in the model, and "
+                f"the bound on float32 accumulation grows with it ({_FIX_DIMS}; reduction_length = 'run-time' "
+                "bounds it at run time instead)"
+            )
+        raise NoMatch(
+            f"the reduction length of {site.label} is not recorded in the model; run onnx shape inference "
+            f"first, or, where it stops at com.microsoft ops, {_FIX_DIMS}"
+        )
+    at_risk = b_dtype == "int8" and a_dtype == "uint8"
+    _saturation(options, at_risk, bounded=False)
+    if at_risk and options["u8s8_saturation"] != "ignore":
+        raise NoMatch(
+            "uint8 x int8 weights computed at run time: onnxruntime's kernel on x86 CPUs without AVX-VNNI may "
+            "saturate pairs of products to int16, and no useful bound on that can be computed from the types"
+        )
+    blo, bhi = _RANGES[b_dtype]
+    zb = b_zp.reshape(-1).astype(np.int64) if b_zp is not None else np.zeros(1, np.int64)
+    b_max = max(bhi - int(zb.min()), int(zb.max()) - blo)
+    a_s = float(a_scale.value.reshape(-1)[0])
+    b_s = float(np.max(b_scale.value.astype(np.float64)))
+    per_k = a_s * b_s * b_max * a_max / float(out[0].reshape(-1)[0])
+    if k_dim is not None:
+        steps = run_time_k_steps(k_dim, per_k)
+        d = summation_error_bound(k_dim + 4) * k_dim * per_k
+        note = f"accumulation of {k_dim} products: at most {d:.2g} of a step before rounding, bound {steps:g}"
+        return steps, note, 0.0, None
+    limit = _one_step_limit(per_k)
+    note = (
+        f"accumulation of K products, K (the reduction length) known only at run time: the bound depends on K, "
+        f"floor(gamma(K + 4)·K·{per_k:.3g}) + 1 steps (one step up to K = {limit}), which verify evaluates at "
+        "each sample's K"
+    )
+    return None, note, 0.0, f"{RUN_TIME_K_FORMULA}:{per_k!r}"
 
 
 def _saturation(options: Mapping[str, Any], at_risk: bool, *, bounded: bool) -> None:
@@ -619,9 +680,9 @@ def _softmax(emit, site, attrs, floats, plan, out):
     return emit.op1("Reshape", [y, emit.op1("Shape", floats)], out)
 
 
-def _one_value_guard(emit: Emitter, x: str, attrs: dict[str, Any], q: str, zp: str, out: str) -> None:
-    """``out`` = the zero point where the softmax normalises one value, else ``q``: what
-    onnxruntime's uint8 QLinearSoftmax gives once floor(1/y_scale) exceeds
+def _zero_over_one_value(emit: Emitter, x: str, attrs: dict[str, Any], y: str) -> str:
+    """0 where the softmax normalises one value, else ``y`` (the float softmax): quantized, the
+    zero point there, what onnxruntime's uint8 QLinearSoftmax gives once floor(1/y_scale) exceeds
     _UINT8_SOFTMAX_OF_ONE_LIMIT (measured for zero points 0, 10 and 200)."""
     legacy = int(attrs["opset"]) < kernel_opsets.OP_VERSIONS["softmax-single-axis"]
     axis = int(attrs.get("axis", 1 if legacy else -1))
@@ -631,7 +692,7 @@ def _one_value_guard(emit: Emitter, x: str, attrs: dict[str, Any], q: str, zp: s
         shape, index = emit.op1("Shape", [x]), axis
     length = emit.op1("Gather", [shape, emit.const(np.asarray(index, np.int64))], axis=0)
     one = emit.op1("Equal", [length, emit.const(np.asarray(1, np.int64))])
-    emit.op1("Where", [one, zp, q], out)
+    return emit.op1("Where", [one, emit.const(np.asarray(0, np.float32)), y])
 
 
 def _more_than_one(emit: Emitter, site: Site, attrs: dict[str, Any], x: str, plan: Plan) -> str:
