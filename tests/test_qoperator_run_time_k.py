@@ -220,7 +220,9 @@ def _activation_matmul(a_dtype: str, b_dtype: str, zero_points: tuple[int, int])
 
 
 @rule_marker("qop-matmul", "positive")
-@pytest.mark.parametrize(("a_dtype", "b_dtype", "zero_points"), [("uint8", "uint8", (7, 200)), ("int8", "int8", (0, -3))])
+@pytest.mark.parametrize(
+    ("a_dtype", "b_dtype", "zero_points"), [("uint8", "uint8", (7, 200)), ("int8", "int8", (0, -3))]
+)
 def test_against_onnxruntime_at_k_on_both_sides_of_2_24(a_dtype, b_dtype, zero_points):
     """The rewrite in stock onnxruntime against onnxruntime's QLinearMatMul at K = 4 .. 4096 with
     random and extreme operands: within the formula's bound at that K, which grows past one step
@@ -249,5 +251,5 @@ def test_against_onnxruntime_at_k_on_both_sides_of_2_24(a_dtype, b_dtype, zero_p
 def test_with_reduction_length_recorded_the_rule_declines_an_unrecorded_k():
     """The option the rule declares: 'recorded' leaves such a node with the reason and the way out."""
     model = _activation_matmul("uint8", "uint8", (7, 200))
-    with pytest.raises(LoweringError, match="reduction length of mm .* is not fixed in the model"):
+    with pytest.raises(LoweringError, match=r"reduction length of mm .* is not fixed in the model"):
         onnx_qrewrite.rewrite(model, options={"qop-matmul": {"reduction_length": "recorded"}})

@@ -20,7 +20,11 @@ What that costs against onnxruntime's kernels (measured, ``tests/test_lower_qope
   the constant weights and the activation's range), so the outputs differ by at most
   ``floor(d) + 1`` quantization steps: **one step** on every real layer (d is ~1e-3). ``Plan.bound``
   is that number, computed per node. QGemm without ``y_scale`` (float output) is bounded by
-  ``d * y_scale`` units instead.
+  ``d * y_scale`` units instead. A QLinearMatMul of two run-time operands (attention) bounds each
+  product by the types' ranges, ``d = gamma(K + 4) · K · c``; where the model does not record K (a
+  symbolic sequence length) and the rule's ``reduction_length`` is ``"run-time"``, the bound is
+  that function of K (``run_time_k_steps``, formula ``run-time-k``), which ``verify`` evaluates at
+  each sample's K.
 - **Float requantization** (QLinearAdd, QLinearMul, QLinearAveragePool,
   QLinearGlobalAveragePool): the kernel evaluates the same real number in another float order, so
   a rounding can land on the other side of a half: **one step**.
