@@ -120,6 +120,11 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
             "did you mean 'ms-q-decompose'",
         ),
         (
+            lambda t: t.replace("[[ops]]", '[rewrites]\nkeep = ["Ad"]\nsource = "doc"\n\n[[ops]]'),
+            "[rewrites] keep: 'Ad' is not a standard op the profile lists (did you mean 'Add'?)",
+        ),
+        (lambda t: t.replace("[[ops]]", '[rewrites]\nkeep = ["Add"]\nsource = "doc"\n\n[[ops]]'), ""),
+        (
             lambda t: t + FORM.replace("float-emulation", "qdq-to-float").replace("why =", "options = {}\nwhy ="),
             "",  # qdq-to-float has an exact rule: valid at allow = "exact"
         ),

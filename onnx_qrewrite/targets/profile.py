@@ -498,7 +498,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
     quantization = _quantization(path, data, sources)
     network = _network(path, data, sources)
-    rewrites = _rewrites(path, data, sources)
+    rewrites = _rewrites(path, data, sources, ops)
     shapes = _shapes(path, data, sources)
     return TargetProfile(
         id=target_id,
@@ -673,8 +673,12 @@ def _shapes(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -
     }
 
 
-def _rewrites(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
-    """``[rewrites]``: ops to keep, rules to avoid and the named forms the target asks for."""
+def _rewrites(
+    path: str, data: Mapping[str, Any], sources: Mapping[str, Source], ops: Mapping[tuple[str, str], Any]
+) -> dict[str, Any]:
+    """``[rewrites]``: ops to keep, rules to avoid and the named forms the target asks for. A kept
+    op must be a standard op the profile's own tables list: a misspelt name would silently keep
+    nothing, and the planner would rewrite what the target runs natively."""
     if "rewrites" not in data:
         return {}
     raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
@@ -685,6 +689,10 @@ def _rewrites(path: str, data: Mapping[str, Any], sources: Mapping[str, Source])
         value = raw.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise _fail(path, "[rewrites]", f"'{key}' must be a list of names")
+    for op in sorted(set(raw.get("keep", []))):
+        if ("", op) not in ops:
+            listed = sorted(name for domain, name in ops if domain == "")
+            raise _fail(path, "[rewrites] keep", f"{op!r} is not a standard op the profile lists{closest(op, listed)}")
     avoid = frozenset(raw.get("avoid", []))
     if avoid:
         _check_rule_ids(path, "[rewrites] avoid", avoid)
