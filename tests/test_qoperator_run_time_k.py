@@ -253,3 +253,29 @@ def test_with_reduction_length_recorded_the_rule_declines_an_unrecorded_k():
     model = _activation_matmul("uint8", "uint8", (7, 200))
     with pytest.raises(LoweringError, match=r"reduction length of mm .* is not fixed in the model"):
         onnx_qrewrite.rewrite(model, options={"qop-matmul": {"reduction_length": "recorded"}})
+
+
+def test_a_run_time_bound_verify_cannot_evaluate_allows_nothing(quantized):
+    """With the original node not found (renamed), the formula cannot be evaluated: the node's row
+    holds the rewrite to exactness, so the dropped zero point fails there, instead of passing
+    within an unbounded tolerance."""
+    result = onnx_qrewrite.rewrite(quantized)
+    renamed = onnx.ModelProto()
+    renamed.CopyFrom(quantized)
+    _node(renamed, CONTEXT).name = CONTEXT + "_renamed"
+    report = verify(renamed, _broken(result.model, "zero point dropped"), samples=2, input_shapes={"x": (1, 64, D)})
+    row = node_row(report, CONTEXT)
+    assert not row.passed and row.tolerance.lsb == 0, report.to_table()
+    assert "could not be evaluated" in row.tolerance.describe(True)
+
+
+def test_an_output_scale_that_makes_the_bound_one_step_up_to_2_24_is_rewritten():
+    """A per-K factor so small that the bound is one step until float32 summation has no bound at
+    all (K + 4 >= 2^24): the rule says so in its note, and the function is infinite beyond, not a
+    crash (it was exit 5)."""
+    model = _activation_matmul("uint8", "uint8", (7, 200))
+    y_s = next(t for t in model.graph.initializer if t.name == "y_s")
+    y_s.CopyFrom(numpy_helper.from_array(np.float32(1e16), "y_s"))
+    (applied,) = onnx_qrewrite.rewrite(model).report.rewrites
+    assert f"one step up to K = {2**24 - 5}" in applied.notes[0], applied.notes
+    assert run_time_k_steps(2**24 - 5, 1e-15) == 1 and run_time_k_steps(2**24 - 4, 1e-15) == math.inf

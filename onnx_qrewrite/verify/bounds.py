@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -391,18 +390,23 @@ def _tolerance(
     or its formula's per-element bound where it has one, and that per-element bound."""
     bound, rewrite = case.bound, case.rewrite
     integer = expected.dtype.kind in "iub"
-    # A formula's bound with no scalar bound recorded is unbounded until the formula is evaluated.
-    steps = (math.floor(bound) if math.isfinite(bound) else sys.maxsize) if integer else 0
-    tol = Tolerance(0.0 if integer else bound, 0.0, steps)
-    if not rewrite.formula or case.node is None or len(rewrite.outputs) != 1:
-        return tol, None
-    per_element = element_bounds.element_bound(
-        rewrite.formula, case.node, case.reads, expected, actual, saturates=case.saturates, prepared=prepared
-    )
-    if per_element is None:
-        return tol, None
+    formula = rewrite.formula if case.node is not None and len(rewrite.outputs) == 1 else None
+    per_element = None
+    if formula and case.node is not None:
+        per_element = element_bounds.element_bound(
+            formula, case.node, case.reads, expected, actual, saturates=case.saturates, prepared=prepared
+        )
+    if per_element is None or not formula:
+        if not math.isfinite(bound):
+            # Only a formula bounds this rewrite (the bound depends on run-time values) and it could
+            # not be evaluated here: nothing is allowed, rather than everything.
+            return Tolerance(0.0, 0.0, 0, text="exact: its bound's formula could not be evaluated here"), None
+        return Tolerance(0.0 if integer else bound, 0.0, math.floor(bound) if integer else 0), None
     largest = float(np.max(per_element, initial=0.0))
-    text = f"{element_bounds.describe(rewrite.formula, case.node, case.reads)}, at most {largest:g}"
+    if not math.isfinite(largest):
+        # run-time-k at a K with no float32 summation bound (K + 4 >= 2^24): unbounded, not passed.
+        return Tolerance(0.0, 0.0, 0, text="exact: its bound's formula is infinite on this sample"), None
+    text = f"{element_bounds.describe(formula, case.node, case.reads)}, at most {largest:g}"
     return Tolerance(0.0 if integer else largest, 0.0, math.floor(largest) if integer else 0, text=text), per_element
 
 

@@ -447,15 +447,18 @@ def run_time_k_steps(k: int, per_k: float) -> float:
     reduction length ``k``: ``floor(d) + 1`` with ``d = gamma(k + 4) · k · per_k`` (the float32
     summation bound of ``k`` products each at most ``per_k`` steps). The rule computes it where ``k``
     is recorded; ``verify`` evaluates the same function at each sample's ``k`` where it is not
-    (:mod:`onnx_qrewrite.verify.element_bounds`, formula ``run-time-k``)."""
-    return float(math.floor(summation_error_bound(k + 4) * k * per_k) + 1)
+    (:mod:`onnx_qrewrite.verify.element_bounds`, formula ``run-time-k``). Infinite from
+    ``k + 4 >= 2^24`` on, where float32 summation has no relative bound."""
+    d = summation_error_bound(k + 4) * k * per_k
+    return float(math.floor(d) + 1) if math.isfinite(d) else math.inf
 
 
 def _one_step_limit(per_k: float) -> int:
-    """The largest reduction length whose bound is one step (run_time_k_steps increases with k)."""
+    """The largest reduction length whose bound is one step (run_time_k_steps increases with k, and
+    is finite below 2^24 - 4)."""
     if run_time_k_steps(1, per_k) > 1:
         return 0
-    low, high = 1, 1 << 24
+    low, high = 1, (1 << 24) - 5
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if run_time_k_steps(mid, per_k) <= 1 else (low, mid - 1)
@@ -500,6 +503,8 @@ def _run_time_operands_bound(
     per_k = a_s * b_s * b_max * a_max / float(out[0].reshape(-1)[0])
     if k_dim is not None:
         steps = run_time_k_steps(k_dim, per_k)
+        if not math.isfinite(steps):
+            raise NoMatch(f"{site.label} sums {k_dim} products: float32 accumulation has no bound at that length")
         d = summation_error_bound(k_dim + 4) * k_dim * per_k
         note = f"accumulation of {k_dim} products: at most {d:.2g} of a step before rounding, bound {steps:g}"
         return steps, note, 0.0, None
