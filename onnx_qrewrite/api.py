@@ -420,10 +420,13 @@ def _run_engine(
         rewritten, report = engine.run(proto, catalogue, opts, external, progress)
         if plan is not None and plan.later:
             rewritten = _later_stages(rewritten, report, plan, catalogue, opts, external, progress)
-        if plan is not None and (plan.later or plan.opset_lowering is not None):
+        lowers = plan is not None and (plan.opset_lowering is not None or plan.ir_lowering is not None)
+        if plan is not None and (plan.later or lowers):
             _check_as_planned(report, plan)  # once, whether stages, a lowering or both follow the plan
         if plan is not None and plan.opset_lowering is not None:
             _lower_opset(rewritten, report, plan.opset_lowering)
+        if plan is not None and plan.ir_lowering is not None:
+            _lower_ir(rewritten, report, plan.ir_lowering)
     except InvalidModelError as exc:  # found while rewriting: name the model, as load errors do
         label = str(source_path) if source_path is not None else "input model"
         if str(exc).startswith(label):
@@ -441,6 +444,15 @@ def _lower_opset(rewritten: onnx.ModelProto | EncodedModel, report: RewriteRepor
 
     set_default_opset(skeleton_of(rewritten), lowering["to"])
     report.opset_changes.append(OpsetChange("", lowering["from"], lowering["to"], lowering["why"]))
+
+
+def _lower_ir(rewritten: onnx.ModelProto | EncodedModel, report: RewriteReport, lowering: dict[str, Any]) -> None:
+    """The target plan's IR version lowering (targets/lower_ir.py), proven on the model the plan
+    checked (it uses nothing the versions in between added): only ``ir_version`` changes."""
+    from onnx_qrewrite.io.encoded import skeleton_of
+
+    skeleton_of(rewritten).ir_version = lowering["to"]
+    report.ir_version_change = dict(lowering)
 
 
 def _add_notes(report: RewriteReport, reordered: int, plan: Any) -> None:

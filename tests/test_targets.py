@@ -143,6 +143,10 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + _REFUSE.format('when = "unfused-outputs"\nops = ["MatMul"]'), ""),
         (lambda t: t + _REFUSE.format('when = "read-by"'), "'ops' goes with"),
         (lambda t: t + _REFUSE.format('when = "read-by"\nops = ["LayerNormalization"]\ntypes = ["int32"]'), ""),
+        (lambda t: t + '\n[ir]\nmax = 13\nsource = "doc"\n', ""),
+        (lambda t: t + "\n[ir]\nmax = 13\n", "'source' is missing"),
+        (lambda t: t + '\n[ir]\nsource = "doc"\n', "'max' (an IR version >= 1) is required"),
+        (lambda t: t + '\n[ir]\nmax = 13\nmin = 3\nsource = "doc"\n', "unknown key 'min'"),
     ],
 )
 def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):
@@ -268,7 +272,7 @@ def test_webgpu_profile_takes_what_its_pinned_kernel_registry_registers():
     ops = ["Identity", "GatherND", "Min", "Max", "QuantizeLinear", "Round", "IsNaN"]
     nodes = [helper.make_node(op, ["x"], [f"y{i}"], name=op) for i, op in enumerate(ops)]
     graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info(f"y{i}", 1, [2]) for i in range(7)])
-    refused = {r.op for r in check_model(helper.make_model(graph), profile)}
+    refused = {r.op for r in check_model(helper.make_model(graph, ir_version=13), profile)}
     assert refused == {"QuantizeLinear", "Round", "IsNaN"}
 
 
@@ -465,7 +469,7 @@ def test_quantization_constraints_are_reported():
         [y],
         [helper.make_tensor("s", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("z", TensorProto.UINT8, [], [3])],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     refused = {r.node: " | ".join(r.reasons) for r in check_model(model, load_target("tensorrt"))}
     assert "scale computed at run time" in refused["q"]
     assert "quantizes to float8e4m3fn, int4, int8 only" in refused["q"]

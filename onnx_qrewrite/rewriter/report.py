@@ -131,11 +131,13 @@ class RewriteReport:
     removed_initializers: list[str] = dataclasses.field(default_factory=list)
     #: ``rewrite --target``: what the target refuses before and after (targets.TargetPlan.to_dict()).
     target: dict[str, Any] | None = None
+    #: ``rewrite --target``: the declared IR version lowered for the target ({"from", "to", "why"}).
+    ir_version_change: dict[str, Any] | None = None
 
     @property
     def changed(self) -> bool:
-        """True when the rewrite changed anything: a node rewritten or an opset import changed."""
-        return bool(self.rewrites or self.opset_changes)
+        """True when the rewrite changed anything: a node rewritten, an opset import or the IR version changed."""
+        return bool(self.rewrites or self.opset_changes or self.ir_version_change)
 
     def by_rule(self) -> dict[str, int]:
         """How many nodes each rule rewrote, e.g. ``{"dql-expand": 3}``."""
@@ -172,6 +174,7 @@ class RewriteReport:
             "warnings": list(self.warnings),
             "removed_initializers": list(self.removed_initializers),
             **({"target": self.target} if self.target is not None else {}),
+            **({"ir_version_change": self.ir_version_change} if self.ir_version_change is not None else {}),
         }
 
     def summary_lines(self) -> list[str]:
@@ -229,6 +232,9 @@ class RewriteReport:
             before = "none" if c.before is None else c.before
             after = "removed" if c.after is None else c.after
             lines.append(f"  opset {c.domain or 'ai.onnx'}: {before} -> {after} ({c.why})")
+        if self.ir_version_change is not None:
+            ir = self.ir_version_change
+            lines.append(f"  IR version: {ir['from']} -> {ir['to']} ({ir['why']})")
         if self.removed_initializers:
             n = len(self.removed_initializers)
             lines.append(f"  removed {n} initializer{'s' if n != 1 else ''} no node reads any more")

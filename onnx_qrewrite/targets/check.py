@@ -104,9 +104,12 @@ def _type_contrib_qlinear(graph: onnx.GraphProto) -> bool:
 
 
 def model_level_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
-    """Reasons the target refuses the model as a whole (its default-domain opset, symbolic input
-    dimensions where it needs static shapes)."""
-    return _opset_reasons(model, profile) + _shape_reasons(model, profile)
+    """Reasons the target refuses the model as a whole (its default-domain opset, its IR version,
+    symbolic input dimensions where it needs static shapes)."""
+    from onnx_qrewrite.targets.lower_ir import ir_reason
+
+    ir = ir_reason(model, profile)
+    return _opset_reasons(model, profile) + ([ir] if ir else []) + _shape_reasons(model, profile)
 
 
 def _shape_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:

@@ -303,39 +303,100 @@ def check_for_target(
     inferred: onnx.ModelProto | None = None,
 ) -> list[Refused]:
     """What ``profile`` refuses of ``model`` as ``rewrite --target`` would ship it: lowered to the
-    target's highest opset when the model declares a higher one and the lowering is exact (then
-    the opset is no refusal); otherwise the model-wide refusal says what blocks the lowering.
+    target's highest opset when the model declares a higher one and the lowering is exact, and to
+    its highest IR version when the model uses nothing newer (lower_ir.py); then neither is a
+    refusal. Otherwise the model-wide refusal says what blocks the lowering.
     ``inferred``: ``model`` with inferred types (check._inferred), when the caller has it."""
-    limit, opset = profile.opset_max, _default_opset(model)
-    if limit is None or opset is None or opset <= limit:
-        return check_model(model, profile, inferred=inferred)
-    if not may_lower:
-        why = "; not lowered: the opset is kept (--keep-opset) or chosen (--target-opset)"
-    elif blockers := lowering_blockers(inferred if inferred is not None else _inferred(model), limit):
-        more = f" (and {len(blockers) - 1} more node(s))" if len(blockers) > 1 else ""
-        why = f"; not lowered to {limit}: {blockers[0]}{more}"
+    from onnx_qrewrite.targets.check import _opset_reasons
+    from onnx_qrewrite.targets.lower_ir import ir_lowering, ir_reason
+
+    if inferred is None:
+        inferred = _inferred(model)
+    lower_to, opset_why = _opset_plan(inferred, profile, may_lower)
+    ir_low, ir_why = ir_lowering(inferred, profile)
+    ir_to = ir_low["to"] if ir_low else None
+    if lower_to is not None:
+        refused = check_model(_declared(model, lower_to, ir_to), profile)
     else:
-        return check_model(_with_default_opset(model, limit), profile)
+        with _ir_declared(inferred, ir_to):
+            refused = check_model(model, profile, inferred=inferred)
+    suffix = dict.fromkeys(_opset_reasons(inferred, profile), opset_why or "")
+    if ir_why:
+        suffix[ir_reason(inferred, profile) or ""] = ir_why
     return [
-        dataclasses.replace(r, reasons=(r.reasons[0] + why, *r.reasons[1:])) if r.node == "(model)" else r
-        for r in check_model(model, profile, inferred=inferred)
+        dataclasses.replace(r, reasons=tuple(reason + suffix.get(reason, "") for reason in r.reasons))
+        if r.node == "(model)"
+        else r
+        for r in refused
     ]
+
+
+def _opset_plan(inferred: onnx.ModelProto, profile: TargetProfile, may_lower: bool) -> tuple[int | None, str | None]:
+    """(the opset to lower to, None) when the model declares more than ``profile`` loads and the
+    lowering is exact; (None, why not) when it is not; (None, None) when nothing is to lower."""
+    limit, opset = profile.opset_max, _default_opset(inferred)
+    if limit is None or opset is None or opset <= limit:
+        return None, None
+    if not may_lower:
+        return None, "; not lowered: the opset is kept (--keep-opset) or chosen (--target-opset)"
+    if blockers := lowering_blockers(inferred, limit):
+        more = f" (and {len(blockers) - 1} more node(s))" if len(blockers) > 1 else ""
+        return None, f"; not lowered to {limit}: {blockers[0]}{more}"
+    return limit, None
+
+
+def _declared(model: onnx.ModelProto, opset: int, ir_version: int | None) -> onnx.ModelProto:
+    """A copy of ``model`` declaring ``opset`` (and ``ir_version``, when given)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    set_default_opset(copy, opset)
+    if ir_version is not None:
+        copy.ir_version = ir_version
+    return copy
+
+
+@contextlib.contextmanager
+def _ir_declared(model: onnx.ModelProto, ir_version: int | None) -> Iterator[None]:
+    """``model`` declaring ``ir_version`` for the duration (None: as it is)."""
+    before = model.ir_version
+    if ir_version is not None:
+        model.ir_version = ir_version
+    try:
+        yield
+    finally:
+        model.ir_version = before
 
 
 def lowering_for_target(
     model: onnx.ModelProto, profile: TargetProfile, *, may_lower: bool = True
-) -> tuple[onnx.ModelProto, dict[str, Any] | None]:
-    """``model`` lowered to ``profile``'s highest opset when it declares a higher one and that is
-    exact, with what was done ({"from", "to", "why"}); else ``model`` itself and None."""
+) -> tuple[onnx.ModelProto, dict[str, Any] | None, dict[str, Any] | None]:
+    """``model`` as it ships to ``profile``: its opset lowered to the target's highest when it
+    declares a higher one and that is exact, its IR version lowered when the target loads only
+    lower ones and the model uses nothing newer; with what was done to each ({"from", "to",
+    "why"}, or None)."""
+    from onnx_qrewrite.targets.lower_ir import ir_lowering, ir_reason
+
     limit, opset = profile.opset_max, _default_opset(model)
-    if not may_lower or limit is None or opset is None or opset <= limit:
-        return model, None
-    if lowering_blockers(_inferred(model), limit):
-        return model, None
-    steps = lowering_steps()
-    cites = " ".join(sorted({steps[v].cite for v in range(opset, limit, -1)}))
-    why = (
-        f"target {profile.id} loads opsets up to {limit} {profile.cite(profile.opset_source)}; every node "
-        f"computes the same at {limit} {cites}"
-    )
-    return lower_default_opset(model, limit), {"from": opset, "to": limit, "why": why}
+    if (not may_lower or limit is None or opset is None or opset <= limit) and ir_reason(model, profile) is None:
+        return model, None, None  # nothing to lower: no shape inference of the whole model
+    inferred = _inferred(model)
+    lower_to, _ = _opset_plan(inferred, profile, may_lower)
+    ir_low, _ = ir_lowering(inferred, profile)
+    opset_low = None
+    if lower_to is not None:
+        opset = _default_opset(model)
+        steps = lowering_steps()
+        cites = " ".join(sorted({steps[v].cite for v in range(opset or lower_to, lower_to, -1)}))
+        why = (
+            f"target {profile.id} loads opsets up to {lower_to} {profile.cite(profile.opset_source)}; every node "
+            f"computes the same at {lower_to} {cites}"
+        )
+        model = lower_default_opset(model, lower_to, inferred)
+        opset_low = {"from": opset, "to": lower_to, "why": why}
+    if ir_low is not None:
+        if opset_low is None:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            model = copy
+        model.ir_version = ir_low["to"]
+    return model, opset_low, ir_low

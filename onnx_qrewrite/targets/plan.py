@@ -109,6 +109,9 @@ class TargetPlan:
     #: The default-domain opset lowered to the target's highest ({"from", "to", "why"}), exact
     #: node by node (lower_opset.py); ``rewritten`` is the lowered model.
     opset_lowering: dict[str, Any] | None = None
+    #: The IR version lowered to the target's highest ({"from", "to", "why"}): the model uses
+    #: nothing the versions in between added (lower_ir.py).
+    ir_lowering: dict[str, Any] | None = None
     #: The input shapes given (--input-shape) and the dimensions they fixed before planning, if any.
     input_shapes: dict[str, Any] | None = None
     #: When the target would still refuse something and the profile has approximate forms that
@@ -159,6 +162,7 @@ class TargetPlan:
             "forms": self.forms,
             "with_consent": self.with_consent,
             "opset_lowering": self.opset_lowering,
+            "ir_lowering": self.ir_lowering,
             "input_shapes": self.input_shapes,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
@@ -714,18 +718,24 @@ def plan_for_model(
 
 
 def _lower_opset(plan: TargetPlan, profile: TargetProfile, may_lower: bool) -> None:
-    """Lower the planned rewrite's opset to the target's when it declares more and that is exact;
-    the model-wide refusal of the opset is then fixed, by this step."""
+    """Lower the planned rewrite's opset (and IR version) to the target's when it declares more
+    and that is exact; the model-wide refusal of them is then fixed, by this step."""
     if plan.rewritten is None:
         return
-    plan.rewritten, plan.opset_lowering = lowering_for_target(plan.rewritten, profile, may_lower=may_lower)
-    if plan.opset_lowering is None:
+    plan.rewritten, plan.opset_lowering, plan.ir_lowering = lowering_for_target(
+        plan.rewritten, profile, may_lower=may_lower
+    )
+    done = [
+        (rule, f"{what} {low['from']} -> {low['to']}: {low['why']}")
+        for rule, what, low in (("lower-opset", "opset", plan.opset_lowering), ("lower-ir", "IR", plan.ir_lowering))
+        if low is not None
+    ]
+    if not done:
         return
     for verdict in plan.nodes:
         if verdict.node == "(model)" and not verdict.after:
-            verdict.rule, verdict.exactness = "lower-opset", "exact"
-            low = plan.opset_lowering
-            verdict.then = (f"opset {low['from']} -> {low['to']}: {low['why']}",)
+            verdict.rule, verdict.exactness = done[0][0], "exact"
+            verdict.then = tuple(then for _, then in done)
 
 
 def _assemble(

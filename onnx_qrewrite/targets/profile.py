@@ -28,6 +28,10 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     max = 22
     source = "registry"
 
+    [ir]                             # the highest IR version the target loads (a model declaring
+    max = 13                         # more is lowered when it uses nothing newer: lower_ir.py)
+    source = "observed"
+
     [[ops]]                          # ops the target runs; several tables per domain are merged
     domain = ""                      # "" = ai.onnx
     names = ["Add", "Conv"]
@@ -187,11 +191,12 @@ TYPE_NAMES = frozenset(
     }
 )
 
-_TOP_KEYS = {"target", "source", "opset", "ops", "refuse", "quantization", "network", "rewrites", "shapes"}
+_TOP_KEYS = {"target", "source", "opset", "ir", "ops", "refuse", "quantization", "network", "rewrites", "shapes"}
 _SHAPES_KEYS = {"static", "source"}
 _TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
 _SOURCE_KEYS = {"id", "document", "version", "notes"}
 _OPSET_KEYS = {"min", "max", "source", "notes"}
+_IR_KEYS = {"max", "source", "notes"}
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
 _REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "inputs", "rank", "chain", "reason", "source"}
 _QUANT_KEYS = {
@@ -304,6 +309,8 @@ class TargetProfile:
     opset_min: int | None = None
     opset_max: int | None = None
     opset_source: str | None = None
+    ir_max: int | None = None
+    ir_source: str | None = None
     quantization: Quantization | None = None
     io_only_types: frozenset[str] = frozenset()
     refused_types: frozenset[str] = frozenset()
@@ -494,6 +501,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     # Each table is checked in this order, so a file with several problems names the same first one.
     sources = _sources(path, data)
     opset = _opset(path, data, sources)
+    ir = _ir(path, data, sources)
     ops = _ops(path, data, sources)
     refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
     quantization = _quantization(path, data, sources)
@@ -511,6 +519,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         refusals=refusals,
         quantization=quantization,
         **opset,
+        **ir,
         **network,
         **rewrites,
         **shapes,
@@ -558,6 +567,17 @@ def _opset(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) ->
         "opset_min": _int(path, "[opset]", opset, "min"),
         "opset_max": _int(path, "[opset]", opset, "max"),
     }
+
+
+def _ir(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[ir]``: the highest IR version the target loads."""
+    if "ir" not in data:
+        return {}
+    ir = _check_keys(path, "[ir]", data["ir"], _IR_KEYS)
+    highest = _int(path, "[ir]", ir, "max")
+    if highest is None or highest < 1:
+        raise _fail(path, "[ir]", "'max' (an IR version >= 1) is required")
+    return {"ir_source": _cited(path, "[ir]", ir, sources), "ir_max": highest}
 
 
 def _ops(
