@@ -113,6 +113,14 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
         raise NoMatch(f"model opset {current} is below the rule's min_opset {rule.min_opset}")
     if rule.max_opset is not None and current > rule.max_opset:
         raise NoMatch(f"model opset {current} is above the rule's max_opset {rule.max_opset}")
+    if current > opset_mod.MAX_RUNTIME_OPSET:
+        # The builders' ops are proven at opsets up to 26 (kernel_opsets.py); onnx changed some at
+        # 27 and 28 (Range, Mod, BitShift...) and onnxruntime 1.31.1 loads neither.
+        raise NoMatch(
+            f"model opset {current} is above {opset_mod.MAX_RUNTIME_OPSET}, the highest the rules are written and "
+            f"proven for (onnxruntime 1.31.1 loads up to {opset_mod.MAX_RUNTIME_OPSET}; what onnx changed above it "
+            "is not described)"
+        )
     dtype = builder.quantized_dtype(site)
     if rule.dtypes is not None and dtype not in rule.dtypes:
         raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")

@@ -138,7 +138,26 @@ def _opset_reasons(model: onnx.ModelProto, profile: TargetProfile) -> list[str]:
         return [f"default-domain opset {opset} is below the lowest the target loads ({profile.opset_min}) {src}"]
     if profile.opset_max is not None and opset > profile.opset_max:
         return [f"default-domain opset {opset} is above the highest the target loads ({profile.opset_max}) {src}"]
-    return []
+    return _undescribed_opset(opset)
+
+
+def _undescribed_opset(opset: int) -> list[str]:
+    """A model above the highest opset onnx-qrewrite describes (its lowering table's top: 26, what
+    onnxruntime 1.31.1 loads) is refused for every target, also those whose runtime loads it: what
+    onnx changed at the opsets above (Range at 27; Mod, BitShift, SpaceToDepth... at 28) is in no
+    table here, so no verdict on its nodes would hold."""
+    from onnx import defs
+
+    from onnx_qrewrite.rewriter.opset import MAX_RUNTIME_OPSET
+
+    if opset <= MAX_RUNTIME_OPSET:
+        return []
+    return [
+        f"default-domain opset {opset} is above {MAX_RUNTIME_OPSET}, the highest onnx-qrewrite describes (onnx "
+        f"{onnx.__version__} defines up to {defs.onnx_opset_version()}; what changed at {MAX_RUNTIME_OPSET + 1}"
+        f"{'-' + str(opset) if opset > MAX_RUNTIME_OPSET + 1 else ''} is in no rule, target table or "
+        "rules/opsets/lowering.toml step)"
+    ]
 
 
 def _quant_type(node: onnx.NodeProto, scope: Scope) -> str | None:
