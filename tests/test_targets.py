@@ -147,6 +147,9 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + "\n[ir]\nmax = 13\n", "'source' is missing"),
         (lambda t: t + '\n[ir]\nsource = "doc"\n', "'max' (an IR version >= 1) is required"),
         (lambda t: t + '\n[ir]\nmax = 13\nmin = 3\nsource = "doc"\n', "unknown key 'min'"),
+        (lambda t: t + '\n[arithmetic]\nfloat64 = "float32"\nsource = "doc"\n', ""),
+        (lambda t: t + '\n[arithmetic]\nfloat64 = "double"\nsource = "doc"\n', "'float64' must be one of"),
+        (lambda t: t + '\n[arithmetic]\nfloat64 = "float32"\n', "'source' is missing"),
     ],
 )
 def test_a_bad_profile_is_a_usage_error_naming_file_and_key(edit, message):

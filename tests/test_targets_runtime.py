@@ -1003,3 +1003,69 @@ def test_the_static_qdq_bert_with_fixed_dims_is_refused_on_openvino_as_it_fails_
     assert [r.node for r in plan.after] == ["embeddings.sum"]
     ran, detail = runs_on("openvino", plan.rewritten, inputs, expected, original=path)
     assert not ran and "openvino cannot load the model" in detail, detail
+
+
+def _float64_probe() -> onnx.ModelProto:
+    """Cast x, y to float64, Mul, Add 1/3, Cast to float32; and s - float64(float32(s)), which is
+    nonzero on every element in float64 and 0 where a runtime computes float64 as float32."""
+    from onnx import TensorProto as T
+    from onnx import helper, numpy_helper
+
+    n = 4096
+    nodes = [
+        helper.make_node("Cast", ["x"], ["a"], to=T.DOUBLE),
+        helper.make_node("Cast", ["y"], ["b"], to=T.DOUBLE),
+        helper.make_node("Mul", ["a", "b"], ["p"]),
+        helper.make_node("Add", ["p", "c"], ["s"]),
+        helper.make_node("Cast", ["s"], ["s32"], to=T.FLOAT),
+        helper.make_node("Cast", ["s32"], ["back"], to=T.DOUBLE),
+        helper.make_node("Sub", ["s", "back"], ["gap"]),
+        helper.make_node("Cast", ["gap"], ["gap32"], to=T.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "float64_probe",
+        [helper.make_tensor_value_info(v, T.FLOAT, [n]) for v in ("x", "y")],
+        [helper.make_tensor_value_info(v, T.FLOAT, [n]) for v in ("s32", "gap32")],
+        [numpy_helper.from_array(np.array(1.0 / 3.0), "c")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _run_probe(target: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if target == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(_float64_probe().SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip(["s32", "gap32"], session.run(None, feeds), strict=True))
+    _runtime(target)
+    return make_runner(target, _float64_probe(), label="float64 probe").run(feeds)
+
+
+@pytest.mark.parametrize("target", ["onnx", "openvino", "tract", "qnn", "tflite"])
+def test_each_profiles_float64_arithmetic_is_what_the_runtime_does(target):
+    """[arithmetic] float64 of each profile against the runtime: float64 (every element as numpy's
+    float64), float32 (s - float32(s) is 0 everywhere, and each result a float32 multiply-add,
+    fused or not), reduced (0 there too, and further from float64 than float32 arithmetic is), or
+    refused (the runtime fails running it)."""
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal(4096).astype(np.float32) for _ in range(2))
+    exact = x.astype(np.float64) * y.astype(np.float64) + 1.0 / 3.0
+    single = x * y + np.float32(1.0 / 3.0)
+    fused = (x.astype(np.float64) * y.astype(np.float64) + np.float64(np.float32(1.0 / 3.0))).astype(np.float32)
+    profile = load_target(target)
+    try:
+        out = _run_probe(target, {"x": x, "y": y})
+    except QRewriteError:
+        assert profile.float64 == "refused"
+        return
+    got, gap = out["s32"].astype(np.float64), out["gap32"]
+    if np.array_equal(out["s32"], exact.astype(np.float32)) and np.all(gap != 0):
+        observed = "float64"
+    elif not np.any(gap) and np.all((out["s32"] == single) | (out["s32"] == fused)):
+        observed = "float32"
+    elif not np.any(gap) and np.abs(got - exact).max() > np.abs(single - exact).max():
+        observed = "reduced"
+    else:
+        observed = "none of these"
+    assert observed == profile.float64, profile.float64_loss()

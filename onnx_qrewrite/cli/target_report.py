@@ -30,6 +30,8 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             click.echo(f"      rewrite: {n.rule}{exact}{form}")
             for later in n.then:  # a later stage's rule on what this rewrite emitted
                 click.echo(f"      then: {later}")
+            for caveat in n.caveats:
+                click.echo(f"      caveat: {caveat}")
         elif n.considered:
             click.echo(
                 "      rewrite: none; left as it is, since every rule leaves the target as much or more to refuse"
@@ -53,6 +55,12 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
         click.echo(
             f"  form {name} ({form['exactness']}, asked for by the target {form['source']}): "
             f"{form['nodes']} node(s).{loud}"
+        )
+    if plan.float64:
+        rules = ", ".join(f"{rule} ({n} node(s))" for rule, n in plan.float64["rules"].items())
+        click.echo(
+            f"  float64: {rules} compute in float64, which {plan.float64['loss']}: their declared exactness holds "
+            f"where float64 is computed as float64 (onnxruntime), not on {profile.id}"
         )
     if plan.ok:
         click.echo(f"{profile.id} would run the rewritten model: nothing refused after the rewrite")

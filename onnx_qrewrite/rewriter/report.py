@@ -228,6 +228,12 @@ class RewriteReport:
                     f"{'s' if form['nodes'] != 1 else ''}: {loud}the profile asks for it {form['source']}"
                 )
             lines.extend(f"  target {t['target']}: rule {r} not used: {why}" for r, why in t["skipped_rules"].items())
+            if t.get("float64"):
+                rules = ", ".join(f"{rule} ({n} node(s))" for rule, n in t["float64"]["rules"].items())
+                lines.append(
+                    f"  target {t['target']}: {rules} compute in float64, which {t['float64']['loss']}: their "
+                    "declared exactness does not hold there"
+                )
         for c in self.opset_changes:
             before = "none" if c.before is None else c.before
             after = "removed" if c.after is None else c.after

@@ -78,6 +78,9 @@ class NodeVerdict:
     #: Later stages' rewrites of what ``rule`` emitted ("float-emulation-q (exact) on n/Quantize"):
     #: the rule's replacement needed them. ``exactness`` is then the least exact of the chain.
     then: tuple[str, ...] = ()
+    #: What the declared exactness does not cover on this target (float64 arithmetic it computes
+    #: otherwise: profile [arithmetic]).
+    caveats: tuple[str, ...] = ()
 
     @property
     def status(self) -> str:
@@ -112,6 +115,9 @@ class TargetPlan:
     #: The IR version lowered to the target's highest ({"from", "to", "why"}): the model uses
     #: nothing the versions in between added (lower_ir.py).
     ir_lowering: dict[str, Any] | None = None
+    #: Rules of the rewrite that compute in float64, on a target that computes float64 otherwise
+    #: ({"loss": in words, "rules": {rule: nodes with float64 outputs}}); None when none do.
+    float64: dict[str, Any] | None = None
     #: The input shapes given (--input-shape) and the dimensions they fixed before planning, if any.
     input_shapes: dict[str, Any] | None = None
     #: When the target would still refuse something and the profile has approximate forms that
@@ -163,6 +169,7 @@ class TargetPlan:
             "with_consent": self.with_consent,
             "opset_lowering": self.opset_lowering,
             "ir_lowering": self.ir_lowering,
+            "float64": self.float64,
             "input_shapes": self.input_shapes,
             "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
@@ -695,6 +702,7 @@ def plan_for_model(
     label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
     plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
     _lower_opset(plan, profile, ctx.may_lower)
+    _float64_note(plan, profile)
     plan.input_shapes = applied.to_dict() if applied is not None else None
     waiting = withheld_forms(profile, allow)
     if plan.after and waiting:
@@ -736,6 +744,53 @@ def _lower_opset(plan: TargetPlan, profile: TargetProfile, may_lower: bool) -> N
         if verdict.node == "(model)" and not verdict.after:
             verdict.rule, verdict.exactness = done[0][0], "exact"
             verdict.then = tuple(then for _, then in done)
+
+
+def _makes_float64(model: onnx.ModelProto) -> bool:
+    """Whether any value of ``model`` can be float64: float64 arithmetic starts at a float64 input,
+    a Cast to it or a float64 constant. A cheap look before the shape inference :func:`_float64_note` needs."""
+    double = onnx.TensorProto.DOUBLE
+    if any(v.type.tensor_type.elem_type == double for v in model.graph.input):
+        return True
+    for scope in iter_scopes(model):
+        if any(t.data_type == double for t in getattr(scope.container, "initializer", ())):
+            return True
+        for node in scope.container.node:
+            for attr in node.attribute:
+                if (attr.name == "to" and attr.i == double) or (attr.HasField("t") and attr.t.data_type == double):
+                    return True
+    return False
+
+
+def _float64_note(plan: TargetPlan, profile: TargetProfile) -> None:
+    """Name the rules whose nodes compute in float64 when the target computes float64 otherwise
+    (OpenVINO as float32, QNN in reduced precision, LiteRT not at all: observed), and give each
+    node they rewrote the caveat: their declared exactness rests on float64 arithmetic."""
+    loss = profile.float64_loss()
+    if loss is None or plan.rewritten is None or not _makes_float64(plan.rewritten):
+        return
+    from onnx_qrewrite.rewriter.provenance import attribute_nodes
+    from onnx_qrewrite.targets.check import _inferred
+
+    inferred = _inferred(plan.rewritten)
+    rules: dict[str, int] = {}
+    origins: dict[str, set[str]] = {}
+    for scope in iter_scopes(inferred):
+        nodes = scope.container.node
+        for node, made in zip(nodes, attribute_nodes(nodes), strict=True):
+            if made is None or not any(scope.elem_type(o) == onnx.TensorProto.DOUBLE for o in node.output if o):
+                continue
+            rules[made[0]] = rules.get(made[0], 0) + 1
+            origins.setdefault(made[0], set()).add(made[1])
+    if not rules:
+        return
+    plan.float64 = {"loss": loss, "rules": dict(sorted(rules.items()))}
+    for verdict in plan.nodes:
+        # An unnamed node's replacement records no origin (""): it is the verdict's whose rule it is.
+        mine = sorted(r for r, nodes in origins.items() if verdict.node in nodes or ("" in nodes and r == verdict.rule))
+        if mine:
+            caveat = f"{', '.join(mine)} compute{'s' if len(mine) == 1 else ''} in float64, which {loss}"
+            verdict.caveats = (*verdict.caveats, caveat)
 
 
 def _assemble(

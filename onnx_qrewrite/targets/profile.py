@@ -86,6 +86,11 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # as an input or output of any other op (except `keep` ops)
     source = "..."
 
+    [arithmetic]                     # what the target does with float64 Mul/Add/Sub/Div and Cast:
+    float64 = "float32"              # float64 | float32 (computes it as float32) | reduced (less
+    source = "observed"              # precise still) | refused (at run time); rules whose exactness
+                                     # rests on float64 arithmetic are named for such a target
+
     [shapes]
     static = true                    # every input dimension must be fixed (--input-shape fixes them)
     source = "..."
@@ -191,12 +196,27 @@ TYPE_NAMES = frozenset(
     }
 )
 
-_TOP_KEYS = {"target", "source", "opset", "ir", "ops", "refuse", "quantization", "network", "rewrites", "shapes"}
+_TOP_KEYS = {
+    "target",
+    "source",
+    "opset",
+    "ir",
+    "arithmetic",
+    "ops",
+    "refuse",
+    "quantization",
+    "network",
+    "rewrites",
+    "shapes",
+}
 _SHAPES_KEYS = {"static", "source"}
 _TARGET_KEYS = {"id", "title", "version", "proof", "runtime", "extra", "notes"}
 _SOURCE_KEYS = {"id", "document", "version", "notes"}
 _OPSET_KEYS = {"min", "max", "source", "notes"}
 _IR_KEYS = {"max", "source", "notes"}
+_ARITHMETIC_KEYS = {"float64", "source", "notes"}
+#: What a target does with float64 arithmetic ([arithmetic] float64).
+FLOAT64_ARITHMETIC = ("float64", "float32", "reduced", "refused")
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
 _REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "inputs", "rank", "chain", "reason", "source"}
 _QUANT_KEYS = {
@@ -311,6 +331,8 @@ class TargetProfile:
     opset_source: str | None = None
     ir_max: int | None = None
     ir_source: str | None = None
+    float64: str | None = None  # [arithmetic] float64: one of FLOAT64_ARITHMETIC; None: not established
+    arithmetic_source: str | None = None
     quantization: Quantization | None = None
     io_only_types: frozenset[str] = frozenset()
     refused_types: frozenset[str] = frozenset()
@@ -332,6 +354,16 @@ class TargetProfile:
     def cite(self, source_id: str | None) -> str:
         """How a verdict names its source: ``[target/source-id]`` (``targets --long`` expands it)."""
         return f"[{self.id}/{source_id}]" if source_id else ""
+
+    def float64_loss(self) -> str | None:
+        """What becomes of float64 arithmetic on the target, in words, when it is not float64
+        (None: it is, or nothing is established)."""
+        said = {
+            "float32": "computes float64 as float32",
+            "reduced": "computes float64 in reduced precision",
+            "refused": "refuses float64 arithmetic",
+        }.get(self.float64 or "")
+        return f"{self.id} {said} {self.cite(self.arithmetic_source)}" if said else None
 
     def source_text(self, source_id: str) -> str:
         s = self.sources[source_id]
@@ -502,6 +534,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     sources = _sources(path, data)
     opset = _opset(path, data, sources)
     ir = _ir(path, data, sources)
+    arithmetic = _arithmetic(path, data, sources)
     ops = _ops(path, data, sources)
     refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
     quantization = _quantization(path, data, sources)
@@ -520,6 +553,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         quantization=quantization,
         **opset,
         **ir,
+        **arithmetic,
         **network,
         **rewrites,
         **shapes,
@@ -578,6 +612,17 @@ def _ir(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> di
     if highest is None or highest < 1:
         raise _fail(path, "[ir]", "'max' (an IR version >= 1) is required")
     return {"ir_source": _cited(path, "[ir]", ir, sources), "ir_max": highest}
+
+
+def _arithmetic(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> dict[str, Any]:
+    """``[arithmetic]``: what the target computes float64 arithmetic in."""
+    if "arithmetic" not in data:
+        return {}
+    raw = _check_keys(path, "[arithmetic]", data["arithmetic"], _ARITHMETIC_KEYS)
+    value = raw.get("float64")
+    if value not in FLOAT64_ARITHMETIC:
+        raise _fail(path, "[arithmetic]", f"'float64' must be one of {', '.join(FLOAT64_ARITHMETIC)}, got {value!r}")
+    return {"arithmetic_source": _cited(path, "[arithmetic]", raw, sources), "float64": value}
 
 
 def _ops(
