@@ -98,3 +98,14 @@ def test_openvino_runs_its_native_rotary_wrongly_and_the_rewrite_within_its_tole
     rewritten = make_runner("openvino", rewrite(_rotary()).model, label="rewrite").run(feeds)["y"]
     assert np.abs(native - reference[0]).max() > 1e-2
     assert np.abs(rewritten - reference[0]).max() < 1e-5
+
+
+def test_targets_lists_each_profiles_ir_ceiling_and_float64_arithmetic():
+    run = [sys.executable, "-m", "onnx_qrewrite", "targets"]
+    data = {t["id"]: t for t in json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True).stdout)}
+    assert (data["openvino"]["ir_max"], data["openvino"]["float64"]) == (14, "float32")
+    assert (data["tensorrt"]["ir_max"], data["tensorrt"]["float64"]) == (10, None)
+    text = subprocess.run([*run, "--long", "qnn"], capture_output=True, text=True).stdout
+    assert (
+        "IR versions up to 13 [qnn/ort-session]" in text and "float64 arithmetic: reduced [qnn/float64-probe]" in text
+    )

@@ -27,6 +27,8 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 "runtime": p.runtime,
                 "extra": p.extra,
                 "opsets": [p.opset_min, p.opset_max],
+                "ir_max": p.ir_max,
+                "float64": p.float64,
                 "keeps": sorted(p.keep),
                 "avoids": sorted(p.avoid),
                 "static_shapes": p.static_shapes,
@@ -68,5 +70,9 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 variant = f"[{f.variant}]" if f.variant else ""
                 consent = ", with --allow-approximate" if f.consent == "user" else ""
                 click.echo(f"    form {f.name}{variant} (up to {f.allow}{consent}){why} {p.cite(f.source)}")
+            if p.ir_max is not None:
+                click.echo(f"    IR versions up to {p.ir_max} {p.cite(p.ir_source)}")
+            if p.float64 is not None:
+                click.echo(f"    float64 arithmetic: {p.float64} {p.cite(p.arithmetic_source)}")
             if p.static_shapes:
                 click.echo(f"    static input shapes: give --input-shape for symbolic dims {p.cite(p.shapes_source)}")
