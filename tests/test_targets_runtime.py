@@ -1069,3 +1069,42 @@ def test_each_profiles_float64_arithmetic_is_what_the_runtime_does(target):
     else:
         observed = "none of these"
     assert observed == profile.float64, profile.float64_loss()
+
+
+def _add_model(ir_version: int, opset: int) -> onnx.ModelProto:
+    from onnx import TensorProto as T
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"], name="add")],
+        "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", T.FLOAT, [2, 3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+
+
+@pytest.mark.parametrize("target", ["openvino", "tract", "qnn", "tflite"])
+def test_each_profiles_ir_ceiling_and_opset_ceiling_are_what_the_runtime_loads(target):
+    """[ir] max: a model at that IR version loads and runs (IR 3 too), one above it (below 15) is
+    refused; [opset] max 26 (qnn: onnxruntime's session) refuses 27, and the runtimes without an
+    opset ceiling load opset 28 (their profiles refuse it as undescribed: test_opset_ceiling.py)."""
+    _runtime(target)
+    profile = load_target(target)
+    assert profile.ir_max is not None
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+    def runs(model: onnx.ModelProto) -> bool:
+        try:
+            got = make_runner(target, model, label="add").run({"x": x})["y"]
+            return bool(np.allclose(got, x + x, rtol=1e-3))  # QNN's float path: 2.0000002 for 1 + 1
+        except QRewriteError:
+            return False
+
+    assert runs(_add_model(3, 9)) and runs(_add_model(profile.ir_max, 20))
+    if profile.ir_max < 14:
+        assert not runs(_add_model(profile.ir_max + 1, 20))
+    if profile.opset_max is not None:
+        assert runs(_add_model(10, profile.opset_max)) and not runs(_add_model(10, profile.opset_max + 1))
+    else:
+        assert runs(_add_model(13, 28))
