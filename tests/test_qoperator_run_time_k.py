@@ -279,3 +279,16 @@ def test_an_output_scale_that_makes_the_bound_one_step_up_to_2_24_is_rewritten()
     (applied,) = onnx_qrewrite.rewrite(model).report.rewrites
     assert f"one step up to K = {2**24 - 5}" in applied.notes[0], applied.notes
     assert run_time_k_steps(2**24 - 5, 1e-15) == 1 and run_time_k_steps(2**24 - 4, 1e-15) == math.inf
+
+
+@rule_marker("qop-matmul-u8s8-unsaturated", "positive")
+def test_the_approximate_u8s8_rule_needs_no_recorded_k():
+    """uint8 x int8 operands both computed at run time: the approximate rule (asked for) keeps no
+    bound, so an unrecorded K does not stop it (it declined, pointing at an option it lacks)."""
+    model = _activation_matmul("uint8", "int8", (7, 0))
+    with pytest.raises(LoweringError, match="may saturate pairs of products to int16"):
+        onnx_qrewrite.rewrite(model)
+    result = onnx_qrewrite.rewrite(model, allow=["exact", "bounded", "approximate"])
+    (applied,) = result.report.rewrites
+    assert applied.rule == "qop-matmul-u8s8-unsaturated" and applied.bound is None, applied
+    assert "known only at run time: approximate, no bound" in applied.notes[0]

@@ -477,6 +477,9 @@ def _run_time_operands_bound(
     for a recorded K; with ``'recorded'``, the rule declines."""
     (a, a_scale, _, a_dtype), (b, b_scale, b_zp, b_dtype) = inputs
     k_dim = _dim(site, b, -2) if (_rank(site, b) or 0) >= 2 else _dim(site, a, -1)
+    if k_dim is None and options["u8s8_saturation"] == "ignore":
+        # An approximate rule keeps no bound (check() drops it), so K is not needed.
+        return None, f"reduction length of {site.label} known only at run time: approximate, no bound", 0.0, None
     if k_dim is None and options["reduction_length"] != RUN_TIME:
         if _rank(site, b) is not None:  # the shape is recorded, the dimension is symbolic
             raise NoMatch(
