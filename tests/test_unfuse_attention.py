@@ -542,8 +542,8 @@ def _packed_kv():
 
 
 MHA_NOT_LOWERED = {
-    "attention_bias": (lambda: _mha_with(5, "ab", [2, 4, 8, 8]), "input 5 (attention_bias) is given"),
-    "past_key": (lambda: _mha_with(6, "pk", [2, 4, 3, 8]), "input 6 (past_key) is given"),
+    "past_sequence_length": (lambda: _mha_with(8, "psl", [1]), "input 8 (past_sequence_length) is given"),
+    "past_key alone": (lambda: _mha_with(6, "pk", [2, 4, 3, 8]), "past_key and past_value must both be given"),
     "packed kv": (_packed_kv, "packed QKV or KV"),
 }
 

@@ -480,13 +480,17 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_multi_head_attention": (
         "contrib_attention",
         Contract(
-            output_types=_same_as_input_0,
+            output_types=lambda options, op: ("input 0", "input 0", "input 0"),  # output, present K and V
             options=(),
             emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
-            bound="without key_padding_mask the kernel takes its blocked (flash) softmax path, and at query "
-            "sequence 1 MLAS's GEMV: other float32 roundings (bit-exact with a mask and sequence > 1); within "
-            "2^-20·(1 + max|score|)·max|V| at each output (asserted on the tests' battery; worst measured 2^-23.6)",
+            bound="without key_padding_mask, attention_bias, unidirectional and present outputs the kernel takes "
+            "its blocked (flash) softmax path, and at query sequence 1 MLAS's GEMV adds the mask inside its sum: "
+            "other float32 roundings (bit-exact otherwise: sequence > 1 with any of them, past/present included); "
+            "within 2^-20·(1 + max|score|)·max|V| at each output, score = scale·Q·Kᵀ over the past and new keys "
+            "plus attention_bias, and plus the filter value in rows whose every key is masked (asserted on the "
+            "tests' battery; worst measured 0.091 of it, a fully masked decoder step); present_key / "
+            "present_value bit-exact (copies)",
             opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
     ),

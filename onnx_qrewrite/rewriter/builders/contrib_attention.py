@@ -7,6 +7,10 @@ onnxruntime.transformers' optimizer writes into BERT-like models)::
                                           present = their stack], MatMul(Q, Kᵀ) · scale
                                           [+ Where(keep, 0, mask_filter_value)], Softmax,
                                           MatMul(·, V), Transpose/Reshape back
+    MultiHeadAttention(q, k, v, bias, key_padding_mask, attention_bias, past_key, past_value)
+                                       -> the same from Q, K, V (+ their bias slices), with
+                                          present_key/value = Concat(past, new heads) and
+                                          attention_bias added to the scaled scores before the mask
 
 in the kernel's order of operations (onnxruntime 1.31.1's CPU kernel, ``attention_cpu_base.h``):
 scores are ``scale · Q·Kᵀ + mask`` with the mask the kernel builds (0 where a key is attended,
@@ -22,6 +26,15 @@ keys after it), and ``present`` is (2, B, N, T, H). Not lowered (the node stays,
 past without present (the kernel refuses it), ``past_present_share_buffer`` / ``past_sequence_length``,
 ``attention_bias``, rotary embeddings, 4-D (Megatron) masks, float16, a missing bias (the CPU kernel
 crashes without one).
+
+MultiHeadAttention (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_mha_state.py):
+past_key/past_value (B, N, P, H) go before the new keys and values in heads, present_key/value
+are that concatenation (B, N, P + L, H), query i sits at P + i. The kernel's causal loop stops
+before the last query (and is off at one query): that row sees every key, which shows where there
+are more keys than past + queries. A 1-D key_padding_mask is read as B key lengths (also its
+3B + 2 form: only the first B). attention_bias (B or 1, N or 1, S, T) joins the scaled scores
+before the mask (a fully masked row shows the order). With past but without both present outputs
+the kernel does not attend to past + new keys (measured): not lowered.
 
 Why bounded, not exact: the kernel computes each head's projection as its own GEMM whose output
 starts from the bias (C = bias, then C += x·W per K block), the standard form adds the bias after the
@@ -355,8 +368,10 @@ def _emit_kv_state(
 class MultiHeadAttentionBuilder:
     """Replaces com.microsoft MultiHeadAttention (separate Q, K, V) with Add, MatMul and Softmax.
 
-    Q, K and V plus their slices of the optional bias, heads by Reshape/Transpose, scaled scores plus
-    the mask the kernel builds from ``key_padding_mask``, Softmax, probabilities times V."""
+    Q, K and V plus their slices of the optional bias, heads by Reshape/Transpose (K and V after
+    past_key / past_value, written to present_key / present_value), scaled scores plus
+    attention_bias and the mask the kernel builds from ``key_padding_mask``, Softmax,
+    probabilities times V."""
 
     name = "unfuse_multi_head_attention"
     contract = CONTRACTS["unfuse_multi_head_attention"]
@@ -367,37 +382,23 @@ class MultiHeadAttentionBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes({"num_heads", "unidirectional", "mask_filter_value", "scale"})
-        for index, what in (
-            (5, "attention_bias"),
-            (6, "past_key"),
-            (7, "past_value"),
-            (8, "past_sequence_length"),
-            (9, "cache_indirection"),
-        ):
+        for index, what in ((8, "past_sequence_length"), (9, "cache_indirection")):
             if site.input(index):
                 raise NoMatch(f"input {index} ({what}) is given; not lowered")
-        if any(site.node.output[1:]):
-            raise NoMatch("present_key / present_value / qk outputs are used; not lowered")
+        if len(site.node.output) > 3 and site.node.output[3]:
+            raise NoMatch("the qk output is used; not lowered")
         if not (site.input(0) and site.input(1) and site.input(2)):
             raise NoMatch("packed QKV or KV (no separate key and value) is not lowered")
-        _float32(site, *[site.input(i) for i in range(4)])
+        _float32(site, *[site.input(i) for i in (0, 1, 2, 3, 5, 6, 7)])
         heads = int(site.attribute("num_heads", 0))
         if heads <= 0:
             raise NoMatch(f"num_heads={heads}")
-        sizes = []
-        for index, what in ((0, "query"), (1, "key"), (2, "value")):
-            shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
-            if shape is None or len(shape) != 3 or shape[2] is None:
-                if shape is not None and len(shape) != 3:
-                    raise NoMatch(f"{what} is {len(shape)}-D; only (batch, sequence, hidden) is lowered")
-                raise NoMatch(
-                    f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
-                    "on the model first (onnx.shape_inference.infer_shapes)"
-                )
-            sizes.append(int(shape[2]))
-        if sizes[0] != sizes[1] or any(s % heads for s in sizes):
-            raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
-        return _mask_plan(site, 4, "key_padding_mask", sizes, heads)
+        sizes = _mha_sizes(site, heads)
+        plan = _mask_plan(site, 4, "key_padding_mask", sizes, heads)
+        state = _mha_state(site, sizes, heads)
+        if site.input(5):
+            _check_rank(site, 5, "attention_bias", 4)
+        return dataclasses.replace(plan, data={**plan.data, **state})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
@@ -412,11 +413,92 @@ class MultiHeadAttentionBuilder:
                 )
                 for i, t in enumerate((q, k, v))
             )
+        kv, key_length, past_length = None, None, None
+        if plan.data.get("state"):
+            kv = _emit_mha_state(emit, site, k, v, heads, sizes)
+            key_length = _dim(emit, kv[0], 2)
+            past_length = _dim(emit, site.input(6), 2) if site.input(6) else None
         keep, causal = emit_masks(
-            emit, site.input(4), plan.data["mask_rank"], site.input(0), site.input(1), plan.data["causal"]
+            emit,
+            site.input(4),
+            plan.data["mask_rank"],
+            site.input(0),
+            site.input(1),
+            plan.data["causal"],
+            key_length,
+            past_length,
+            starts=False,
         )
         scale = float(site.attribute("scale", 0.0))
-        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0])
+        emit_heads_attention(
+            emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv, site.input(5)
+        )
+
+
+def _mha_sizes(site: Site, heads: int) -> list[int]:
+    """The hidden sizes of MultiHeadAttention's 3-D query, key and value, split into ``heads`` heads
+    with Q and K alike."""
+    sizes = []
+    for index, what in ((0, "query"), (1, "key"), (2, "value")):
+        shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+        if shape is None or len(shape) != 3 or shape[2] is None:
+            if shape is not None and len(shape) != 3:
+                raise NoMatch(f"{what} is {len(shape)}-D; only (batch, sequence, hidden) is lowered")
+            raise NoMatch(
+                f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
+                "on the model first (onnx.shape_inference.infer_shapes)"
+            )
+        sizes.append(int(shape[2]))
+    if sizes[0] != sizes[1] or any(s % heads for s in sizes):
+        raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
+    return sizes
+
+
+def _check_rank(site: Site, index: int, label: str, rank: int) -> None:
+    shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+    if shape is not None and len(shape) != rank:
+        raise NoMatch(f"{label} is {len(shape)}-D; the kernel takes {rank}-D")
+
+
+def _mha_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
+    """MultiHeadAttention's past_key / past_value (B, N, P, H) and present_key / present_value
+    (B, N, P + L, H): the plan's data for them (empty without any), refusing what the CPU kernel
+    does not compute as the concatenation (measured)."""
+    past = site.input(6), site.input(7)
+    present = [len(site.node.output) > i and bool(site.node.output[i]) for i in (1, 2)]
+    if bool(past[0]) != bool(past[1]):
+        raise NoMatch("past_key and past_value must both be given or both absent")
+    if not past[0] and not any(present):
+        return {}
+    if past[0] and not all(present):
+        raise NoMatch(
+            "past_key/past_value without both present_key and present_value: onnxruntime's CPU kernel then "
+            "does not attend to the past and the new keys (measured); not lowered"
+        )
+    if past[0] and sizes[1] != sizes[2]:
+        raise NoMatch(f"past with key and value of different sizes {sizes[1:]}: the kernel refuses it")
+    head = sizes[1] // heads
+    for name in past:
+        shape = value_shape(site.scope, name, site.same_shape_ops) if name else None
+        want = (None, heads, None, head)
+        if shape is not None and (
+            len(shape) != 4 or any(w not in (d, None) and d is not None for d, w in zip(shape, want, strict=False))
+        ):
+            raise NoMatch(f"past of shape {shape} is not (batch, {heads}, past length, {head})")
+    return {"state": True}
+
+
+def _emit_mha_state(emit: Emitter, site: Site, k: str, v: str, heads: int, sizes: list[int]) -> tuple[str, str]:
+    """K and V split into heads (B, N, T, H), after past_key / past_value when given (the kernel's
+    ConcatStateChunk), written to present_key / present_value where those are used."""
+    result = []
+    for i, (t, size) in enumerate(((k, sizes[1]), (v, sizes[2]))):
+        present = site.node.output[1 + i] if len(site.node.output) > 1 + i else ""
+        past = site.input(6 + i)
+        shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size // heads], np.int64))])
+        split = emit.op1("Transpose", [shaped], None if past else present, perm=[0, 2, 1, 3])
+        result.append(emit.op1("Concat", [past, split], present, axis=2) if past else split)
+    return result[0], result[1]
 
 
 register(MultiHeadAttentionBuilder())
@@ -431,35 +513,48 @@ def emit_masks(
     causal: bool,
     key_length: str | None = None,
     past_length: str | None = None,
+    *,
+    starts: bool = True,
 ) -> tuple[str | None, str | None]:
     """Where the mask input lets a key be attended, and where the causal mask does (bool,
     broadcastable to B x N x S x T; None: everywhere). ``query`` (B, S, ...) and ``key`` (B, T, ...)
     give the lengths at run time, or ``key_length`` T; with past state query i sits at position
-    ``past_length`` + i (the kernel masks keys after it)."""
+    ``past_length`` + i (the kernel masks keys after it). ``starts``: a 1-D mask of 2B holds start
+    positions after the lengths (Attention's); without, only its first B values are read
+    (MultiHeadAttention's CPU kernel, also for its 3B + 2 form: measured)."""
     keep = None
     if rank == 1:
-        # B key lengths, or 2B: lengths then start positions. Concatenating B zeros and taking
-        # [B, 2B) gives the starts in both cases (0 when absent), without knowing B statically.
-        batch = _unsqueeze(emit, _dim(emit, query, 0), [0])
-        mask64 = emit.op1("Cast", [mask], to=_T.INT64)
-        ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
-        padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
-        starts = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
-        keys = _positions(emit, key_length or _dim(emit, key, 1))
-        inside = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
-        before = emit.op1("Less", [keys, _unsqueeze(emit, starts, [1])])
-        keep = _unsqueeze(emit, emit.op1("And", [inside, emit.op1("Not", [before])]), [1, 2])
+        keep = _key_lengths_mask(emit, mask, query, _positions(emit, key_length or _dim(emit, key, 1)), starts)
     elif rank in (2, 3):
         attended = emit.op1("Greater", [mask, emit.const(np.int32(0))])
         keep = _unsqueeze(emit, attended, [1, 2] if rank == 2 else [1])
-    allowed = None
-    if causal:
-        rows = _positions(emit, _dim(emit, query, 1))
-        if past_length is not None:
-            rows = emit.op1("Add", [rows, past_length])
-        rows = _unsqueeze(emit, rows, [1])
-        allowed = emit.op1("Not", [emit.op1("Greater", [_positions(emit, key_length or _dim(emit, key, 1)), rows])])
-    return keep, allowed
+    if not causal:
+        return keep, None
+    seq = _dim(emit, query, 1)
+    index = _positions(emit, seq)
+    rows = _unsqueeze(emit, emit.op1("Add", [index, past_length]) if past_length is not None else index, [1])
+    later = emit.op1("Greater", [_positions(emit, key_length or _dim(emit, key, 1)), rows])
+    # The kernel's causal loop stops before the last query (and is off at sequence 1): that row
+    # attends every key, which matters only where there are more keys than past + queries.
+    not_last = emit.op1("Less", [_unsqueeze(emit, index, [1]), emit.op1("Add", [seq, emit.const(np.int64(-1))])])
+    return keep, emit.op1("Not", [emit.op1("And", [later, not_last])])
+
+
+def _key_lengths_mask(emit: Emitter, mask: str, query: str, keys: str, starts: bool) -> str:
+    """A 1-D mask of key lengths (B), or with ``starts`` also of start positions (2B): keys
+    before the length and at or after the start are attended; (B, 1, 1, T)."""
+    batch = _unsqueeze(emit, _dim(emit, query, 0), [0])
+    mask64 = emit.op1("Cast", [mask], to=_T.INT64)
+    ends = emit.op1("Slice", [mask64, emit.const(np.array([0], np.int64)), batch])
+    keep = emit.op1("Less", [keys, _unsqueeze(emit, ends, [1])])
+    if starts:
+        # Concatenating B zeros and taking [B, 2B) gives the starts for B and 2B values alike
+        # (0 when absent), without knowing B statically.
+        padded = emit.op1("Concat", [mask64, emit.op1("Mul", [ends, emit.const(np.int64(0))])], axis=0)
+        first = emit.op1("Slice", [padded, batch, emit.op1("Add", [batch, batch])])
+        before = emit.op1("Less", [keys, _unsqueeze(emit, first, [1])])
+        keep = emit.op1("And", [keep, emit.op1("Not", [before])])
+    return _unsqueeze(emit, keep, [1, 2])
 
 
 def emit_heads_attention(
@@ -475,10 +570,13 @@ def emit_heads_attention(
     site: Site,
     output: str,
     kv_heads: tuple[str, str] | None = None,
+    attention_bias: str = "",
 ) -> None:
     """Scaled dot-product attention over ``heads`` heads of Q (B, S, Hq), K (B, T, Hk), V (B, T, Hv),
     as onnxruntime's CPU kernel computes it; writes (B, S, Hv) to ``output``. ``kv_heads``: K and V
-    already split into heads, (B, N, T, H) each (past state concatenated)."""
+    already split into heads, (B, N, T, H) each (past state concatenated). ``attention_bias``
+    (B or 1, N or 1, S, T) is added to the scaled scores before the mask (the kernel's order,
+    measured: it shows where every key of a row is masked)."""
     head_qk, head_v = sizes[0] // heads, sizes[2] // heads
     if scale == 0.0:  # the kernel: 1.0f / sqrt(static_cast<float>(head_size))
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_qk)))
@@ -493,6 +591,8 @@ def emit_heads_attention(
     else:
         kh, vh = emit.op1("Transpose", [kv_heads[0]], perm=[0, 1, 3, 2]), kv_heads[1]
     scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kh]), emit.const(np.float32(scale))], hint="Scale")
+    if attention_bias:
+        scores = emit.op1("Add", [scores, attention_bias], hint="AddAttentionBias")
     if keep is not None:
         fill = np.float32(site.attribute("mask_filter_value", _DEFAULT_FILTER))
         additive = emit.op1("Where", [keep, emit.const(np.float32(0.0)), emit.const(fill)], hint="Mask")
