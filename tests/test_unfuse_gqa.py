@@ -241,12 +241,22 @@ def _refused(attrs=None, drop=(), extra=None):
     return model
 
 
+def _with_sin(model):
+    model.graph.node[0].input.append("sin")
+    model.graph.input.append(helper.make_tensor_value_info("sin", TensorProto.FLOAT, [8, 4]))
+    return model
+
+
 NOT_LOWERED = {
     "rotary without caches": (lambda: _refused({"do_rotary": 1}), "do_rotary without cos_cache and sin_cache"),
     "caches without rotary": (lambda: _refused(extra=(7, "cos")), "cos_cache/sin_cache without do_rotary"),
-    "softcap": (lambda: _refused({"softcap": 30.0}), "softcap=30.0 is not lowered"),
-    "smooth softmax": (lambda: _refused({"smooth_softmax": 1}), "smooth_softmax=1 is not lowered"),
-    "local window": (lambda: _refused({"local_window_size": 4}), "local_window_size=4 is not lowered"),
+    "qk output": (lambda: _refused({"qk_output": 1}), "qk_output=1 is not lowered"),
+    "window of no key": (lambda: _refused({"local_window_size": 0}), "local_window_size=0: the kernel attends to no"),
+    "negative softcap": (lambda: _refused({"softcap": -1.0}), "softcap=-1.0: the kernel's output then is neither"),
+    "float16 rotary": (
+        lambda: to_float16(_with_sin(_refused({"do_rotary": 1}, extra=(7, "cos")))),
+        "float16 with do_rotary: the kernel rotates in float16",
+    ),
     "key without value": (lambda: _refused(drop=(2,)), "key and value must both be given or both absent"),
     "position ids": (lambda: _refused(extra=(9, "pos")), "input 9 (position_ids) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
@@ -259,3 +269,121 @@ def test_group_query_attention_forms_not_lowered_say_why(case):
     make, reason = NOT_LOWERED[case]
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
         onnx_qrewrite.rewrite(make())
+
+
+# --- softcap, smooth_softmax, local_window_size, float16 -------------------------------------------
+
+OPTIONS = {
+    "softcap 2": {"softcap": 2.0},
+    "softcap 30": {"softcap": 30.0},
+    "smooth softmax": {"smooth_softmax": 1},
+    "window 1": {"local_window_size": 1},
+    "window 3": {"local_window_size": 3},
+    "window wider than the cache": {"local_window_size": 100},
+    "negative window (none)": {"local_window_size": -5},
+    "all three": {"softcap": 5.0, "smooth_softmax": 1, "local_window_size": 2},
+}
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("magnitude", [1.0, 30.0])
+@pytest.mark.parametrize("case", ["first prompt, 4 per group", "token step, per-entry lengths", "subsequent prompt"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_group_query_attention_options_within_the_bound(option, case, magnitude):
+    """As onnxruntime 1.31.1's CPU kernel (measured): softcap · tanh(score / softcap) before the
+    mask; smooth softmax exp(x - m) / (Σ exp(x - m) + exp(-m)), m = max(0, max x), as Softmax with
+    one more logit of 0; a local window of w keys: the query's own and the w - 1 before it."""
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, OPTIONS[option])
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total, magnitude)
+    check_within_bound(model, feeds, shape, 0.0)
+
+
+def _broken(model, feeds, mutate):
+    """How far a rewrite changed by ``mutate`` (on its nodes) lands from the kernel."""
+    rewritten = onnx_qrewrite.rewrite(model).model
+    mutate(rewritten)
+    return np.abs(run(rewritten, feeds)["y"].astype(np.float64) - run(model, feeds)["y"]).max()
+
+
+def _drop_softcap(model):
+    tanh = next(n for n in model.graph.node if n.op_type == "Tanh")
+    div = next(n for n in model.graph.node if n.output[0] == tanh.input[0])
+    mul = next(n for n in model.graph.node if tanh.output[0] in n.input)
+    for node in model.graph.node:
+        node.input[:] = [div.input[0] if i == mul.output[0] else i for i in node.input]
+
+
+def _widen_window(model):
+    window = next(
+        n
+        for n in model.graph.node
+        if n.op_type == "Greater"
+        and "LocalWindow" not in n.name
+        and any(o in m.input for m in model.graph.node if "LocalWindow" in m.name for o in n.output)
+    )
+    window.op_type = "GreaterOrEqual"
+
+
+def _plain_softmax(model):
+    concat = next(
+        n
+        for n in model.graph.node
+        if n.op_type == "Concat"
+        and "SmoothSoftmax" in "".join(m.name for m in model.graph.node if n.output[0] in m.input)
+    )
+    softmax = next(n for n in model.graph.node if concat.output[0] in n.input)
+    softmax.input[0] = concat.input[0]
+    end = next(n for n in model.graph.node if softmax.output[0] in n.input and n.op_type == "Slice")
+    end.op_type = "Identity"
+    del end.input[1:]
+
+
+BROKEN = {
+    "softcap dropped": ({"softcap": 2.0}, _drop_softcap),
+    "window one key wider": ({"local_window_size": 3}, _widen_window),
+    "smooth softmax as Softmax": ({"smooth_softmax": 1}, _plain_softmax),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_group_query_attention_broken_options_exceed_the_bound(case):
+    attrs, mutate = BROKEN[case]
+    shape = CASES["token step, per-entry lengths"]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, attrs)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    assert _broken(model, feeds, mutate) > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head))
+
+
+def to_float16(model):
+    """The same node on float16 query, key, value, past and outputs."""
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT and value.name not in ("cos", "sin"):
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("option", [None, "all three"], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_group_query_attention_float16(case, option):
+    """The float16 kernel converts Q, K, V and the past to float32, computes as for float32 and
+    rounds the output once: the rewrite does the same, so the output is within the float32 bound
+    plus one float16 ulp of it (the two float32 results may round to neighbours), and the presents
+    bit for bit."""
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = to_float16(gqa_model(batch, seq, past, heads, kv_heads, head, OPTIONS.get(option)))
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    feeds = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-group-query-attention": 1}
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in ("present_key", "present_value"):
+        assert_bitwise_equal(got[name], want[name], name)
+    assert got["y"].dtype == np.float16
+    ulp = np.spacing(np.abs(want["y"])).astype(np.float64)
+    bound = gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)) + ulp
+    assert (np.abs(got["y"].astype(np.float64) - want["y"]) <= bound).all()

@@ -18,9 +18,19 @@ RotaryEmbedding's kernel (the same MLAS routine; contrib_rotary.rotate, exact), 
 
 Packed QKV (query (B, S, (N + 2·Nkv)·H), no key and value) is sliced into Q, K and V.
 
-Not lowered (the node stays, with the reason): ``softcap``, ``smooth_softmax``,
-``local_window_size``, ``qk_output``, position_ids, ``attention_bias``, ``head_sink``, float16,
-shapes that are not recorded. Where the kernel is
+The options, as the 1.31.1 CPU kernel computes them (measured in tests/test_unfuse_gqa.py):
+``softcap`` c > 0: ``c · tanh(score / c)`` on the scaled scores before the mask (Div, Tanh, Mul:
+onnxruntime's Tanh rounds differently from the kernel's, within the bound); ``smooth_softmax``:
+``exp(x - m) / (Σ exp(x - m) + exp(-m))``, m = max(0, max x), which is Softmax over the scores with
+one more logit of 0, dropped after; ``local_window_size`` w > 0: query i attends the w keys up to
+its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
+kernel converts Q, K, V and the past to float32, computes as for float32 and rounds the output
+once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact).
+
+Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
+attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
+magnitude: measured), float16 with ``do_rotary`` (the kernel rotates in float16: not measured),
+position_ids, ``attention_bias``, ``head_sink``, shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -43,8 +53,8 @@ from onnx_qrewrite.rewriter.graph import dtype_name
 __all__ = ["GroupQueryAttentionBuilder"]
 
 _T = onnx.TensorProto
-_REFUSED_ATTRIBUTES = ("softcap", "smooth_softmax", "qk_output")
 _KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size"}
+_KNOWN_ATTRIBUTES |= {"softcap", "smooth_softmax", "qk_output"}
 _REFUSED_INPUTS = ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
 
 
@@ -69,12 +79,7 @@ class GroupQueryAttentionBuilder:
         return dtype_name(elem) if elem else None
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
-        site.no_unknown_attributes(_KNOWN_ATTRIBUTES | set(_REFUSED_ATTRIBUTES))
-        for attr in _REFUSED_ATTRIBUTES:
-            if site.attribute(attr, 0):
-                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
-        if int(site.attribute("local_window_size", -1)) != -1:
-            raise NoMatch(f"local_window_size={site.attribute('local_window_size')} is not lowered (-1 is)")
+        site.no_unknown_attributes(_KNOWN_ATTRIBUTES)
         for index, what in _REFUSED_INPUTS:
             if site.input(index):
                 raise NoMatch(f"input {index} ({what}) is given; not lowered")
@@ -87,10 +92,7 @@ class GroupQueryAttentionBuilder:
             raise NoMatch("past_key and past_value must both be given or both absent")
         if len(site.node.output) < 3 or not all(site.node.output[:3]):
             raise NoMatch("present_key and present_value are required outputs (the kernel writes them)")
-        for index in (0, 1, 2, 3, 4):
-            elem = site.elem_type(site.input(index)) if site.input(index) else None
-            if elem is not None and elem != _T.FLOAT:
-                raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 is lowered")
+        float16 = _float16(site)
         heads, kv_heads = int(site.attribute("num_heads", 0)), int(site.attribute("kv_num_heads", 0))
         if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
             raise NoMatch(f"num_heads={heads} is not a multiple of kv_num_heads={kv_heads}")
@@ -103,19 +105,17 @@ class GroupQueryAttentionBuilder:
         parts = heads + 2 * kv_heads if packed else heads  # packed: Q, K, V heads side by side
         if shape[2] % parts:
             raise NoMatch(f"query hidden size {shape[2]} does not split into {parts} heads")
-        data = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
+        data: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
         data["rotary"] = _rotary_dim(site, shape[2] // parts)
+        if float16 and data["rotary"]:
+            raise NoMatch("float16 with do_rotary: the kernel rotates in float16, not measured here; not lowered")
+        data["float16"] = float16
+        data |= _options(site)
         return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
-        q, k, v = site.input(0), site.input(1), site.input(2)
-        if plan.data["packed"]:  # (B, S, (N + 2 Nkv) H): Q, then K, then V
-            bounds = np.cumsum([0, heads * head, kv_heads * head, kv_heads * head])
-            q, k, v = (
-                emit.op1("Slice", [q, _i64(emit, [int(bounds[i])]), _i64(emit, [int(bounds[i + 1])]), _i64(emit, [2])])
-                for i in range(3)
-            )
+        q, k, v, pasts = _inputs(emit, site, plan)
         seq = _dim(emit, q, 1)
         zero, one = emit.const(np.int64(0)), emit.const(np.int64(1))
         total = emit.op1("Add", [emit.op1("Cast", [site.input(5)], to=_T.INT64), emit.const(np.int64(1))])
@@ -137,23 +137,107 @@ class GroupQueryAttentionBuilder:
         length = emit.op1("Max", [requested, buffer], hint="PresentLength")
         keys = emit.op1("Range", [zero, length, emit.const(np.int64(1))])  # (T,)
         source = _present_index(emit, keys, past, seq, buffer, kv_heads, head, new_k)
+        # float16: computed in float32 (the kernel's order), rounded once into the outputs
+        float16 = plan.data["float16"]
+        outputs = ["" if float16 else name for name in site.node.output[:3]]
         present_k, present_v = (
-            _present(emit, site.input(3 + i) if site.input(3) else "", new, source, site.node.output[1 + i])
-            for i, new in enumerate((new_k, new_v))
+            _present(emit, pasts[i], new, source, outputs[1 + i]) for i, new in enumerate((new_k, new_v))
         )
-        allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, one]), [2])])
-        allowed = _unsqueeze(emit, allowed, [1, 2])  # (B, 1, 1, S, T)
-        scale = float(site.attribute("scale", 0.0)) or float(np.float32(1.0) / np.sqrt(np.float32(head)))
-        groups = heads // kv_heads
-        qh = emit.op1("Reshape", [q, _i64(emit, [0, 0, kv_heads, groups, head])])
-        qh = emit.op1("Transpose", [qh], perm=[0, 2, 3, 1, 4])  # (B, Nkv, G, S, H)
-        kt = emit.op1("Transpose", [_unsqueeze(emit, present_k, [2])], perm=[0, 1, 2, 4, 3])  # (B, Nkv, 1, H, T)
-        scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kt]), emit.const(np.float32(scale))], hint="Scale")
-        scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
-        probs = emit.op1("Softmax", [scores], axis=-1)
-        context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
-        context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
-        emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], site.node.output[0])
+        allowed = _unsqueeze(emit, _allowed(emit, keys, rows, plan.data["window"]), [1, 2])  # (B, 1, 1, S, T)
+        context = _attend(emit, site, plan, q, present_k, present_v, allowed, outputs[0])
+        if float16:
+            for value, name in zip((context, present_k, present_v), site.node.output[:3], strict=True):
+                emit.op1("Cast", [value], name, to=_T.FLOAT16)
+
+
+def _options(site: Site) -> dict[str, Any]:
+    """``local_window_size``, ``softcap`` and ``smooth_softmax`` as the plan's data, refusing the
+    values the kernel does not compute attention with (and ``qk_output``)."""
+    if site.attribute("qk_output", 0):
+        raise NoMatch(f"qk_output={site.attribute('qk_output')} is not lowered")
+    window = int(site.attribute("local_window_size", -1))  # negative: no window (measured, as -1)
+    if window == 0:
+        raise NoMatch("local_window_size=0: the kernel attends to no key (zero output); not lowered")
+    softcap = float(site.attribute("softcap", 0.0))
+    if softcap < 0:
+        raise NoMatch(
+            f"softcap={softcap}: the kernel's output then is neither uncapped nor capped at {-softcap} (measured); "
+            "not lowered"
+        )
+    return {"window": window, "softcap": softcap, "smooth": bool(site.attribute("smooth_softmax", 0))}
+
+
+def _float16(site: Site) -> bool:
+    """Whether query, key, value and the past are float16 (else float32; nothing else is lowered)."""
+    types = {t for i in range(5) if site.input(i) and (t := site.elem_type(site.input(i))) is not None}
+    if types - {_T.FLOAT, _T.FLOAT16} or len(types) > 1:
+        names = ", ".join(dtype_name(t) for t in sorted(types))
+        raise NoMatch(f"query/key/value/past are {names}; float32 or float16 alike are lowered")
+    return types == {_T.FLOAT16}
+
+
+def _inputs(emit: Emitter, site: Site, plan: Plan) -> tuple[str, str, str, list[str]]:
+    """Q, K and V (packed QKV sliced) and the past key and value ("" without), in float32: the
+    float16 kernel converts them to float32 and computes in it (exact conversions)."""
+    heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
+    q, k, v = site.input(0), site.input(1), site.input(2)
+    if plan.data["packed"]:  # (B, S, (N + 2 Nkv) H): Q, then K, then V
+        bounds = np.cumsum([0, heads * head, kv_heads * head, kv_heads * head])
+        q, k, v = (
+            emit.op1("Slice", [q, _i64(emit, [int(bounds[i])]), _i64(emit, [int(bounds[i + 1])]), _i64(emit, [2])])
+            for i in range(3)
+        )
+    pasts = [site.input(3), site.input(4)] if site.input(3) else ["", ""]
+    if not plan.data["float16"]:
+        return q, k, v, pasts
+    q, k, v = (emit.op1("Cast", [t], to=_T.FLOAT) for t in (q, k, v))
+    return q, k, v, [emit.op1("Cast", [t], to=_T.FLOAT) if t else "" for t in pasts]
+
+
+def _attend(
+    emit: Emitter, site: Site, plan: Plan, q: str, present_k: str, present_v: str, allowed: str, output: str
+) -> str:
+    """The grouped heads' attention over the present keys and values, (B, S, N·H) written to
+    ``output`` (a fresh name if ""): query head h reads key/value head h // G, scores scaled
+    [softcapped], masked, softmax [smooth], times V."""
+    heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
+    scale = float(site.attribute("scale", 0.0)) or float(np.float32(1.0) / np.sqrt(np.float32(head)))
+    groups = heads // kv_heads
+    qh = emit.op1("Reshape", [q, _i64(emit, [0, 0, kv_heads, groups, head])])
+    qh = emit.op1("Transpose", [qh], perm=[0, 2, 3, 1, 4])  # (B, Nkv, G, S, H)
+    kt = emit.op1("Transpose", [_unsqueeze(emit, present_k, [2])], perm=[0, 1, 2, 4, 3])  # (B, Nkv, 1, H, T)
+    scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kt]), emit.const(np.float32(scale))], hint="Scale")
+    if plan.data["softcap"] > 0:  # the kernel: softcap · tanh(score / softcap), before the mask
+        cap = emit.const(np.float32(plan.data["softcap"]))
+        scores = emit.op1("Mul", [emit.op1("Tanh", [emit.op1("Div", [scores, cap])]), cap], hint="Softcap")
+    scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
+    probs = _softmax(emit, scores, plan.data["smooth"])
+    context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
+    context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
+    return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
+
+
+def _allowed(emit: Emitter, keys: str, rows: str, window: int) -> str:
+    """Which keys (T,) each query at position ``rows`` (B, S) attends, (B, S, T): the keys up to its
+    position, and with a local window only the last ``window`` of them (onnxruntime 1.31.1's CPU
+    kernel, measured: window 2 attends the query's own key and the one before)."""
+    allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(1))]), [2])])
+    if window > 0:
+        first = _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(-window))]), [2])
+        allowed = emit.op1("And", [allowed, emit.op1("Greater", [keys, first])], hint="LocalWindow")
+    return allowed
+
+
+def _softmax(emit: Emitter, scores: str, smooth: bool) -> str:
+    """Softmax over the last axis; ``smooth``: with one more logit of 0 that takes its share of the
+    sum and is dropped (the kernel's smooth softmax: exp(x - m) / (Σ exp(x - m) + exp(-m)),
+    m = max(0, max x))."""
+    if not smooth:
+        return emit.op1("Softmax", [scores], axis=-1)
+    first = emit.op1("Slice", [scores, _i64(emit, [0]), _i64(emit, [1]), _i64(emit, [-1])])
+    zero = emit.op1("Expand", [emit.const(np.zeros((1, 1, 1, 1, 1), np.float32)), emit.op1("Shape", [first])])
+    probs = emit.op1("Softmax", [emit.op1("Concat", [scores, zero], axis=-1)], axis=-1, hint="SmoothSoftmax")
+    return emit.op1("Slice", [probs, _i64(emit, [0]), _i64(emit, [-1]), _i64(emit, [-1])])
 
 
 def _rotary_dim(site: Site, head: int) -> int:
@@ -226,7 +310,7 @@ def _present(emit: Emitter, past: str, new: str, source: str, output: str) -> st
     row = emit.op1("Slice", [new, _i64(emit, [0]), _i64(emit, [1]), _i64(emit, [2])])  # (B, Nkv, 1, H)
     zeros = emit.op1("Expand", [emit.const(np.zeros((1, 1, 1, 1), np.float32)), emit.op1("Shape", [row])])
     parts = [past, new, zeros] if past else [new, zeros]
-    return emit.op1("GatherElements", [emit.op1("Concat", parts, axis=2), source], output, axis=2)
+    return emit.op1("GatherElements", [emit.op1("Concat", parts, axis=2), source], output or None, axis=2)
 
 
 def _unsqueeze(emit: Emitter, x: str, axes: list[int]) -> str:
