@@ -21,6 +21,13 @@ its ancestors (its lineage). A created node is matched only by ``on_replacements
 lineage (the match fails with the reason), so a rule never lowers what it emitted and the walk
 ends, and the other rules leave replacements alone, as :func:`onnx_qrewrite.rewrite` does.
 
+Ops with optional outputs (Attention's ``present``, MultiHeadAttention's ``present_key`` /
+``present_value``): a rule gets one pattern per number of outputs its builder's contract declares
+types for, and a node is matched by the one binding exactly the outputs it declares (trailing
+omitted ones not counted), so every output the engine writes is replaced. A node with an omitted
+output before its last one is not matched (onnxscript would give the replacement's value that
+empty name).
+
 Prefer :func:`onnx_qrewrite.rewrite` for whole models: it is much faster (ENGINE_NOTES.md: the
 pattern rewriter costs ~30x an onnx load+save on node-heavy graphs) and handles opset raises.
 """
@@ -51,9 +58,10 @@ except ImportError:
 __all__ = ["rule_set", "rules_for"]
 
 
-def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
-    """The matched node alone, with what the engine needs to decide (types, shapes, constant
-    values), and which of the match's values each of its input names stands for."""
+def _mini_model(node: ir.Node, model: ir.Model, count: int) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
+    """The matched node alone with its first ``count`` outputs, with what the engine needs to decide
+    (types, shapes, constant values), and which of the match's values each of its input names
+    stands for."""
     inputs, initializers, names = [], [], []
     values: dict[str, ir.Value] = {}
     for i, value in enumerate(node.inputs):
@@ -69,7 +77,7 @@ def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[s
             elem = int(value.dtype) if value.dtype is not None else onnx.TensorProto.FLOAT
             shape = None if value.shape is None else [d if isinstance(d, int) else None for d in value.shape]
             inputs.append(helper.make_tensor_value_info(name, elem, shape))
-    outputs = [f"output_{i}" for i in range(len(node.outputs))]
+    outputs = [f"output_{i}" for i in range(count)]
     proto = onnx.NodeProto()
     proto.CopyFrom(ir.serde.serialize_node(node))
     del proto.input[:]
@@ -78,7 +86,7 @@ def _mini_model(node: ir.Node, model: ir.Model) -> tuple[onnx.ModelProto, dict[s
     proto.output.extend(outputs)
     out_infos = [
         helper.make_tensor_value_info(o, int(v.dtype) if v.dtype is not None else 0, None)
-        for o, v in zip(outputs, node.outputs, strict=True)
+        for o, v in zip(outputs, node.outputs[:count], strict=True)
     ]
     graph = helper.make_graph([proto], "match", inputs, out_infos, initializers)
     opsets = [helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
@@ -118,11 +126,14 @@ class _Lineage:
 
 
 class _CatalogueRule(pattern.RewriteRuleClassBase):
-    def __init__(self, rule: Rule, ref: OpRef, catalogue: Catalogue, lineage: _Lineage | None = None):
-        super().__init__(name=f"{rule.id}:{ref}")
+    def __init__(
+        self, rule: Rule, ref: OpRef, catalogue: Catalogue, lineage: _Lineage | None = None, outputs: int | None = None
+    ):
+        self._outputs = outputs or rule.contract.outputs
+        suffix = "" if self._outputs == rule.contract.outputs else f":{self._outputs}-outputs"
+        super().__init__(name=f"{rule.id}:{ref}{suffix}")
         self._rule, self._ref = rule, ref
         self._catalogue = catalogue.select(only=[rule.id])
-        self._outputs = rule.contract.outputs
         self._lineage = lineage if lineage is not None else _Lineage()
         # onnxscript calls ``rewrite`` right after a successful ``check`` of the same match.
         self._pending: tuple[onnx.ModelProto, dict[str, ir.Value], list[int], frozenset[str]] | None = None
@@ -153,7 +164,10 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
                 )
             if self._rule.id in made_by:
                 return result.fail(f"rule {self._rule.id} is in the node's lineage ({', '.join(sorted(made_by))})")
-        mini, values = _mini_model(node, context.model)
+        why = _unbound_outputs(node, self._outputs)
+        if why:
+            return result.fail(why)
+        mini, values = _mini_model(node, context.model, self._outputs)
         # The engine itself (the one-node model is ours: nothing to validate on the way in).
         options = engine.EngineOptions(keep_opset=True)
         try:
@@ -196,6 +210,28 @@ class _CatalogueRule(pattern.RewriteRuleClassBase):
         return results if len(results) > 1 else results[0]
 
 
+def _unbound_outputs(node: ir.Node, count: int) -> str:
+    """Why a pattern binding ``count`` outputs cannot replace ``node`` ('' if it can): the node has
+    another number of outputs (trailing omitted ones not counted; the engine writes every output a
+    node declares), or an omitted one among them (its replacement would have to be named '')."""
+    declared = len(node.outputs)
+    while declared and not node.outputs[declared - 1].name:
+        declared -= 1
+    if declared != count:
+        return f"the node has {declared} outputs; this pattern binds {count}"
+    if not all(value.name for value in node.outputs[:count]):
+        return "an output before the node's last is omitted: not matched by the onnxscript rule set"
+    return ""
+
+
+def _output_counts(rule: Rule, ref: OpRef) -> range:
+    """The numbers of outputs to match ``ref`` with, most first: from as many as the builder
+    declares types for down to the contract's ``outputs``."""
+    declared = rule.contract.output_types(rule.options, ref.op) if rule.contract.output_types else None
+    most = max(len(declared or ()), rule.contract.outputs)
+    return range(most, rule.contract.outputs - 1, -1)
+
+
 def _attr_value(attr: onnx.AttributeProto) -> Any:
     value = helper.get_attribute_value(attr)
     if isinstance(value, onnx.TensorProto):
@@ -204,11 +240,16 @@ def _attr_value(attr: onnx.AttributeProto) -> Any:
 
 
 def rules_for(catalogue: Catalogue | None = None) -> list[pattern.RewriteRule]:
-    """One onnxscript rule per (catalogue rule, matched op). They share one record of the nodes
-    they create, for ``on_replacements`` (module docstring): use them in one rule set."""
+    """One onnxscript rule per (catalogue rule, matched op, number of outputs). They share one record
+    of the nodes they create, for ``on_replacements`` (module docstring): use them in one rule set."""
     catalogue = catalogue or load_catalogue()
     lineage = _Lineage()
-    return [_CatalogueRule.rule(rule, ref, catalogue, lineage) for rule in catalogue for ref in rule.match]
+    return [
+        _CatalogueRule.rule(rule, ref, catalogue, lineage, count)
+        for rule in catalogue
+        for ref in rule.match
+        for count in _output_counts(rule, ref)
+    ]
 
 
 def rule_set(catalogue: Catalogue | None = None) -> pattern.RewriteRuleSet:

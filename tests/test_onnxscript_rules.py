@@ -123,3 +123,62 @@ def test_the_float_emulation_form_leaves_nothing_quantized_and_matches_our_rewri
     want, got = run(ours, feeds), run(via_onnxscript, feeds)
     for output in want:
         assert_bitwise_equal(got[output], want[output], f"{path.stem}: {output}")
+
+
+# --- ops with optional outputs: Attention's present, MultiHeadAttention's present_key/value -------
+
+
+def _attention_with_present(outputs):
+    from test_unfuse_attention import past_attention_model, past_feeds
+
+    model = past_attention_model(2, 4, 3, 32, 4)
+    if outputs == 1:  # no present: the past is refused, so the node without it and its output
+        model = past_attention_model(2, 4, 0, 32, 4, with_past=False)
+        del model.graph.node[0].output[1:]
+        del model.graph.output[1:]
+    feeds = past_feeds(2, 4, 3, 32, 4)
+    return model, {i.name: feeds[i.name] for i in model.graph.input}
+
+
+def _mha_with_state(outputs):
+    from test_unfuse_mha_state import mha_feeds, mha_model
+
+    past = 3 if outputs == 3 else None
+    names = ("y", "present_key", "present_value")[:outputs]
+    model = mha_model(2, 4, 4, past, 32, 4, mask="raw", outputs=names)
+    feeds = mha_feeds(2, 4, 4, past, 32, 4, mask="raw")
+    return model, {i.name: feeds[i.name] for i in model.graph.input}
+
+
+OPTIONAL_OUTPUTS = {
+    "attention-present": (_attention_with_present, 2),
+    "attention": (_attention_with_present, 1),
+    "mha-past-present": (_mha_with_state, 3),
+    "mha-present-key": (_mha_with_state, 2),
+    "mha": (_mha_with_state, 1),
+}
+
+
+@pytest.mark.parametrize("make, outputs", list(OPTIONAL_OUTPUTS.values()), ids=list(OPTIONAL_OUTPUTS))
+def test_optional_outputs_are_matched_and_written_as_our_rewrite_writes_them(make, outputs, rules):
+    """A node is matched by the pattern binding every output it declares, so its present outputs are
+    replaced too (before, the one-output pattern bound only output 0 and the replacement's extra
+    outputs failed onnxscript's count)."""
+    model, feeds = make(outputs)
+    via_onnxscript = rewriter.rewrite(model, pattern_rewrite_rules=rules)
+    assert {n.domain for n in via_onnxscript.graph.node} <= {"", "ai.onnx"}
+    ours = onnx_qrewrite.rewrite(model, keep_opset=True).model
+    want, got = run(ours, feeds), run(via_onnxscript, feeds)
+    assert len(want) == outputs
+    for output in want:
+        assert_bitwise_equal(got[output], want[output], output)
+
+
+def test_a_node_with_an_omitted_output_before_its_last_is_left_alone(rules):
+    """MultiHeadAttention writing present_value but not present_key: onnxscript would name the
+    replacement of the omitted output '', so no pattern matches (the engine lowers it)."""
+    from test_unfuse_mha_state import mha_model
+
+    model = mha_model(2, 4, 4, None, 32, 4, outputs=("y", "", "present_value"))
+    out = rewriter.rewrite(model, pattern_rewrite_rules=rules)
+    assert [n.op_type for n in out.graph.node] == ["MultiHeadAttention"]

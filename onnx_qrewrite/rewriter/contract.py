@@ -244,7 +244,8 @@ class Contract:
     exactness: Callable[[Mapping[str, Any]], str] = _ALWAYS_EXACT
     #: The bound of a bounded form, in words (docs, ``rules --long``, reports).
     bound: str = ""
-    #: Outputs of the op it replaces (the pattern rewriter matches that many).
+    #: Outputs the op it replaces always has. The onnxscript rule set matches nodes with this many up
+    #: to as many as ``output_types`` declares (optional outputs: one pattern per count).
     outputs: int = 1
     #: Output 0 has input 0's shape.
     preserves_shape: bool = False
