@@ -277,9 +277,9 @@ def _keep(feeds, mask, batch, seq, total):
 @pytest.mark.parametrize("mask", [None, "lengths", "raw"], ids=str)
 @pytest.mark.parametrize("shape", STEP_SHAPES, ids=str)
 def test_a_decoder_step_is_within_the_stated_bound(shape, mask):
-    """One query against past + new keys: the kernel's scores go through MLAS's GEMV, which adds
-    the mask inside its sum (a fully masked entry shows it most: score - 10000 rounded); the
-    present outputs are still copies, bit for bit."""
+    """One query against past + new keys: the kernel's scores go through MLAS's GEMV, which rounds
+    differently (a fully masked entry most: score - 10000, measured); the present outputs are
+    still copies, bit for bit."""
     model = mha_model(*shape, mask=mask, attention_bias="full" if mask == "raw" else None)
     feeds = mha_feeds(*shape, mask=mask, attention_bias="full" if mask == "raw" else None)
     want, got = rewrite_and_run(model, feeds)

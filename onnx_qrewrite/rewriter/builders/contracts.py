@@ -485,7 +485,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             emits=ATTENTION_EMITS,
             exactness=lambda options: BOUNDED,
             bound="without key_padding_mask, attention_bias, unidirectional and present outputs the kernel takes "
-            "its blocked (flash) softmax path, and at query sequence 1 MLAS's GEMV adds the mask inside its sum: "
+            "its blocked (flash) softmax path, and at query sequence 1 MLAS's GEMV (most in a fully masked row): "
             "other float32 roundings (bit-exact otherwise: sequence > 1 with any of them, past/present included); "
             "within 2^-20·(1 + max|score|)·max|V| at each output, score = scale·Q·Kᵀ over the past and new keys "
             "plus attention_bias, and plus the filter value in rows whose every key is masked (asserted on the "
