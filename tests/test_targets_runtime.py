@@ -928,6 +928,18 @@ def _quantized_sum(case: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def _runs_on_openvino(model: onnx.ModelProto, case: str, x: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """OpenVINO's outputs for ``model``, or None when it fails compiling it (the low-precision
+    transformation's error, quoted by what failed)."""
+    try:
+        return make_runner("openvino", model, label=case, shapes={"x": (1, 16, 64)}).run(x)
+    except QRewriteError as exc:
+        assert "openvino cannot load the model" in str(exc), exc
+        # What failed, not where OpenVINO nests its exceptions (openvino_message).
+        assert "Transformation] END" in str(exc) and "Exception from" not in str(exc), exc
+        return None
+
+
 @pytest.mark.parametrize(
     ("case", "fixed", "refused"),
     [
@@ -945,26 +957,29 @@ def test_openvino_refuses_the_sum_of_a_quantized_activation_and_a_quantized_cons
     """OpenVINO 2026.4.1's CPU plugin fails compiling an Add or Mul of a Q -> DQ pair of a run-time
     value and one of a constant of more than one element (its low-precision transformations), and
     a Shape of a static value is a constant to it: the static QDQ BERT compiles as given and failed
-    once `--input-shape` fixed its dims, which `inspect --target openvino` did not predict. The
-    verdict is the runtime's, as given and with the dims fixed."""
+    once `--input-shape` fixed its dims. The verdict on the model as given is the runtime's, as given
+    and with the dims fixed; `rewrite --target openvino` (form static-shapes: the constant's
+    QuantizeLinear as its integer value) leaves nothing refused, and OpenVINO compiles that and
+    agrees with onnxruntime running the original within its tolerance (the float sum of two
+    dequantized values is rounded in another order there: 1.39 for 1.3899999)."""
+    from conftest import run
+
     _runtime("openvino")
     model = _quantized_sum(case)
     profile = load_target("openvino")
     shapes = InputShapes({}, {"b": 1, "s": 16}) if fixed else None
     plan = plan_for_model(model, load_rules(), profile, input_shapes=shapes)
-    assert [r.node for r in plan.after] == (["sum"] if refused else [])
+    assert [r.node for r in plan.before] == (["sum"] if refused else [])
+    assert plan.after == []
     if fixed:
         fix_input_shapes(model, shapes)
     x = {"x": np.random.default_rng(4).standard_normal((1, 16, 64)).astype(np.float32)}
-    try:
-        make_runner("openvino", model, label=case, shapes={"x": (1, 16, 64)}).run(x)
-        ran = True
-    except QRewriteError as exc:
-        assert "openvino cannot load the model" in str(exc), exc
-        # What failed, not where OpenVINO nests its exceptions (openvino_message).
-        assert "Transformation] END" in str(exc) and "Exception from" not in str(exc), exc
-        ran = False
-    assert ran == (not refused)
+    assert (_runs_on_openvino(model, case, x) is None) == refused
+    assert ("static-shapes" in plan.forms) == refused, plan.forms
+    got = _runs_on_openvino(plan.rewritten, case, x)
+    assert got is not None, case
+    spec = RUNTIMES["openvino"]
+    np.testing.assert_allclose(got["y"], run(model, x)["y"], atol=spec.atol, rtol=spec.rtol, err_msg=case)
 
 
 def test_openvino_errors_are_quoted_by_what_failed_not_where_it_was_rethrown():
@@ -990,19 +1005,33 @@ def test_openvino_errors_are_quoted_by_what_failed_not_where_it_was_rethrown():
     assert openvino_message(RuntimeError("")) == "RuntimeError"
 
 
-def test_the_static_qdq_bert_with_fixed_dims_is_refused_on_openvino_as_it_fails_there(battery):
+def test_the_static_qdq_bert_with_fixed_dims_reaches_openvino_through_its_folded_constant(battery):
     """benchmarks/targets.py --fix-shapes: ortqdq_bert compiles on OpenVINO as given, not once its
-    dims are fixed; `inspect --target openvino --input-shape` now names the node (the embeddings'
-    Add of the word and position lookups) instead of predicting that it runs."""
+    dims are fixed, which `inspect --target openvino --input-shape` predicts (the embeddings' Add of
+    the word and position lookups). `rewrite --target openvino --input-shape` folds the position
+    slice's QuantizeLinear to its integer value (form static-shapes): OpenVINO compiles that and
+    agrees with onnxruntime running the original bit for bit."""
     _runtime("openvino")
     path = battery["ortqdq_bert"]
     inputs, expected = _io(path)
     profile = load_target("openvino")
     assert plan_for_target(path, load_rules(), profile).refused_after == 0
-    plan = plan_for_target(path, load_rules(), profile, input_shapes=_recorded_shapes(inputs))
-    assert [r.node for r in plan.after] == ["embeddings.sum"]
-    ran, detail = runs_on("openvino", plan.rewritten, inputs, expected, original=path)
+    shapes = _recorded_shapes(inputs)
+    plan = plan_for_target(path, load_rules(), profile, input_shapes=shapes)
+    assert [r.node for r in plan.before] == ["embeddings.sum"]
+    assert plan.refused_after == 0 and plan.forms["static-shapes"]["nodes"] >= 1, plan.forms
+    fixed = onnx.load(path)
+    fix_input_shapes(fixed, shapes)
+    ran, detail = runs_on("openvino", fixed, inputs, expected, original=path)
     assert not ran and "openvino cannot load the model" in detail, detail
+    result = rewrite(onnx.load(path), target="openvino", input_shapes=shapes)
+    assert {"fold-static-quantize"} <= set(result.report.by_rule())
+    runner = make_runner("openvino", result.model, label="rewrite", shapes={k: v.shape for k, v in inputs.items()})
+    from conftest import assert_bitwise_equal, run
+
+    got, want = runner.run(inputs), run(onnx.load(path), inputs)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
 
 
 def _float64_probe() -> onnx.ModelProto:

@@ -843,6 +843,17 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=_qoperator_opset,
         ),
     ),
+    "static_fold": (
+        "static_fold",
+        Contract(
+            output_types=lambda options, op: (
+                ("int64",) if op in ("Shape", "Size") else (QUANTIZED_OUTPUT,) if op == "QuantizeLinear" else None
+            ),
+            options=(),
+            emits=frozenset({"Identity"}),
+            opset=lambda options, dtypes: "any",
+        ),
+    ),
     "movement_equivalent": (
         "movement_equivalent",
         Contract(
