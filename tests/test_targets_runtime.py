@@ -1137,3 +1137,45 @@ def test_each_profiles_ir_ceiling_and_opset_ceiling_are_what_the_runtime_loads(t
         assert runs(_add_model(10, profile.opset_max)) and not runs(_add_model(10, profile.opset_max + 1))
     else:
         assert runs(_add_model(13, 28))
+
+
+@pytest.mark.parametrize("name", ["ortdyn_bert", "ortdyn_bert_optimized", "ortqop_bert", "ortqdq_bert", "nbits_bert"])
+def test_the_berts_reach_nnapi_with_static_shapes_as_its_usability_checker_says(name, battery):
+    """onnxruntime's own mobile usability checker, before and after `rewrite --target nnapi
+    --input-shape`: what the profile refuses outright is what the checker cannot place (Shape,
+    LayerNormalization, Erf or contrib Gelu before), the Shape folds and the LayerNormalizations
+    decompose without consent, the Erf (or the Gelu's Erf) only with --allow-approximate, and then
+    neither finds anything. The rewrite stays within the weight-only form's drift of the original
+    in onnxruntime (0 on the static QDQ BERT: its quantization absorbs the Erf's 6.7e-7)."""
+    ck = pytest.importorskip("onnxruntime.tools.mobile_helpers.usability_checker", reason="needs onnxruntime")
+    from conftest import run
+
+    from onnx_qrewrite.targets.plan import plan_for_model
+
+    def unsupported(model: onnx.ModelProto) -> set[str]:
+        info = ck.check_nnapi_partitions(model, require_fixed_input_sizes=False)
+        return {op for op in info.unsupported_ops if op != "ai.onnx:Constant"}
+
+    def ours(refused) -> set[str]:
+        return {f"{r.domain or 'ai.onnx'}:{r.op}" for r in refused if r.unlisted}
+
+    path = battery[name]
+    inputs, _ = _io(path)
+    shapes = _recorded_shapes(inputs)
+    profile = load_target("nnapi")
+    fixed = onnx.load(path)
+    fix_input_shapes(fixed, shapes)
+    assert "ai.onnx:Shape" in unsupported(fixed)
+    plan = plan_for_model(onnx.load(path), load_rules(), profile, input_shapes=shapes)
+    assert ours(plan.before) == unsupported(fixed)
+    assert len(plan.after) == 1 and ours(plan.after) == unsupported(plan.rewritten) <= {
+        "ai.onnx:Erf",
+        "com.microsoft:Gelu",
+    }
+    assert plan.with_consent is not None and plan.with_consent["refused_after"] == 0
+    allow = ("exact", "bounded", "approximate")
+    result = rewrite(onnx.load(path), target="nnapi", input_shapes=shapes, allow=allow)
+    assert result.report.target["refused_after"] == 0
+    assert unsupported(result.model) == set() and not check_model(result.model, profile)
+    want, got = run(onnx.load(path), inputs), run(result.model, inputs)
+    assert max(float(np.abs(got[k] - want[k]).max()) for k in want) <= 0.025

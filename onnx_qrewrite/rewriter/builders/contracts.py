@@ -854,6 +854,26 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=lambda options, dtypes: "any",
         ),
     ),
+    "decompose": (
+        "decompose",
+        Contract(
+            output_types=lambda options, op: (
+                ("input 0",)
+                if op == "Erf"
+                else ("input 0", "float32", "float32")
+                if op == "LayerNormalization"
+                else None
+            ),
+            options=(Option("op", str, allowed=("layer_norm", "erf"), doc="which op the rule decomposes"),),
+            emits=frozenset({"ReduceMean", "Sub", "Mul", "Add", "Sqrt", "Div", "Abs", "Exp", "Neg", "Clip"}),
+            exactness=lambda options: BOUNDED if options["op"] == "layer_norm" else APPROXIMATE,
+            bound="LayerNormalization: float32 rounding of a two-pass mean and variance in another order than the "
+            "kernel's, within 16·2^-24·(|y| + |γ|·(1 + |mean(x)|/σ(x))) at each output (measured; data-dependent, "
+            "so verify compares the outputs, not the node)",
+            preserves_shape=True,
+            opset=lambda options, dtypes: "any",
+        ),
+    ),
     "movement_equivalent": (
         "movement_equivalent",
         Contract(
