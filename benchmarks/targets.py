@@ -6,7 +6,7 @@ errors against onnxruntime running the original, and the runtime's latency for b
 Markdown tables: per target and model, then per target (the README's Targets table is the latter).
 
     python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
-                                 [--default] [--seeds N] [--fix-shapes]
+                                 [--default] [--seeds N] [--fix-shapes] [--allow-approximate]
 
 Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts, and the rewrite's
 errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
@@ -20,6 +20,8 @@ model's symbolic dimensions fixed to its recorded inputs' shapes (``--input-shap
 runs it; ``--fix-shapes`` plans every target so (what ``inspect``/``rewrite --target T
 --input-shape`` see: shapes recorded through the com.microsoft ops, onnx_qrewrite/targets/shapes.py),
 and runs the original with those dims fixed too (what its before-verdict judged).
+``--allow-approximate`` plans as ``rewrite --target T --allow-approximate`` does: a profile's forms
+that wait for the user's consent (``consent = "user"``) are used too.
 A disagreement on the recorded inputs is confirmed on two more seeded inputs (target_models.py's
 CONFIRM_SEEDS, as tests/test_targets_runtime.py does): when both agree the cell says ``(step
 flip)``, a requantized activation one step off through float rounding, not a wrong runtime.
@@ -209,6 +211,10 @@ def _rules(plan: Any) -> str:
             levels[n.exactness or "exact"] += 1
             if n.form:
                 forms.add(n.form)
+    for name, used in plan.forms.items():  # a form that rewrote only nodes the target accepts (a folded constant)
+        if not any(n.rule and n.form == name for n in plan.nodes):
+            levels[used["exactness"]] += used["nodes"]
+            forms.add(name)
     text = ", ".join(f"{k} {levels[k]}" for k in ("exact", "bounded", "approximate") if levels[k])
     return (text or "none") + (f" ({', '.join(sorted(forms))})" if forms else "")
 
@@ -237,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--fix-shapes", action="store_true", help="plan every target with the recorded inputs' shapes fixed"
+    )
+    parser.add_argument(
+        "--allow-approximate",
+        action="store_true",
+        help="plan as `rewrite --target T --allow-approximate` does (forms that wait for the user's consent)",
     )
     args = parser.parse_args(argv)
 
@@ -326,7 +337,8 @@ def _measure(
         from onnx_qrewrite.targets.shapes import InputShapes
 
         shapes = InputShapes({name: tuple(value.shape) for name, value in inputs.items()})
-    plan = plan_for(item.path, catalogue, profile, input_shapes=shapes)
+    allow = ("exact", "bounded", "approximate") if args.allow_approximate else None
+    plan = plan_for(item.path, catalogue, profile, input_shapes=shapes, allow=allow)
     row: dict[str, Any] = {
         "target": target,
         "model": item.name,
