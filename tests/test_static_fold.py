@@ -136,3 +136,19 @@ def test_a_fold_larger_than_the_limit_is_decided_before_it_is_computed():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     result = rewrite(model, rules=[named_form("static-shapes")], only=["fold-static-quantize"], allow_unlowered=True)
     assert result.report.by_rule() == {}
+
+
+@rule_marker("fold-static-quantize", "negative")
+def test_a_four_bit_zero_point_is_not_folded():
+    """An int4 QuantizeLinear saturates to [-8, 7], which the fold does not compute: it gives way."""
+    n = helper.make_node
+    consts = [
+        from_array(np.linspace(-3, 3, 8, dtype=np.float32), "table"),
+        from_array(np.float32(0.1), "s"),
+        helper.make_tensor("z", TensorProto.INT4, [], [0]),
+    ]
+    y = helper.make_tensor_value_info("y", TensorProto.INT4, [8])
+    graph = helper.make_graph([n("QuantizeLinear", ["table", "s", "z"], ["y"], name="q")], "int4", [], [y], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    result = rewrite(model, rules=[named_form("static-shapes")], only=["fold-static-quantize"], allow_unlowered=True)
+    assert result.report.by_rule() == {}

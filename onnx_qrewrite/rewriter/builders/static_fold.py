@@ -170,9 +170,11 @@ def _quantize_plan(site: Site) -> Plan:
     zp = site.constant(zp_name) if zp_name else np.zeros((), np.uint8)
     if scale is None or zp is None:
         raise NotApplicable("its scale or zero point is computed at run time")
-    dtype = _QTYPES.get(int(onnx.helper.np_dtype_to_tensor_dtype(zp.dtype)))
-    if scale.dtype != np.float32 or dtype is None:
-        raise NotApplicable(f"a {scale.dtype} scale or a {zp.dtype} zero point is not folded")
+    # The zero point's declared type decides the saturation range (and must be its array's).
+    elem = site.elem_type(zp_name) if zp_name else onnx.TensorProto.UINT8
+    dtype = _QTYPES.get(elem) if elem is not None else None
+    if scale.dtype != np.float32 or dtype is None or zp.dtype != dtype:
+        raise NotApplicable("only a float32 scale and a uint8, int8, uint16 or int16 zero point are folded")
     if scale.size > 1 or zp.size > 1:
         axis = int(site.attribute("axis", 1))
         axis = axis + x.ndim if axis < 0 else axis
