@@ -36,6 +36,9 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             click.echo(
                 "      rewrite: none; left as it is, since every rule leaves the target as much or more to refuse"
             )
+        elif n.reasons and not n.after:
+            forms = ", ".join(plan.forms) or "none"
+            click.echo(f"      rewrite: none of its own; accepted once other nodes are rewritten (forms: {forms})")
         else:
             click.echo("      rewrite: no rule rewrites it")
         for alternative in n.considered:
