@@ -29,3 +29,48 @@ def test_producers_are_the_nodes_a_dict_of_outputs_gives():
             assert found is not None and found == model.graph.node[expected[name]]
         else:
             assert found is None, name
+
+
+def _ssa_model(count: int):
+    """An SSA chain of nodes writing one to three outputs each (some optional ones absent)."""
+    rng = random.Random(5)
+    nodes, previous = [], "x"
+    for k in range(count):
+        outputs = [f"n{k}_o{j}" if rng.random() > 0.2 else "" for j in range(rng.randint(1, 3))]
+        outputs[0] = outputs[0] or f"n{k}_o0"
+        nodes.append(helper.make_node("Identity" if k % 2 else "Relu", [previous], outputs, name=f"n{k}"))
+        previous = outputs[0]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    return helper.make_model(helper.make_graph(nodes, "g", [x], []))
+
+
+def test_an_ssa_index_answers_a_node_s_other_outputs_from_one_look_up():
+    """No output hash repeats (an SSA list): finding the writer of one output remembers it for
+    the node's other outputs, and those answers are still a dict of every output's."""
+    model = _ssa_model(9000)
+    scope = iter_scopes(model)[0]
+    expected = {out: i for i, node in enumerate(model.graph.node) for out in node.output if out}
+    index = scope._producer_index()
+    assert index.unique
+    rng = random.Random(8)
+    names = [*expected, "x", "missing", ""]
+    rng.shuffle(names)
+    for name in names[:3000]:
+        found = scope.producer(name)
+        writer = expected.get(name)
+        assert (found is None) if writer is None else (found == model.graph.node[writer]), name
+        for sibling in found.output if found is not None else ():
+            if sibling:  # remembered with the look-up (or evicted since, and then looked up again)
+                assert scope.producer(sibling) == found, sibling
+
+
+def test_the_walk_for_matching_builds_the_same_index_as_a_look_up_does():
+    """iter_scopes(op_codes=True) indexes the outputs in its own walk; the index equals the one
+    a scope builds on first look-up."""
+    model = _ssa_model(9000)
+    walked = iter_scopes(model, op_codes=True)[0]._producers
+    alone = iter_scopes(model)[0]._producer_index()
+    assert walked is not None
+    for field in ("hashes", "owners", "heads", "node_names"):
+        assert getattr(walked, field).tolist() == getattr(alone, field).tolist(), field
+    assert walked.unique == alone.unique

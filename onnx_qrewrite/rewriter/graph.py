@@ -88,6 +88,7 @@ class _Records(NamedTuple):
 
 
 _NO_HASHES = np.zeros(0, dtype=np.int64)
+_MISSING = object()
 
 
 def _hash_in(hashes: np.ndarray, value: int) -> bool:
@@ -100,36 +101,60 @@ def _hash_in(hashes: np.ndarray, value: int) -> bool:
 _CHUNK = 4096
 
 
-def _output_hashes(nodes: Sequence[onnx.NodeProto], start: int, stop: int) -> tuple[np.ndarray, ...]:
-    """Of the outputs of ``nodes[start:stop]`` (absent optional ones left out): their hashes, the
-    index of each one's node; and of those outputs and the nodes' own names, the hashes of the
-    names and of their heads (see :class:`NameAllocator`). One walk: each node read from protobuf
-    costs a new wrapper object, so the name allocator does not walk the nodes again for their names."""
-    names: list[str] = []
-    counts: list[int] = []
-    node_names: list[str] = []
-    extend, count, named = names.extend, counts.append, node_names.append
-    for i in range(start, stop):
-        node = nodes[i]
+class _OutputNames:
+    """Gathers, node by node, what :class:`_Producers` indexes: each node's outputs and name, hashed
+    a chunk of :data:`_CHUNK` nodes at a time (the names of a whole graph at once, as strings, were
+    ~10 MB more at a time). Fed by whatever walk reads the nodes anyway: each node read from
+    protobuf costs a new wrapper object, so the index is built in the walk that notes the nodes'
+    ops for matching (:func:`_walk`) instead of a walk of its own, and the name allocator does not
+    walk the nodes again for their names."""
+
+    __slots__ = ("chunks", "counts", "names", "node_names", "start")
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[np.ndarray, ...]] = []
+        self.start = 0
+        self.names: list[str] = []
+        self.counts: list[int] = []
+        self.node_names: list[str] = []
+
+    def add(self, node: onnx.NodeProto) -> None:
+        """Note the next node's outputs and name."""
         outputs = node.output
-        extend(outputs)
-        count(len(outputs))
-        named(node.name)
-    found = np.fromiter(map(hash, names), np.int64, len(names))
-    owners = np.repeat(np.arange(start, stop, dtype=np.int32), counts)
-    present = np.fromiter(map(bool, names), bool, len(names))  # '': an absent optional output
-    if not present.all():
-        found, owners = found[present], owners[present]
-    node_names = [n for n in node_names if n]
-    own = np.fromiter(map(hash, node_names), np.int64, len(node_names))
-    names.extend(node_names)
-    heads = np.fromiter((hash(n.rpartition("/")[0]) for n in names if "/" in n), np.int64)
-    return found, owners, heads, own
+        self.names.extend(outputs)
+        self.counts.append(len(outputs))
+        self.node_names.append(node.name)
+        if len(self.counts) == _CHUNK:
+            self._hash_chunk()
+
+    def index(self) -> _Producers:
+        """The index of every node noted."""
+        if self.counts:
+            self._hash_chunk()
+        return _Producers(self.chunks)
+
+    def _hash_chunk(self) -> None:
+        """Of the chunk's outputs (absent optional ones left out): their hashes, the index of each
+        one's node; and of those outputs and the nodes' own names, the hashes of the names and of
+        their heads (see :class:`NameAllocator`)."""
+        names, counts = self.names, self.counts
+        found = np.fromiter(map(hash, names), np.int64, len(names))
+        owners = np.repeat(np.arange(self.start, self.start + len(counts), dtype=np.int32), counts)
+        present = np.fromiter(map(bool, names), bool, len(names))  # '': an absent optional output
+        if not present.all():
+            found, owners = found[present], owners[present]
+        node_names = [n for n in self.node_names if n]
+        own = np.fromiter(map(hash, node_names), np.int64, len(node_names))
+        names.extend(node_names)
+        heads = np.fromiter((hash(n.rpartition("/")[0]) for n in names if "/" in n), np.int64)
+        self.chunks.append((found, owners, heads, own))
+        self.start += len(counts)
+        self.names, self.counts, self.node_names = [], [], []
 
 
 class _Producers:
-    """Output name -> index of the node writing it, for one node list: the names' hashes, sorted,
-    and the index of each one's node, as two arrays (12 bytes a name).
+    """Output name -> the node writing it, for one node list: the names' hashes, sorted, and the
+    index of each one's node, as two arrays (12 bytes a name).
 
     Why not a dict of names: each name read out of protobuf is a new string object, so such a dict
     held a string and an int object per value, ~16 MB of a 100k-node rewrite's peak memory. A hash
@@ -137,46 +162,56 @@ class _Producers:
     repeat (not SSA), the last node writing one wins, as a dict built in node order would have it.
     """
 
-    __slots__ = ("hashes", "heads", "node_names", "owners", "recent")
+    __slots__ = ("hashes", "heads", "node_names", "owners", "recent", "unique")
 
-    def __init__(self, nodes: Sequence[onnx.NodeProto]):
-        hashes, owners, heads, own = [], [], [], []
-        for start in range(0, len(nodes), _CHUNK):
-            # In chunks: the names of a whole graph at once, as strings, were ~10 MB more at a time.
-            chunk_hashes, chunk_owners, chunk_heads, chunk_own = _output_hashes(
-                nodes, start, min(start + _CHUNK, len(nodes))
-            )
-            hashes.append(chunk_hashes)
-            owners.append(chunk_owners)
-            heads.append(chunk_heads)
-            own.append(chunk_own)
+    def __init__(self, chunks: Sequence[tuple[np.ndarray, ...]]):
+        """``chunks``: per chunk of nodes, in order, the output hashes, their nodes' indices, the
+        heads' hashes and the node names' hashes (:class:`_OutputNames`)."""
+        hashes = [c[0] for c in chunks]
+        owners = [c[1] for c in chunks]
+        heads = [c[2] for c in chunks]
+        own = [c[3] for c in chunks]
         found = np.concatenate(hashes) if hashes else _NO_HASHES
         owners_all = np.concatenate(owners) if owners else np.zeros(0, dtype=np.int32)
         order = np.argsort(found, kind="stable")  # equal hashes stay in node order
+        found = found[order]
         #: Hashes of the output names, sorted; ``owners[k]``: the index of the node writing the k-th.
-        self.hashes: np.ndarray = found[order]
+        self.hashes: np.ndarray = found
         self.owners: np.ndarray = owners_all[order]
+        #: No two outputs share a hash (so no name is written twice: an SSA node list, as onnx's
+        #: checker demands of a graph): a node found writing one name is then the only writer of
+        #: each of its outputs, which :meth:`find` remembers at once (a DynamicQuantizeLinear's
+        #: quantized value and zero point are looked up by the same reader).
+        self.unique: bool = not bool((found[1:] == found[:-1]).any())
         #: Hashes of the outputs' and node names' parts before their last ``/``, sorted, and of the
         #: (non-empty) node names, unsorted (for :class:`NameAllocator`: computed here, where the
         #: nodes are read anyway).
         self.heads: np.ndarray = np.sort(np.concatenate(heads)) if heads else _NO_HASHES
         self.node_names: np.ndarray = np.concatenate(own) if own else _NO_HASHES
-        #: The last names looked up and what was found (see :data:`_RECENT`).
-        self.recent: dict[str, int | None] = {}
+        #: The last names looked up and the node found writing each (see :data:`_RECENT`): the
+        #: node object itself, since each read of ``nodes[i]`` makes a new wrapper.
+        self.recent: dict[str, onnx.NodeProto | None] = {}
 
-    def find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> int | None:
-        """Index in ``nodes`` (the list indexed) of the last node writing ``name``, or None."""
+    @classmethod
+    def of_nodes(cls, nodes: Sequence[onnx.NodeProto]) -> _Producers:
+        """The index of ``nodes``, read for it alone (no walk was reading them anyway)."""
+        names = _OutputNames()
+        for node in nodes:
+            names.add(node)
+        return names.index()
+
+    def find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
+        """The last node of ``nodes`` (the list indexed) writing ``name``, or None."""
         recent = self.recent
-        found = recent.get(name, -1)
-        if found != -1:
-            return found
-        found = self._find(name, nodes)
+        found = recent.get(name, _MISSING)
+        if found is not _MISSING:
+            return found  # type: ignore[return-value]
         if len(recent) >= _RECENT:
             recent.clear()
-        recent[name] = found
+        found = recent[name] = self._find(name, nodes)
         return found
 
-    def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> int | None:
+    def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
         if not name:  # an absent optional value is not indexed; without this, the confirm below
             return None  # finds a node with an absent output among the names sharing hash("")
         value = hash(name)
@@ -186,9 +221,12 @@ class _Producers:
         while hi < len(hashes) and hashes[hi] == value:
             hi += 1
         for k in range(hi - 1, lo - 1, -1):
-            index = int(self.owners[k])
-            if name in nodes[index].output:
-                return index
+            node = nodes[int(self.owners[k])]
+            outputs = node.output
+            if name in outputs:
+                if self.unique and len(outputs) > 1:
+                    self.recent.update({out: node for out in outputs if out})
+                return node
         return None
 
 
@@ -278,7 +316,7 @@ class Scope:
     def _producer_index(self) -> _Producers:
         # Separate from the records: only constant look-ups need it, and it is the costly one.
         if self._producers is None:
-            self._producers = _Producers(self.container.node)
+            self._producers = _Producers.of_nodes(self.container.node)
         return self._producers
 
     def add_initializer(self, tensor: onnx.TensorProto) -> None:
@@ -382,9 +420,7 @@ class Scope:
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers
-        nodes = self.container.node
-        index = (producers if producers is not None else self._producer_index()).find(name, nodes)
-        return None if index is None else nodes[index]
+        return (producers if producers is not None else self._producer_index()).find(name, self.container.node)
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""
@@ -515,19 +551,23 @@ def _op_codes(nodes: Sequence[onnx.NodeProto]) -> tuple[array.array, list[tuple[
 def _walk(scope: Scope, op_codes: bool = False) -> Iterator[Scope]:
     """Post-order: a subgraph is visited before the scope that holds it, so that a parent node is
     serialized only after its bodies were rewritten. ``op_codes``: note each node's op as it is
-    read (:meth:`Scope.op_codes`)."""
+    read (:meth:`Scope.op_codes`), and index the nodes' outputs (:meth:`Scope.producer`) from the
+    same reads: matching looks producers up, and the name allocator of every rewrite needs that
+    index of every scope."""
     constant_ops = []
     codes = array.array("I")
     seen: dict[tuple[str, str], int] = {}
+    outputs = _OutputNames() if op_codes else None
     for index, node in enumerate(scope.container.node):
         op = node.op_type
         domain = node.domain
-        if op_codes:
+        if outputs is not None:
             key = (domain, op)
             code = seen.get(key)
             if code is None:
                 code = seen[key] = len(seen)
             codes.append(code)
+            outputs.add(node)
         if op not in _STANDARD_CONTROL_FLOW and domain in ("", "ai.onnx"):
             if op == "Constant":
                 constant_ops.append(index)
@@ -539,8 +579,9 @@ def _walk(scope: Scope, op_codes: bool = False) -> Iterator[Scope]:
             child = Scope(g, f"{scope.path}/{label}.{attr_name}", scope.opsets, scope, scope.external)
             yield from _walk(child, op_codes)
     scope._constant_ops = constant_ops
-    if op_codes:
+    if outputs is not None:
         scope._op_codes, scope._op_keys = codes, list(seen)
+        scope._producers = outputs.index()
     yield scope
 
 
