@@ -387,8 +387,8 @@ class _State:
     reports: list[Any]
     options: list[Any]
     after: list[Refused]
-    #: ``rewritten`` with the types check_model inferred: what a later stage rewrites (stage_input).
-    inferred: onnx.ModelProto | None = None
+    #: ``rewritten``'s digest (:func:`_digest`): the key of its check and of the stages after it.
+    digest: bytes
 
 
 def stage_input(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -465,8 +465,8 @@ class _Context:
     #: (scope, engine label) -> rule -> (stage, why it did not apply there): the deepest stage
     #: that tried it, whose model is the most rewritten (inspect says why a rule was not used).
     why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
-    #: A model's digest -> its refusals and inferred copy (:func:`_checked`).
-    checked: dict[bytes, tuple[list[Refused], onnx.ModelProto]] = dataclasses.field(default_factory=dict)
+    #: A model's digest -> what the target refuses of it (:func:`_checked`).
+    checked: dict[bytes, list[Refused]] = dataclasses.field(default_factory=dict)
     #: (depth, a stage's output digest) -> the later stages planned on it (:func:`_follow`).
     follows: dict[tuple[int, bytes], _State] = dataclasses.field(default_factory=dict)
 
@@ -498,6 +498,9 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
     nodes = _nodes(model, ctx.catalogue, ctx.usable, set(ctx.form_of), refused_now, refused_only=depth > 0)
     by_site = {(n.key[0], n.site): n for n in nodes}
     tried: dict[tuple[Any, ...], _State] = {}
+    #: A later stage's models with inferred types (stage_input), by digest: the one the stage
+    #: chooses is what the stage after it rewrites. Kept only while this stage is planned.
+    inferred_of: dict[bytes, onnx.ModelProto] = {}
 
     def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> _State:
         key = tuple(sorted(node_rules.items()))
@@ -521,10 +524,13 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             known = ctx.why.setdefault((done.scope, done.node), {})
             if known.get(done.rule, (-1, ""))[0] <= depth:
                 known[done.rule] = (depth, "")
-        after, inferred = _checked(rewritten, ctx)
-        state = _State(rewritten, [report], [used], after, inferred)
+        digest = _digest(rewritten)
+        after, inferred = _checked(rewritten, digest, ctx)
+        state = _State(rewritten, [report], [used], after, digest)
         if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
-            state = _follow(state, ctx, depth)
+            state = _follow(state, ctx, depth, inferred)
+        elif inferred is not None and _may_follow(state, ctx):
+            inferred_of[digest] = inferred
         tried[key] = state
         return state
 
@@ -602,7 +608,7 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
     if len(state.after) > len(before):  # never make things worse, whatever the interactions
         state = run(dict.fromkeys(choice, ()))
     elif depth > 0:  # a later stage's choice, then the stages after it
-        state = _follow(state, ctx, depth)
+        state = _follow(state, ctx, depth, inferred_of.get(state.digest))
     return _Stage(state, nodes, trials, applied, ctx.why)
 
 
@@ -631,21 +637,22 @@ def _deferrable(
     return out
 
 
-def _follow(state: _State, ctx: _Context, depth: int) -> _State:
+def _follow(state: _State, ctx: _Context, depth: int, inferred: onnx.ModelProto | None = None) -> _State:
     """``state`` followed by the next stage planned on what it wrote, when that leaves fewer
     refused nodes (and stages remain). Only the first stage weighs each of its choices this way;
-    a later stage adds the next one to the choice it made, which bounds the plan's cost."""
+    a later stage adds the next one to the choice it made, which bounds the plan's cost.
+    ``inferred``: ``stage_input(state.rewritten)``, when the check just made it."""
     if depth + 1 >= MAX_STAGES or not state.after or not _may_follow(state, ctx):
         return state
-    key = (depth, _digest(state.rewritten))
+    key = (depth, state.digest)
     follow = ctx.follows.get(key)
     if follow is None:  # the same model, reached by another choice, is planned the same way
-        inferred = state.inferred if state.inferred is not None else stage_input(state.rewritten)
-        follow = ctx.follows[key] = _stage(inferred, ctx, depth + 1, state.after).state
+        stage_model = inferred if inferred is not None else stage_input(state.rewritten)
+        follow = ctx.follows[key] = _stage(stage_model, ctx, depth + 1, state.after).state
     if len(follow.after) >= len(state.after):
         return state
     reports, options = [*state.reports, *follow.reports], [*state.options, *follow.options]
-    return _State(follow.rewritten, reports, options, follow.after, follow.inferred)
+    return _State(follow.rewritten, reports, options, follow.after, follow.digest)
 
 
 def _digest(model: onnx.ModelProto) -> bytes:
@@ -655,16 +662,21 @@ def _digest(model: onnx.ModelProto) -> bytes:
     return hashlib.sha256(model.SerializeToString(deterministic=True)).digest()
 
 
-def _checked(model: onnx.ModelProto, ctx: _Context) -> tuple[list[Refused], onnx.ModelProto]:
-    """What the target refuses of ``model`` (check_for_target) and ``model`` with inferred types
-    (stage_input's), each computed once per distinct model of the plan: about half the rewrites
-    a plan tries give a model another choice gave already (195 runs, 97 distinct models, planning
-    the QOperator BERT for webgpu)."""
-    key = _digest(model)
-    if key not in ctx.checked:
-        inferred = stage_input(model)
-        ctx.checked[key] = (check_for_target(model, ctx.profile, may_lower=ctx.may_lower, inferred=inferred), inferred)
-    return ctx.checked[key]
+def _checked(model: onnx.ModelProto, digest: bytes, ctx: _Context) -> tuple[list[Refused], onnx.ModelProto | None]:
+    """What the target refuses of ``model`` (check_for_target), computed once per distinct model
+    of the plan (``digest``): about half the rewrites a plan tries give a model another choice
+    gave already (195 runs, 97 distinct models, planning the QOperator BERT for webgpu). With it,
+    the first time, ``model`` with inferred types (stage_input's), which the caller may plan the
+    next stage on. The plan does not keep that copy: it is as big as the model, beside the
+    models the plan keeps already (kept per digest for the whole plan, the 6-layer QOperator BERT's
+    plan for tensorrt peaked at 1.4 GB instead of 0.5 GB). The first stage plans the next on it at
+    once; a later stage keeps it only while that stage is planned (``inferred_of``)."""
+    refused = ctx.checked.get(digest)
+    if refused is not None:
+        return refused, None
+    inferred = stage_input(model)
+    refused = ctx.checked[digest] = check_for_target(model, ctx.profile, may_lower=ctx.may_lower, inferred=inferred)
+    return refused, inferred
 
 
 def _listed_as(request: Any) -> str:
