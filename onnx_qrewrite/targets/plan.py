@@ -493,19 +493,49 @@ def _may_follow(state: _State, ctx: _Context) -> bool:
 def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refused]) -> _Stage:
     """Plan one stage on ``model`` (the input, or what the stages before emitted), each rewrite it
     tries followed by the later stages it makes possible (up to MAX_STAGES), so a rule whose
-    replacement needs another rule is judged by where the chain ends."""
+    replacement needs another rule is judged by where the chain ends.
+
+    In steps: weigh each node's candidates (:func:`_weigh`), choose per node (:func:`_best`) and
+    settle the choices together; then try the profile's forms on the whole model
+    (:func:`_try_forms`) and, in the first stage, leaving some refused nodes to the next stage
+    (:func:`_try_deferring`); never keep a choice that leaves more refused than ``before``."""
     refused_now = {(r.scope, r.node) for r in before}
     nodes = _nodes(model, ctx.catalogue, ctx.usable, set(ctx.form_of), refused_now, refused_only=depth > 0)
-    by_site = {(n.key[0], n.site): n for n in nodes}
-    tried: dict[tuple[Any, ...], _State] = {}
-    #: A later stage's models with inferred types (stage_input), by digest: the one the stage
-    #: chooses is what the stage after it rewrites. Kept only while this stage is planned.
-    inferred_of: dict[bytes, onnx.ModelProto] = {}
+    runs = _StageRuns(model, ctx, depth, nodes)
+    applied = _weigh(runs)
+    chosen = {n.key: _best(n, ctx.rules) for n in nodes}
+    choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
+    state = runs.settle(choice)
+    choice, state, trials = _try_forms(runs, choice, state, applied)
+    if depth == 0 and state.after and MAX_STAGES > 1:
+        choice, state = _try_deferring(runs, choice, state)
+    if len(state.after) > len(before):  # never make things worse, whatever the interactions
+        state = runs.run(dict.fromkeys(choice, ()))
+    elif depth > 0:  # a later stage's choice, then the stages after it
+        state = _follow(state, ctx, depth, runs.inferred_of.get(state.digest))
+    return _Stage(state, nodes, trials, applied, ctx.why)
 
-    def run(node_rules: dict[tuple[str, int], tuple[str, ...]]) -> _State:
+
+class _StageRuns:
+    """The rewrites one stage tries on its model, each node choice run once: the engine with that
+    choice, the target's check of what it wrote and, in the first stage, the later stages it
+    makes possible. The weighing, the settling and the trials ask for the same choices again."""
+
+    def __init__(self, model: onnx.ModelProto, ctx: _Context, depth: int, nodes: list[_Node]) -> None:
+        self.model, self.ctx, self.depth, self.nodes = model, ctx, depth, nodes
+        self.by_site = {(n.key[0], n.site): n for n in nodes}
+        self._tried: dict[tuple[Any, ...], _State] = {}
+        #: A later stage's models with inferred types (stage_input), by digest: the one the stage
+        #: chooses is what the stage after it rewrites. Kept only while this stage is planned.
+        self.inferred_of: dict[bytes, onnx.ModelProto] = {}
+
+    def run(self, node_rules: dict[tuple[str, int], tuple[str, ...]]) -> _State:
+        """The stage's model rewritten with ``node_rules`` (a node not listed, or listed with no
+        rule, stays as it is), checked, and in the first stage followed by the later stages."""
         key = tuple(sorted(node_rules.items()))
-        if key in tried:
-            return tried[key]
+        if key in self._tried:
+            return self._tried[key]
+        ctx = self.ctx
         options = engine_options(
             ctx.profile,
             target_opset=ctx.target_opset,
@@ -513,59 +543,28 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
             allow=ctx.levels,
             node_rules=dict(node_rules),
         )
-        rewritten, report, used = _rewrite(model, ctx.catalogue, ctx.external, options)
-        for left in report.unlowered:
-            known = ctx.why.setdefault((left.scope, left.node), {})
-            for reason in left.reasons:
-                rule_id, _, why = reason.partition(": ")
-                if why and known.get(rule_id, (-1, ""))[0] <= depth:
-                    known[rule_id] = (depth, why)
-        for done in report.rewrites if depth else ():  # a rule that applies only at a later stage
-            known = ctx.why.setdefault((done.scope, done.node), {})
-            if known.get(done.rule, (-1, ""))[0] <= depth:
-                known[done.rule] = (depth, "")
+        rewritten, report, used = _rewrite(self.model, ctx.catalogue, ctx.external, options)
+        _note_why(ctx.why, report, self.depth)
         digest = _digest(rewritten)
         after, inferred = _checked(rewritten, digest, ctx)
         state = _State(rewritten, [report], [used], after, digest)
-        if depth == 0:  # each choice of the first stage is judged with the stages it makes possible
-            state = _follow(state, ctx, depth, inferred)
+        if self.depth == 0:  # each choice of the first stage is judged with the stages it makes possible
+            state = _follow(state, ctx, self.depth, inferred)
         elif inferred is not None and _may_follow(state, ctx):
-            inferred_of[digest] = inferred
-        tried[key] = state
+            self.inferred_of[digest] = inferred
+        self._tried[key] = state
         return state
 
-    # Try each node's k-th candidate, all nodes at once, and see what the target refuses of each.
-    applied: set[str] = set()
-    for k in range(max((len(n.candidates) for n in nodes), default=0)):
-        state = run({n.key: tuple(n.candidates[k : k + 1]) for n in nodes})
-        counts = _left_refused(state)
-        for rw in state.reports[0].rewrites:
-            node = by_site.get((rw.scope, rw.node))
-            if node is not None and rw.rule in node.candidates:
-                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
-                applied.add(rw.rule)
-        for left in state.reports[0].unlowered:
-            node = by_site.get((left.scope, left.node))
-            for reason in left.reasons if node is not None else ():
-                rule_id, _, why = reason.partition(": ")
-                if rule_id in node.candidates and why:  # type: ignore[union-attr]
-                    node.declined.setdefault(rule_id, why)  # type: ignore[union-attr]
-
-    def best(node: _Node) -> str | None:
-        options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
-        for order, rule_id in enumerate(node.candidates, 1):
-            if rule_id in node.outcome:
-                n = node.outcome[rule_id]
-                options.append((_preference(rule_id, n, _RANK[ctx.rules[rule_id].exactness], order), rule_id))
-        return min(options, key=lambda o: o[0])[1]
-
-    def settle(choice: dict[tuple[str, int], tuple[str, ...]]) -> _State:
+    def settle(self, choice: dict[tuple[str, int], tuple[str, ...]]) -> _State:
         """Apply the choices together and check again: what a rewrite leaves can depend on its
-        neighbours' choices. A rewrite refused more than the node as it is gives way."""
-        for _ in range(len(nodes) + 1):
-            state = run(choice)
+        neighbours' choices. A rewrite refused more than the node as it is gives way (its entry
+        of ``choice`` becomes ())."""
+        for _ in range(len(self.nodes) + 1):
+            state = self.run(choice)
             worse = [
-                by_site[key] for key, n in _left_refused(state).items() if key in by_site and n > by_site[key].refused
+                self.by_site[key]
+                for key, n in _left_refused(state).items()
+                if key in self.by_site and n > self.by_site[key].refused
             ]
             if not worse:
                 break
@@ -573,18 +572,72 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
                 choice[node.key] = ()
         return state
 
-    chosen = {n.key: best(n) for n in nodes}
-    choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
-    state = settle(choice)
-    # The form stage: a form whose rules rewrite patterns (anchored at a node the target accepts,
-    # removing the refused ones it reads) is tried on the whole model, each of its rules first
-    # where it matches and the choice so far after it; it is kept if the target then refuses less.
-    trials: dict[str, tuple[int, int]] = {}  # form -> refused with it on the whole model, without
-    forms = ctx.profile.forms if depth == 0 else ()  # later stages rewrite refused nodes only
+
+def _note_why(why: dict[tuple[str, str], dict[str, tuple[int, str]]], report: Any, depth: int) -> None:
+    """Record in ``why`` (``_Context.why``) the reason each rule gave for not rewriting a node,
+    and, in a later stage, each rule that did: ``inspect`` then says that a rule the first stage
+    could not apply applies only to what a later stage sees. The deepest stage's word wins."""
+    for left in report.unlowered:
+        known = why.setdefault((left.scope, left.node), {})
+        for reason in left.reasons:
+            rule_id, _, text = reason.partition(": ")
+            if text and known.get(rule_id, (-1, ""))[0] <= depth:
+                known[rule_id] = (depth, text)
+    for done in report.rewrites if depth else ():  # a rule that applies only at a later stage
+        known = why.setdefault((done.scope, done.node), {})
+        if known.get(done.rule, (-1, ""))[0] <= depth:
+            known[done.rule] = (depth, "")
+
+
+def _weigh(runs: _StageRuns) -> set[str]:
+    """Try each node's k-th candidate, all nodes at once, and record per node what the target
+    refuses of what each rule left (``outcome``) or why a rule did not apply (``declined``): one
+    run per rank of candidate, not one per rule and node. The rules that rewrote something."""
+    applied: set[str] = set()
+    for k in range(max((len(n.candidates) for n in runs.nodes), default=0)):
+        state = runs.run({n.key: tuple(n.candidates[k : k + 1]) for n in runs.nodes})
+        counts = _left_refused(state)
+        for rw in state.reports[0].rewrites:
+            node = runs.by_site.get((rw.scope, rw.node))
+            if node is not None and rw.rule in node.candidates:
+                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
+                applied.add(rw.rule)
+        for left in state.reports[0].unlowered:
+            node = runs.by_site.get((left.scope, left.node))
+            for reason in left.reasons if node is not None else ():
+                rule_id, _, why = reason.partition(": ")
+                if rule_id in node.candidates and why:  # type: ignore[union-attr]
+                    node.declined.setdefault(rule_id, why)  # type: ignore[union-attr]
+    return applied
+
+
+def _best(node: _Node, rules: dict[str, Rule]) -> str | None:
+    """The node's choice by what each weighed candidate left (module docstring: no refusals
+    first, then exact, as it is, bounded, approximate); None leaves it as it is."""
+    options: list[tuple[tuple[int, ...], str | None]] = [(_preference(None, node.refused, _AS_IS, 0), None)]
+    for order, rule_id in enumerate(node.candidates, 1):
+        if rule_id in node.outcome:
+            n = node.outcome[rule_id]
+            options.append((_preference(rule_id, n, _RANK[rules[rule_id].exactness], order), rule_id))
+    return min(options, key=lambda o: o[0])[1]
+
+
+def _try_forms(
+    runs: _StageRuns, choice: dict[tuple[str, int], tuple[str, ...]], state: _State, applied: set[str]
+) -> tuple[dict[tuple[str, int], tuple[str, ...]], _State, dict[str, tuple[int, int]]]:
+    """The form stage (first stage only: later stages rewrite refused nodes only): a form whose
+    rules rewrite patterns (anchored at a node the target accepts, removing the refused ones it
+    reads) cannot be weighed node by node, so each listing is tried on the whole model, each of
+    its rules first where it matches and the choice so far after it; it is kept if the target then
+    refuses less. Returns the choice, its state, and per listing the refused nodes with and
+    without it (for the account); ``applied`` gains the rules the trials used."""
+    trials: dict[str, tuple[int, int]] = {}
+    ctx = runs.ctx
+    forms = ctx.profile.forms if runs.depth == 0 else ()
     for index in sorted(range(len(forms)), key=lambda i: _RANK[forms[i].allow]):  # stable
         request = forms[index]
         trial = dict(choice)
-        for n in nodes:
+        for n in runs.nodes:
             if any(ctx.form_of.get(r) == request.name for r in choice[n.key]):
                 continue  # an earlier listing of the same form already rewrites it
             mine = [r for r in n.form_rules if ctx.listing.get(r) == index and r not in choice[n.key]]
@@ -592,24 +645,28 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
                 trial[n.key] = (*mine, *choice[n.key])
         if trial == choice:
             continue
-        tried_state = settle(trial)
+        tried_state = runs.settle(trial)
         for report in tried_state.reports[:1]:
             applied.update(rw.rule for rw in report.rewrites)
         trials[_listed_as(request)] = (len(tried_state.after), len(state.after))
         if len(tried_state.after) < len(state.after):
             choice, state = trial, tried_state
-    if depth == 0 and state.after and MAX_STAGES > 1:
-        deferred = _deferrable(model, nodes, choice)
-        if deferred:
-            trial = {**choice, **dict.fromkeys(deferred, ())}
-            tried_state = settle(trial)
-            if len(tried_state.after) < len(state.after):
-                choice, state = trial, tried_state
-    if len(state.after) > len(before):  # never make things worse, whatever the interactions
-        state = run(dict.fromkeys(choice, ()))
-    elif depth > 0:  # a later stage's choice, then the stages after it
-        state = _follow(state, ctx, depth, inferred_of.get(state.digest))
-    return _Stage(state, nodes, trials, applied, ctx.why)
+    return choice, state, trials
+
+
+def _try_deferring(
+    runs: _StageRuns, choice: dict[tuple[str, int], tuple[str, ...]], state: _State
+) -> tuple[dict[tuple[str, int], tuple[str, ...]], _State]:
+    """The choice with the :func:`_deferrable` nodes left as they are for the next stage, when
+    the target then refuses less; else the choice as it was."""
+    deferred = _deferrable(runs.model, runs.nodes, choice)
+    if not deferred:
+        return choice, state
+    trial = {**choice, **dict.fromkeys(deferred, ())}
+    tried_state = runs.settle(trial)
+    if len(tried_state.after) < len(state.after):
+        return trial, tried_state
+    return choice, state
 
 
 def _deferrable(
@@ -670,7 +727,7 @@ def _checked(model: onnx.ModelProto, digest: bytes, ctx: _Context) -> tuple[list
     next stage on. The plan does not keep that copy: it is as big as the model, beside the
     models the plan keeps already (kept per digest for the whole plan, the 6-layer QOperator BERT's
     plan for tensorrt peaked at 1.4 GB instead of 0.5 GB). The first stage plans the next on it at
-    once; a later stage keeps it only while that stage is planned (``inferred_of``)."""
+    once; a later stage keeps it only while that stage is planned (``_StageRuns.inferred_of``)."""
     refused = ctx.checked.get(digest)
     if refused is not None:
         return refused, None
@@ -820,13 +877,55 @@ def _assemble(
 ) -> TargetPlan:
     """The plan's account: per refused node what was chosen and why (and what later stages did to
     what it emitted), rules not used, forms used."""
-    state, nodes, trials = top.state, top.nodes, top.trials
-    after_at = {(r.scope, r.node): r for r in state.after}
-    by_label = {(n.key[0], n.label): n for n in nodes}
-    stages = _replacements(state.reports)
-    verdicts = []
-    for r in before:
-        node = by_label.get((r.scope, r.node))
+    state = top.state
+    verdicts = _Account(profile, top, rules, form_of, label_of).verdicts(before)
+    _note_unused(skipped, top, profile.id)
+    return TargetPlan(
+        label,
+        profile.id,
+        profile.version,
+        profile.proof,
+        before,
+        state.after,
+        verdicts,
+        skipped,
+        _forms_used(profile, state.reports, form_of),
+        state.rewritten,
+        chosen_rules,
+        state.options[0],
+        list(state.options[1:]),
+    )
+
+
+@dataclasses.dataclass
+class _Account:
+    """What the account of each node the target refuses reads: the plan's first stage (its chosen
+    state, the nodes it weighed, its form trials and the reasons rules gave), the rules, and per
+    rule the form and the listing it comes from."""
+
+    profile: TargetProfile
+    top: _Stage
+    rules: dict[str, Rule]
+    form_of: dict[str, str]
+    label_of: dict[str, str]
+
+    def verdicts(self, before: list[Refused]) -> list[NodeVerdict]:
+        """One verdict per refusal of the model as it was, in that order."""
+        state = self.top.state
+        after_at = {(r.scope, r.node): r for r in state.after}
+        by_label = {(n.key[0], n.label): n for n in self.top.nodes}
+        stages = _replacements(state.reports)
+        return [self._verdict(r, by_label.get((r.scope, r.node)), after_at, stages) for r in before]
+
+    def _verdict(
+        self,
+        r: Refused,
+        node: _Node | None,
+        after_at: dict[tuple[str, str], Refused],
+        stages: list[dict[tuple[str, str], Any]],
+    ) -> NodeVerdict:
+        """What replaced the node through every stage (the chain of rewrites), what the target
+        still refuses of what it became, and the other choices weighed for it."""
         site = node.site if node is not None else r.node
         final, chain = _through(r.scope, [site if r.scope == "main" else r.node], stages)
         if chain:
@@ -835,61 +934,66 @@ def _assemble(
         else:
             same = after_at.get((r.scope, r.node))
             reasons = same.reasons if same is not None else ()
-        first = chain[0] if chain else None
-        considered: list[str] = []
-        for rule_id in node.candidates if node is not None else ():
-            if first is not None and rule_id == first.rule:
+        rule = chain[0].rule if chain else None
+        considered = self._considered(node, r.scope, site, rule) if node is not None else ()
+        level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
+        form = next((self.form_of[rw.rule] for rw in chain if rw.rule in self.form_of), None)
+        then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
+        return NodeVerdict(r.scope, r.node, r.op_key, r.reasons, rule, level, reasons, form, considered, then)
+
+    def _considered(self, node: _Node, scope: str, site: str, chosen: str | None) -> tuple[str, ...]:
+        """Each candidate other than the chosen rule, in words: what it left, or why it was not
+        weighed (its form was tried on the whole model, it did not apply, or it applies only to
+        what a later stage sees)."""
+        out = []
+        for rule_id in node.candidates:
+            if rule_id == chosen:
                 continue
-            its_level = rules[rule_id].exactness
-            listed = label_of.get(rule_id)
-            if rule_id not in node.outcome and listed in trials:  # type: ignore[union-attr]
-                with_it, without = trials[listed]
-                considered.append(
+            its_level = self.rules[rule_id].exactness
+            listed = self.label_of.get(rule_id)
+            if rule_id not in node.outcome and listed in self.top.trials:
+                with_it, without = self.top.trials[listed]
+                out.append(
                     f"{rule_id} ({its_level}, form {listed}): tried with the whole form, which leaves {with_it} "
                     f"refused node(s) against {without} without it"
                 )
-            elif rule_id not in node.outcome:  # type: ignore[union-attr]
-                depth, why = top.why.get((r.scope, site), {}).get(rule_id, (0, ""))
-                why = why or node.declined.get(rule_id, "")  # type: ignore[union-attr]
+            elif rule_id not in node.outcome:
+                depth, why = self.top.why.get((scope, site), {}).get(rule_id, (0, ""))
+                why = why or node.declined.get(rule_id, "")
                 if depth and not why:
-                    considered.append(
+                    out.append(
                         f"{rule_id} ({its_level}): applies only to what stage {depth + 1} sees (after earlier stages' "
-                        f"rewrites), and there leaves {profile.id} as much or more to refuse"
+                        f"rewrites), and there leaves {self.profile.id} as much or more to refuse"
                     )
                 else:
-                    considered.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
+                    out.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
             else:
-                n = node.outcome[rule_id]  # type: ignore[union-attr]
-                considered.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
-        level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
-        form = next((form_of[rw.rule] for rw in chain if rw.rule in form_of), None)
-        then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
-        verdicts.append(
-            NodeVerdict(
-                r.scope,
-                r.node,
-                r.op_key,
-                r.reasons,
-                first.rule if first is not None else None,
-                level,
-                reasons,
-                form,
-                tuple(considered),
-                then,
-            )
-        )
-    used_rules = {rw.rule for report in state.reports for rw in report.rewrites}
+                n = node.outcome[rule_id]
+                out.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
+        return tuple(out)
+
+
+def _note_unused(skipped: dict[str, str], top: _Stage, target: str) -> None:
+    """Add to ``skipped`` each rule that rewrote something when tried but is in no chosen rewrite,
+    with why: it makes accepted nodes refused, or another choice won (the account of the nodes
+    says which)."""
+    used_rules = {rw.rule for report in top.state.reports for rw in report.rewrites}
     for rule_id in sorted(top.applied - used_rules - set(skipped)):
-        worse = any(n.refused == 0 and n.outcome.get(rule_id, 0) > 0 for n in nodes)
+        worse = any(n.refused == 0 and n.outcome.get(rule_id, 0) > 0 for n in top.nodes)
         if worse:
-            skipped[rule_id] = f"it would turn nodes {profile.id} runs into nodes it refuses"
+            skipped[rule_id] = f"it would turn nodes {target} runs into nodes it refuses"
         else:
             skipped[rule_id] = (
-                f"chosen for no node: another choice leaves {profile.id} fewer refused nodes, is more exact, "
+                f"chosen for no node: another choice leaves {target} fewer refused nodes, is more exact, "
                 "or comes first in the catalogue (inspect --target lists what each node weighed)"
             )
+
+
+def _forms_used(profile: TargetProfile, reports: list[Any], form_of: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per form of the profile the chosen rewrites used (a form listed twice counted once): its
+    consent, the least exact level and the nodes and rules it rewrote, and why the profile names it."""
     forms: dict[str, dict[str, Any]] = {}
-    every = [rw for report in state.reports for rw in report.rewrites]
+    every = [rw for report in reports for rw in report.rewrites]
     for request in profile.forms:
         if request.name in forms:  # a later listing of the same form: counted with the first
             continue
@@ -904,18 +1008,4 @@ def _assemble(
                 "why": request.why,
                 "source": profile.cite(request.source),
             }
-    return TargetPlan(
-        label,
-        profile.id,
-        profile.version,
-        profile.proof,
-        before,
-        state.after,
-        verdicts,
-        skipped,
-        forms,
-        state.rewritten,
-        chosen_rules,
-        state.options[0],
-        list(state.options[1:]),
-    )
+    return forms
