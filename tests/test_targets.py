@@ -1065,3 +1065,12 @@ def test_readers_decide_the_unfused_outputs_and_read_by_refusals():
         assert [r.node for r in found] == (["bias"] if refused else []), found
         if refused:
             assert "DequantizeLinear of int32 read by a LayerNormalization ('ln')" in found[0].reasons[0]
+
+
+def test_every_refusal_condition_a_profile_may_name_is_checked():
+    """A profile's ``[[refuse]] when`` is validated against REFUSE_WHEN; a condition without its
+    check in check._WHEN would never hold, and the target would silently accept what it refuses."""
+    import onnx_qrewrite.targets.check as check
+    from onnx_qrewrite.targets.profile import REFUSE_WHEN
+
+    assert set(check._WHEN) == set(REFUSE_WHEN)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -368,81 +368,145 @@ def _folded_quantize_input(node: onnx.NodeProto, scope: Scope) -> str | None:
 
 
 def _refusal_applies(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
-    """None when the refusal does not hold for this node, else a phrase saying what it saw."""
-    when, types, ops = refusal.when, refusal.types, refusal.ops
-    if when == "always":
-        return ""
-    if when == "input-from":
-        for index in refusal.inputs:
-            name = _operand(node, index)
-            producer = scope.producer(name) if name else None
-            if producer is not None and producer.domain in _STANDARD and producer.op_type in ops:
-                return f" of a {producer.op_type} output" + (f" (input {index}, {name!r})" if index else "")
-        return None
-    if when == "per-channel":
-        for index in _SCALES.get(node.op_type, ()):
-            name = _operand(node, index)
-            value = scope.constant(name) if name else None
-            if value is not None and value.size > 1:
-                return f" with per-channel scales ({name!r})"
-        return None
-    if when == "computed-scale":
-        return None if _is_constant(scope, _operand(node, 1)) else " with a scale computed at run time"
-    if when == "computed-zero-point":
-        return None if _is_constant(scope, _operand(node, 2)) else " with a zero point computed at run time"
-    if when == "nonzero-zero-point":
-        zp = _operand(node, 2)
-        if zp is None:
-            return None
-        value = scope.constant(zp)
-        if value is None or np.any(value.astype(np.float64) != 0):
-            return " with a non-zero (or run-time) zero point"
-        return None
-    if when == "type":
-        for name in [*node.input, *node.output]:
-            t = _type_name(scope.elem_type(name)) if name else None
-            if t in types:
-                return f" on {t} ({name!r})"
-        return None
-    if when == "rank-above":
-        assert refusal.rank is not None
-        for index in refusal.inputs:
-            name = _operand(node, index)
-            rank = _rank(scope, name) if name else None
-            if rank is not None and rank > refusal.rank:
-                return f" with a rank-{rank} input ({name!r}; at most {refusal.rank})"
-        return None
-    if when == "computed-input":
-        for index in refusal.inputs:
-            name = _operand(node, index)
-            if name is not None and not _is_constant(scope, name):
-                return f" with input {index} ({name!r}) computed at run time"
-        return None
-    if when == "outside-chain":
-        return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
-    if when == "unfused-outputs":
-        return _unfused(node, scope, ops)
-    if when == "folded-quantize-input":
-        return _folded_quantize_input(node, scope)
-    if when == "read-by":
-        readers = _consumers(scope).get(node.output[0], []) if node.output and node.output[0] else []
-        reader = next((c for c in readers if c.domain in _STANDARD and c.op_type in ops), None)
-        if reader is None:
-            return None
-        t = _quant_type(node, scope) if node.op_type in _QDQ else None
-        if types and t not in types:
-            return None
-        return f"{f' of {t}' if t else ''} read by a {reader.op_type} ({node_label(reader)!r})"
-    if when == "quantized-type":
-        t = _quant_type(node, scope) if node.op_type in _QDQ else None
-        if t is None:
-            for name in [*node.input, *node.output]:
-                tn = _type_name(scope.elem_type(name)) if name else None
-                if tn in types:
-                    t = tn
-                    break
-        return f" on {t}" if t in types else None
+    """None when the refusal does not hold for this node, else a phrase saying what it saw: the
+    check of its ``when`` (``_WHEN``, one function per condition profile.REFUSE_WHEN names)."""
+    applies = _WHEN.get(refusal.when)
+    return applies(refusal, node, scope) if applies is not None else None
+
+
+def _always(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The op is refused whatever it reads (nothing more to say)."""
+    return ""
+
+
+def _input_from(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """One of the inputs looked at is written by one of the standard ops named."""
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        producer = scope.producer(name) if name else None
+        if producer is not None and producer.domain in _STANDARD and producer.op_type in refusal.ops:
+            return f" of a {producer.op_type} output" + (f" (input {index}, {name!r})" if index else "")
     return None
+
+
+def _per_channel(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """A constant scale of the op has more than one element."""
+    for index in _SCALES.get(node.op_type, ()):
+        name = _operand(node, index)
+        value = scope.constant(name) if name else None
+        if value is not None and value.size > 1:
+            return f" with per-channel scales ({name!r})"
+    return None
+
+
+def _computed_scale(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The scale (input 1) is not a constant."""
+    return None if _is_constant(scope, _operand(node, 1)) else " with a scale computed at run time"
+
+
+def _computed_zero_point(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The zero point (input 2) is not a constant; an absent one is the constant 0."""
+    return None if _is_constant(scope, _operand(node, 2)) else " with a zero point computed at run time"
+
+
+def _nonzero_zero_point(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """A zero point is given and is not a constant all 0 (a run-time one may be anything)."""
+    zp = _operand(node, 2)
+    if zp is None:
+        return None
+    value = scope.constant(zp)
+    if value is None or np.any(value.astype(np.float64) != 0):
+        return " with a non-zero (or run-time) zero point"
+    return None
+
+
+def _of_type(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input or output has one of the types named."""
+    for name in [*node.input, *node.output]:
+        t = _type_name(scope.elem_type(name)) if name else None
+        if t in refusal.types:
+            return f" on {t} ({name!r})"
+    return None
+
+
+def _rank_above(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input looked at has more dimensions than the target takes (a known rank only)."""
+    assert refusal.rank is not None
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        rank = _rank(scope, name) if name else None
+        if rank is not None and rank > refusal.rank:
+            return f" with a rank-{rank} input ({name!r}; at most {refusal.rank})"
+    return None
+
+
+def _computed_input(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input looked at is not a constant."""
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        if name is not None and not _is_constant(scope, name):
+            return f" with input {index} ({name!r}) computed at run time"
+    return None
+
+
+def _outside_chain(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The node is not part of the chain of ops the target fuses (:func:`_in_chain`)."""
+    return None if _in_chain(node, scope, refusal.chain) else f" outside a {' -> '.join(refusal.chain)} chain"
+
+
+def _unfused_outputs(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """:func:`_unfused`: what reads the node's outputs is not one of the ops it fuses with."""
+    return _unfused(node, scope, refusal.ops)
+
+
+def _folded_quantize(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """:func:`_folded_quantize_input`."""
+    return _folded_quantize_input(node, scope)
+
+
+def _read_by(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The node's first output is read by one of the standard ops named (and, when types are
+    named, a Q/DQ node quantizes to one of them)."""
+    readers = _consumers(scope).get(node.output[0], []) if node.output and node.output[0] else []
+    reader = next((c for c in readers if c.domain in _STANDARD and c.op_type in refusal.ops), None)
+    if reader is None:
+        return None
+    t = _quant_type(node, scope) if node.op_type in _QDQ else None
+    if refusal.types and t not in refusal.types:
+        return None
+    return f"{f' of {t}' if t else ''} read by a {reader.op_type} ({node_label(reader)!r})"
+
+
+def _quantized_type(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """The quantized type is one of those named: a Q/DQ node's quantized side, else the first
+    input or output of a named type."""
+    t = _quant_type(node, scope) if node.op_type in _QDQ else None
+    if t is None:
+        for name in [*node.input, *node.output]:
+            tn = _type_name(scope.elem_type(name)) if name else None
+            if tn in refusal.types:
+                t = tn
+                break
+    return f" on {t}" if t in refusal.types else None
+
+
+#: profile.REFUSE_WHEN -> whether such a refusal holds for a node (None) and what it saw.
+_WHEN: dict[str, Callable[[Refusal, onnx.NodeProto, Scope], str | None]] = {
+    "always": _always,
+    "input-from": _input_from,
+    "per-channel": _per_channel,
+    "computed-scale": _computed_scale,
+    "computed-zero-point": _computed_zero_point,
+    "nonzero-zero-point": _nonzero_zero_point,
+    "type": _of_type,
+    "rank-above": _rank_above,
+    "computed-input": _computed_input,
+    "outside-chain": _outside_chain,
+    "unfused-outputs": _unfused_outputs,
+    "folded-quantize-input": _folded_quantize,
+    "read-by": _read_by,
+    "quantized-type": _quantized_type,
+}
 
 
 def _quantization_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile) -> list[str]:
