@@ -432,16 +432,46 @@ def verify_command(
     6 nothing was compared (zero-size or no outputs, the same file twice, every sample
     excluded); 2 usage, 3 invalid model, 5 internal error. With several models, the worst.
     """
+    pairs = _model_pairs(models, rewritten_dir, load_outputs)
+    _check_writes(pairs, options, load_outputs, report_path, junit_path)
+    kwargs = verify_kwargs(**options)
+    if load_outputs is not None:
+        kwargs["load_outputs"] = load_outputs
+    quiet = bool((ctx.obj or {}).get("quiet"))
+    if len(pairs) == 1:
+        code = _verify_pair(pairs[0], kwargs, report_path, junit_path, quiet)
+    else:
+        code = _verify_pairs(pairs, kwargs, jobs, report_path, junit_path, quiet)
+    if code:
+        ctx.exit(code)
+
+
+def _model_pairs(
+    models: tuple[str, ...], rewritten_dir: str | None, load_outputs: str | None
+) -> list[tuple[str | None, str]]:
+    """(original, rewritten) per comparison, from the three ways verify is called; ``None`` as the
+    original: compare with the stored outputs of --load-outputs. A usage error before any work."""
     if load_outputs is not None:
         if len(models) != 1 or rewritten_dir is not None:
             raise UsageError("--load-outputs takes one MODEL (compared with the stored outputs)")
-        pairs: list[tuple[str | None, str]] = [(None, models[0])]
-    elif rewritten_dir is None:
+        return [(None, models[0])]
+    if rewritten_dir is None:
         if len(models) != 2:
             raise UsageError("verify takes ORIGINAL REWRITTEN, or ORIGINAL... with --rewritten-dir")
-        pairs = [(models[0], models[1])]
-    else:
-        pairs = [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
+        return [(models[0], models[1])]
+    return [(m, str(Path(rewritten_dir) / Path(m).name)) for m in models]
+
+
+def _check_writes(
+    pairs: list[tuple[str | None, str]],
+    options: dict[str, Any],
+    load_outputs: str | None,
+    report_path: str | None,
+    junit_path: str | None,
+) -> None:
+    """Before any work: what verify writes (reports, saved inputs and outputs) is writable, none
+    of it is a file verify reads (the models, their external data, --inputs, --load-outputs,
+    --custom-op-library) nor a FIFO or device, and saved inputs or outputs are of one pair."""
     for option in ("save_inputs", "save_outputs"):
         if options.get(option) and len(pairs) > 1:
             raise UsageError(f"--{option.replace('_', '-')} takes one model pair; verify the others separately")
@@ -474,23 +504,38 @@ def verify_command(
             if given:
                 reads.update(model_reads(given))
         check_writes(writes, reads)
-    kwargs = verify_kwargs(**options)
-    if load_outputs is not None:
-        kwargs["load_outputs"] = load_outputs
-    quiet = bool((ctx.obj or {}).get("quiet"))
-    if len(pairs) == 1:
-        from onnx_qrewrite.progress import TerminalProgress
-        from onnx_qrewrite.verify import verify
 
-        progress = TerminalProgress(quiet=quiet)
-        try:
-            report = verify(pairs[0][0], pairs[0][1], progress=progress, **kwargs)
-        finally:
-            progress.close()
-        emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
-        if report.exit_code:
-            ctx.exit(report.exit_code)
-        return
+
+def _verify_pair(
+    pair: tuple[str | None, str],
+    kwargs: dict[str, Any],
+    report_path: str | None,
+    junit_path: str | None,
+    quiet: bool,
+) -> int:
+    """One comparison, in this process (with a progress bar): its report, and its exit code."""
+    from onnx_qrewrite.progress import TerminalProgress
+    from onnx_qrewrite.verify import verify
+
+    progress = TerminalProgress(quiet=quiet)
+    try:
+        report = verify(pair[0], pair[1], progress=progress, **kwargs)
+    finally:
+        progress.close()
+    emit_report(report, report_path=report_path, junit_path=junit_path, quiet=quiet)
+    return report.exit_code
+
+
+def _verify_pairs(
+    pairs: list[tuple[str | None, str]],
+    kwargs: dict[str, Any],
+    jobs: int,
+    report_path: str | None,
+    junit_path: str | None,
+    quiet: bool,
+) -> int:
+    """Several comparisons in worker processes, each one's lines as it ends; one report and one
+    JUnit file for all, in the order given, and a count. The worst exit code."""
     from onnx_qrewrite.cli.batch import run_tasks  # worker processes: only for several models
 
     outcomes = []
@@ -521,8 +566,7 @@ def verify_command(
             f"{len(pairs)} models: {len(pairs) - len(failed)} agree, {len(failed)} not"
             + (f" (worst exit code {worst})" if failed else "")
         )
-    if worst:
-        ctx.exit(worst)
+    return worst
 
 
 def _refuse_writing_what_is_read(read: list[str], **written: str | None) -> None:
