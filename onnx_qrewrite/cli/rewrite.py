@@ -296,26 +296,14 @@ def rewrite_command(
     4 a node could not be lowered, 5 internal error, 6 --verify compared nothing); 2 for usage
     errors, before any work.
     """
-    if keep_opset and target_opset is not None:
-        raise UsageError("--keep-opset and --target-opset contradict each other; give one")
+    _check_usage(ctx, keep_opset, target_opset, do_verify, keep_failed, junit_path, verify_opts)
     rule_files, rule_options = expand_forms(
         forms, form_options, rule_files, rule_options, allow_approximate=allow_approximate
     )
-    if (keep_failed or junit_path) and not do_verify:
-        raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
-    if not do_verify:
-        _refuse_verify_options(ctx, verify_opts)
     outputs, reads, other_writes = _plan_writes(models, output, report_path, junit_path, verify_opts)
     # Validate the rules and options once, before any work (usage errors are exit 2 for all).
     load_selected_rules(rule_files, only, skip, rule_options, dql_semantics, float16_semantics)
-    if target is not None:
-        from onnx_qrewrite.targets import load_target
-
-        profile = load_target(target)
-        if do_verify:
-            verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts)}
-    shapes, verify_opts = _split_input_shapes(verify_opts, target, do_verify)
-    verify_args = verify_kwargs(**verify_opts) if do_verify else None
+    shapes, verify_args = _verify_settings(target, do_verify, verify_opts)
     quiet = bool((ctx.obj or {}).get("quiet"))
     from onnx_qrewrite.progress import TerminalProgress
 
@@ -356,6 +344,41 @@ def rewrite_command(
     worst = worst_exit_code(o.exit_code for o in outcomes)
     if worst:
         ctx.exit(worst)
+
+
+def _check_usage(
+    ctx: click.Context,
+    keep_opset: bool,
+    target_opset: int | None,
+    do_verify: bool,
+    keep_failed: bool,
+    junit_path: str | None,
+    verify_opts: dict[str, Any],
+) -> None:
+    """Options that contradict each other, or act on nothing without --verify: a usage error
+    (exit 2) before any work, rather than one of them ignored."""
+    if keep_opset and target_opset is not None:
+        raise UsageError("--keep-opset and --target-opset contradict each other; give one")
+    if (keep_failed or junit_path) and not do_verify:
+        raise UsageError(f"{'--keep-failed' if keep_failed else '--junit'} needs --verify")
+    if not do_verify:
+        _refuse_verify_options(ctx, verify_opts)
+
+
+def _verify_settings(
+    target: str | None, do_verify: bool, verify_opts: dict[str, Any]
+) -> tuple[Any, dict[str, Any] | None]:
+    """The dimensions --input-shape fixes for --target's plan, and verify's arguments (None
+    without --verify): on the target's runtime when it has one (:func:`_target_runtime`), with the
+    samples of the fixed shapes (:func:`_split_input_shapes`)."""
+    if target is not None:
+        from onnx_qrewrite.targets import load_target
+
+        profile = load_target(target)
+        if do_verify:
+            verify_opts = {**verify_opts, "runtime": _target_runtime(profile, verify_opts)}
+    shapes, verify_opts = _split_input_shapes(verify_opts, target, do_verify)
+    return shapes, verify_kwargs(**verify_opts) if do_verify else None
 
 
 def _plan_writes(
