@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import onnx
 import pytest
+import test_lower_opset as lower_opset_tests
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_qrewrite import rewrite
@@ -32,29 +33,10 @@ _BEFORE_IR_9 = {
 
 
 def _qdq_matmul(opset: int, ir_version: int) -> onnx.ModelProto:
-    """Symmetric int8 Q/DQ + per-channel int8 weight + MatMul (TensorRT runs it as it is)."""
-    rng = np.random.default_rng(opset)
-    inits = [
-        numpy_helper.from_array(np.array(0.02, np.float32), "xs"),
-        numpy_helper.from_array(np.array(0, np.int8), "xz"),
-        numpy_helper.from_array(rng.integers(-127, 128, (8, 4)).astype(np.int8), "w"),
-        numpy_helper.from_array(rng.uniform(0.005, 0.02, 4).astype(np.float32), "ws"),
-        numpy_helper.from_array(np.zeros(4, np.int8), "wz"),
-    ]
-    nodes = [
-        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
-        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
-        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"], name="wdq", axis=1),
-        helper.make_node("MatMul", ["xd", "wd"], ["y"], name="mm"),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
+    """test_lower_opset's symmetric int8 Q/DQ + per-channel int8 weight + MatMul (TensorRT runs it
+    as it is), declared at ``ir_version``."""
+    model = lower_opset_tests._qdq_matmul(opset)
+    model.ir_version = ir_version
     onnx.checker.check_model(model, full_check=True)
     return model
 
@@ -73,14 +55,9 @@ def _dynamic_matmul(ir_version: int) -> onnx.ModelProto:
         helper.make_node("Mul", ["xs", "ws"], ["s"], name="scale"),
         helper.make_node("Mul", ["accf", "s"], ["y"], name="out"),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-        inits,
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 26)], ir_version=ir_version)
+    model = lower_opset_tests._model(nodes, inits, [2, 8], opset=26, out=[2, 4])
+    model.ir_version = ir_version
+    return model
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
