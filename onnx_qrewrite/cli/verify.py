@@ -303,6 +303,7 @@ def verify_kwargs(
         dims=dict(given.dims),
     )
     session = SessionSettings(opt_level=ort_opt_level, threads=threads)
+    provider_list = [p.strip() for p in providers.split(",") if p.strip()] if providers else []
     return {
         "inputs": inputs_file,
         "samples": generation.samples,
@@ -319,13 +320,13 @@ def verify_kwargs(
         "save_inputs": save_inputs,
         "save_outputs": save_outputs,
         "localize_failures": localize,
-        "runtime": _checked_runtime(runtime, providers),
-        "providers": [p.strip() for p in providers.split(",") if p.strip()] if providers else None,
+        "runtime": _checked_runtime(runtime, provider_list),
+        "providers": provider_list or None,
         "drift": DriftThresholds.from_options(drift_mode, drift_rel_l2, drift_cosine, drift_argmax, drift_atol),
     }
 
 
-def _checked_runtime(runtime: str | None, providers: str | None) -> str:
+def _checked_runtime(runtime: str | None, providers: list[str]) -> str:
     """The runtime the rewrite runs on (onnxruntime unless given). ``--providers`` are onnxruntime's:
     ``verify`` refuses them with another runtime too, but ``rewrite --verify`` would only after its
     work, so they are refused here, with the other option checks."""
@@ -337,7 +338,7 @@ def _checked_runtime(runtime: str | None, providers: str | None) -> str:
     if providers:
         from onnx_qrewrite.verify.runtimes import check_providers
 
-        check_providers([p.strip() for p in providers.split(",") if p.strip()])
+        check_providers(providers)
     return runtime
 
 
