@@ -3,10 +3,12 @@
 onnxruntime's DynamicQuantizeLinear skips NaN in its min/max search below 8 elements
 (onnx_qrewrite/rewriter/builders/dynamic_quantize.py); dql-expand matches that only where the
 input's shape is recorded to hold 1-7 elements. Matching it where the shape is not recorded needs
-a run-time test on every DynamicQuantizeLinear. This measures two exact forms, added to the
-default rewrite of benchmarks/bench.py's "infer" models (quantize_dynamic's BERT-like and CNN),
-with the same interleaved timing as bench.py (onnxruntime CPU, one thread):
+a run-time test on every DynamicQuantizeLinear. This measures three exact forms against the default
+rewrite of benchmarks/bench.py's "infer" models (quantize_dynamic's BERT-like and CNN), with the
+same interleaved timing as bench.py (onnxruntime CPU, one thread):
 
+- run-time: what ``--rule-option dql-expand.nan_guard=run-time`` emits, the range over
+  ``Where(IsNaN(x), Where(Less(Size(x), 8), 0, NaN), x)`` (the shipped form);
 - elementwise: the range over ``Where(And(IsNaN(x), Less(Size(x), 8)), 0, x)``;
 - If: ``If(Less(Size(x), 8))`` choosing ``Where(IsNaN(x), 0, x)`` or ``x`` for the range.
 
@@ -95,8 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     for model, label, shapes in ((bert, "bert-tiny", ([1, 8], [1, 64], [8, 64])), (cnn, "cnn", ([1, 3, 16, 16],))):
         default = work / f"{model.stem}.portable.onnx"
         subprocess.run([*bench.CLI, "-q", "rewrite", str(model), "-o", str(default)], check=True)
-        forms = {form: work / f"{model.stem}.{form}.onnx" for form in ("elementwise", "if")}
-        counts = {guarded(default, path, form) for form, path in forms.items()}
+        forms = {form: work / f"{model.stem}.{form}.onnx" for form in ("run-time", "elementwise", "if")}
+        option = ["--rule-option", "dql-expand.nan_guard=run-time"]
+        subprocess.run([*bench.CLI, "-q", "rewrite", str(model), "-o", str(forms["run-time"]), *option], check=True)
+        counts = {guarded(default, path, form) for form, path in forms.items() if form != "run-time"}
         for shape in shapes:
             spec = {
                 "paths": [str(default), *map(str, forms.values())],

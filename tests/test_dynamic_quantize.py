@@ -315,6 +315,78 @@ def test_nan_in_a_small_tensor_of_unrecorded_shape_is_matched_once_the_shape_is_
     assert verify(model, fixed, inputs=[Sample("nan", {"x": x})]).passed
 
 
+@rule_marker("dql-expand", "positive")
+def test_run_time_nan_guard_matches_the_kernel_on_small_tensors_of_unrecorded_shape():
+    """nan_guard = "run-time": a shape the model does not record ([d0, d1]) is guarded at run time,
+    so NaN in 1-7 elements matches the kernel bit for bit (every NaN position, +-inf, all NaN, 1 and
+    2 threads), and from 8 elements on the output is the unguarded expansion's, NaN-free inputs
+    and NaN inputs alike (the guard leaves a NaN a NaN there)."""
+    model = dql_model(13, rank=2)
+    plain = onnx_qrewrite.rewrite(model).model
+    result = onnx_qrewrite.rewrite(model, options={"dql-expand": {"nan_guard": "run-time"}})
+    guarded = result.model
+    assert op_types(guarded)[:5] == ["Size", "Less", "Where", "IsNaN", "Where"]
+    assert "NaN skipped by min/max at run time" in " ".join(result.report.rewrites[0].notes)
+    rng = np.random.default_rng(11)
+    for threads in (1, 2):
+        kernel, expansion = session(model, threads=threads), session(guarded, threads=threads)
+        for n in range(1, 8):
+            for flat in _nan_battery(n, rng)[::3]:
+                x = flat.reshape(1, n)
+                for out, w, g in zip(
+                    ("y", "y_scale", "y_zero_point"),
+                    kernel.run(None, {"x": x}),
+                    expansion.run(None, {"x": x}),
+                    strict=True,
+                ):
+                    assert_bitwise_equal(g, w, f"{x.ravel().tolist()}, {out}, {threads} threads")
+    unguarded = session(plain)
+    expansion = session(guarded)
+    for x in (
+        rng.standard_normal((2, 4)).astype(np.float32),
+        _f32(0.0, 2.5, np.nan, 0.0, -3.0, np.nan, 1.0, -1.0).reshape(2, 4),
+    ):
+        for w, g in zip(unguarded.run(None, {"x": x}), expansion.run(None, {"x": x}), strict=True):
+            assert_bitwise_equal(g, w, f"{x.ravel().tolist()}")
+
+
+def test_run_time_nan_guard_only_where_the_shape_is_not_recorded():
+    """With nan_guard = "run-time", a recorded shape still decides: 1-7 elements get the static guard
+    (no run-time test), 8 or more none, and so do partly recorded shapes whose known dimensions
+    already hold 8 or more; only the rest are tested at run time."""
+    options = {"dql-expand": {"nan_guard": "run-time"}}
+    assert op_types(onnx_qrewrite.rewrite(_static_dql_model([3]), options=options).model)[:2] == ["IsNaN", "Where"]
+    assert op_types(onnx_qrewrite.rewrite(_static_dql_model([8]), options=options).model) == KERNEL_OPS
+    partly = dql_model(13, rank=2)
+    partly.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 8
+    assert op_types(onnx_qrewrite.rewrite(partly, options=options).model) == KERNEL_OPS
+    partly.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 4
+    assert op_types(onnx_qrewrite.rewrite(partly, options=options).model)[0] == "Size"
+
+
+def test_verify_names_the_nan_guard_when_a_small_tensor_of_unrecorded_shape_holds_nan():
+    """Without the guard, a NaN in a 4-element tensor of unrecorded shape is a sample the kernel is
+    deterministic on: verify sets it aside as inconclusive and says how to match it, not that the
+    kernel is not deterministic."""
+    from onnx_qrewrite.verify import Sample, verify
+
+    model = dql_model(13, rank=2)
+    x = _f32(np.nan, 1.0, -2.0, 3.0).reshape(1, 4)
+    report = verify(
+        model, onnx_qrewrite.rewrite(model).model, inputs=[Sample("nan", {"x": x})], localize_failures=False
+    )
+    assert report.verdict_key == "inconclusive"
+    reason = report.to_dict()["inconclusive_reason"]
+    assert "skips NaN below 8 elements" in reason and "nan_guard=run-time" in reason, reason
+    assert "not deterministic" not in reason, reason
+    large = _static_dql_model([8])
+    x = _f32(0.0, 2.5, 0.0, 0.0, -3.0, np.nan, np.nan, -1.0)
+    report = verify(
+        large, onnx_qrewrite.rewrite(large).model, inputs=[Sample("nan", {"x": x})], localize_failures=False
+    )
+    assert "not deterministic" in report.to_dict().get("inconclusive_reason", ""), report.to_dict()
+
+
 def test_nan_guard_keeps_templates_apart():
     """Small and large quantizers in one model get their own structure (template stamping)."""
     graph = helper.make_graph(

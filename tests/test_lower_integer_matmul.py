@@ -488,6 +488,28 @@ def test_dynamic_quantize_matmul_matches_the_kernel_on_nan_in_at_most_seven_elem
                 )
 
 
+@rule_marker("ms-int-matmul-float", "positive")
+def test_dynamic_quantize_matmul_run_time_nan_guard_where_a_is_not_recorded():
+    """nan_guard = "run-time" guards A of unrecorded shape at run time: NaN in 1-7 elements matches
+    the kernel bit for bit, and from 8 elements on (NaN-free) the output is the unguarded one's."""
+    from test_dynamic_quantize import _nan_battery
+
+    model = _dynamic_quantize_matmul(2, 3)
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "m"  # A is [m, 3]
+    plain = _rewrite(model)
+    assert "NaN skipped" not in " ".join(plain.report.rewrites[0].notes)
+    result = _rewrite(model, options={"ms-int-matmul-float": {"nan_guard": "run-time"}})
+    assert "at run time" in " ".join(result.report.rewrites[0].notes)
+    kernel, expansion, unguarded = session(model), session(result.model), session(plain.model)
+    rng = np.random.default_rng(23)
+    for m in (1, 2):
+        for flat in _nan_battery(m * 3, rng)[::4]:
+            a = flat.reshape(m, 3)
+            assert_bitwise_equal(expansion.run(None, {"A": a})[0], kernel.run(None, {"A": a})[0], f"{a.tolist()}")
+    a = rng.standard_normal((4, 3)).astype(np.float32)
+    assert_bitwise_equal(expansion.run(None, {"A": a})[0], unguarded.run(None, {"A": a})[0], "12 elements")
+
+
 def test_dynamic_quantize_matmul_nan_guard_only_where_a_is_known_to_be_small():
     """From 8 elements on the kernel's vectorised search makes a NaN's effect depend on its position
     (measured: 5 of 8 NaN positions at 8 elements match a NaN-skipping range): no guard there."""

@@ -24,13 +24,23 @@ import numpy as np
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["NAN_NONDETERMINISTIC", "Hazard", "NanHazardCheck"]
+__all__ = ["NAN_DETERMINISTIC_BELOW", "NAN_NONDETERMINISTIC", "Hazard", "NanHazardCheck"]
 
 #: (domain, op_type) -> why a NaN in its first input makes its result unrepeatable.
 NAN_NONDETERMINISTIC: Mapping[tuple[str, str], str] = {
     ("", "DynamicQuantizeLinear"): (
         "onnxruntime's kernel is not deterministic on NaN (its scale and zero point depend on where "
         "the NaN is and on the thread count)"
+    ),
+}
+
+#: (domain, op_type) -> (n, why): below n elements the kernel *is* deterministic on NaN (its scalar
+#: min/max loop skips it), and a rewrite disagrees only if it did not guard the range there.
+NAN_DETERMINISTIC_BELOW: Mapping[tuple[str, str], tuple[int, str]] = {
+    ("", "DynamicQuantizeLinear"): (
+        8,
+        "onnxruntime's kernel skips NaN below 8 elements, which the rewrite matches only where the input's "
+        "shape is recorded (rewrite --target onnx --input-shape) or with --rule-option dql-expand.nan_guard=run-time",
     ),
 }
 
@@ -107,5 +117,9 @@ class NanHazardCheck:
                 continue
             count = int(np.isnan(value.astype(np.float64)).sum())
             if count:
-                return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, why)
+                below, small_why = NAN_DETERMINISTIC_BELOW.get(
+                    (node.domain if node.domain != "ai.onnx" else "", node.op_type), (0, why)
+                )
+                reason = small_why if value.size < below else why
+                return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, reason)
         return None

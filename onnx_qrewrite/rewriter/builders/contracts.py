@@ -14,6 +14,7 @@ here, and that every module under ``builders/`` that registers a builder is decl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -94,6 +95,19 @@ U8S8_SATURATION = Option(
     "AVX-VNNI): 'decline' gives way (exact rules); 'bound' rewrites to the ONNX definition and adds the "
     "largest pair excess the constant weights allow to the bound (bounded rules); 'ignore' rewrites where "
     "no bound can be computed (approximate rules)",
+)
+
+#: ``nan_guard``: where a DynamicQuantizeLinear (or DynamicQuantizeMatMul's quantization of A) takes
+#: its range with NaN skipped, as onnxruntime's kernel does below 8 elements (dynamic_quantize.py).
+NAN_GUARDS = ("static", "run-time")
+NAN_GUARD = Option(
+    "nan_guard",
+    str,
+    "static",
+    NAN_GUARDS,
+    doc="match onnxruntime's NaN-skipping range on inputs of 1-7 elements: 'static' where the shape is "
+    "recorded to hold 1-7 elements (no extra op elsewhere); 'run-time' also where the shape is not "
+    "recorded, testing Size(x) < 8 at run time (4 more ops per quantizer)",
 )
 
 # --- the forms each builder's options choose between --------------------------------------------
@@ -188,6 +202,8 @@ _DQL_EMITS = frozenset(
         "Equal",
         "Where",
         "IsNaN",
+        "Size",
+        "Less",
         "Clip",
         "Round",
         "Cast",
@@ -340,6 +356,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     doc="onnxruntime's kernel, bit for bit (degenerate cases included), or the ONNX spec's "
                     "function body",
                 ),
+                NAN_GUARD,
             ),
             # The spec body (onnx's own schema) uses a subset of these at every opset 11-26.
             emits=_DQL_EMITS,
@@ -640,6 +657,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     "int32: int32 MatMul (MatMul only); float: float MatMul/Conv within a computed bound",
                 ),
                 U8S8_SATURATION,
+                dataclasses.replace(NAN_GUARD, doc=f"DynamicQuantizeMatMul's quantization of A: {NAN_GUARD.doc}"),
             ),
             # DynamicQuantizeMatMul expands its DynamicQuantizeLinear as that builder does.
             emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Mul", "Add", "Reshape"}) | _DQL_EMITS,

@@ -33,8 +33,14 @@ skips every NaN, deterministically (measured on onnxruntime 1.31.1, every NaN po
 hold 1-7 elements, the range is therefore taken over ``Where(IsNaN(x), 0, x)`` (0 is neutral: the
 range is clamped to include 0 anyway), so an all-NaN input gives scale 1.0 and zero point 0 as in
 the kernel; ``y`` still quantizes the NaN itself (to 0, as the kernel does). Larger or unknown
-shapes get no extra op. (MLAS's generic kernel, used on ARM and on x86 without AVX, vectorizes
-from 4 elements: on those CPUs the kernel's own NaN result for 4-7 elements may differ.)
+shapes get no extra op by default. Option ``nan_guard = "run-time"`` also guards an input whose
+shape is not recorded (unless its recorded dimensions already hold 8 or more elements): the NaN
+replacement is chosen at run time, ``Where(IsNaN(x), Where(Size(x) < 8, 0, NaN), x)``, which is
+``Where(IsNaN(x), 0, x)`` below 8 elements and reads like ``x`` from 8 on (a NaN stays a NaN, where
+nothing can be matched). It costs 4 ops per quantizer at inference (two of them scalar), so it is
+asked for, not the default (``benchmarks/nan_guard_cost.py``). (MLAS's generic kernel, used on ARM
+and on x86 without AVX, vectorizes from 4 elements: on those CPUs the kernel's own NaN result for
+4-7 elements may differ.)
 
 ``semantics = "spec"`` emits the ONNX function body exactly as onnx defines it (taken from the
 installed onnx's schema), for users who want the specification, not one runtime's behaviour.
@@ -68,16 +74,33 @@ from onnx_qrewrite.rewriter.graph import dtype_name, known_shape
 SCALAR_MINMAX_BELOW = 8
 
 
-def skips_nan(site: Site, x: str) -> bool:
-    """Whether onnxruntime's min/max search over ``x`` is its scalar loop, which skips NaN: the
-    value's shape is statically known to hold 1-7 elements (module docstring). Shared by every
-    expansion that computes a DynamicQuantizeLinear: this op, and DynamicQuantizeMatMul (whose
-    kernel quantizes A with the same search: measured in tests/test_lower_integer_matmul.py)."""
-    dims = known_shape(value_shape(site.scope, x, site.same_shape_ops))
-    return dims is not None and 0 < math.prod(dims) < SCALAR_MINMAX_BELOW
+#: The range's NaN guard a quantizer gets (module docstring): none, the static one (the shape is
+#: recorded to hold 1-7 elements), or the run-time one (the shape is not recorded; option nan_guard).
+NO_GUARD, STATIC_GUARD, RUN_TIME_GUARD = "none", "static", "run-time"
 
 
-SKIP_NAN_NOTE = f"at most {SCALAR_MINMAX_BELOW - 1} elements: NaN skipped by min/max, as the kernel does"
+def nan_guard(site: Site, x: str, option: str) -> str:
+    """Which NaN guard the range over ``x`` gets: :data:`STATIC_GUARD` where onnxruntime's min/max
+    search over it is known to be its scalar loop, which skips NaN (the shape is recorded to hold
+    1-7 elements); :data:`RUN_TIME_GUARD` where that is unknown and ``option`` asks for it; else
+    :data:`NO_GUARD`. Shared by every expansion that computes a DynamicQuantizeLinear: this op, and
+    DynamicQuantizeMatMul (whose kernel quantizes A with the same search: measured in
+    tests/test_lower_integer_matmul.py)."""
+    shape = value_shape(site.scope, x, site.same_shape_ops)
+    dims = known_shape(shape)
+    if dims is not None:
+        return STATIC_GUARD if 0 < math.prod(dims) < SCALAR_MINMAX_BELOW else NO_GUARD
+    recorded = math.prod(d for d in shape or () if d is not None)
+    if option == RUN_TIME_GUARD and recorded < SCALAR_MINMAX_BELOW:
+        return RUN_TIME_GUARD
+    return NO_GUARD
+
+
+GUARD_NOTES = {
+    STATIC_GUARD: f"at most {SCALAR_MINMAX_BELOW - 1} elements: NaN skipped by min/max, as the kernel does",
+    RUN_TIME_GUARD: f"shape not recorded: NaN skipped by min/max at run time below {SCALAR_MINMAX_BELOW} elements, "
+    "as the kernel does",
+}
 
 
 @functools.cache
@@ -96,15 +119,15 @@ def spec_body(opset: int) -> onnx.FunctionProto:
 
 
 @functools.cache
-def _plan(semantics: str, skip_nan: bool) -> Plan:
+def _plan(semantics: str, guard: str) -> Plan:
     """The plan of every node with these facts: one shared (immutable) object, not one per node."""
     notes = [f"semantics={semantics}"]
-    if skip_nan:
-        notes.append(SKIP_NAN_NOTE)
+    if guard in GUARD_NOTES:
+        notes.append(GUARD_NOTES[guard])
     return Plan(
         min_opset=kernel_opsets.FORMS["dynamic-quantize-linear"],
         notes=tuple(notes),
-        data=types.MappingProxyType({"skip_nan": skip_nan}),
+        data=types.MappingProxyType({"nan_guard": guard}),
     )
 
 
@@ -128,30 +151,36 @@ class DynamicQuantizeLinearBuilder:
                 f"node {site.label}: DynamicQuantizeLinear input {inputs[0]!r} is "
                 f"{dtype_name(elem)}; the operator takes float32 only"
             )
-        skip_nan = semantics == "onnxruntime" and skips_nan(site, inputs[0])
-        return _plan(semantics, skip_nan)
+        guard = nan_guard(site, inputs[0], options["nan_guard"]) if semantics == "onnxruntime" else NO_GUARD
+        return _plan(semantics, guard)
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
         present = tuple(bool(o) for o in site.outputs)
-        return (options["semantics"], site.scope.default_opset, present, plan.data.get("skip_nan", False))
+        return (options["semantics"], site.scope.default_opset, present, plan.data.get("nan_guard", NO_GUARD))
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = list(site.node.output) + [""] * (3 - len(site.node.output))
         if options["semantics"] == "spec":
             self._build_spec(site, emit, outputs)
         else:
-            self.expand_onnxruntime(site.node.input[0], emit, outputs, skip_nan=plan.data.get("skip_nan", False))
+            self.expand_onnxruntime(site.node.input[0], emit, outputs, guard=plan.data.get("nan_guard", NO_GUARD))
 
     @staticmethod
-    def expand_onnxruntime(x: str, emit: Emitter, outputs: list[str], *, skip_nan: bool = False) -> None:
-        """The 13-op expansion; ``skip_nan`` (inputs of 1-7 elements only) takes the range over
-        ``Where(IsNaN(x), 0, x)``, as the kernel's scalar min/max loop does."""
+    def expand_onnxruntime(x: str, emit: Emitter, outputs: list[str], *, guard: str = NO_GUARD) -> None:
+        """The 13-op expansion; ``guard`` (see :func:`nan_guard`) takes the range over
+        ``Where(IsNaN(x), 0, x)`` as the kernel's scalar min/max loop does: always (static), or
+        where ``x`` holds fewer than 8 elements at run time (the NaN stays NaN from 8 on)."""
         y, y_scale, y_zero_point = outputs
         zero = emit.const(0.0, np.float32)
         ranged = x
-        if skip_nan:
-            ranged = emit.op1("Where", [emit.op1("IsNaN", [x], hint="x_nan"), zero, x], hint="x_ok")
+        if guard != NO_GUARD:
+            fill = zero
+            if guard == RUN_TIME_GUARD:
+                size = emit.op1("Size", [x], hint="size")
+                small = emit.op1("Less", [size, emit.const(SCALAR_MINMAX_BELOW, np.int64)], hint="small")
+                fill = emit.op1("Where", [small, zero, emit.const(np.nan, np.float32)], hint="fill")
+            ranged = emit.op1("Where", [emit.op1("IsNaN", [x], hint="x_nan"), fill, x], hint="x_ok")
         one = emit.const(1.0, np.float32)
         qmax = emit.const(255.0, np.float32)
         minus_one = emit.const(-1.0, np.float32)

@@ -56,7 +56,12 @@ from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
-from onnx_qrewrite.rewriter.builders.dynamic_quantize import SKIP_NAN_NOTE, DynamicQuantizeLinearBuilder, skips_nan
+from onnx_qrewrite.rewriter.builders.dynamic_quantize import (
+    GUARD_NOTES,
+    NO_GUARD,
+    DynamicQuantizeLinearBuilder,
+    nan_guard,
+)
 from onnx_qrewrite.rewriter.graph import ConstantSlabs, dtype_name
 
 __all__ = ["IntegerMatMulBuilder", "float32_sum_bound"]
@@ -456,10 +461,10 @@ class IntegerMatMulBuilder:
         notes = [f"{read.a.dtype} x {read.b.dtype}", *self._zero_point_notes(read)]
         excess = self._saturation(read, options["u8s8_saturation"], notes)
         opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
-        skip_nan = read.dynamic and skips_nan(site, read.a.name)
-        if skip_nan:
-            notes.append(f"A quantized with {SKIP_NAN_NOTE}")
-        data = {"read": read, "form": form, "skip_nan": skip_nan}
+        guard = nan_guard(site, read.a.name, options["nan_guard"]) if read.dynamic else NO_GUARD
+        if guard in GUARD_NOTES:
+            notes.append(f"A quantized with {GUARD_NOTES[guard]}")
+        data = {"read": read, "form": form, "nan_guard": guard}
         if form == "int32":
             if read.conv:
                 raise NoMatch("ONNX Conv has no int32 form")
@@ -599,7 +604,7 @@ class IntegerMatMulBuilder:
             read.to_float,
             bool(read.bias),
             read.dynamic,
-            plan.data["skip_nan"],
+            plan.data["nan_guard"],
             wiring,
             attributes,
         )
@@ -612,7 +617,7 @@ class IntegerMatMulBuilder:
         a = read.a
         if read.dynamic:
             names = [emit.fresh("A_quantized"), emit.fresh("A_scale"), emit.fresh("A_zero_point")]
-            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names, skip_nan=plan.data["skip_nan"])
+            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names, guard=plan.data["nan_guard"])
             a = dataclasses.replace(a, name=names[0], zero_point=names[2])
             a_scale = names[1]
         else:
