@@ -223,26 +223,57 @@ def _activation_matmul(a_dtype: str, b_dtype: str, zero_points: tuple[int, int])
 @pytest.mark.parametrize(
     ("a_dtype", "b_dtype", "zero_points"), [("uint8", "uint8", (7, 200)), ("int8", "int8", (0, -3))]
 )
+def _odd_extreme(lo: int, hi: int, zero_point: int, side: int) -> int:
+    """The value of [lo, hi] farthest from ``zero_point`` on ``side`` whose distance to it is odd
+    (odd products keep the partial sums odd, so float32 must round them beyond 2^24)."""
+    value = hi if side > 0 else lo
+    return value if (value - zero_point) % 2 else value - side
+
+
+def _cancelling_operands(k: int, dtype: str, zero_points: tuple[int, int], target: float, rng: np.random.Generator):
+    """Row 0 of A at its farthest (odd) distance from its zero point, and B's columns the largest
+    products of one sign first, then of the other, as many of each as brings the sum near
+    ``target``: partial sums far beyond 2^24 (at K = 4096) that cancel to an output inside the
+    output type's range, where a rewrite's rounding shows instead of saturating away. Row 1 of A is
+    random; one element per column of B too, so the columns differ."""
+    lo, hi = {"uint8": (0, 255), "int8": (-128, 127)}[dtype]
+    (za, zb), np_type = zero_points, {"uint8": np.uint8, "int8": np.int8}[dtype]
+    a = np.stack([np.full(k, _odd_extreme(lo, hi, za, 1 if hi - za >= za - lo else -1)), rng.integers(lo, hi + 1, k)])
+    up, down = _odd_extreme(lo, hi, zb, 1), _odd_extreme(lo, hi, zb, -1)
+    first, then = sorted((up, down), key=lambda v: -(a[0, 0] - za) * (v - zb))
+    big, small = ((a[0, 0] - za) * (v - zb) for v in (first, then))
+    count = int(np.clip(round((target - k * small) / (big - small)), 0, k))
+    b = np.concatenate([np.full((count, 3), first), np.full((k - count, 3), then)])
+    b[rng.integers(k, size=3), [0, 1, 2]] = rng.integers(lo, hi + 1, 3)
+    return a.astype(np_type), b.astype(np_type)
+
+
+@rule_marker("qop-matmul", "positive")
+@pytest.mark.parametrize(
+    ("a_dtype", "b_dtype", "zero_points"), [("uint8", "uint8", (7, 200)), ("int8", "int8", (0, -3))]
+)
 def test_against_onnxruntime_at_k_on_both_sides_of_2_24(a_dtype, b_dtype, zero_points):
-    """The rewrite in stock onnxruntime against onnxruntime's QLinearMatMul at K = 4 .. 4096 with
-    random and extreme operands: within the formula's bound at that K, which grows past one step
-    where the sums leave float32's exact range."""
+    """The rewrite in stock onnxruntime against onnxruntime's QLinearMatMul at K = 4 .. 4096, on
+    operands whose partial sums leave float32's exact range (beyond 2^24 at K = 4096) and cancel
+    to outputs inside the output's range (random operands saturate the output at large K, where
+    every rewrite agrees): within the formula's bound at that K, which grows past one step where
+    the sums leave float32's exact range."""
     model = _activation_matmul(a_dtype, b_dtype, zero_points)
     result = onnx_qrewrite.rewrite(model)
     (applied,) = result.report.rewrites
     per_k = float(applied.bound_formula.partition(":")[2])
-    lo, hi = {"uint8": (0, 255), "int8": (-128, 127)}[a_dtype]
+    y_lo, y_hi = {"uint8": (0, 255), "int8": (-128, 127)}[a_dtype]
+    target = (y_lo + y_hi) / 2 / (0.02 * 0.01 / 0.5)  # mid-range of y, in units of the sum (scales: the model's)
     rng = np.random.default_rng(0)
     steps = []
     for k in (4, 200, 1000, 4096):
-        np_type = np.uint8 if a_dtype == "uint8" else np.int8
-        a = rng.integers(lo, hi + 1, (2, k)).astype(np_type)
-        b = rng.integers(lo, hi + 1, (k, 3)).astype(np_type)
-        a[1] = lo if zero_points[0] > (lo + hi) / 2 else hi  # a row at its farthest from the zero point
+        a, b = _cancelling_operands(k, a_dtype, zero_points, target, rng)
         bound = run_time_k_steps(k, per_k)
         got = run(result.model, {"a": a, "b": b})["y"].astype(np.int64)
         want = run(model, {"a": a, "b": b})["y"].astype(np.int64)
         assert np.abs(got - want).max() <= bound, (k, np.abs(got - want).max(), bound)
+        if k >= 200:  # row 0 is not saturated: the comparison says something there
+            assert ((want[0] > y_lo) & (want[0] < y_hi)).all(), (k, want)
         steps.append(bound)
     assert steps[0] == 1 and steps[-1] > 1, steps
 
