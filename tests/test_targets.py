@@ -82,6 +82,7 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         cited = {e.source for entries in profile.ops.values() for e in entries}
         cited |= {r.source for r in profile.refusals}
         cited |= {s for s in (profile.opset_source, profile.network_source, profile.rewrites_source) if s}
+        cited |= {o.source for o in profile.rule_options}
         if profile.quantization is not None:
             cited.add(profile.quantization.source)
         assert cited <= set(profile.sources), profile.id  # the loader enforces it; this proves it ran
@@ -1001,7 +1002,8 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     `inspect --target` says what would make it apply (here: the reduction length of an activation
     x activation QLinearMatMul, which qop-matmul with reduction_length = 'recorded' needs and the
     model does not record). The shipped rule bounds it at run time instead (a bound that depends on
-    K, tests/test_qoperator_run_time_k.py)."""
+    K, tests/test_qoperator_run_time_k.py), but not for TFLite, whose profile sets 'recorded'
+    (tests/test_target_rule_options.py): the user's own option asks for it there."""
     f = onnx.numpy_helper.from_array
     consts = [f(np.float32(0.1), "s"), f(np.uint8(128), "z")]
     node = helper.make_node("QLinearMatMul", ["a", "s", "z", "b", "s", "z", "s", "z"], ["y"], name="mm")
@@ -1029,7 +1031,11 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     assert verdict.rule == "qop-matmul" and not verdict.after
     shipped = plan_for_target(path, load_rules(), load_target("tflite"))
     (verdict,) = [n for n in shipped.nodes if n.node == "mm"]
-    assert verdict.rule == "qop-matmul" and not verdict.after and shipped.refused_after == 0
+    assert verdict.rule is None and "--input-shape" in verdict.hint
+    run_time = load_rules(options={"qop-matmul": {"reduction_length": "run-time"}})
+    asked = plan_for_target(path, run_time, load_target("tflite"))
+    (verdict,) = [n for n in asked.nodes if n.node == "mm"]
+    assert verdict.rule == "qop-matmul" and not verdict.after and asked.refused_after == 0
 
 
 def test_readers_decide_the_unfused_outputs_and_read_by_refusals():

@@ -244,10 +244,9 @@ _CASES = [
 
 #: (runtime, model, form) -> why the verdict is known not to agree with the runtime: asserted as
 #: it is, so the case is looked at again once the runtime or the profile changes (README, Targets).
-KNOWN_DISAGREEMENTS = {
-    ("tflite", "ortqop_bert", "target rewrite"): "onnx2tf turns the attention's merge Reshape [0, 0, 64], read "
-    "after the rewritten context of unrecorded shape, into [1, 1, 64]; no condition on the ONNX side found yet",
-}
+#: (TFLite's QOperator BERT as given was one until the tflite profile set qop-matmul's
+#: reduction_length = "recorded": test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape.)
+KNOWN_DISAGREEMENTS: dict[tuple[str, str, str], str] = {}
 
 
 @pytest.mark.parametrize(
@@ -805,27 +804,36 @@ def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp
 
 def test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape(battery):
     """ortqop_bert's two activation x activation QLinearMatMuls sum over lengths onnx's shape
-    inference cannot see through its com.microsoft QLinearAdd/QLinearSoftmax: as given, qop-matmul
-    bounds them by a function of the run-time length (tests/test_qoperator_run_time_k.py); with
-    `--input-shape` fixing the recorded inputs' shape every shape is recorded (targets/shapes.py)
-    and the bound is computed at the length. Either way the plan leaves nothing refused. With the
-    shapes, LiteRT runs the rewrite and agrees with onnxruntime running the original. As given it
-    does not (observed, onnx2tf 2.6.9 -> ai-edge-litert 2.1.2): the converted model's attention
-    merge Reshape (shape [0, 0, 64]) reads [1, 1, 64] and fails to prepare at sequence 16, a
-    disagreement with the plan the profile does not predict (README, Targets)."""
+    inference cannot see through its com.microsoft QLinearAdd/QLinearSoftmax. The catalogue's
+    qop-matmul bounds them by a function of the run-time length (tests/test_qoperator_run_time_k.py),
+    and LiteRT does not run that rewrite (observed, onnx2tf 2.6.9 -> ai-edge-litert 2.1.2): the
+    converted model's attention merge Reshape (shape [0, 0, 64]) reads [1, 1, 64] and fails to
+    prepare at sequence 16. So the tflite profile sets reduction_length = "recorded" for the rule:
+    as given the plan leaves those two nodes refused, naming --input-shape, and LiteRT agrees (the
+    model still has them, as custom ops it cannot run). With `--input-shape` fixing the recorded
+    inputs' shape every shape is recorded (targets/shapes.py), the bound is computed at the length,
+    nothing is refused, and LiteRT runs the rewrite and agrees with onnxruntime running the
+    original. The user's own option still asks for the run-time bound, which LiteRT fails on: what
+    the profile's option is for."""
     _runtime("tflite")
     path = battery["ortqop_bert"]
     inputs, expected = _io(path)
     profile = load_target("tflite")
     given = plan_for_target(path, load_rules(), profile)
-    assert given.refused_after == 0
-    assert _bound_formulas(given.rewritten) == {"run-time-k"}
+    assert given.refused_after == 2 and {r.op for r in given.after} == {"QLinearMatMul"}
+    assert all("--input-shape" in v.hint for v in given.nodes if v.after), [v.hint for v in given.nodes]
+    assert not _bound_formulas(given.rewritten)
+    ran, detail = runs_on("tflite", given.rewritten, inputs, expected, original=path)
+    assert not ran and "ONNX_QLINEARMATMUL" in detail, detail  # the custom op onnx2tf leaves
     plan = plan_for_target(path, load_rules(), profile, input_shapes=_recorded_shapes(inputs))
     assert plan.refused_after == 0 and plan.input_shapes["fixed"] == ["batch=1", "seq=16"]
     assert not _bound_formulas(plan.rewritten)
     ran, detail = runs_on("tflite", plan.rewritten, inputs, expected, original=path)
     assert ran, detail
-    ran, detail = runs_on("tflite", given.rewritten, inputs, expected, original=path)
+    user = load_rules(options={"qop-matmul": {"reduction_length": "run-time"}})
+    asked = plan_for_target(path, user, profile)
+    assert asked.refused_after == 0 and _bound_formulas(asked.rewritten) == {"run-time-k"}
+    ran, detail = runs_on("tflite", asked.rewritten, inputs, expected, original=path)
     assert not ran and "failed to reshape" in detail, detail
 
 

@@ -20,6 +20,8 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
     click.echo(f"refused today: {len(plan.before)} node(s); after the rewrite: {len(plan.after)}")
     for rule_id, why in plan.skipped_rules.items():
         click.echo(f"  rule {rule_id} not used: {why}")
+    for rule_id, said in plan.rule_options.items():
+        click.echo(f"  rule {rule_id}: {_rule_options_words(said, profile.id)}")
     for n in plan.nodes:
         click.echo(f"  {n.node} ({n.op}): {n.status}")
         for reason in n.reasons:
@@ -43,6 +45,8 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             click.echo("      rewrite: no rule rewrites it")
         for alternative in n.considered:
             click.echo(f"      weighed: {alternative}")
+        if n.hint:
+            click.echo(f"      hint: {n.hint}")
         for reason in n.after[: None if all_nodes else 3]:
             click.echo(f"      after: {reason}")
         if not all_nodes and len(n.after) > 3:
@@ -71,3 +75,15 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
         click.echo(f"{profile.id} would still refuse {len(plan.after)} node(s) after the rewrite (exit code 4)")
         if plan.with_consent:
             click.echo(f"  {plan.consent_note().lstrip('; ')}")
+
+
+def _rule_options_words(said: dict[str, Any], target: str) -> str:
+    """A rule's options set by the profile, and those the user's own options set instead, in words."""
+    parts = []
+    if said["options"]:
+        words = ", ".join(f"{k} = {v!r}" for k, v in said["options"].items())
+        why = f": {said['why']}" if said["why"] else ""
+        parts.append(f"{words} for {target} {said['source']}{why}")
+    for key, value in said["user"].items():
+        parts.append(f"{key} = {value!r} from your options, over {target}'s {said['profile'][key]!r} {said['source']}")
+    return "options " + "; ".join(parts)

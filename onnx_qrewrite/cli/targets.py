@@ -45,6 +45,10 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                     }
                     for f in p.forms
                 ],
+                "rule_options": [
+                    {"rule": o.rule, "options": dict(o.options), "why": o.why, "source": o.source}
+                    for o in p.rule_options
+                ],
                 "sources": {s.id: {"document": s.document, "version": s.version} for s in p.sources.values()},
                 "file": p.path,
             }
@@ -70,6 +74,9 @@ def targets_command(names: tuple[str, ...], long_: bool, as_json: bool) -> None:
                 variant = f"[{f.variant}]" if f.variant else ""
                 consent = ", with --allow-approximate" if f.consent == "user" else ""
                 click.echo(f"    form {f.name}{variant} (up to {f.allow}{consent}){why} {p.cite(f.source)}")
+            for o in p.rule_options:
+                why = f": {o.why}" if o.why else ""
+                click.echo(f"    options of rule {o.rule}: {o.words()}{why} {p.cite(o.source)}")
             if p.ir_max is not None:
                 click.echo(f"    IR versions up to {p.ir_max} {p.cite(p.ir_source)}")
             if p.float64 is not None:

@@ -109,10 +109,15 @@ class Rule:
     #: QuantizeLinear a DynamicQuantizeLinear expansion emits, under float emulation. Exact rules
     #: only: the replacement it lowers keeps its own declared exactness and bound.
     on_replacements: bool = False
+    #: Option keys set by an override (``--rule-option``, the API's ``options=``) rather than the rule
+    #: file: a target profile's options for the rule (``[[rewrites.options]]``) leave them as set.
+    overridden: frozenset[str] = frozenset()
 
     def with_options(self, overrides: Mapping[str, Any]) -> Rule:
         given = {**(self.given_options if self.given_options is not None else self.options), **overrides}
-        return dataclasses.replace(self, options=MappingProxyType(given), given_options=None)
+        return dataclasses.replace(
+            self, options=MappingProxyType(given), given_options=None, overridden=self.overridden | set(overrides)
+        )
 
     def describe_match(self) -> str:
         return ", ".join(str(m) for m in self.match)

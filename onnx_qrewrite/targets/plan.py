@@ -55,6 +55,7 @@ __all__ = [
     "form_rules",
     "plan_for_model",
     "plan_for_target",
+    "profile_rule_options",
     "target_catalogue",
 ]
 
@@ -81,6 +82,9 @@ class NodeVerdict:
     #: What the declared exactness does not cover on this target (float64 arithmetic it computes
     #: otherwise: profile [arithmetic]).
     caveats: tuple[str, ...] = ()
+    #: Why a rule that would rewrite the node does not, when the profile set its options
+    #: ([[rewrites.options]]) and still refuses the node: the profile's why (what to do instead).
+    hint: str = ""
 
     @property
     def status(self) -> str:
@@ -122,6 +126,10 @@ class TargetPlan:
     float64: dict[str, Any] | None = None
     #: The input shapes given (--input-shape) and the dimensions they fixed before planning, if any.
     input_shapes: dict[str, Any] | None = None
+    #: Per catalogue rule the profile sets options of (``[[rewrites.options]]``): the profile's
+    #: options ("profile"), those the plan used ("options"), those the user's own options set
+    #: instead ("user": the user's values, which win), the profile's why and its source.
+    rule_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: When the target would still refuse something and the profile has approximate forms that
     #: wait for the user's consent: what --allow-approximate would give ({"forms": [...],
     #: "refused_after": n, "first": why the first still refused node is}).
@@ -131,9 +139,11 @@ class TargetPlan:
         """One line for ``rewrite --target`` when the target would still refuse something."""
         first = self.after[0]
         more = f" (and {len(self.after) - 1} more node(s); `inspect --target {self.target}` lists them)"
+        at = (first.scope, first.node)
+        hint = next((f"; {v.hint}" for v in self.nodes if (v.scope, v.node) == at and v.hint), "")
         return (
             f"{self.model}: target {self.target} would still refuse node {first.node} ({first.op_key}) "
-            f"after the rewrite: {first.reasons[0]}{more if len(self.after) > 1 else ''}{self.consent_note()}"
+            f"after the rewrite: {first.reasons[0]}{hint}{more if len(self.after) > 1 else ''}{self.consent_note()}"
         )
 
     def consent_note(self) -> str:
@@ -168,6 +178,7 @@ class TargetPlan:
             "ok": self.ok,
             "skipped_rules": self.skipped_rules,
             "forms": self.forms,
+            "rule_options": self.rule_options,
             "with_consent": self.with_consent,
             "opset_lowering": self.opset_lowering,
             "ir_lowering": self.ir_lowering,
@@ -193,6 +204,40 @@ def target_catalogue(catalogue: Catalogue, profile: TargetProfile) -> tuple[Cata
             skipped[rule.id] = f"{profile.id} runs {ops} natively {profile.cite(profile.rewrites_source)}"
     kept = [r.id for r in catalogue if r.id not in skipped]
     return catalogue.select(only=kept) if skipped else catalogue, skipped
+
+
+def profile_rule_options(catalogue: Catalogue, profile: TargetProfile) -> tuple[Catalogue, dict[str, dict[str, Any]]]:
+    """``catalogue`` with the options ``profile`` sets for its rules (``[[rewrites.options]]``),
+    and per rule what was set. An option the user set for the rule (``--rule-option RULE.KEY=V``, the
+    API's ``options=``: ``Rule.overridden``) wins over the profile's: the user asked for it by
+    name, and the plan then judges the rule with it like any other. Rules not in ``catalogue``
+    (``--skip``, ``--only``) get nothing."""
+    from onnx_qrewrite.errors import UsageError
+
+    rules = {r.id: r for r in catalogue}
+    overrides: dict[str, dict[str, Any]] = {}
+    said: dict[str, dict[str, Any]] = {}
+    for entry in profile.rule_options:
+        rule = rules.get(entry.rule)
+        if rule is None:
+            continue
+        applied = {k: v for k, v in entry.options.items() if k not in rule.overridden}
+        user = {k: rule.options[k] for k in entry.options if k in rule.overridden}
+        if applied:
+            overrides[entry.rule] = applied
+        said[entry.rule] = {
+            "profile": dict(entry.options),
+            "options": applied,
+            "user": user,
+            "why": entry.why,
+            "source": profile.cite(entry.source),
+        }
+    if not overrides:
+        return catalogue, said
+    try:
+        return catalogue.with_options(overrides), said
+    except UsageError as exc:  # the rule of that id is not the shipped one the profile was checked against
+        raise UsageError(f"{profile.path}: target {profile.id!r}, [[rewrites.options]]: {exc}") from None
 
 
 def form_rules(
@@ -762,6 +807,7 @@ def plan_for_model(
         applied = apply_input_shapes(model, input_shapes, label)
     before = check_model(model, profile)
     base, skipped = target_catalogue(catalogue, profile)
+    base, set_options = profile_rule_options(base, profile)
     levels = set(allow) if allow is not None else set(engine.DEFAULT_ALLOW)
     extra, form_of, listing = form_rules(profile, taken=base.ids, user_allow=allow)
     chosen_rules = Catalogue([*base, *extra])
@@ -771,7 +817,7 @@ def plan_for_model(
     ctx = _Context(profile, chosen_rules, rules, usable, form_of, listing, levels, external, target_opset, keep_opset)
     top = _stage(model, ctx, 0, before)
     label_of = {r: _listed_as(profile.forms[i]) for r, i in listing.items()}
-    plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of)
+    plan = _assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of, set_options)
     _lower_opset(plan, profile, ctx.may_lower)
     _float64_note(plan, profile)
     plan.input_shapes = applied.to_dict() if applied is not None else None
@@ -874,13 +920,14 @@ def _assemble(
     skipped: dict[str, str],
     chosen_rules: Catalogue,
     label_of: dict[str, str],
+    set_options: dict[str, dict[str, Any]],
 ) -> TargetPlan:
     """The plan's account: per refused node what was chosen and why (and what later stages did to
-    what it emitted), rules not used, forms used."""
+    what it emitted), rules not used, forms used, rule options the profile set."""
     state = top.state
-    verdicts = _Account(profile, top, rules, form_of, label_of).verdicts(before)
+    verdicts = _Account(profile, top, rules, form_of, label_of, set_options).verdicts(before)
     _note_unused(skipped, top, profile.id)
-    return TargetPlan(
+    plan = TargetPlan(
         label,
         profile.id,
         profile.version,
@@ -895,6 +942,8 @@ def _assemble(
         state.options[0],
         list(state.options[1:]),
     )
+    plan.rule_options = set_options
+    return plan
 
 
 @dataclasses.dataclass
@@ -908,6 +957,8 @@ class _Account:
     rules: dict[str, Rule]
     form_of: dict[str, str]
     label_of: dict[str, str]
+    #: profile_rule_options' account: a rule that declined a node under the profile's options says so.
+    set_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def verdicts(self, before: list[Refused]) -> list[NodeVerdict]:
         """One verdict per refusal of the model as it was, in that order."""
@@ -939,7 +990,22 @@ class _Account:
         level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
         form = next((self.form_of[rw.rule] for rw in chain if rw.rule in self.form_of), None)
         then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
-        return NodeVerdict(r.scope, r.node, r.op_key, r.reasons, rule, level, reasons, form, considered, then)
+        hint = self._hint(node) if node is not None and reasons and not chain else ""
+        return NodeVerdict(
+            r.scope, r.node, r.op_key, r.reasons, rule, level, reasons, form, considered, then, hint=hint
+        )
+
+    def _hint(self, node: _Node) -> str:
+        """For a node left refused: the first of its rules that declined it under options the
+        profile set, with the profile's why ("" when none did)."""
+        for rule_id in node.candidates:
+            said = self.set_options.get(rule_id, {})
+            if said.get("options") and rule_id not in node.outcome:
+                words = ", ".join(f"{k} = {v!r}" for k, v in said["options"].items())
+                why = f": {said['why']}" if said["why"] else ""
+                target = f"{self.profile.id} sets for it {said['source']}"
+                return f"{rule_id} does not apply with {words}, which {target}{why}"
+        return ""
 
     def _considered(self, node: _Node, scope: str, site: str, chosen: str | None) -> tuple[str, ...]:
         """Each candidate other than the chosen rule, in words: what it left, or why it was not
@@ -966,11 +1032,21 @@ class _Account:
                         f"rewrites), and there leaves {self.profile.id} as much or more to refuse"
                     )
                 else:
-                    out.append(f"{rule_id} ({its_level}): does not apply here{': ' + why if why else ''}")
+                    said = f"{its_level}{self._set_here(rule_id)}"
+                    out.append(f"{rule_id} ({said}): does not apply here{': ' + why if why else ''}")
             else:
                 n = node.outcome[rule_id]
                 out.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
         return tuple(out)
+
+    def _set_here(self, rule_id: str) -> str:
+        """The options the profile set for the rule, as the weighed line adds them (", with
+        reduction_length = 'recorded' for tflite"; "" when it set none)."""
+        applied = self.set_options.get(rule_id, {}).get("options")
+        if not applied:
+            return ""
+        words = ", ".join(f"{k} = {v!r}" for k, v in applied.items())
+        return f", with {words} for {self.profile.id}"
 
 
 def _note_unused(skipped: dict[str, str], top: _Stage, target: str) -> None:

@@ -101,6 +101,12 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # at all) although it runs each of its ops: never used for it
     source = "..."
 
+    [[rewrites.options]]             # options of a catalogue rule for this target only, checked
+    rule = "qop-matmul"              # against the rule's builder contract as a rule file's are
+    options = { reduction_length = "recorded" }
+    why = "LiteRT fails to prepare its run-time-K form: ..."  # shown by inspect, targets --long
+    source = "..."                   # (--rule-option RULE.KEY=V, the user's, wins over it)
+
     [[rewrites.form]]                # a named form (rules/forms/<name>.toml) the target may need
     name = "weight-only"
     allow = "approximate"            # the target's consent: the least exact level of the form's
@@ -140,6 +146,7 @@ from onnx_qrewrite.rewriter.contract import closest
 __all__ = [
     "FormRequest",
     "OpSupport",
+    "ProfileRuleOptions",
     "Quantization",
     "Refusal",
     "Source",
@@ -230,7 +237,8 @@ _QUANT_KEYS = {
     "notes",
 }
 _NETWORK_KEYS = {"io_only_types", "refused_types", "qdq_only_types", "source", "notes"}
-_REWRITES_KEYS = {"keep", "avoid", "form", "source", "notes"}
+_REWRITES_KEYS = {"keep", "avoid", "form", "options", "source", "notes"}
+_RULE_OPTIONS_KEYS = {"rule", "options", "why", "source"}
 _FORM_KEYS = {"name", "allow", "options", "form_options", "consent", "why", "source"}
 CONSENTS = ("profile", "user")
 
@@ -317,6 +325,22 @@ class FormRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileRuleOptions:
+    """Options of one catalogue rule for this target (``[[rewrites.options]]``): the rule still
+    applies, with these options, e.g. qop-matmul declining where its reduction length is not
+    recorded on a target that runs the run-time bound's output wrongly."""
+
+    rule: str
+    options: Mapping[str, Any]
+    source: str
+    why: str = ""
+
+    def words(self) -> str:
+        """The options as a rule file spells them: ``reduction_length = 'recorded'``."""
+        return ", ".join(f"{key} = {value!r}" for key, value in self.options.items())
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetProfile:
     id: str
     title: str
@@ -341,6 +365,8 @@ class TargetProfile:
     keep: frozenset[str] = frozenset()
     forms: tuple[FormRequest, ...] = ()
     avoid: frozenset[str] = frozenset()
+    #: Options of catalogue rules for this target (``[[rewrites.options]]``), in the file's order.
+    rule_options: tuple[ProfileRuleOptions, ...] = ()
     rewrites_source: str | None = None
     runtime: str | None = None
     extra: str | None = None
@@ -539,7 +565,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
     quantization = _quantization(path, data, sources)
     network = _network(path, data, sources)
-    rewrites = _rewrites(path, data, sources, ops)
+    rewrites = _rewrites(path, data, sources, ops, target_id)
     shapes = _shapes(path, data, sources)
     return TargetProfile(
         id=target_id,
@@ -739,7 +765,11 @@ def _shapes(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -
 
 
 def _rewrites(
-    path: str, data: Mapping[str, Any], sources: Mapping[str, Source], ops: Mapping[tuple[str, str], Any]
+    path: str,
+    data: Mapping[str, Any],
+    sources: Mapping[str, Source],
+    ops: Mapping[tuple[str, str], Any],
+    target_id: str,
 ) -> dict[str, Any]:
     """``[rewrites]``: ops to keep, rules to avoid and the named forms the target asks for. A kept
     op must be a standard op the profile's own tables list: a misspelt name would silently keep
@@ -748,7 +778,7 @@ def _rewrites(
         return {}
     raw = _check_keys(path, "[rewrites]", data["rewrites"], _REWRITES_KEYS)
     rewrites_source = None
-    if set(raw) - {"form"}:  # each [[rewrites.form]] cites its own source
+    if set(raw) - {"form", "options"}:  # each [[rewrites.form]] / [[rewrites.options]] cites its own source
         rewrites_source = _cited(path, "[rewrites]", raw, sources)
     for key in ("keep", "avoid"):
         value = raw.get(key, [])
@@ -767,7 +797,70 @@ def _rewrites(
         "keep": frozenset(raw.get("keep", [])),
         "avoid": avoid,
         "forms": _variants(path, forms),
+        "rule_options": _rule_options(path, raw, sources, avoid, target_id),
     }
+
+
+def _rule_options(
+    path: str, raw: Mapping[str, Any], sources: Mapping[str, Source], avoid: frozenset[str], target_id: str
+) -> tuple[ProfileRuleOptions, ...]:
+    """``[[rewrites.options]]``: each names a rule of the shipped catalogue once, and its options
+    are checked against that rule's builder contract exactly as a rule file's are (unknown key,
+    wrong type, a value not allowed, an exactness the options no longer deliver), so a typo fails
+    when the profile loads, not silently at planning time."""
+    entries = _tables(path, raw, "options", "rewrites.options")
+    if not entries:
+        return ()
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue
+
+    shipped = load_catalogue()
+    out: list[ProfileRuleOptions] = []
+    for where, item in entries:
+        named = f"target {target_id!r}, {where}"
+        if isinstance(item, dict) and isinstance(item.get("rule"), str):
+            named = f"{named} (rule {item['rule']!r})"  # every message names the rule, when there is one
+        entry = _rule_option(path, named, item, sources)
+        _check_rule_options(path, named, shipped, entry.rule, entry.options, avoid)
+        if any(o.rule == entry.rule for o in out):
+            raise _fail(path, named, f"rule {entry.rule!r} is given options twice: merge them into one entry")
+        out.append(entry)
+    return tuple(out)
+
+
+def _rule_option(path: str, where: str, item: Any, sources: Mapping[str, Source]) -> ProfileRuleOptions:
+    """One ``[[rewrites.options]]`` entry's keys and their types."""
+    entry = _check_keys(path, where, item, _RULE_OPTIONS_KEYS)
+    rule_id = _string(path, where, entry, "rule")
+    source = _cited(path, where, entry, sources)
+    options = entry.get("options")
+    if not isinstance(options, dict) or not options:
+        raise _fail(path, where, "'options' must be a non-empty table: { key = value }")
+    why = entry.get("why", "")
+    if not isinstance(why, str):
+        raise _fail(path, where, "'why' must be a string")
+    return ProfileRuleOptions(rule_id, dict(options), source, why)
+
+
+def _check_rule_options(
+    path: str, where: str, shipped: Any, rule_id: str, options: Mapping[str, Any], avoid: frozenset[str]
+) -> None:
+    """The rule exists in the shipped catalogue (a form's rules take their options in their
+    ``[[rewrites.form]]``), is not avoided, and takes ``options`` (its contract says so)."""
+    from onnx_qrewrite.rewriter.catalogue import load_catalogue, shipped_rules_dir
+
+    if rule_id not in shipped.ids:
+        forms = sorted((shipped_rules_dir() / "forms").glob("*.toml"))
+        form = next((f.stem for f in forms if rule_id in load_catalogue([f], include_shipped=False).ids), None)
+        if form is not None:
+            raise _fail(path, where, f"{rule_id!r} is a rule of form {form!r}: set it in that form's options")
+        raise _fail(path, where, f"no rule {rule_id!r} in the catalogue{closest(rule_id, shipped.ids)}")
+    if rule_id in avoid:
+        raise _fail(path, where, f"rule {rule_id!r} is in [rewrites] avoid: it is never used for this target")
+    try:
+        shipped.select(only=[rule_id]).with_options({rule_id: options})
+    except UsageError as exc:
+        why = str(exc).split(f"options for rule {rule_id!r} (overridden): ", 1)[-1]
+        raise _fail(path, where, why) from None
 
 
 def shipped_targets_dir() -> Path:
