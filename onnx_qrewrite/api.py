@@ -272,6 +272,7 @@ def _later_stages(
             target_opset=later.target_opset,
             allow=later.allow,
             node_rules=later.node_rules,
+            continue_provenance=later.continue_provenance,
         )
         rewritten, more = engine.run(stage_input(to_proto(rewritten)), catalogue, options, external, progress)
         report.rewrites.extend(more.rewrites)

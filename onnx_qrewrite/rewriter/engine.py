@@ -83,6 +83,11 @@ class EngineOptions:
     #: candidates. ``rewrite --target`` uses it to rewrite each node with the rule its plan chose
     #: (targets/plan.py); the rules still have to be in the catalogue and in ``allow``.
     node_rules: Mapping[tuple[str, int], tuple[str, ...]] | None = None
+    #: The model holds an earlier run's replacements (a target plan's later stage, targets/plan.py):
+    #: an exact rule rewriting one of their nodes continues that replacement's provenance (rule,
+    #: origin, bound, name prefix), as a later pass's rules do, so the bound the earlier rule
+    #: declared for the original node is still recorded, and checked, on the final model.
+    continue_provenance: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -338,12 +343,15 @@ def _apply(
     provenance: str = provenance_mod.DEFAULT_MODE,
     applied: list[_Applied] | None = None,
     later: bool = False,
+    earlier: bool = False,
 ) -> tuple[collections.Counter[str], list[bytes] | Spool | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
 
     ``applied`` collects what each rewrite replaced and created (for a later pass). ``later``: the
     nodes replaced were made by an earlier pass; their replacements continue the earlier
     replacement they belong to (its name prefix and provenance, see :func:`_inherited_metadata`).
+    ``earlier``: the model holds an earlier run's replacements (``EngineOptions.continue_provenance``):
+    an exact rule's replacement of one of their nodes continues it the same way.
 
     Returns the change in op counts and, when the main graph changed, its encoded node list (the
     main graph itself is then left without nodes; see ``encoded``). ``matches`` is consumed: each
@@ -394,6 +402,8 @@ def _apply(
         # Each replaced node's op, from the codes the scope walk noted: one shared string per op
         # in the report entries, not a new one read out of protobuf per rewrite (~2 MB at 100k).
         codes, keys = scope.op_codes()
+        # Which of the scope's nodes an earlier run's replacement made (their provenance).
+        made = provenance_mod.attribute_nodes(node_list) if earlier and pending else None
         spooled = can_spool and bool(pending) and scope.container is model.graph
         if spooled:
             spool = Spool()
@@ -405,7 +415,7 @@ def _apply(
             builder = builders.get(rule.id)
             if builder is None:
                 builder = builders[rule.id] = rule.implementation
-            if later:
+            if later or (made is not None and made[m.index] is not None and rule.exactness == EXACT):
                 metadata = _inherited_metadata(node, provenance)
                 prefix = node.name.rpartition("/")[0] or Emitter.prefix_for(node)
             else:
@@ -906,6 +916,7 @@ def _pass(
             options.provenance,
             applied,
             later=restrict is not None,
+            earlier=options.continue_provenance,
         )
         counts.update(delta)
         if main_nodes is not None:

@@ -284,11 +284,13 @@ def engine_options(
     keep_opset: bool = False,
     allow: Collection[str] | None = None,
     node_rules: dict[tuple[str, int], tuple[str, ...]] | None = None,
+    later_stage: bool = False,
 ) -> Any:
     """The engine's options for ``profile``: a rewrite never raises the opset above what the
     target loads (``[opset] max``), so rules that would need more give way to the next rule.
     Exactness levels as for any rewrite (exact first, bounded where no exact rule applies,
-    approximate only when ``allow`` names it)."""
+    approximate only when ``allow`` names it). ``later_stage``: the model holds an earlier stage's
+    replacements, whose provenance (and bound) an exact rule rewriting their nodes continues."""
     from onnx_qrewrite.rewriter import engine
     from onnx_qrewrite.rewriter.opset import MAX_RUNTIME_OPSET
 
@@ -302,6 +304,7 @@ def engine_options(
         provenance="full",
         allow=levels,
         node_rules=node_rules,
+        continue_provenance=later_stage,
     )
 
 
@@ -587,6 +590,7 @@ class _StageRuns:
             keep_opset=ctx.keep_opset,
             allow=ctx.levels,
             node_rules=dict(node_rules),
+            later_stage=self.depth > 0,
         )
         rewritten, report, used = _rewrite(self.model, ctx.catalogue, ctx.external, options)
         _note_why(ctx.why, report, self.depth)

@@ -769,6 +769,8 @@ class _Judgement(NamedTuple):
     not_compared: str | None = None  # why nothing was compared, when nothing was
     #: The original cut at the bounded replacements, when it decided the outputs (verify/reanchor.py).
     anchored: Anchored | None = None
+    #: Bounded replacements whose bound cannot be checked at their node (verify/bounds.py).
+    unchecked: tuple[Any, ...] = ()
 
 
 def _compared_with_itself(
@@ -820,13 +822,15 @@ def _judge(
     )
     if anchored is not None:
         outputs += anchored.boundary_rows()
+    unchecked: tuple[Any, ...] = ()
     if bounded:
-        from onnx_qrewrite.verify.bounds import check_bounds
+        from onnx_qrewrite.verify.bounds import check_bounds, unchecked_bounds
 
         # Bounded rewrites: each replacement within its recorded bound, on the original's own inputs
         # and on the cut original's (the bounds are stated against onnxruntime's kernels).
         outputs += check_bounds(models.original.proto, models.rewritten.proto, samples, make_runner, anchored)
-    return _Judgement(outputs, hazards, anchored=anchored)
+        unchecked = tuple(unchecked_bounds(models.original.proto, models.rewritten.proto))
+    return _Judgement(outputs, hazards, anchored=anchored, unchecked=unchecked)
 
 
 def _reanchor(
@@ -1052,6 +1056,7 @@ def _report(
         duration_seconds=time.perf_counter() - options.started,
         excluded=tuple(judgement.hazards),
         not_compared=judgement.not_compared,
+        unchecked_bounds=judgement.unchecked,
     )
 
 

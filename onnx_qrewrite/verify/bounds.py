@@ -39,7 +39,7 @@ from onnx_qrewrite.verify.localize import with_outputs
 from onnx_qrewrite.verify.reanchor import Anchored
 from onnx_qrewrite.verify.session import ModelRunner
 
-__all__ = ["BoundedRewrite", "bounded_rewrites", "check_bounds"]
+__all__ = ["BoundedRewrite", "UncheckedBound", "bounded_rewrites", "check_bounds", "unchecked_bounds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,16 +91,56 @@ class BoundedRewrite:
         return self.bound + self.per_unit * largest
 
 
+@dataclasses.dataclass(frozen=True)
+class UncheckedBound:
+    """A bounded replacement whose bound is recorded but cannot be checked at its node: a later
+    rewrite (a target plan's later stage, which continues the replacement's provenance) left it
+    without the original node's outputs, or joined it to values the original does not compute."""
+
+    rule: str
+    origin: str
+    why: str
+
+    def describe(self) -> str:
+        return f"node {self.origin or '<unnamed>'} (rule {self.rule}): {self.why}"
+
+
 def _meta(node: onnx.NodeProto) -> dict[str, str]:
     return {p.key: p.value for p in node.metadata_props}
 
 
 def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[BoundedRewrite]:
-    """Every bounded replacement in the rewritten model's main graph. The bound is on a
-    replacement's first node (every provenance mode but ``none``, which records no bound);
-    :func:`onnx_qrewrite.rewriter.provenance.attribute_nodes` finds the replacement's other nodes."""
+    """Every bounded replacement in the rewritten model's main graph that can be checked at its
+    node. The bound is on a replacement's first node (every provenance mode but ``none``, which
+    records no bound); :func:`onnx_qrewrite.rewriter.provenance.attribute_nodes` finds the
+    replacement's other nodes."""
+    return _scan(original, rewritten)[0]
+
+
+def unchecked_bounds(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> list[UncheckedBound]:
+    """The bounded replacements whose bound cannot be checked at their node (:class:`UncheckedBound`)."""
+    return _scan(original, rewritten)[1]
+
+
+#: Why a bounded replacement is not checked at its node (UncheckedBound.why).
+_NO_OUTPUTS = (
+    "the values it wrote for the original node are not values of the rewritten model (a later rewrite "
+    "computes through them)"
+)
+_NOT_ORIGINAL = (
+    "it reads values the original model does not compute (a later rewrite joined it to another "
+    "replacement), so it cannot be run alone on the original's values"
+)
+
+
+def _scan(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> tuple[list[BoundedRewrite], list[UncheckedBound]]:
+    """The bounded replacements, split into those checked at their node and those that cannot be."""
     produced_by_original = {out for node in original.graph.node for out in node.output if out}
+    available = (
+        produced_by_original | {i.name for i in original.graph.input} | {t.name for t in rewritten.graph.initializer}
+    )
     found: list[BoundedRewrite] = []
+    unchecked: list[UncheckedBound] = []
     nodes = list(rewritten.graph.node)
     owners = provenance.attribute_nodes(nodes)
     # One replacement: contiguous nodes of the same owner whose names share the "<prefix>/" the
@@ -125,14 +165,18 @@ def bounded_rewrites(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> l
             unit = meta.get(Emitter.BOUND_UNIT_KEY, "")
             per_unit = float(meta.get(Emitter.BOUND_PER_UNIT_KEY, "0")) if unit else 0.0
             u8s8 = float(meta.get(Emitter.BOUND_U8S8_KEY, "0"))
-            if outputs:
+            if not outputs:
+                unchecked.append(UncheckedBound(owner[0], owner[1], _NO_OUTPUTS))
+            elif not set(read) <= available:
+                unchecked.append(UncheckedBound(owner[0], owner[1], _NOT_ORIGINAL))
+            else:
                 found.append(
                     BoundedRewrite(
                         owner[0], owner[1], float(bound), tuple(run), read, outputs, unit, per_unit, formula, u8s8
                     )
                 )
         index = end
-    return found
+    return found, unchecked
 
 
 def _alone(rewrite: BoundedRewrite, rewritten: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:

@@ -107,6 +107,10 @@ class VerifyReport:
     excluded: tuple[Hazard, ...] = ()
     #: Why nothing was compared although the models ran (e.g. the same file given twice).
     not_compared: str | None = None
+    #: Bounded replacements whose bound is recorded but not checked at their node (verify/bounds.py
+    #: UncheckedBound: a target plan's later stage computes through what they wrote); the model's
+    #: outputs are still compared.
+    unchecked_bounds: tuple[Any, ...] = ()
 
     @property
     def inconclusive_reason(self) -> str | None:
@@ -175,7 +179,7 @@ class VerifyReport:
             text = f"PASSED | {n} output{'s' * (n != 1)} {agree}{note} {where}{excluded}{drift}"
             checked = [_plural(len(self.rows(role)), _CHECKED[role]) for role in ("bound", "value-read")]
             checked = [c for c in checked if c]
-            return text + (f"; also checked: {', '.join(checked)}" if checked else "")
+            return text + (f"; also checked: {', '.join(checked)}" if checked else "") + self._unchecked_note()
         failed = [o.name for o in outputs if not o.passed]
         text = f"FAILED | {len(failed)} of {len(outputs)} outputs differ {where}"
         text += f": {', '.join(failed)}" if failed else ""
@@ -184,13 +188,21 @@ class VerifyReport:
             bad = [o.name for o in rows if not o.passed]
             if bad:
                 text += f"; {len(bad)} of {_plural(len(rows), _FAILED[role])}: {', '.join(bad)}"
-        text += excluded + drift
+        text += excluded + drift + self._unchecked_note()
         loc = self.localization
         if loc is not None and loc.found:
             text += f"; first differing node {loc.node!r}"
             if loc.rule:
                 text += f" (rule {loc.rule})"
         return text
+
+    def _unchecked_note(self) -> str:
+        """ "; N bounded replacements' bounds not checked at their node ..." ("" when none)."""
+        n = len(self.unchecked_bounds)
+        if not n:
+            return ""
+        what = _plural(n, ("bounded replacement's bound", "bounded replacements' bounds"))
+        return f"; {what} NOT checked at the node (a later rewrite computes through what they wrote)"
 
     def rows(self, role: str) -> list[ValueComparison]:
         """The comparison rows of ``role`` (``output``, ``bound`` or ``value-read``; see
@@ -256,6 +268,7 @@ class VerifyReport:
             "verdict": self.verdict_key,
             "inconclusive_reason": self.inconclusive_reason,
             "excluded_samples": [_hazard_dict(h) for h in self.excluded],
+            "unchecked_bounds": [{"node": u.origin, "rule": u.rule, "why": u.why} for u in self.unchecked_bounds],
             "summary": self.summary,
             "localization": None if self.localization is None else _localization_dict(self.localization),
             "duration_seconds": round(self.duration_seconds, 6),
@@ -343,6 +356,8 @@ class VerifyReport:
             lines += ["", *loc_lines]
         if self.excluded:
             lines += [""] + [f"excluded sample {h.sample!r}: {h.describe()}" for h in self.excluded]
+        if self.unchecked_bounds:
+            lines += [""] + [f"bound not checked at {u.describe()}" for u in self.unchecked_bounds]
         lines += ["", self.summary]
         return "\n".join(lines)
 
