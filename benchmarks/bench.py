@@ -28,8 +28,9 @@ startup   ``onnx-qrewrite --help``, ``rules`` and ``inspect`` of a small model, 
           ``polygraphy --help`` (when polygraphy is installed: ``pip install polygraphy``).
 
 The verify and startup cases add reference rows: the bare-sessions floor with ``import onnx``
-added, and ``python -c "import onnx"`` against ``polygraphy --help`` (the part of our time that
-parsing models with onnx costs before any work); and ``verify`` and ``inspect`` run through
+added, and ``python -c "import onnx"`` against ``polygraphy --help`` (what ``import onnx`` would
+cost before any work: the console script's ``inspect`` of a plain model and ``verify`` do without
+it, ``onnx_qrewrite/_onnx.py``); and ``verify`` and ``inspect`` run through
 ``cli.main`` as an in-process caller runs them, without the console script's garbage-collector
 freezes (``cli.run``): what skipping the interpreter's final collections saves.
 

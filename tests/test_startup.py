@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import click
 
 from onnx_qrewrite import cli
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_models"
 
 
 def _modules_after(code: str) -> set[str]:
@@ -43,6 +46,35 @@ def test_rules_loads_no_onnx_numpy_or_builder_code():
     assert "difflib" not in loaded  # only a bad rule file needs its suggestions
     builder_code = {m for m in loaded if m.startswith("onnx_qrewrite.rewriter.builders.")}
     assert builder_code == {"onnx_qrewrite.rewriter.builders.contracts"}
+
+
+def _console_modules(tmp_path, *args: str) -> set[str]:
+    """The modules loaded once the console script's :func:`cli.run` ran ``args`` (exit 0)."""
+    return _modules_after(
+        f"sys.argv = ['onnx-qrewrite', *{list(args)!r}]\n"
+        "from onnx_qrewrite.cli import run\n"
+        "try:\n    run()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code"
+    )
+
+
+def test_console_inspect_and_verify_of_a_plain_model_import_no_onnx(tmp_path):
+    """``inspect`` reads the model with onnx's message classes and checker, loaded without
+    ``import onnx`` (onnx_qrewrite/_onnx.py), and ``verify`` needs neither: ``import onnx`` would
+    be a quarter of ``polygraphy --help`` on top of either (benchmarks/bench.py --cases startup)."""
+    from onnx_qrewrite.cli import main
+
+    model = SAMPLES / "dynamic_mlp.onnx"
+    loaded = _console_modules(tmp_path, "inspect", str(model))
+    assert "onnx" not in loaded and "ml_dtypes" not in loaded
+    assert "onnx.onnx_cpp2py_export" in loaded  # onnx's checker did run
+    rewritten = tmp_path / "out.onnx"
+    try:
+        main(["-q", "rewrite", str(model), "-o", str(rewritten)])
+    except SystemExit as exc:
+        assert not exc.code
+    inputs = str(SAMPLES / "dynamic_mlp.inputs.npz")
+    loaded = _console_modules(tmp_path, "verify", str(model), str(rewritten), "--inputs", inputs)
+    assert "onnxruntime" in loaded and "onnx" not in loaded and "onnx.onnx_cpp2py_export" not in loaded
 
 
 def test_a_builder_module_is_imported_when_its_rule_is_applied():

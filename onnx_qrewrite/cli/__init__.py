@@ -240,7 +240,14 @@ def run() -> None:
     handlers and ``weakref.finalize`` callbacks (temporary folders, open weight files) still run,
     the standard streams are still flushed, and every output is committed or removed before the
     command returns. In-process callers (tests, embedding) call :func:`main` and keep their
-    collector as it was."""
+    collector as it was.
+
+    The process being the command's own also lets the modules on ``inspect``'s path take onnx's
+    message classes and extension module from onnx's files without ``import onnx``
+    (:mod:`onnx_qrewrite._onnx`)."""
+    from onnx_qrewrite import _onnx
+
+    _onnx.allow_unpackaged()
     _PROCESS["own_process"] = True
     try:
         main()

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-import onnx
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.cli.options import (
     expand_forms,
     float16_semantics_option,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-import onnx
 from google.protobuf.message import Message
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.io._wire import SMALL_VARINTS as _SMALL_VARINTS
 from onnx_qrewrite.io._wire import varint as _varint
 from onnx_qrewrite.io.spool import Spool

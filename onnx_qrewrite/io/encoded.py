@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.io._protowire import splice_graph_chunks, splice_graph_nodes
 from onnx_qrewrite.io.spool import Spool
 

@@ -39,8 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError
 
 __all__ = ["ExternalData", "TensorLocation", "all_tensors", "external_tensors", "tensor_location"]

@@ -19,9 +19,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import onnx
 from google.protobuf.message import DecodeError
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.io import outputs
 from onnx_qrewrite.io.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks

@@ -22,8 +22,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Iterator, Sequence
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.rewriter.graph import _STANDARD_CONTROL_FLOW, subgraphs
 

@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
 from onnx_qrewrite.io._protowire import NODE_INPUT, encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
 from onnx_qrewrite.io._wire import length_prefixed

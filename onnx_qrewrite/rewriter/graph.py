@@ -14,9 +14,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError
 
 if TYPE_CHECKING:
@@ -463,7 +462,7 @@ class Scope:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             for attr in node.attribute:
                 if attr.name == "value":
-                    return numpy_helper.to_array(attr.t)
+                    return onnx.numpy_helper.to_array(attr.t)
         return None
 
     def constant(self, name: str) -> np.ndarray | None:
@@ -476,7 +475,7 @@ class Scope:
         if isinstance(found, onnx.TensorProto):
             if found.data_location == onnx.TensorProto.EXTERNAL:
                 return self._external(found).to_array(found)
-            return numpy_helper.to_array(found)
+            return onnx.numpy_helper.to_array(found)
         return None if found is None else self._node_value(found)
 
     def constant_slabs(self, name: str, max_bytes: int | None = None) -> ConstantSlabs | None:
@@ -494,7 +493,7 @@ class Scope:
         if isinstance(found, onnx.TensorProto):
             if found.data_location == onnx.TensorProto.EXTERNAL:
                 return ConstantSlabs(tuple(found.dims), self._external(found).iter_slabs(found, size))
-            value: np.ndarray | None = numpy_helper.to_array(found)
+            value: np.ndarray | None = onnx.numpy_helper.to_array(found)
         else:
             value = None if found is None else self._node_value(found)
         return None if value is None else ConstantSlabs(value.shape, split_slabs(value, size))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import logging
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import LoweringError, UsageError, first_line
 from onnx_qrewrite.rewriter.graph import default_opset, iter_scopes
 from onnx_qrewrite.rewriter.report import OpsetChange, RewriteReport

@@ -10,9 +10,8 @@ from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.io import _protowire
 from onnx_qrewrite.rewriter import provenance
@@ -97,7 +96,7 @@ class Site:
     def attribute(self, name: str, default: Any = None) -> Any:
         for attr in self.node.attribute:
             if attr.name == name:
-                return helper.get_attribute_value(attr)
+                return onnx.helper.get_attribute_value(attr)
         return default
 
     def has_attribute(self, name: str) -> bool:
@@ -144,7 +143,7 @@ class ConstantPool:
         name = self._by_value.get(key)
         if name is not None:
             return name
-        tensor = numpy_helper.from_array(array)
+        tensor = onnx.numpy_helper.from_array(array)
         flat = np.asarray(array).ravel()
         hint = "_".join(f"{v:g}" if isinstance(v, (float, np.floating)) else str(v) for v in flat[:4])
         dtype = _SHORT_DTYPES.get(array.dtype.name, array.dtype.name)
@@ -155,7 +154,7 @@ class ConstantPool:
             # A fresh name: nothing was resolved to it before, so the scope's indexes stay valid.
             self._root.add_initializer(tensor)
         else:
-            attr = helper.make_attribute("value", tensor)
+            attr = onnx.helper.make_attribute("value", tensor)
             self.constant_nodes.append(
                 _protowire.encode_node(
                     "Constant",
@@ -193,7 +192,7 @@ def _encode_attributes(attrs: Mapping[str, Any]) -> bytes:
         key = (name, value) if isinstance(value, (int, float, str, bytes)) else None
         encoded = _ATTR_CACHE.get(key) if key is not None else None
         if encoded is None:
-            encoded = _protowire.encode_attribute(helper.make_attribute(name, value))
+            encoded = _protowire.encode_attribute(onnx.helper.make_attribute(name, value))
             if key is not None:
                 _ATTR_CACHE[key] = encoded
         parts.append(encoded)

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Site
 from onnx_qrewrite.rewriter.builders._emit import no_unknown_attributes
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, known_shape

@@ -59,9 +59,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 import numpy as np
-import onnx
-from onnx import defs
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, Plan, Site, register
@@ -112,7 +111,7 @@ class _SchemaWithFunctions(Protocol):
 
 def spec_body(opset: int) -> onnx.FunctionProto:
     """The function body onnx defines for DynamicQuantizeLinear, as visible at ``opset``."""
-    schema = cast(_SchemaWithFunctions, defs.get_schema("DynamicQuantizeLinear", opset, ""))
+    schema = cast(_SchemaWithFunctions, onnx.defs.get_schema("DynamicQuantizeLinear", opset, ""))
     function = onnx.FunctionProto()
     function.ParseFromString(schema.get_function_with_opset_version(opset))
     return function

@@ -50,8 +50,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
