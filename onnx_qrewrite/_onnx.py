@@ -13,7 +13,7 @@ not imported yet:
 
 - the message classes come from onnx's generated ``onnx_ml_pb2.py``, executed under a name of
   ours. protobuf's default pool accepts the identical file again when onnx itself loads it later
-  in the process, and hands back the same classes (tests/test_startup.py checks both);
+  in the process, and hands back the same classes (tests/test_onnx_lite.py checks both);
 - onnx's extension module is loaded under its own name, ``onnx.onnx_cpp2py_export``, and
   registered in ``sys.modules``: a later ``import onnx`` takes it from there (its bindings refuse
   a second initialisation in one process). What that leaves different: that later ``onnx``
