@@ -178,6 +178,61 @@ def test_group_query_attention_do_rotary(case):
     check_within_bound(model, feeds, shape, 0.0)
 
 
+def _rotary_with_position_ids(case):
+    """A do_rotary case of ROTARY_CASES with position_ids (B, S) int64 as input 9, and its feeds."""
+    shape, interleaved, width = ROTARY_CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, {"do_rotary": 1, "rotary_interleaved": interleaved})
+    model.graph.node[0].input.extend(["cos", "sin", "pos"])
+    model.graph.input.extend(
+        helper.make_tensor_value_info(name, TensorProto.FLOAT, [16, width]) for name in ("cos", "sin")
+    )
+    model.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [batch, seq]))
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    angles = RNG.uniform(0, 2 * np.pi, (16, width))
+    feeds["cos"], feeds["sin"] = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    feeds["pos"] = RNG.integers(0, 16 - seq, (batch, seq)).astype(np.int64)
+    return model, feeds, shape
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_group_query_attention_do_rotary_at_position_ids(case):
+    """position_ids (input 9) with do_rotary, random per entry and token: Q and the new K rotated
+    where the kernel rotates them, the rotated keys in present_key bit for bit, the output within
+    the bound. Measured first (onnxruntime 1.31.1's CPU kernel): the positions change its result,
+    and on the first prompt it reads only position_ids[0, 0], as the start of every entry's
+    positions (a batch whose rows all hold position_ids[0, 0] + i gives bit for bit the same)."""
+    model, feeds, shape = _rotary_with_position_ids(case)
+    want = run(model, feeds)
+    moved = dict(feeds, pos=feeds["pos"] + 1)
+    assert not np.array_equal(run(model, moved)["present_key"], want["present_key"])
+    batch, seq, _, _, _, _, _, total = shape
+    if seq == total:  # the first prompt
+        counted = np.broadcast_to(feeds["pos"][0, 0] + np.arange(seq), (batch, seq)).astype(np.int64)
+        for name, value in run(model, dict(feeds, pos=counted)).items():
+            assert_bitwise_equal(value, want[name], name)
+    check_within_bound(model, feeds, shape, 0.0)
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+def test_group_query_attention_position_ids_without_rotary_change_nothing():
+    """Without do_rotary the kernel reads no position_ids (measured: any values, out of range too,
+    give bit for bit the outputs of the node without them), and neither does the rewrite."""
+    shape = CASES["token step"]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head)
+    model.graph.node[0].input.extend(["", "", "pos"])
+    model.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [batch, seq]))
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    plain = gqa_model(batch, seq, past, heads, kv_heads, head)
+    want = run(plain, feeds)
+    for pos in ([[3], [9]], [[100], [-5]]):
+        for name, value in run(model, dict(feeds, pos=np.array(pos, np.int64))).items():
+            assert_bitwise_equal(value, want[name], name)
+    check_within_bound(model, dict(feeds, pos=np.array([[100], [-5]], np.int64)), shape, 0.0)
+
+
 def packed(model, feeds, heads, kv_heads, head):
     """The same node with Q, K and V packed into its query input, (B, S, (N + 2 Nkv) H)."""
     node = model.graph.node[0]
@@ -258,7 +313,12 @@ NOT_LOWERED = {
         "float16 with do_rotary: the kernel rotates in float16",
     ),
     "key without value": (lambda: _refused(drop=(2,)), "key and value must both be given or both absent"),
-    "position ids": (lambda: _refused(extra=(9, "pos")), "input 9 (position_ids) is given"),
+    "position ids not int64": (
+        lambda: _refused(extra=(9, "pos")),
+        "position_ids 'pos' is float32; the kernel takes int64",
+    ),
+    "attention bias": (lambda: _refused(extra=(10, "bias")), "input 10 (attention_bias) is given"),
+    "head sink": (lambda: _refused(extra=(11, "sink")), "input 11 (head_sink) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
 }
 

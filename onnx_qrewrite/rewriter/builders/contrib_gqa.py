@@ -15,6 +15,9 @@ score, -inf)``, which Softmax turns into the exact zeros the kernel writes.
 
 ``do_rotary``: Q and the new K are rotated at positions ``past_b + i`` with cos/sin cache rows, as
 RotaryEmbedding's kernel (the same MLAS routine; contrib_rotary.rotate, exact), before the cache.
+With ``position_ids`` (B, S) given, at those positions as the kernel reads them (measured): on the
+first prompt only ``position_ids[0, 0]``, as the start of every entry's positions; on every other
+call each entry's own row. Without ``do_rotary`` the kernel reads no position_ids (measured).
 
 Packed QKV (query (B, S, (N + 2·Nkv)·H), no key and value) is sliced into Q, K and V.
 
@@ -30,7 +33,7 @@ once, and so does the rewrite (Cast in, Cast out; the presents' round trip is ex
 Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
 magnitude: measured), float16 with ``do_rotary`` (the kernel rotates in float16: not measured),
-position_ids, ``attention_bias``, ``head_sink``, shapes that are not recorded. Where the kernel is
+``attention_bias``, ``head_sink``, shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -55,7 +58,7 @@ __all__ = ["GroupQueryAttentionBuilder"]
 _T = onnx.TensorProto
 _KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size"}
 _KNOWN_ATTRIBUTES |= {"softcap", "smooth_softmax", "qk_output"}
-_REFUSED_INPUTS = ((9, "position_ids"), (10, "attention_bias"), (11, "head_sink"))
+_REFUSED_INPUTS = ((10, "attention_bias"), (11, "head_sink"))
 
 
 def _i64(emit: Emitter, values: list[int]) -> str:
@@ -107,6 +110,9 @@ class GroupQueryAttentionBuilder:
             raise NoMatch(f"query hidden size {shape[2]} does not split into {parts} heads")
         data: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
         data["rotary"] = _rotary_dim(site, shape[2] // parts)
+        position_type = site.elem_type(site.input(9)) if site.input(9) else None
+        if position_type not in (None, _T.INT64):
+            raise NoMatch(f"position_ids {site.input(9)!r} is {dtype_name(position_type)}; the kernel takes int64")
         if float16 and data["rotary"]:
             raise NoMatch("float16 with do_rotary: the kernel rotates in float16, not measured here; not lowered")
         data["float16"] = float16
@@ -128,7 +134,8 @@ class GroupQueryAttentionBuilder:
             emit.op1("Reshape", [k, _i64(emit, [0, 0, kv_heads, head])]),
         )
         if plan.data["rotary"]:  # the kernel rotates Q and the new K at positions past_b + i
-            q, k = _rotate(emit, site, rows, plan.data["rotary"], head, q, k)
+            positions = _position_ids(emit, site.input(9), first_prompt, seq) if site.input(9) else rows
+            q, k = _rotate(emit, site, positions, plan.data["rotary"], head, q, k)
         new_k, new_v = (
             emit.op1("Transpose", [t], perm=[0, 2, 1, 3])
             for t in (k, emit.op1("Reshape", [v, _i64(emit, [0, 0, kv_heads, head])]))
@@ -265,6 +272,16 @@ def _rotary_dim(site: Site, head: int) -> int:
             f"(lowered for multiples of {INTERLEAVED_BLOCK})"
         )
     return rotary
+
+
+def _position_ids(emit: Emitter, position_ids: str, first_prompt: str, seq: str) -> str:
+    """The positions ``do_rotary`` rotates at when position_ids (B, S) is given, as onnxruntime
+    1.31.1's CPU kernel reads it (measured, tests/test_unfuse_gqa.py): on the first prompt only its
+    first element, as the start of every entry's positions (``position_ids[0, 0] + i``); on every
+    other call each entry's own row."""
+    start = emit.op1("Slice", [position_ids, _i64(emit, [0, 0]), _i64(emit, [1, 1]), _i64(emit, [0, 1])])  # (1, 1)
+    counted = emit.op1("Add", [start, emit.op1("Range", [emit.const(np.int64(0)), seq, emit.const(np.int64(1))])])
+    return emit.op1("Where", [first_prompt, counted, position_ids], hint="PositionIds")  # (B, S)
 
 
 def _rotate(emit: Emitter, site: Site, positions: str, rotary: int, head: int, *heads: str) -> list[str]:
