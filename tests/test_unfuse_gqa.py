@@ -82,8 +82,9 @@ def gqa_bound(feeds, heads, kv_heads, head, scale):
         keys.append(feeds["pk"])
         values.append(feeds["pv"])
     q = feeds["q"].astype(np.float64).reshape(*feeds["q"].shape[:2], kv_heads, heads // kv_heads, head)
-    worst = max(np.abs(np.einsum("bsngh,bnth->bngst", q, k.astype(np.float64))).max(initial=0) for k in keys)
-    return 2.0**-20 * (1 + scale * worst) * max(np.abs(v).max(initial=0) for v in values)
+    worst = scale * max(np.abs(np.einsum("bsngh,bnth->bngst", q, k.astype(np.float64))).max(initial=0) for k in keys)
+    worst = max(worst, np.abs(feeds["sink"]).max(initial=0)) if "sink" in feeds else worst  # a head sink is a logit
+    return 2.0**-20 * (1 + worst) * max(np.abs(v).max(initial=0) for v in values)
 
 
 # batch, sequence, past buffer (None: no past inputs), heads, kv heads, head size, lengths (past + new
@@ -318,7 +319,6 @@ NOT_LOWERED = {
         "position_ids 'pos' is float32; the kernel takes int64",
     ),
     "attention bias": (lambda: _refused(extra=(10, "bias")), "input 10 (attention_bias) is given"),
-    "head sink": (lambda: _refused(extra=(11, "sink")), "input 11 (head_sink) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
 }
 
@@ -415,6 +415,40 @@ def test_group_query_attention_broken_options_exceed_the_bound(case):
     model = gqa_model(batch, seq, past, heads, kv_heads, head, attrs)
     feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
     assert _broken(model, feeds, mutate) > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head))
+
+
+def _with_head_sink(model, heads):
+    node = model.graph.node[0]
+    node.input.extend([""] * (11 - len(node.input)) + ["sink"])
+    model.graph.input.append(helper.make_tensor_value_info("sink", TensorProto.FLOAT, [heads]))
+    return model
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("sink_scale", [1.0, 10.0])
+@pytest.mark.parametrize("option", ["none", "smooth softmax", "all three"])
+@pytest.mark.parametrize("case", ["first prompt, 4 per group", "token step, per-entry lengths", "subsequent prompt"])
+def test_group_query_attention_head_sink(case, option, sink_scale):
+    """head_sink (input 11, one logit per head): the softmax takes it as one more logit, dropped
+    after, as smooth_softmax takes 0 (it replaces smooth_softmax's 0 where both are given:
+    measured, onnxruntime 1.31.1). Within the bound (the sink counted among the scores), present
+    bit-exact; the node without its sink is not."""
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    attrs = OPTIONS.get(option, {})
+    model = _with_head_sink(gqa_model(batch, seq, past, heads, kv_heads, head, attrs), heads)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    feeds["sink"] = (RNG.standard_normal(heads) * sink_scale).astype(np.float32)
+    check_within_bound(model, feeds, shape, 0.0)
+    if attrs.get("smooth_softmax"):  # the sink replaces smooth_softmax's 0: the kernel gives the same without it
+        plain = {k: v for k, v in attrs.items() if k != "smooth_softmax"}
+        unsmoothed = _with_head_sink(gqa_model(batch, seq, past, heads, kv_heads, head, plain), heads)
+        assert_bitwise_equal(run(unsmoothed, feeds)["y"], run(model, feeds)["y"], "smooth_softmax with a head sink")
+    without = run(
+        gqa_model(batch, seq, past, heads, kv_heads, head, attrs), {k: v for k, v in feeds.items() if k != "sink"}
+    )
+    far = np.abs(without["y"].astype(np.float64) - run(model, feeds)["y"]).max()
+    assert far > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)), far
 
 
 def to_float16(model):

@@ -25,15 +25,16 @@ The options, as the 1.31.1 CPU kernel computes them (measured in tests/test_unfu
 ``softcap`` c > 0: ``c · tanh(score / c)`` on the scaled scores before the mask (Div, Tanh, Mul:
 onnxruntime's Tanh rounds differently from the kernel's, within the bound); ``smooth_softmax``:
 ``exp(x - m) / (Σ exp(x - m) + exp(-m))``, m = max(0, max x), which is Softmax over the scores with
-one more logit of 0, dropped after; ``local_window_size`` w > 0: query i attends the w keys up to
-its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
+one more logit of 0, dropped after; ``head_sink`` (N,): the same with head h's sink in place of
+the 0 (smooth_softmax is then not read: measured); ``local_window_size`` w > 0: query i attends the
+w keys up to its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
 kernel converts Q, K, V and the past to float32, computes as for float32 and rounds the output
 once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact).
 
 Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
 magnitude: measured), float16 with ``do_rotary`` (the kernel rotates in float16: not measured),
-``attention_bias``, ``head_sink``, shapes that are not recorded. Where the kernel is
+``attention_bias``, shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -58,7 +59,7 @@ __all__ = ["GroupQueryAttentionBuilder"]
 _T = onnx.TensorProto
 _KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size"}
 _KNOWN_ATTRIBUTES |= {"softcap", "smooth_softmax", "qk_output"}
-_REFUSED_INPUTS = ((10, "attention_bias"), (11, "head_sink"))
+_REFUSED_INPUTS = ((10, "attention_bias"),)
 
 
 def _i64(emit: Emitter, values: list[int]) -> str:
@@ -218,7 +219,12 @@ def _attend(
         cap = emit.const(np.float32(plan.data["softcap"]))
         scores = emit.op1("Mul", [emit.op1("Tanh", [emit.op1("Div", [scores, cap])]), cap], hint="Softcap")
     scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
-    probs = _softmax(emit, scores, plan.data["smooth"])
+    sink = None
+    if site.input(11):  # head_sink (N,): head n·G + g's extra logit, as (1, Nkv, G, 1, 1)
+        sink = emit.op1("Reshape", [site.input(11), _i64(emit, [1, kv_heads, groups, 1, 1])], hint="HeadSink")
+    elif plan.data["smooth"]:
+        sink = emit.const(np.zeros((1, 1, 1, 1, 1), np.float32))
+    probs = _softmax(emit, scores, sink)
     context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
     context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
     return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
@@ -235,15 +241,15 @@ def _allowed(emit: Emitter, keys: str, rows: str, window: int) -> str:
     return allowed
 
 
-def _softmax(emit: Emitter, scores: str, smooth: bool) -> str:
-    """Softmax over the last axis; ``smooth``: with one more logit of 0 that takes its share of the
-    sum and is dropped (the kernel's smooth softmax: exp(x - m) / (Σ exp(x - m) + exp(-m)),
-    m = max(0, max x))."""
-    if not smooth:
+def _softmax(emit: Emitter, scores: str, sink: str | None) -> str:
+    """Softmax over the last axis; with a ``sink`` (broadcast to (B, Nkv, G, S, 1)), with one more
+    logit of that value that takes its share of the sum and is dropped: the kernel's smooth softmax
+    (sink 0: exp(x - m) / (Σ exp(x - m) + exp(-m)), m = max(0, max x)) and its head sinks."""
+    if sink is None:
         return emit.op1("Softmax", [scores], axis=-1)
     first = emit.op1("Slice", [scores, _i64(emit, [0]), _i64(emit, [1]), _i64(emit, [-1])])
-    zero = emit.op1("Expand", [emit.const(np.zeros((1, 1, 1, 1, 1), np.float32)), emit.op1("Shape", [first])])
-    probs = emit.op1("Softmax", [emit.op1("Concat", [scores, zero], axis=-1)], axis=-1, hint="SmoothSoftmax")
+    extra = emit.op1("Expand", [sink, emit.op1("Shape", [first])])
+    probs = emit.op1("Softmax", [emit.op1("Concat", [scores, extra], axis=-1)], axis=-1, hint="SmoothSoftmax")
     return emit.op1("Slice", [probs, _i64(emit, [0]), _i64(emit, [-1]), _i64(emit, [-1])])
 
 
