@@ -84,6 +84,7 @@ def gqa_bound(feeds, heads, kv_heads, head, scale):
     q = feeds["q"].astype(np.float64).reshape(*feeds["q"].shape[:2], kv_heads, heads // kv_heads, head)
     worst = scale * max(np.abs(np.einsum("bsngh,bnth->bngst", q, k.astype(np.float64))).max(initial=0) for k in keys)
     worst = max(worst, np.abs(feeds["sink"]).max(initial=0)) if "sink" in feeds else worst  # a head sink is a logit
+    worst += np.abs(feeds["bias"]).max(initial=0) if "bias" in feeds else 0  # attention_bias moves the scores
     return 2.0**-20 * (1 + worst) * max(np.abs(v).max(initial=0) for v in values)
 
 
@@ -318,7 +319,6 @@ NOT_LOWERED = {
         lambda: _refused(extra=(9, "pos")),
         "position_ids 'pos' is float32; the kernel takes int64",
     ),
-    "attention bias": (lambda: _refused(extra=(10, "bias")), "input 10 (attention_bias) is given"),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
 }
 
@@ -449,6 +449,71 @@ def test_group_query_attention_head_sink(case, option, sink_scale):
     )
     far = np.abs(without["y"].astype(np.float64) - run(model, feeds)["y"]).max()
     assert far > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)), far
+
+
+def _with_attention_bias(model, dims):
+    node = model.graph.node[0]
+    node.input.extend([""] * (10 - len(node.input)) + ["bias"])
+    model.graph.input.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, dims))
+    return model
+
+
+#: attention_bias shapes: (B or 1, N or 1, S, total_sequence_length)
+BIAS_SHAPES = {
+    "per entry and head": lambda b, n: [b, n],
+    "per head": lambda b, n: [1, n],
+    "per entry": lambda b, n: [b, 1],
+    "shared": lambda b, n: [1, 1],
+}
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("option", ["none", "softcap 2"])
+@pytest.mark.parametrize("bias_shape", list(BIAS_SHAPES))
+@pytest.mark.parametrize(
+    "case", ["first prompt, 4 per group", "token step, per-entry lengths", "token step, buffer longer than needed"]
+)
+def test_group_query_attention_attention_bias(case, bias_shape, option):
+    """attention_bias (input 10, broadcast over entries and heads, total_sequence_length keys): added
+    to the scores after softcap and before the mask, as onnxruntime 1.31.1's CPU kernel does
+    (measured: added before softcap it is 0.1 off), zeros over a longer present buffer's keys
+    (masked anyway). Within the bound (the bias counted in the scores), present bit-exact; the
+    node without its bias is not."""
+    shape = CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    attrs = OPTIONS.get(option, {})
+    dims = [*BIAS_SHAPES[bias_shape](batch, heads), seq, total]
+    model = _with_attention_bias(gqa_model(batch, seq, past, heads, kv_heads, head, attrs), dims)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    feeds["bias"] = RNG.standard_normal(dims).astype(np.float32)
+    check_within_bound(model, feeds, shape, 0.0)
+    without = run(
+        gqa_model(batch, seq, past, heads, kv_heads, head, attrs), {k: v for k, v in feeds.items() if k != "bias"}
+    )
+    far = np.abs(without["y"].astype(np.float64) - run(model, feeds)["y"]).max()
+    assert far > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)), far
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+def test_group_query_attention_float16_with_attention_bias_and_head_sink():
+    """float16: the bias and the sinks join the float32 scores exactly (Cast), output within the
+    float32 bound plus one float16 ulp, presents bit for bit."""
+    shape = CASES["token step, per-entry lengths"]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head)
+    model = to_float16(_with_head_sink(_with_attention_bias(model, [batch, heads, seq, total]), heads))
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    feeds["bias"] = RNG.standard_normal((batch, heads, seq, total))
+    feeds["sink"] = RNG.standard_normal(heads)
+    feeds = {k: v.astype(np.float16) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+    result = onnx_qrewrite.rewrite(model)
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in ("present_key", "present_value"):
+        assert_bitwise_equal(got[name], want[name], name)
+    bound = gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)) + np.spacing(np.abs(want["y"])).astype(
+        np.float64
+    )
+    assert (np.abs(got["y"].astype(np.float64) - want["y"]) <= bound).all()
 
 
 def to_float16(model):

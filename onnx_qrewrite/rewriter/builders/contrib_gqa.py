@@ -26,7 +26,9 @@ The options, as the 1.31.1 CPU kernel computes them (measured in tests/test_unfu
 onnxruntime's Tanh rounds differently from the kernel's, within the bound); ``smooth_softmax``:
 ``exp(x - m) / (Σ exp(x - m) + exp(-m))``, m = max(0, max x), which is Softmax over the scores with
 one more logit of 0, dropped after; ``head_sink`` (N,): the same with head h's sink in place of
-the 0 (smooth_softmax is then not read: measured); ``local_window_size`` w > 0: query i attends the
+the 0 (smooth_softmax is then not read: measured); ``attention_bias`` (B or 1, N or 1, S, total):
+added to the scores after softcap and before the mask (measured), zeros over the keys of a longer
+present buffer (masked anyway); ``local_window_size`` w > 0: query i attends the
 w keys up to its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
 kernel converts Q, K, V and the past to float32, computes as for float32 and rounds the output
 once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact).
@@ -34,7 +36,7 @@ once, and so does the rewrite (Cast in, Cast out; the presents' round trip is ex
 Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
 magnitude: measured), float16 with ``do_rotary`` (the kernel rotates in float16: not measured),
-``attention_bias``, shapes that are not recorded. Where the kernel is
+shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -59,7 +61,6 @@ __all__ = ["GroupQueryAttentionBuilder"]
 _T = onnx.TensorProto
 _KNOWN_ATTRIBUTES = {"num_heads", "kv_num_heads", "scale", "do_rotary", "rotary_interleaved", "local_window_size"}
 _KNOWN_ATTRIBUTES |= {"softcap", "smooth_softmax", "qk_output"}
-_REFUSED_INPUTS = ((10, "attention_bias"),)
 
 
 def _i64(emit: Emitter, values: list[int]) -> str:
@@ -84,9 +85,6 @@ class GroupQueryAttentionBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes(_KNOWN_ATTRIBUTES)
-        for index, what in _REFUSED_INPUTS:
-            if site.input(index):
-                raise NoMatch(f"input {index} ({what}) is given; not lowered")
         packed = not site.input(1) and not site.input(2)
         if not packed and not (site.input(1) and site.input(2)):
             raise NoMatch("malformed node: key and value must both be given or both absent (packed QKV)")
@@ -218,16 +216,36 @@ def _attend(
     if plan.data["softcap"] > 0:  # the kernel: softcap · tanh(score / softcap), before the mask
         cap = emit.const(np.float32(plan.data["softcap"]))
         scores = emit.op1("Mul", [emit.op1("Tanh", [emit.op1("Div", [scores, cap])]), cap], hint="Softcap")
+    bias, sink = (_as_float32(emit, plan, site.input(i)) for i in (10, 11))
+    if bias:  # the kernel adds it after softcap, before the mask (measured: before softcap is 0.1 off)
+        scores = emit.op1("Add", [scores, _bias(emit, bias, scores, kv_heads, groups)], hint="Bias")
     scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
-    sink = None
-    if site.input(11):  # head_sink (N,): head n·G + g's extra logit, as (1, Nkv, G, 1, 1)
-        sink = emit.op1("Reshape", [site.input(11), _i64(emit, [1, kv_heads, groups, 1, 1])], hint="HeadSink")
+    if sink:  # head_sink (N,): head n·G + g's extra logit, as (1, Nkv, G, 1, 1)
+        sink = emit.op1("Reshape", [sink, _i64(emit, [1, kv_heads, groups, 1, 1])], hint="HeadSink")
     elif plan.data["smooth"]:
         sink = emit.const(np.zeros((1, 1, 1, 1, 1), np.float32))
-    probs = _softmax(emit, scores, sink)
+    probs = _softmax(emit, scores, sink or None)
     context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
     context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
     return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
+
+
+def _as_float32(emit: Emitter, plan: Plan, value: str) -> str:
+    """``value`` ("" if absent) in float32, the type the scores are computed in (float16 nodes too)."""
+    return emit.op1("Cast", [value], to=_T.FLOAT) if value and plan.data["float16"] else value
+
+
+def _bias(emit: Emitter, bias: str, scores: str, kv_heads: int, groups: int) -> str:
+    """attention_bias (B or 1, N or 1, S, total) as (B or 1, Nkv or 1, G or 1, S, T) for the scores
+    (B, Nkv, G, S, T): heads split as the query's, zeros after ``total`` (keys the mask hides)."""
+    heads = _dim(emit, bias, 1)
+    split = _i64(emit, [0, kv_heads, groups, 0, 0])
+    single = _i64(emit, [0, 1, 1, 0, 0])
+    shape = emit.op1("Where", [emit.op1("Equal", [heads, emit.const(np.int64(1))]), single, split])
+    shaped = emit.op1("Reshape", [_unsqueeze(emit, bias, [2]), shape])
+    missing = emit.op1("Sub", [_dim(emit, scores, 4), _dim(emit, bias, 3)])
+    pads = emit.op1("Concat", [_i64(emit, [0] * 9), emit.op1("Reshape", [missing, _i64(emit, [1])])], axis=0)
+    return emit.op1("Pad", [shaped, pads])
 
 
 def _allowed(emit: Emitter, keys: str, rows: str, window: int) -> str:
