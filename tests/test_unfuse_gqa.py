@@ -310,9 +310,9 @@ NOT_LOWERED = {
     "qk output": (lambda: _refused({"qk_output": 1}), "qk_output=1 is not lowered"),
     "window of no key": (lambda: _refused({"local_window_size": 0}), "local_window_size=0: the kernel attends to no"),
     "negative softcap": (lambda: _refused({"softcap": -1.0}), "softcap=-1.0: the kernel's output then is neither"),
-    "float16 rotary": (
+    "float16 rotary, float32 caches": (
         lambda: to_float16(_with_sin(_refused({"do_rotary": 1}, extra=(7, "cos")))),
-        "float16 with do_rotary: the kernel rotates in float16",
+        "'cos' is float32; the query is float16",
     ),
     "key without value": (lambda: _refused(drop=(2,)), "key and value must both be given or both absent"),
     "position ids not int64": (
@@ -449,6 +449,42 @@ def test_group_query_attention_head_sink(case, option, sink_scale):
     )
     far = np.abs(without["y"].astype(np.float64) - run(model, feeds)["y"]).max()
     assert far > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)), far
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("magnitude", [1.0, 30.0])
+@pytest.mark.parametrize("with_positions", [False, True], ids=["past_b + i", "position_ids"])
+@pytest.mark.parametrize("case", list(ROTARY_CASES))
+def test_group_query_attention_float16_do_rotary(case, with_positions, magnitude):
+    """float16 with do_rotary: the kernel rotates Q and the new K in float16 (RotaryEmbedding's
+    float16 routine: float32 products, rounded to float16), then attends in float32; the rewrite
+    does the same: presents bit for bit, the output within the float32 bound plus one float16 ulp
+    (bit for bit on every case measured)."""
+    shape, interleaved, width = ROTARY_CASES[case]
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, {"do_rotary": 1, "rotary_interleaved": interleaved})
+    model.graph.node[0].input.extend(["cos", "sin", "pos"] if with_positions else ["cos", "sin"])
+    model.graph.input.extend(
+        helper.make_tensor_value_info(name, TensorProto.FLOAT16, [16, width]) for name in ("cos", "sin")
+    )
+    if with_positions:
+        model.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [batch, seq]))
+    model = to_float16(model)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total, magnitude)
+    angles = RNG.uniform(0, 2 * np.pi, (16, width))
+    feeds["cos"], feeds["sin"] = np.cos(angles), np.sin(angles)
+    if with_positions:
+        feeds["pos"] = RNG.integers(0, 16 - seq, (batch, seq)).astype(np.int64)
+    feeds = {k: v.astype(np.float16) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-group-query-attention": 1}
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in ("present_key", "present_value"):
+        assert_bitwise_equal(got[name], want[name], name)
+    bound = gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)) + np.spacing(np.abs(want["y"])).astype(
+        np.float64
+    )
+    assert (np.abs(got["y"].astype(np.float64) - want["y"]) <= bound).all()
 
 
 def _with_attention_bias(model, dims):

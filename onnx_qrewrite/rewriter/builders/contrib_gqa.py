@@ -31,12 +31,13 @@ added to the scores after softcap and before the mask (measured), zeros over the
 present buffer (masked anyway); ``local_window_size`` w > 0: query i attends the
 w keys up to its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
 kernel converts Q, K, V and the past to float32, computes as for float32 and rounds the output
-once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact).
+once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact); with
+``do_rotary`` it rotates Q and the new K in float16 first (RotaryEmbedding's float16 routine:
+float32 products rounded to float16; measured bit for bit), and so does the rewrite.
 
 Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
-magnitude: measured), float16 with ``do_rotary`` (the kernel rotates in float16: not measured),
-shapes that are not recorded. Where the kernel is
+magnitude: measured), shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
 (``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
 """
@@ -108,12 +109,10 @@ class GroupQueryAttentionBuilder:
         if shape[2] % parts:
             raise NoMatch(f"query hidden size {shape[2]} does not split into {parts} heads")
         data: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
-        data["rotary"] = _rotary_dim(site, shape[2] // parts)
+        data["rotary"] = _rotary_dim(site, shape[2] // parts, _T.FLOAT16 if float16 else _T.FLOAT)
         position_type = site.elem_type(site.input(9)) if site.input(9) else None
         if position_type not in (None, _T.INT64):
             raise NoMatch(f"position_ids {site.input(9)!r} is {dtype_name(position_type)}; the kernel takes int64")
-        if float16 and data["rotary"]:
-            raise NoMatch("float16 with do_rotary: the kernel rotates in float16, not measured here; not lowered")
         data["float16"] = float16
         data |= _options(site)
         return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
@@ -134,7 +133,9 @@ class GroupQueryAttentionBuilder:
         )
         if plan.data["rotary"]:  # the kernel rotates Q and the new K at positions past_b + i
             positions = _position_ids(emit, site.input(9), first_prompt, seq) if site.input(9) else rows
-            q, k = _rotate(emit, site, positions, plan.data["rotary"], head, q, k)
+            q, k = _rotate(emit, site, positions, plan.data["rotary"], head, q, k, float16=plan.data["float16"])
+            if plan.data["float16"]:  # rotated in float16 (rounded), then attended in float32
+                q, k = (emit.op1("Cast", [t], to=_T.FLOAT) for t in (q, k))
         new_k, new_v = (
             emit.op1("Transpose", [t], perm=[0, 2, 1, 3])
             for t in (k, emit.op1("Reshape", [v, _i64(emit, [0, 0, kv_heads, head])]))
@@ -196,7 +197,9 @@ def _inputs(emit: Emitter, site: Site, plan: Plan) -> tuple[str, str, str, list[
     pasts = [site.input(3), site.input(4)] if site.input(3) else ["", ""]
     if not plan.data["float16"]:
         return q, k, v, pasts
-    q, k, v = (emit.op1("Cast", [t], to=_T.FLOAT) for t in (q, k, v))
+    if not plan.data["rotary"]:  # else Q and K are cast once rotated (in float16, as the kernel does)
+        q, k = (emit.op1("Cast", [t], to=_T.FLOAT) for t in (q, k))
+    v = emit.op1("Cast", [v], to=_T.FLOAT)
     return q, k, v, [emit.op1("Cast", [t], to=_T.FLOAT) if t else "" for t in pasts]
 
 
@@ -271,7 +274,7 @@ def _softmax(emit: Emitter, scores: str, sink: str | None) -> str:
     return emit.op1("Slice", [probs, _i64(emit, [0]), _i64(emit, [-1]), _i64(emit, [-1])])
 
 
-def _rotary_dim(site: Site, head: int) -> int:
+def _rotary_dim(site: Site, head: int, cache_type: int) -> int:
     """The rotary dim of ``do_rotary`` (cos_cache's width · 2; 0: no rotation), refusing what the
     RotaryEmbedding lowering refuses (contrib_rotary.py)."""
     if not site.attribute("do_rotary", 0):
@@ -282,8 +285,8 @@ def _rotary_dim(site: Site, head: int) -> int:
         raise NoMatch("do_rotary without cos_cache and sin_cache: the kernel refuses it")
     for index in (7, 8):
         elem = site.elem_type(site.input(index))
-        if elem is not None and elem != _T.FLOAT:
-            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 is lowered")
+        if elem is not None and elem != cache_type:
+            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; the query is {dtype_name(cache_type)}")
     cache = value_shape(site.scope, site.input(7), site.same_shape_ops)
     if cache is None or len(cache) != 2 or cache[1] is None:
         raise NoMatch(f"the width of cos_cache {site.input(7)!r} is not recorded (run onnx shape inference first)")
@@ -308,7 +311,9 @@ def _position_ids(emit: Emitter, position_ids: str, first_prompt: str, seq: str)
     return emit.op1("Where", [first_prompt, counted, position_ids], hint="PositionIds")  # (B, S)
 
 
-def _rotate(emit: Emitter, site: Site, positions: str, rotary: int, head: int, *heads: str) -> list[str]:
+def _rotate(
+    emit: Emitter, site: Site, positions: str, rotary: int, head: int, *heads: str, float16: bool = False
+) -> list[str]:
     """Each of ``heads`` (B, S, N, H) rotated as RotaryEmbedding's kernel does, at ``positions`` (B, S)."""
     cos, sin = (
         _unsqueeze(emit, emit.op1("Gather", [site.input(i), positions], axis=0, hint=hint), [2])
@@ -316,7 +321,7 @@ def _rotate(emit: Emitter, site: Site, positions: str, rotary: int, head: int, *
     )
     interleaved = bool(site.attribute("rotary_interleaved", 0))
     return [
-        emit.op1("Concat", rotate(emit, x, cos, sin, rotary, head, interleaved=interleaved, float16=False), axis=-1)
+        emit.op1("Concat", rotate(emit, x, cos, sin, rotary, head, interleaved=interleaved, float16=float16), axis=-1)
         for x in heads
     ]
 
