@@ -107,6 +107,22 @@ def test_a_contract_that_cannot_be_satisfied_is_refused_at_load(monkeypatch, dec
         parse_rules(_rule_text("unfuse_activation", "Gelu", options='form = "gelu"'), "mine.toml")
 
 
+def test_a_remembered_parse_is_checked_again_once_its_builders_contract_changed(monkeypatch):
+    """parse_rules remembers a file's rules (catalogue.py), but only while each rule's builder has
+    the contract it was checked against: the same text, parsed first with the real contract, is
+    refused once the contract is one it cannot satisfy, and parsed as before once it is back."""
+    text = _rule_text("unfuse_activation", "Gelu", options='form = "gelu"')
+    first = parse_rules(text, "remembered.toml")
+    assert parse_rules(text, "remembered.toml") == first
+    builder = builders.get_builder("unfuse_activation")
+    real = builder.contract
+    monkeypatch.setattr(type(builder), "contract", dataclasses.replace(real, output_types=None))
+    with pytest.raises(UsageError, match=r"rule 'mine': output types \(unfuse_activation\)"):
+        parse_rules(text, "remembered.toml")
+    monkeypatch.setattr(type(builder), "contract", real)
+    assert parse_rules(text, "remembered.toml") == first
+
+
 def test_a_wrong_declaration_is_caught_on_the_rewrite(monkeypatch):
     problems, compared = _problems(_gelu_model())
     assert (problems, compared) == ([], {"unfuse-gelu": 1})

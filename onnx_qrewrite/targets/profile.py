@@ -134,7 +134,9 @@ and the summary and report name it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -540,10 +542,18 @@ def _plain(options: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]
     return {k: dict(v) for k, v in options.items()}
 
 
+@functools.lru_cache(maxsize=64)
+def _decoded(text: str) -> dict[str, Any]:
+    """A profile's TOML, decoded once per text: every ``--target`` plan loads every profile (to
+    find one by id), and the decoding was most of that. A text that does not decode raises each
+    time; callers get a copy (:func:`parse_target`), so nothing can change the remembered one."""
+    return tomllib.loads(text)
+
+
 def parse_target(text: str, path: str) -> TargetProfile:
     """A profile from TOML text; ``path`` names the file in error messages."""
     try:
-        data = tomllib.loads(text)
+        data = copy.deepcopy(_decoded(text))
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
     except RecursionError:  # tomllib recurses once per nesting level
