@@ -15,13 +15,21 @@ from pathlib import Path
 
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from conftest import SAMPLES
 from onnx import TensorProto, helper
 
 PY = sys.executable
 
 
-def cli(*args, **kw) -> subprocess.CompletedProcess:
+def cli(*args) -> subprocess.CompletedProcess:
+    """The command line in this process (tests/_cli_helpers.py), for what a batch prints, writes and
+    exits with; :func:`cli_process` where the workers of ``--jobs`` or the process's own stderr are
+    what is tested."""
+    return cli_in_process(*args)
+
+
+def cli_process(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [PY, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=300, **kw
     )
@@ -50,7 +58,7 @@ def test_many_models_one_failure_does_not_stop_the_others(tmp_path):
     bad.write_bytes(b"not a model at all")
     out = tmp_path / "out"
     models = [SAMPLES / "dynamic_mlp.onnx", bad, SAMPLES / "dynamic_cnn.onnx"]
-    proc = cli("rewrite", *models, "-o", f"{out}/", "--jobs", "2", "--report", tmp_path / "r.json")
+    proc = cli_process("rewrite", *models, "-o", f"{out}/", "--jobs", "2", "--report", tmp_path / "r.json")
     assert proc.returncode == 3, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["dynamic_cnn.onnx", "dynamic_mlp.onnx"]
     assert "3 models: 2 ok, 1 failed (worst exit code 3)" in proc.stdout
@@ -118,7 +126,7 @@ def test_verify_several_pairs_with_jobs_and_one_junit(tmp_path):
     out = tmp_path / "out"
     models = [SAMPLES / "dynamic_mlp.onnx", SAMPLES / "qdq_contrib_u16.onnx"]
     assert cli("-q", "rewrite", *models, "-o", out).returncode == 0
-    proc = cli(
+    proc = cli_process(
         "verify",
         *models,
         "--rewritten-dir",
@@ -234,5 +242,5 @@ def test_verify_progress_bar_on_a_terminal(tmp_path):
     code, shown = _run_with_terminal_stderr(args)
     assert code == 0 and "verifying samples" in shown and "/3" in shown
     assert "loading models" in shown and "starting onnxruntime" in shown
-    proc = cli(*args)
+    proc = cli_process(*args)  # nothing on a real process's stderr, native code's included
     assert proc.returncode == 0 and proc.stderr == ""

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import onnx
+from _cli_helpers import cli_in_process
 from conftest import REAL_MODELS
 from onnx import helper
 
@@ -22,9 +22,9 @@ A16W8 = REAL_MODELS / "quark_cnn_op17_a16w8_ext.onnx"
 
 
 def cli(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+    """The command line in this process (tests/_cli_helpers.py): these tests are about what
+    ``inspect`` and ``rewrite`` print, write and exit with."""
+    return cli_in_process(*args, cwd=cwd)
 
 
 def test_groups_rules_and_opset_changes_agree_with_rewrite():

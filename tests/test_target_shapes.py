@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from conftest import SAMPLES
 from onnx import TensorProto, helper
 from onnx.numpy_helper import from_array
@@ -36,9 +36,9 @@ MLP = SAMPLES / "dynamic_mlp.onnx"  # input 'input' [batch, 64]
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
+    """The command line in this process (tests/_cli_helpers.py): these tests are about what
+    ``--input-shape`` makes ``inspect``, ``rewrite`` and ``targets`` print, write and exit with."""
+    return cli_in_process(*args)
 
 
 def _dims(value: onnx.ValueInfoProto) -> list[int | str]:

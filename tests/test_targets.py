@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from conftest import REAL_MODELS, REPO, SAMPLES
 from onnx import TensorProto, helper
 
@@ -36,9 +36,9 @@ MODELS = [
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
+    """The command line in this process (tests/_cli_helpers.py): these tests are about what
+    ``targets``, ``inspect --target`` and ``rewrite --target`` print, write and exit with."""
+    return cli_in_process(*args)
 
 
 MINIMAL = """
