@@ -10,8 +10,9 @@ anything run with another environment.
 
 What the program prints reaches the result as it reaches a real process's pipes: click's output,
 the log records (``configure_logging`` would install a stderr handler in a fresh process; the
-test process's root logger already has pytest's), and warnings, under Python's default filters
-plus the project's own (pyproject: a RuntimeWarning from the package is an error). An exception
+test process's root logger already has pytest's), warnings, under Python's default filters plus
+the project's own (pyproject: a RuntimeWarning from the package is an error), and what native code
+(onnxruntime's logger, a runtime's compiler) writes on file descriptors 1 and 2. An exception
 that escapes the command line's own handling is raised here, failing the test, where a real
 process would have printed a traceback.
 """
@@ -23,7 +24,9 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["cli_in_process"]
@@ -65,7 +68,12 @@ def cli_in_process(*args: object, cwd: Path | None = None) -> subprocess.Complet
     handler.setFormatter(logging.Formatter(_LOG_FORMAT))
     root.addHandler(handler)
     try:
-        with contextlib.chdir(cwd or os.getcwd()), warnings.catch_warnings(record=True) as caught:
+        with (
+            contextlib.chdir(cwd or os.getcwd()),
+            _native(1) as native_out,
+            _native(2) as native_err,
+            warnings.catch_warnings(record=True) as caught,
+        ):
             _default_warning_filters()
             result = CliRunner().invoke(main, words, prog_name="onnx-qrewrite")
     finally:
@@ -75,5 +83,35 @@ def cli_in_process(*args: object, cwd: Path | None = None) -> subprocess.Complet
         raise result.exception
     shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line) for w in caught)
     return subprocess.CompletedProcess(
-        ["onnx-qrewrite", *words], result.exit_code, result.stdout, result.stderr + shown
+        ["onnx-qrewrite", *words],
+        result.exit_code,
+        result.stdout + native_out.read(),
+        result.stderr + native_err.read() + shown,
     )
+
+
+class _Captured:
+    """What was written on a file descriptor while :func:`_native` held it."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def read(self) -> str:
+        return self.text
+
+
+@contextlib.contextmanager
+def _native(fd: int) -> Iterator[_Captured]:
+    """File descriptor ``fd`` pointed at a temporary file inside the block, as a process's pipe
+    would take what native code writes there; given back (to pytest's capture) after."""
+    captured = _Captured()
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            captured.text = sink.read().decode(errors="replace")

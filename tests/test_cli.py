@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from conftest import SAMPLES, run
 from onnx import TensorProto, helper
 
@@ -17,9 +18,18 @@ SAMPLE = SAMPLES / "dynamic_mlp.onnx"
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real program: the end-to-end rewrite, byte-identical outputs across processes (each
+    with its own hash seed), ``-q`` leaving the process's stderr empty, the console script."""
     return subprocess.run(
         [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
     )
+
+
+def cli_here(*args: object) -> subprocess.CompletedProcess:
+    """The command line in this process (tests/_cli_helpers.py), for the batteries of bad input,
+    usage errors and options: what they print, write and exit with is the command's, not the
+    process's."""
+    return cli_in_process(*args)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:
@@ -126,7 +136,7 @@ def test_invalid_input_model_exits_3_names_file_and_writes_nothing(tmp_path, cas
         model.write_bytes(content)
     out = tmp_path / "out" / "o.onnx"
     out.parent.mkdir()
-    proc = cli("rewrite", model, "-o", out)
+    proc = cli_here("rewrite", model, "-o", out)
     assert proc.returncode == 3, proc.stderr
     line = _one_error_line(proc)
     assert message in line
@@ -136,14 +146,14 @@ def test_invalid_input_model_exits_3_names_file_and_writes_nothing(tmp_path, cas
 
 
 def test_unwritable_output_exits_2_and_writes_nothing(tmp_path):
-    proc = cli("rewrite", SAMPLE, "-o", tmp_path / "no" / "such" / "dir" / "o.onnx")
+    proc = cli_here("rewrite", SAMPLE, "-o", tmp_path / "no" / "such" / "dir" / "o.onnx")
     assert proc.returncode == 2
     assert "does not exist" in _one_error_line(proc)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_output_folder_takes_the_input_file_name(tmp_path):
-    proc = cli("-q", "rewrite", SAMPLE, "-o", tmp_path)
+    proc = cli_here("-q", "rewrite", SAMPLE, "-o", tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == [SAMPLE.name]
 
@@ -151,7 +161,7 @@ def test_output_folder_takes_the_input_file_name(tmp_path):
 def test_refuses_to_overwrite_the_input(tmp_path):
     model = tmp_path / "m.onnx"
     model.write_bytes(SAMPLE.read_bytes())
-    proc = cli("rewrite", model, "-o", model)
+    proc = cli_here("rewrite", model, "-o", model)
     assert proc.returncode == 2 and "refusing to overwrite the input" in _one_error_line(proc)
     assert model.read_bytes() == SAMPLE.read_bytes()
 
@@ -176,7 +186,7 @@ def test_refuses_to_overwrite_the_input(tmp_path):
 )
 def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
     out = tmp_path / "o.onnx"
-    proc = cli("rewrite", SAMPLE, "-o", out, *args)
+    proc = cli_here("rewrite", SAMPLE, "-o", out, *args)
     assert proc.returncode == 2, proc.stderr
     assert message in _one_error_line(proc)
     assert not out.exists()
@@ -185,7 +195,7 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, args, message):
 def test_bad_rule_file_exits_2_naming_file_and_rule(tmp_path):
     rules = tmp_path / "mine.toml"
     rules.write_text('[[rule]]\nid = "x"\nsummary = "s"\nbuilder = "no_such_builder"\nmatch = {op = "Foo"}\n')
-    proc = cli("rewrite", SAMPLE, "-o", tmp_path / "o.onnx", "--rules", rules)
+    proc = cli_here("rewrite", SAMPLE, "-o", tmp_path / "o.onnx", "--rules", rules)
     assert proc.returncode == 2
     line = _one_error_line(proc)
     assert str(rules) in line and "rule 'x'" in line and "unknown builder 'no_such_builder'" in line
@@ -196,11 +206,11 @@ def test_cannot_lower_exits_4_and_writes_nothing(tmp_path):
     m = onnx.load(SAMPLE)
     m.opset_import[0].version = 27  # valid ONNX, above what onnxruntime 1.31 loads
     onnx.save(m, model)
-    proc = cli("rewrite", model, "-o", tmp_path / "o.onnx")
+    proc = cli_here("rewrite", model, "-o", tmp_path / "o.onnx")
     assert proc.returncode == 4
     assert "cannot be lowered" in _one_error_line(proc)
     assert not (tmp_path / "o.onnx").exists()
-    proc = cli("rewrite", model, "-o", tmp_path / "o.onnx", "--allow-unlowered")
+    proc = cli_here("rewrite", model, "-o", tmp_path / "o.onnx", "--allow-unlowered")
     assert proc.returncode == 0 and "left in place" in proc.stdout
 
 
@@ -214,11 +224,11 @@ def test_console_script_is_installed():
 def test_unwritable_report_is_a_usage_error_before_any_work(tmp_path, option):
     out = tmp_path / "o.onnx"
     extra = ["--verify"] if option == "--junit" else []
-    proc = cli("rewrite", SAMPLE, "-o", out, *extra, option, "/no/such/folder/r.out")
+    proc = cli_here("rewrite", SAMPLE, "-o", out, *extra, option, "/no/such/folder/r.out")
     assert proc.returncode == 2, proc.stderr
     assert f"{option} /no/such/folder/r.out: the folder /no/such/folder does not exist" in _one_error_line(proc)
     assert not out.exists()
-    proc = cli("verify", SAMPLE, SAMPLE, option, "/no/such/folder/r.out")
+    proc = cli_here("verify", SAMPLE, SAMPLE, option, "/no/such/folder/r.out")
     assert proc.returncode == 2 and "does not exist" in _one_error_line(proc)
 
 
@@ -235,14 +245,14 @@ def test_every_subcommand_takes_the_global_options_after_its_name(name):
 def test_form_selects_a_named_form_and_its_options(tmp_path):
     out = tmp_path / "o.onnx"
     args = ["--form", "weight-only", "--allow-approximate", "--form-option", "weights=float"]
-    proc = cli("rewrite", SAMPLE, "-o", out, *args)
+    proc = cli_here("rewrite", SAMPLE, "-o", out, *args)
     assert proc.returncode == 0, proc.stderr
     assert "weight-only-matmul: 3 nodes rewritten [approximate]" in proc.stdout
     ops = {n.op_type for n in onnx.load(out).graph.node}
     assert not ops & {"DynamicQuantizeLinear", "MatMulInteger", "DequantizeLinear"}, ops
-    proc = cli("inspect", SAMPLE, "--form", "weight-only", "--allow-approximate")
+    proc = cli_here("inspect", SAMPLE, "--form", "weight-only", "--allow-approximate")
     assert proc.returncode == 0 and "weight-only-matmul" in proc.stdout, proc.stdout + proc.stderr
-    proc = cli("rules", "--form", "weight-only", "--long")
+    proc = cli_here("rules", "--form", "weight-only", "--long")
     assert proc.returncode == 0 and "weight-only-remove-dead" in proc.stdout
 
 
