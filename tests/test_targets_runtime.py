@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from conftest import REAL_MODELS, SAMPLES
 from onnx import TensorProto, helper
 
@@ -276,13 +277,11 @@ def test_verdict_agrees_with_the_runtime(runtime, model, request):
 # -- verify --runtime -----------------------------------------------------------------------------
 
 
-def cli(*args):
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
+def cli(*args) -> subprocess.CompletedProcess:
+    """The command line in this process (tests/_cli_helpers.py), native output included: these
+    tests are about what rewrite/verify --runtime print, write and exit with. The ones that need
+    another environment (no runtime, another interpreter) start a real process (_cli_env, without)."""
+    return cli_in_process(*args)
 
 
 def test_verify_on_openvino_passes_a_good_rewrite_and_states_its_settings(tmp_path):
