@@ -413,7 +413,8 @@ def test_providers_this_onnxruntime_does_not_have_are_refused(command, tmp_path)
         args = ["verify", SAMPLES / "dynamic_mlp.onnx", out]
     else:
         args = ["rewrite", SAMPLES / "dynamic_mlp.onnx", "-o", out, "--verify"]
-    proc = cli(*args, "--providers", "CPUExecutionProvider,QNNExecutionProvider")
+    # A real process: in this one, the QNN tests' import of onnxruntime_qnn made the provider available.
+    proc = _cli_env(dict(os.environ), *args, "--providers", "CPUExecutionProvider,QNNExecutionProvider")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "--providers: QNNExecutionProvider is not" in line and "CPUExecutionProvider" in line, line
