@@ -153,8 +153,12 @@ def _unpackaged_parts() -> tuple[ModuleType, ModuleType] | None:
     if native_spec is None:
         return None
     extension = importlib.util.module_from_spec(native_spec)
-    sys.modules[_NATIVE] = extension
-    loader.exec_module(extension)
+    sys.modules[_NATIVE] = extension  # before it runs, as the import system does: onnx later reuses it
+    try:
+        loader.exec_module(extension)
+    except BaseException:
+        del sys.modules[_NATIVE]  # no half-initialised module left for a later `import onnx` to find
+        raise
     if not getattr(extension, "ONNX_ML", False):  # onnx built without ML: its onnx_pb2 then
         return None
     message_spec = importlib.util.spec_from_file_location(f"{__name__}_ml_pb2", messages)

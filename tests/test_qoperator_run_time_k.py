@@ -219,10 +219,6 @@ def _activation_matmul(a_dtype: str, b_dtype: str, zero_points: tuple[int, int])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
-@rule_marker("qop-matmul", "positive")
-@pytest.mark.parametrize(
-    ("a_dtype", "b_dtype", "zero_points"), [("uint8", "uint8", (7, 200)), ("int8", "int8", (0, -3))]
-)
 def _odd_extreme(lo: int, hi: int, zero_point: int, side: int) -> int:
     """The value of [lo, hi] farthest from ``zero_point`` on ``side`` whose distance to it is odd
     (odd products keep the partial sums odd, so float32 must round them beyond 2^24)."""

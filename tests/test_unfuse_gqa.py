@@ -530,6 +530,78 @@ def test_group_query_attention_attention_bias(case, bias_shape, option):
     assert far > gqa_bound(feeds, heads, kv_heads, head, 1 / math.sqrt(head)), far
 
 
+MASKS = {
+    "a head's every key at float32's lowest": lambda b: b[:, 0].fill(np.finfo(np.float32).min),
+    "a head's every key at -inf": lambda b: b[:, 0].fill(-np.inf),
+    "one query's keys at the lowest value": lambda b: b[:, 1, 0].fill(np.finfo(np.float32).min),
+    "one ulp above the lowest value": lambda b: b[:, 0].fill(np.nextafter(np.finfo(np.float32).min, np.float32(0))),
+    "one key at the lowest value": lambda b: b[:, 0, :, 0].fill(np.finfo(np.float32).min),
+}
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("sink", [False, True], ids=["", "head sink"])
+@pytest.mark.parametrize("option", ["none", "smooth softmax", "softcap 2"])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_group_query_attention_bias_masking_whole_rows(mask, option, sink):
+    """An additive mask of finfo(float32).min (or -inf) over every key of a row: without softcap,
+    head_sink or smooth_softmax the kernel writes zeros there (measured, onnxruntime 1.31.1; one ulp
+    above the lowest value it computes the plain softmax), and so does the rewrite; with softcap a
+    row at the lowest value gets the plain softmax and one at -inf NaN, as Softmax gives; with a sink
+    or smooth_softmax's 0 the softmax itself gives the zeros. Compared element by element, NaN in
+    the same places (no bound applies to those rows)."""
+    batch, seq, past, heads, kv_heads, head, lengths, total = CASES["token step, per-entry lengths"]
+    dims = [batch, heads, seq, total]
+    model = _with_attention_bias(gqa_model(batch, seq, past, heads, kv_heads, head, OPTIONS.get(option, {})), dims)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    if sink:
+        model = _with_head_sink(model, heads)
+        feeds["sink"] = RNG.standard_normal(heads).astype(np.float32)
+    feeds["bias"] = RNG.standard_normal(dims).astype(np.float32)
+    MASKS[mask](feeds["bias"])
+    want, got = run(model, feeds)["y"], run(onnx_qrewrite.rewrite(model).model, feeds)["y"]
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=0, atol=1e-5)
+
+
+SHAPE_REFUSALS = {  # on a first prompt of 2 entries, 3 tokens, 4 heads
+    "bias of one query row": ("bias", [2, 4, 1, 3], "attention_bias 'bias' has dimension 2 = 1; the kernel requires 3"),
+    "bias of another batch": (
+        "bias",
+        [3, 4, 3, 3],
+        "attention_bias 'bias' has dimension 0 = 3; the kernel requires 1 or 2",
+    ),
+    "bias of another head count": (
+        "bias",
+        [2, 3, 3, 3],
+        "attention_bias 'bias' has dimension 1 = 3; the kernel requires 1 or 4",
+    ),
+    "bias of rank 3": ("bias", [4, 3, 3], "attention_bias 'bias' has rank 3; the kernel takes rank 4"),
+    "position ids of one entry": ("pos", [1, 3], "position_ids 'pos' has dimension 0 = 1; the kernel requires 2"),
+}
+
+
+@rule_marker("unfuse-group-query-attention", "negative")
+@pytest.mark.parametrize("case", list(SHAPE_REFUSALS))
+def test_group_query_attention_refuses_recorded_shapes_the_kernel_refuses(case):
+    """A recorded attention_bias or position_ids shape the kernel refuses when it runs (measured:
+    'dimension 2 must be equal to the sequence length', 'dimension 0 must be equal to the batch
+    size'): refused by name, where the rewrite's broadcasting would compute something instead."""
+    name, dims, reason = SHAPE_REFUSALS[case]
+    model = gqa_model(2, 3, None, 4, 2, 8)
+    if name == "bias":
+        model = _with_attention_bias(model, dims)
+    else:
+        model.graph.node[0].input.extend(["", "", name])
+        model.graph.input.append(helper.make_tensor_value_info(name, TensorProto.INT64, dims))
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
+        onnx_qrewrite.rewrite(model)
+    with pytest.raises(Exception, match=r"must be equal to|must be a 4D tensor"):  # onnxruntime refuses it too
+        feeds = gqa_feeds(2, 3, None, 4, 2, 8, [3, 3], 3)
+        feeds[name] = np.zeros(dims, np.float32 if name == "bias" else np.int64)
+        run(model, feeds)
+
+
 @rule_marker("unfuse-group-query-attention", "positive")
 def test_group_query_attention_float16_with_attention_bias_and_head_sink():
     """float16: the bias and the sinks join the float32 scores exactly (Cast), output within the

@@ -520,7 +520,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 | {"Cast", "Add", "Sub", "Mul", "MatMul", "Softmax", "Where", "Less", "Equal", "Max", "Unsqueeze"}
                 | {"Greater", "And", "Not"}  # do_rotary: RotaryEmbedding's form (contrib_rotary.py), local window
                 | {"Tanh", "Div"}  # softcap
-                | {"Pad"}  # attention_bias
+                | {"Pad", "ReduceMax"}  # attention_bias
             ),
             exactness=lambda options: BOUNDED,
             bound="the kernel's products and softmax round differently from MatMul/Softmax/MatMul (a few float32 "

@@ -25,15 +25,17 @@ The options, as the 1.31.1 CPU kernel computes them (measured in tests/test_unfu
 ``softcap`` c > 0: ``c · tanh(score / c)`` on the scaled scores before the mask (Div, Tanh, Mul:
 onnxruntime's Tanh rounds differently from the kernel's, within the bound); ``smooth_softmax``:
 ``exp(x - m) / (Σ exp(x - m) + exp(-m))``, m = max(0, max x), which is Softmax over the scores with
-one more logit of 0, dropped after; ``head_sink`` (N,): the same with head h's sink in place of
-the 0 (smooth_softmax is then not read: measured); ``attention_bias`` (B or 1, N or 1, S, total):
-added to the scores after softcap and before the mask (measured), zeros over the keys of a longer
-present buffer (masked anyway); ``local_window_size`` w > 0: query i attends the
-w keys up to its position (keys past_b + i - w + 1 .. past_b + i; a negative w is no window). float16: the
-kernel converts Q, K, V and the past to float32, computes as for float32 and rounds the output
-once, and so does the rewrite (Cast in, Cast out; the presents' round trip is exact); with
-``do_rotary`` it rotates Q and the new K in float16 first (RotaryEmbedding's float16 routine:
-float32 products rounded to float16; measured bit for bit), and so does the rewrite.
+one more logit of 0, dropped after; ``head_sink`` (N,): the same with head h's sink in place of the
+0 (smooth_softmax is then not read: measured); ``attention_bias`` (B or 1, N or 1, S, total): added
+to the scores after softcap and before the mask (measured), zeros over the keys of a longer present
+buffer (masked anyway); a row whose every score is then float32's lowest value or -inf is zeros
+without softcap, head_sink or smooth_softmax, as the kernel writes it (measured);
+``local_window_size`` w > 0: query i attends the w keys up to its position (keys past_b + i - w + 1
+.. past_b + i; a negative w is no window). float16: the kernel converts Q, K, V and the past to
+float32, computes as for float32 and rounds the output once, and so does the rewrite (Cast in, Cast
+out; the presents' round trip is exact); with ``do_rotary`` it rotates Q and the new K in float16
+first (RotaryEmbedding's float16 routine: float32 products rounded to float16; measured bit for
+bit), and so does the rewrite.
 
 Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
@@ -113,6 +115,7 @@ class GroupQueryAttentionBuilder:
         position_type = site.elem_type(site.input(9)) if site.input(9) else None
         if position_type not in (None, _T.INT64):
             raise NoMatch(f"position_ids {site.input(9)!r} is {dtype_name(position_type)}; the kernel takes int64")
+        _check_shapes(site, shape[0], shape[1], heads)
         data["float16"] = float16
         data |= _options(site)
         return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
@@ -155,6 +158,28 @@ class GroupQueryAttentionBuilder:
         if float16:
             for value, name in zip((context, present_k, present_v), site.node.output[:3], strict=True):
                 emit.op1("Cast", [value], name, to=_T.FLOAT16)
+
+
+def _check_shapes(site: Site, batch: int | None, seq: int | None, heads: int) -> None:
+    """Refuses a recorded attention_bias shape other than (B or 1, N or 1, S, total) and a recorded
+    position_ids shape other than (B, S): the kernel refuses them when it runs, and the rewrite would
+    broadcast them instead. (Shapes known only at run time are not checked by the rewrite.)"""
+    wanted: dict[int, tuple[str, list[tuple[int | None, ...] | None]]] = {
+        10: ("attention_bias", [(1, batch), (1, heads), (seq,), None]),
+        9: ("position_ids", [(batch,), (seq,)]),
+    }
+    for index, (what, dims) in wanted.items():
+        recorded = value_shape(site.scope, site.input(index), site.same_shape_ops) if site.input(index) else None
+        if recorded is None:
+            continue
+        if len(recorded) != len(dims):
+            raise NoMatch(f"{what} {site.input(index)!r} has rank {len(recorded)}; the kernel takes rank {len(dims)}")
+        for axis, (dim, allowed) in enumerate(zip(recorded, dims, strict=True)):
+            if dim is not None and allowed is not None and None not in allowed and dim not in allowed:
+                expected = " or ".join(str(a) for a in allowed)
+                raise NoMatch(
+                    f"{what} {site.input(index)!r} has dimension {axis} = {dim}; the kernel requires {expected}"
+                )
 
 
 def _options(site: Site) -> dict[str, Any]:
@@ -228,9 +253,26 @@ def _attend(
     elif plan.data["smooth"]:
         sink = emit.const(np.zeros((1, 1, 1, 1, 1), np.float32))
     probs = _softmax(emit, scores, sink or None)
+    if bias and not sink and plan.data["softcap"] == 0:
+        probs = _zero_dead_rows(emit, scores, probs)
     context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
     context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
     return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
+
+
+def _zero_dead_rows(emit: Emitter, scores: str, probs: str) -> str:
+    """``probs`` with zeros in the rows whose every attended score is float32's lowest value or
+    -inf (an additive mask of finfo.min over a whole row), as onnxruntime 1.31.1's CPU kernel
+    writes them without softcap, head_sink or smooth_softmax (measured: a row one ulp above the
+    lowest value gets the plain softmax, as it does with softcap; a sink or smooth_softmax's 0
+    gives those rows exact zeros through the softmax itself)."""
+    axes = [-1]
+    if emit.opset >= 18:
+        top = emit.op1("ReduceMax", [scores, _i64(emit, axes)], keepdims=1)
+    else:
+        top = emit.op1("ReduceMax", [scores], axes=axes, keepdims=1)
+    dead = emit.op1("Not", [emit.op1("Greater", [top, emit.const(np.finfo(np.float32).min)])], hint="MaskedRow")
+    return emit.op1("Where", [dead, emit.const(np.float32(0.0)), probs])
 
 
 def _as_float32(emit: Emitter, plan: Plan, value: str) -> str:
