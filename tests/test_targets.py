@@ -410,12 +410,43 @@ def test_inspect_target_names_rule_and_what_stays_refused():
     # Expanding it would leave two refused nodes (uint8 inside a TensorRT network, operators.md)
     # for one; weight-only (the profile's consent) leaves nothing refused: its uint8 weights'
     # DequantizeLinear, refused as it is, computed exactly in float in a second stage.
-    assert all(n.considered[0] == "dql-expand (exact): leaves 2 refused nodes" for n in dql)
+    assert all(n.considered[0].startswith("dql-expand (exact): leaves 2 refused nodes: ") for n in dql)
     assert all(n.rule.startswith("weight-only-remove-dead") and n.form == "weight-only" for n in dql)
     mmi = [n for n in verdicts.values() if n.op == "MatMulInteger"]
     assert len(mmi) == 3 and all(n.rule.startswith("weight-only-remove-dead") for n in mmi)
     assert plan.ok and plan.forms["weight-only"]["exactness"] == "approximate"
     assert plan.later and {f["exactness"] for n, f in plan.forms.items() if n != "weight-only"} <= {"exact"}
+
+
+def test_inspect_target_names_the_nodes_a_weighed_choice_leaves_refused():
+    """A weighed choice that leaves refused nodes names each (node, op) on its line, and says why
+    the target refuses each: in `--json` (`weighed_left`, per rule, in the words of `after`) and in
+    the text (`left:` under its `weighed:` line), not only how many."""
+    dql = ("input_QuantizeLinear", "DynamicQuantizeLinear")
+    mmi = ("fc0/MatMul_quant", "MatMulInteger")
+    done = cli("inspect", SAMPLES / "dynamic_mlp.onnx", "--target", "tensorrt", "--json")
+    assert done.returncode == 0, done.stderr
+    nodes = {(n["node"], n["op"]): n for n in json.loads(done.stdout)["nodes"]}
+    # Expanding the DynamicQuantizeLinear leaves its uint8 QuantizeLinears, which TensorRT refuses.
+    names = "input_quantized/zp (QuantizeLinear), input_quantized/y (QuantizeLinear)"
+    assert nodes[dql]["considered"][0] == f"dql-expand (exact): leaves 2 refused nodes: {names}"
+    left = nodes[dql]["weighed_left"]["dql-expand"]
+    assert [line.partition("): ")[0] + ")" for line in left] == names.split(", ")
+    assert all("QuantizeLinear of uint8: the target quantizes to" in line for line in left)
+    assert (
+        nodes[mmi]["considered"][2]
+        == "int-matmul-int32 (exact): leaves 1 refused node: fc0/MatMul_quant/MatMul (MatMul)"
+    )
+    assert nodes[mmi]["weighed_left"]["int-matmul-int32"] == [
+        "fc0/MatMul_quant/MatMul (MatMul): MatMul on int32 ('fc0/MatMul_quant/Sub'): the target takes bfloat16, "
+        "float16, float32 [tensorrt/operators-md]"
+    ]
+    assert "int-matmul-float" not in nodes[mmi]["weighed_left"]  # it leaves nothing refused
+    text = cli("inspect", SAMPLES / "dynamic_mlp.onnx", "--target", "tensorrt")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    at = lines.index(f"      weighed: dql-expand (exact): leaves 2 refused nodes: {names}")
+    assert lines[at + 1] == f"          left: {left[0]}" and lines[at + 2] == f"          left: {left[1]}"
 
 
 def test_a_form_listed_twice_is_tried_in_order_per_node(tmp_path):
@@ -706,8 +737,8 @@ def test_a_form_that_would_leave_more_refused_nodes_is_not_used(tmp_path):
     assert q.rule is None and q.status == "refused after the rewrite"
     assert q.considered == (
         "float-emulation-q-unread (exact, form float-emulation): tried with the whole form, which leaves 1 refused "
-        "node(s) against 1 without it",
-        "float-emulation-q (exact): leaves 1 refused node",
+        "node(s) against 1 without it: q/Round (Round)",
+        "float-emulation-q (exact): leaves 1 refused node: q/Round (Round)",  # the profile has no Round
     )
     assert plan.refused_after == len(plan.before) == 1 and plan.forms == {}
 

@@ -45,12 +45,11 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             click.echo("      rewrite: no rule rewrites it")
         for alternative in n.considered:
             click.echo(f"      weighed: {alternative}")
+            rule_id = alternative.partition(" (")[0]
+            _print_some("          left", n.weighed_left.get(rule_id, ()), all_nodes)
         if n.hint:
             click.echo(f"      hint: {n.hint}")
-        for reason in n.after[: None if all_nodes else 3]:
-            click.echo(f"      after: {reason}")
-        if not all_nodes and len(n.after) > 3:
-            click.echo(f"      after: ... and {len(n.after) - 3} more (-a shows all)")
+        _print_some("      after", n.after, all_nodes)
     # Refusals after the rewrite that no refused original node accounts for (should not happen:
     # such rules are dropped for the target), listed so nothing is hidden.
     listed = {(n.scope, n.node) for n in plan.nodes}
@@ -87,3 +86,11 @@ def _rule_options_words(said: dict[str, Any], target: str) -> str:
     for key, value in said["user"].items():
         parts.append(f"{key} = {value!r} from your options, over {target}'s {said['profile'][key]!r} {said['source']}")
     return "options " + "; ".join(parts)
+
+
+def _print_some(head: str, lines: Any, all_nodes: bool) -> None:
+    """Refused nodes in words, one a line: the first 3 unless ``-a``, then how many more."""
+    for line in lines[: None if all_nodes else 3]:
+        click.echo(f"{head}: {line}")
+    if not all_nodes and len(lines) > 3:
+        click.echo(f"{head}: ... and {len(lines) - 3} more (-a shows all)")

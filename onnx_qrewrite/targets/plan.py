@@ -85,6 +85,9 @@ class NodeVerdict:
     #: Why a rule that would rewrite the node does not, when the profile set its options
     #: ([[rewrites.options]]) and still refuses the node: the profile's why (what to do instead).
     hint: str = ""
+    #: Per weighed rule of ``considered`` that leaves refused nodes, those nodes in the words of
+    #: ``after`` ("name (op): why"): what the count in its entry of ``considered`` stands for.
+    weighed_left: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def status(self) -> str:
@@ -368,6 +371,8 @@ class _Node:
     candidates: list[str]
     form_rules: list[str]  # every rule of the profile's forms that matches it (the form stage)
     outcome: dict[str, int] = dataclasses.field(default_factory=dict)  # rule -> refused nodes it leaves
+    #: rule -> those refused nodes, for the account.
+    left: dict[str, tuple[Refused, ...]] = dataclasses.field(default_factory=dict)
     #: rule -> why it did not rewrite the node when tried (the engine's reason), for the account.
     declined: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -471,16 +476,30 @@ def _through(scope: str, names: Any, stages: list[dict[tuple[str, str], Any]]) -
     return current, used
 
 
-def _left_refused(state: _State) -> dict[tuple[str, str], int]:
-    """Per node the first stage rewrote (scope, engine label): how many of the nodes replacing it,
-    after the later stages, the target refuses."""
-    refused = {(r.scope, r.node) for r in state.after}
+def _left_refused(state: _State) -> dict[tuple[str, str], list[Refused]]:
+    """Per node the first stage rewrote (scope, engine label): the refusals of the nodes replacing
+    it, after the later stages (their number weighs the choice; their names, ops and reasons are
+    what ``inspect`` says the choice left)."""
+    refused = {(r.scope, r.node): r for r in state.after}
     later = _replacements(state.reports[1:])
     out = {}
     for rw in state.reports[0].rewrites:
         final, _ = _through(rw.scope, rw.created_nodes, later)
-        out[(rw.scope, rw.node)] = sum((rw.scope, name) in refused for name in final)
+        out[(rw.scope, rw.node)] = [refused[(rw.scope, name)] for name in final if (rw.scope, name) in refused]
     return out
+
+
+def _in_words(refused: Refused) -> str:
+    """A refused node as ``inspect`` names it: "name (op): why"."""
+    return f"{refused.node} ({refused.op_key}): {'; '.join(refused.reasons)}"
+
+
+def _naming(refused: Collection[Refused], most: int = 3) -> str:
+    """ ": a (op), b (op)" for what a weighed choice leaves refused, the first ``most`` and how many
+    more (``weighed_left`` lists every one, with why); "" for nothing."""
+    named = [f"{r.node} ({r.op_key})" for r in list(refused)[:most]]
+    more = f", and {len(refused) - most} more" if len(refused) > most else ""
+    return f": {', '.join(named)}{more}" if named else ""
 
 
 def _preference(choice: str | None, left: int, rank: int, order: int) -> tuple[int, ...]:
@@ -523,7 +542,7 @@ class _Context:
 class _Stage:
     state: _State
     nodes: list[_Node]
-    trials: dict[str, tuple[int, int]]
+    trials: dict[str, tuple[list[Refused], int]]  # listing -> what the target refuses with it, without it
     applied: set[str]
     why: dict[tuple[str, str], dict[str, tuple[int, str]]] = dataclasses.field(default_factory=dict)
 
@@ -612,8 +631,8 @@ class _StageRuns:
             state = self.run(choice)
             worse = [
                 self.by_site[key]
-                for key, n in _left_refused(state).items()
-                if key in self.by_site and n > self.by_site[key].refused
+                for key, left in _left_refused(state).items()
+                if key in self.by_site and len(left) > self.by_site[key].refused
             ]
             if not worse:
                 break
@@ -645,11 +664,12 @@ def _weigh(runs: _StageRuns) -> set[str]:
     applied: set[str] = set()
     for k in range(max((len(n.candidates) for n in runs.nodes), default=0)):
         state = runs.run({n.key: tuple(n.candidates[k : k + 1]) for n in runs.nodes})
-        counts = _left_refused(state)
+        left = _left_refused(state)
         for rw in state.reports[0].rewrites:
             node = runs.by_site.get((rw.scope, rw.node))
             if node is not None and rw.rule in node.candidates:
-                node.outcome[rw.rule] = counts[(rw.scope, rw.node)]
+                node.outcome[rw.rule] = len(left[(rw.scope, rw.node)])
+                node.left[rw.rule] = tuple(left[(rw.scope, rw.node)])
                 applied.add(rw.rule)
         for left in state.reports[0].unlowered:
             node = runs.by_site.get((left.scope, left.node))
@@ -673,14 +693,14 @@ def _best(node: _Node, rules: dict[str, Rule]) -> str | None:
 
 def _try_forms(
     runs: _StageRuns, choice: dict[tuple[str, int], tuple[str, ...]], state: _State, applied: set[str]
-) -> tuple[dict[tuple[str, int], tuple[str, ...]], _State, dict[str, tuple[int, int]]]:
+) -> tuple[dict[tuple[str, int], tuple[str, ...]], _State, dict[str, tuple[list[Refused], int]]]:
     """The form stage (first stage only: later stages rewrite refused nodes only): a form whose
     rules rewrite patterns (anchored at a node the target accepts, removing the refused ones it
     reads) cannot be weighed node by node, so each listing is tried on the whole model, each of
     its rules first where it matches and the choice so far after it; it is kept if the target then
-    refuses less. Returns the choice, its state, and per listing the refused nodes with and
-    without it (for the account); ``applied`` gains the rules the trials used."""
-    trials: dict[str, tuple[int, int]] = {}
+    refuses less. Returns the choice, its state, and per listing the refused nodes with it and
+    their number without it (for the account); ``applied`` gains the rules the trials used."""
+    trials: dict[str, tuple[list[Refused], int]] = {}
     ctx = runs.ctx
     forms = ctx.profile.forms if runs.depth == 0 else ()
     for index in sorted(range(len(forms)), key=lambda i: _RANK[forms[i].allow]):  # stable
@@ -697,7 +717,7 @@ def _try_forms(
         tried_state = runs.settle(trial)
         for report in tried_state.reports[:1]:
             applied.update(rw.rule for rw in report.rewrites)
-        trials[_listed_as(request)] = (len(tried_state.after), len(state.after))
+        trials[_listed_as(request)] = (tried_state.after, len(state.after))
         if len(tried_state.after) < len(state.after):
             choice, state = trial, tried_state
     return choice, state, trials
@@ -985,18 +1005,31 @@ class _Account:
         final, chain = _through(r.scope, [site if r.scope == "main" else r.node], stages)
         if chain:
             still = [after_at[(r.scope, name)] for name in final if (r.scope, name) in after_at]
-            reasons = tuple(f"{s.node} ({s.op_key}): {'; '.join(s.reasons)}" for s in still)
+            reasons = tuple(_in_words(s) for s in still)
         else:
             same = after_at.get((r.scope, r.node))
             reasons = same.reasons if same is not None else ()
         rule = chain[0].rule if chain else None
-        considered = self._considered(node, r.scope, site, rule) if node is not None else ()
+        weighed = self._considered(node, r.scope, site, rule) if node is not None else []
+        considered = tuple(text for _, text, _ in weighed)
+        left = {rule_id: tuple(_in_words(x) for x in refused) for rule_id, _, refused in weighed if refused}
         level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
         form = next((self.form_of[rw.rule] for rw in chain if rw.rule in self.form_of), None)
         then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
         hint = self._hint(node) if node is not None and reasons and not chain else ""
         return NodeVerdict(
-            r.scope, r.node, r.op_key, r.reasons, rule, level, reasons, form, considered, then, hint=hint
+            r.scope,
+            r.node,
+            r.op_key,
+            r.reasons,
+            rule,
+            level,
+            reasons,
+            form,
+            considered,
+            then,
+            hint=hint,
+            weighed_left=left,
         )
 
     def _hint(self, node: _Node) -> str:
@@ -1011,11 +1044,13 @@ class _Account:
                 return f"{rule_id} does not apply with {words}, which {target}{why}"
         return ""
 
-    def _considered(self, node: _Node, scope: str, site: str, chosen: str | None) -> tuple[str, ...]:
-        """Each candidate other than the chosen rule, in words: what it left, or why it was not
-        weighed (its form was tried on the whole model, it did not apply, or it applies only to
-        what a later stage sees)."""
-        out = []
+    def _considered(
+        self, node: _Node, scope: str, site: str, chosen: str | None
+    ) -> list[tuple[str, str, tuple[Refused, ...]]]:
+        """Each candidate other than the chosen rule: its id, in words what it left (naming the
+        refused nodes) or why it was not weighed (its form was tried on the whole model, it did not
+        apply, or it applies only to what a later stage sees), and the refused nodes it left."""
+        out: list[tuple[str, str, tuple[Refused, ...]]] = []
         for rule_id in node.candidates:
             if rule_id == chosen:
                 continue
@@ -1023,25 +1058,29 @@ class _Account:
             listed = self.label_of.get(rule_id)
             if rule_id not in node.outcome and listed in self.top.trials:
                 with_it, without = self.top.trials[listed]
-                out.append(
-                    f"{rule_id} ({its_level}, form {listed}): tried with the whole form, which leaves {with_it} "
-                    f"refused node(s) against {without} without it"
+                text = (
+                    f"{rule_id} ({its_level}, form {listed}): tried with the whole form, which leaves "
+                    f"{len(with_it)} refused node(s) against {without} without it{_naming(with_it)}"
                 )
+                out.append((rule_id, text, tuple(with_it)))
             elif rule_id not in node.outcome:
                 depth, why = self.top.why.get((scope, site), {}).get(rule_id, (0, ""))
                 why = why or node.declined.get(rule_id, "")
                 if depth and not why:
-                    out.append(
+                    text = (
                         f"{rule_id} ({its_level}): applies only to what stage {depth + 1} sees (after earlier stages' "
                         f"rewrites), and there leaves {self.profile.id} as much or more to refuse"
                     )
                 else:
                     said = f"{its_level}{self._set_here(rule_id)}"
-                    out.append(f"{rule_id} ({said}): does not apply here{': ' + why if why else ''}")
+                    text = f"{rule_id} ({said}): does not apply here{': ' + why if why else ''}"
+                out.append((rule_id, text, ()))
             else:
-                n = node.outcome[rule_id]
-                out.append(f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}")
-        return tuple(out)
+                left = node.left.get(rule_id, ())
+                n = len(left)
+                text = f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}{_naming(left)}"
+                out.append((rule_id, text, left))
+        return out
 
     def _set_here(self, rule_id: str) -> str:
         """The options the profile set for the rule, as the weighed line adds them (", with
