@@ -244,8 +244,51 @@ def _for_target(
         allow=plan.options.allow,
         node_rules=plan.options.node_rules,
     )
+    if profile.ir_max is not None and _provenance_needs_ir(proto, opts.provenance) > profile.ir_max:
+        used = dataclasses.replace(used, provenance="none")  # _provenance_ir says so
     assert plan.catalogue is not None  # plan_for_model always records the catalogue it planned with
     return plan.catalogue, used, plan
+
+
+#: Where a rewrite's provenance lives: node metadata (onnx_qrewrite/rewriter/provenance.py).
+_PROVENANCE_FIELD = "NodeProto.metadata_props"
+
+
+def _provenance_needs_ir(proto: onnx.ModelProto, mode: str) -> int:
+    """The IR version the output must declare for provenance ``mode`` on ``proto``: node metadata is
+    a field of IR 10 (rules/opsets/ir_versions.toml), so a model declared below it is declared at
+    it; ``none`` writes no node metadata and needs nothing (0)."""
+    from onnx_qrewrite.targets.lower_ir import ir_with_field
+
+    return ir_with_field(_PROVENANCE_FIELD) if mode != "none" else 0
+
+
+def _provenance_ir(
+    proto: onnx.ModelProto, rewritten: onnx.ModelProto | EncodedModel, report: RewriteReport, asked: str, used: str
+) -> None:
+    """Keep the output valid at the IR version it declares: a model below IR 10 whose rewrite wrote
+    provenance entries on nodes is declared IR 10 (only ``ir_version`` changes; every IR 10 reader
+    reads an IR 8 or 9 model's fields the same), said in the report; where the target loads no IR
+    that high, its rewrite wrote no node provenance (``none``), and a warning says so."""
+    from onnx_qrewrite.io.encoded import skeleton_of
+
+    needed = _provenance_needs_ir(proto, asked)
+    if used != asked:
+        report.warnings.append(
+            f"--provenance {asked} writes node metadata, a field of IR {needed}, above the highest IR the target "
+            f"loads: the rewrite carries no node provenance (as --provenance none; the report has the mapping)"
+        )
+        return
+    declared = skeleton_of(rewritten).ir_version
+    if declared >= needed or not any(rw.created_nodes for rw in report.rewrites):
+        return
+    skeleton_of(rewritten).ir_version = needed
+    report.ir_version_change = {
+        "from": declared,
+        "to": needed,
+        "why": f"the provenance (--provenance {asked}) is node metadata, {_PROVENANCE_FIELD}, added in IR {needed} "
+        "[opsets/onnx-proto]; --provenance none keeps the IR version",
+    }
 
 
 def _later_stages(
@@ -355,6 +398,7 @@ def rewrite(
             catalogue, opts, plan = _for_target(proto, catalogue, opts, external, str(target), source_path, allow)
             plan.input_shapes = applied.to_dict() if applied is not None else None
         rewritten, report = _run_engine(proto, catalogue, opts, external, progress, plan, source_path)
+        _provenance_ir(proto, rewritten, report, provenance, opts.provenance)
         if applied is not None:  # the output keeps the fixed dimensions, not the shapes recorded for the plan
             from onnx_qrewrite.targets.shapes import drop_value_info
 

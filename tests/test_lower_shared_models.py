@@ -55,7 +55,7 @@ def test_shared_model_rewrites_to_standard_onnx_and_reproduces_stored_outputs(na
     assert_standard(model, original)
     if keep_opset:
         assert model.opset_import[0].version == original.opset_import[0].version
-    assert model.ir_version == original.ir_version
+    assert model.ir_version == max(original.ir_version, 10)  # node provenance is IR 10 (test_provenance_ir.py)
     inputs, want = stored(name, "inputs"), stored(name, "outputs")
     if name in FUSED_IN_ORT:
         for opt in ("disable", "all"):

@@ -28,16 +28,20 @@ def _dql(ir_version: int = 8, opset: int = 13) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
 
 
-def test_ir_version_3_model_is_rewritten_as_ir_4(tmp_path):
-    """Before IR 4 every initializer had to be a graph input; the rewrite's constants are not."""
+@pytest.mark.parametrize(("provenance", "declared"), [("none", 4), ("compact", 10)])
+def test_ir_version_3_model_is_rewritten_as_ir_4(tmp_path, provenance, declared):
+    """Before IR 4 every initializer had to be a graph input; the rewrite's constants are not.
+    With node provenance (the default), a field of IR 10, the output is declared IR 10
+    (tests/test_provenance_ir.py)."""
     path = tmp_path / "ir3.onnx"
     onnx.save(_dql(ir_version=3, opset=11), path)
     out = tmp_path / "o.onnx"
-    proc = cli("rewrite", path, "-o", out)
+    proc = cli("rewrite", path, "-o", out, "--provenance", provenance)
     assert proc.returncode == 0, proc.stderr
     assert "IR version raised from 3 to 4" in proc.stdout
+    assert ("IR version: 4 -> 10 (the provenance" in proc.stdout) == (declared == 10)
     rewritten = onnx.load(out)
-    assert rewritten.ir_version == 4
+    assert rewritten.ir_version == declared
     onnx.checker.check_model(rewritten)
     x = np.linspace(-3, 5, 8, dtype=np.float32)
     for name in ("y", "s", "z"):

@@ -26,7 +26,7 @@ from onnx_qrewrite.errors import InternalError
 if TYPE_CHECKING:
     from onnx_qrewrite.targets.profile import TargetProfile
 
-__all__ = ["IrAddition", "ir_additions", "ir_blockers", "ir_lowering", "ir_reason"]
+__all__ = ["IrAddition", "ir_additions", "ir_blockers", "ir_lowering", "ir_reason", "ir_with_field"]
 
 _TABLE = "rules/opsets/ir_versions.toml"
 #: Integer attributes that name an element type (Cast's ``to``, QuantizeLinear's ``output_dtype``,
@@ -74,6 +74,11 @@ def ir_additions() -> dict[int, IrAddition]:
             raw["version"], raw["added"], frozenset(raw["types"]), tuple(raw["fields"]), f"[opsets/{raw['source']}]"
         )
     return out
+
+
+def ir_with_field(field: str) -> int:
+    """The IR version that added ``field`` ("NodeProto.metadata_props": 10), from the table."""
+    return min(v for v, a in ir_additions().items() if field in a.fields)
 
 
 def _type_name(elem: int) -> str:
