@@ -657,7 +657,10 @@ def _resolve_samples(inputs: InputsLike, model: onnx.ModelProto, generation: Gen
         return _GivenSamples(load_samples(inputs, specs), None, str(inputs), {})
     if isinstance(inputs, Mapping):
         return _GivenSamples([Sample("inputs", dict(inputs))], None, None, {})
-    return _GivenSamples(list(inputs), None, None, {})
+    given = list(inputs)
+    if not given:  # as `--inputs` with a file that holds no arrays: nothing to run, so nothing to prove
+        raise UsageError("inputs: an empty sequence of samples leaves nothing to run")
+    return _GivenSamples(given, None, None, {})
 
 
 # --- run: the sessions ----------------------------------------------------------------------------

@@ -88,6 +88,11 @@ def needed_inputs(formula: str, node: onnx.NodeProto) -> list[str]:
 
 
 def _input(node: onnx.NodeProto, values: Mapping[str, np.ndarray], index: int) -> np.ndarray | None:
+    """The value of the node's input ``index``, None for an absent one. The formulas assert the
+    inputs their op requires: the node is the original's, which onnxruntime has run before any
+    bound is judged, and onnxruntime refuses a node missing a required input when it loads the
+    model ("input 0 is marked single but has an empty string", exit 3 naming the node:
+    tests/test_verify_bounds_malformed.py), so such an assert states that, not a check of data."""
     if index < len(node.input) and node.input[index]:
         return values[node.input[index]]
     return None
