@@ -288,6 +288,59 @@ def test_sigterm_and_sigint_leave_no_temporaries(tmp_path, sig):
     assert 128 + sig in codes, codes
 
 
+def _cli_with(tmp_path: Path, patch: str, *args: str) -> subprocess.CompletedProcess:
+    """The command line in a process of its own (as the console script runs it), with ``patch``
+    run first: it sends the process signals at chosen points, so a race is driven, not timed."""
+    script = tmp_path / "driven.py"
+    script.write_text(f"import os, signal, sys\n{textwrap.dedent(patch)}\nfrom onnx_qrewrite.cli import run\nrun()\n")
+    return subprocess.run([PY, str(script), *args], capture_output=True, text=True, timeout=120, **INTERRUPTIBLE)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_as_the_command_line_exits_does_not_change_its_exit(tmp_path, sig):
+    """A signal landing as `_main` calls sys.exit with the command's code (what made
+    test_sigterm_and_sigint_leave_no_temporaries flaky under load): the outcome is decided, so
+    the process ends with that code, one line of output and no traceback. It used to raise there,
+    outside every handler (a traceback and exit -2), or, landing after the handlers were given
+    back, to kill the process (-15)."""
+    done = _cli_with(
+        tmp_path,
+        f"""
+        real_exit = sys.exit
+        def exit_signalled(code=None):
+            os.kill(os.getpid(), {int(sig)})  # delivered before kill returns: its handler runs here
+            real_exit(code)
+        sys.exit = exit_signalled
+        """,
+        "targets",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and "tensorrt" in done.stdout
+
+
+def test_a_second_signal_while_the_first_is_handled_is_ignored(tmp_path):
+    """SIGINT in the command, then SIGTERM while its temporaries are being removed: exit 130 with
+    the one line SIGINT gives, not a traceback out of the handler (each used to raise)."""
+    done = _cli_with(
+        tmp_path,
+        """
+        import click
+        import onnx_qrewrite.io.outputs as outputs
+        real_invoke, real_remove = click.Group.invoke, outputs.remove_registered_temps
+        def invoke_interrupted(self, ctx):
+            os.kill(os.getpid(), signal.SIGINT)  # lands in the command
+            return real_invoke(self, ctx)
+        def remove_terminated():
+            os.kill(os.getpid(), signal.SIGTERM)  # lands while the interruption is handled
+            real_remove()
+        click.Group.invoke, outputs.remove_registered_temps = invoke_interrupted, remove_terminated
+        """,
+        "targets",
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "onnx-qrewrite: interrupted\n" and done.stdout == ""
+
+
 def test_a_trailing_slash_names_a_new_output_folder(tmp_path):
     """The clash check runs before the output folder is created, and the folder still is."""
     model = dql_model(tmp_path / "m")
@@ -334,6 +387,8 @@ def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
                     importlib.import_module(name)
                 except KeyboardInterrupt:
                     seen.append("interrupted")
+                signals.uninstall()  # an interruption is raised once per install: armed again
+                signals.install()
             seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
             signals.uninstall()
             seen.append(loader.create_module is create_and_interrupt)

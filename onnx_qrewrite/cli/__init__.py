@@ -18,6 +18,7 @@ import click
 
 from onnx_qrewrite import __version__
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
+from onnx_qrewrite.io import signals
 
 __all__ = ["main", "run"]
 
@@ -123,16 +124,16 @@ class _LazyGroup(click.Group):
         "Aborted!" and exit 1, which our exit codes read as "verification disagreed". Run click
         non-standalone and end the process here instead: the same exits as click's for everything
         else, and 130/143 with the one line a subcommand prints for SIGINT/SIGTERM. The SIGTERM
-        handler installed here is given back when the command ends, for in-process callers. It is
-        installed before a subcommand's module is imported: that import initialises onnx's native
-        module, which an interrupt must not land in (:mod:`onnx_qrewrite.io.signals`)."""
-        from onnx_qrewrite.io import signals
-
-        signals.install()
+        handlers installed here are given back when the command ends, for in-process callers (in a
+        process of its own, :func:`run`, they stay until it exits: given back, a SIGTERM landing
+        as it exits would kill it instead of letting it end with its code). They are installed
+        before a subcommand's module is imported: that import initialises onnx's native module,
+        which an interrupt must not land in (:mod:`onnx_qrewrite.io.signals`)."""
         try:
             return self._main(args, prog_name, complete_var, standalone_mode, **extra)
         finally:
-            signals.uninstall()
+            if not _PROCESS["own_process"]:
+                signals.uninstall()
 
     def _main(
         self,
@@ -143,9 +144,17 @@ class _LazyGroup(click.Group):
         **extra: Any,
     ) -> Any:
         if not standalone_mode:
+            signals.install()
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            try:
+                signals.install()  # inside the try: a signal landing as soon as it is installed is handled
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            finally:
+                # The outcome is decided: a signal from here on is ignored (signals.py). One landing
+                # before this line raises here and is the outcome (the handlers below); one landing
+                # while an interruption unwinds is ignored already: none escapes them.
+                signals.settle()
         except click.exceptions.Abort as exc:  # click's wrapper of KeyboardInterrupt and EOFError
             if isinstance(exc.__cause__, KeyboardInterrupt):
                 _interrupted(exc.__cause__)
@@ -191,11 +200,10 @@ def _interrupted(exc: KeyboardInterrupt) -> NoReturn:
     """SIGINT or SIGTERM (signals.Terminated): remove this run's temporaries, say so in one line,
     exit 128 + the signal number, as shells report it."""
     from onnx_qrewrite.io.outputs import remove_registered_temps
-    from onnx_qrewrite.io.signals import Terminated, interrupt_exit_code
 
     remove_registered_temps()
-    click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, Terminated) else 'interrupted'}", err=True)
-    sys.exit(interrupt_exit_code(exc))
+    click.echo(f"onnx-qrewrite: {'terminated' if isinstance(exc, signals.Terminated) else 'interrupted'}", err=True)
+    sys.exit(signals.interrupt_exit_code(exc))
 
 
 def _silence_stdout() -> None:
