@@ -380,12 +380,35 @@ def _always(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
 
 
 def _input_from(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
-    """One of the inputs looked at is written by one of the standard ops named."""
+    """One of the inputs looked at is written by one of the standard ops named, directly or
+    through a chain of the standard ops ``through`` names (at any of their inputs)."""
     for index in refusal.inputs:
         name = _operand(node, index)
-        producer = scope.producer(name) if name else None
-        if producer is not None and producer.domain in _STANDARD and producer.op_type in refusal.ops:
-            return f" of a {producer.op_type} output" + (f" (input {index}, {name!r})" if index else "")
+        found = _written_by(scope, name, refusal) if name else None
+        if found is not None:
+            op, via = found
+            through = f" through {', '.join(via)}" if via else ""
+            return f" of a {op} output{through}" + (f" (input {index}, {name!r})" if index else "")
+    return None
+
+
+def _written_by(scope: Scope, name: str, refusal: Refusal) -> tuple[str, list[str]] | None:
+    """(the op of ``refusal.ops`` that writes ``name``, the ``through`` nodes on the way), or None."""
+    pending: list[tuple[str, list[str]]] = [(name, [])]
+    seen = {name}
+    while pending:
+        value, via = pending.pop()
+        producer = scope.producer(value)
+        if producer is None or producer.domain not in _STANDARD:
+            continue
+        if producer.op_type in refusal.ops:
+            return producer.op_type, via
+        if producer.op_type in refusal.through:
+            step = [*via, f"{producer.op_type} {producer.name or value!r}"]
+            for x in producer.input:
+                if x and x not in seen:
+                    seen.add(x)
+                    pending.append((x, step))
     return None
 
 

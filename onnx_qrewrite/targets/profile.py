@@ -48,7 +48,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # (a scale with more than one element: Q/DQ, QLinearConv,
                                      # QLinearMatMul) | input-from (with ops = [...]: its first
                                      # input, or one of `inputs`, is the output of one of these
-                                     # standard ops) |
+                                     # standard ops; with through = [...] also through a chain of
+                                     # those standard ops, reading it at any of their inputs) |
                                      # rank-above (with rank = N: one of `inputs` has more than
                                      # N dimensions) | computed-input (one of `inputs` is
                                      # computed at run time, not a constant) | outside-chain
@@ -227,7 +228,7 @@ _ARITHMETIC_KEYS = {"float64", "source", "notes"}
 #: What a target does with float64 arithmetic ([arithmetic] float64).
 FLOAT64_ARITHMETIC = ("float64", "float32", "reduced", "refused")
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
-_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "inputs", "rank", "chain", "reason", "source"}
+_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "through", "inputs", "rank", "chain", "reason", "source"}
 _QUANT_KEYS = {
     "types",
     "constant_scale",
@@ -279,6 +280,7 @@ class Refusal:
     inputs: tuple[int, ...] = (0,)  # "rank-above" / "computed-input" / "input-from": the inputs looked at
     rank: int | None = None  # when = "rank-above": the most dimensions taken
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
+    through: frozenset[str] = frozenset()  # "input-from": ops between the producer and the op it looks through
 
 
 @dataclasses.dataclass(frozen=True)
@@ -717,6 +719,11 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
     chain = raw.get("chain", [])
     if not isinstance(chain, list) or not all(isinstance(o, str) and o for o in chain):
         raise _fail(path, where, "'chain' must be a list of op names")
+    through = raw.get("through", [])
+    if not isinstance(through, list) or not all(isinstance(o, str) and o for o in through):
+        raise _fail(path, where, "'through' must be a list of op names")
+    if through and when != "input-from":
+        raise _fail(path, where, "'through' goes with 'when = \"input-from\"'")
     op = _string(path, where, raw, "op")
     if (when == "outside-chain") != bool(chain) or (chain and op not in chain):
         raise _fail(path, where, "'chain' goes with 'when = \"outside-chain\"', needs ops, and must name 'op'")
@@ -731,6 +738,7 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         tuple(positions),
         rank,
         tuple(chain),
+        frozenset(through),
     )
 
 
