@@ -664,12 +664,12 @@ def _weigh(runs: _StageRuns) -> set[str]:
     applied: set[str] = set()
     for k in range(max((len(n.candidates) for n in runs.nodes), default=0)):
         state = runs.run({n.key: tuple(n.candidates[k : k + 1]) for n in runs.nodes})
-        left = _left_refused(state)
+        leaves = _left_refused(state)
         for rw in state.reports[0].rewrites:
             node = runs.by_site.get((rw.scope, rw.node))
             if node is not None and rw.rule in node.candidates:
-                node.outcome[rw.rule] = len(left[(rw.scope, rw.node)])
-                node.left[rw.rule] = tuple(left[(rw.scope, rw.node)])
+                node.outcome[rw.rule] = len(leaves[(rw.scope, rw.node)])
+                node.left[rw.rule] = tuple(leaves[(rw.scope, rw.node)])
                 applied.add(rw.rule)
         for left in state.reports[0].unlowered:
             node = runs.by_site.get((left.scope, left.node))
