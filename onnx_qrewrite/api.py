@@ -424,11 +424,14 @@ def _apply_shapes(
     target: object,
     source_path: Path | None,
 ) -> Applied | None:
-    """Fix ``proto``'s dimensions from ``input_shapes`` (a target's static shapes) before planning."""
-    from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
+    """Fix ``proto``'s dimensions from ``input_shapes`` (a target's static shapes) before planning.
 
+    Without ``input_shapes`` nothing is imported: ``onnx_qrewrite.targets`` (the profiles, the
+    planner) is a tenth of a plain rewrite's start-up (``python -X importtime``)."""
     if not input_shapes:
         return None
+    from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
+
     if target is None:
         raise UsageError("--input-shape fixes dimensions for a target: give --target too")
     if not isinstance(input_shapes, InputShapes):
