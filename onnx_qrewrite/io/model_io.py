@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from google.protobuf.message import DecodeError
 
@@ -360,18 +361,81 @@ def save_model(
     input was read) or, with ``reference_external_data``, referenced in place. ``reads``: every
     file the invocation reads, by (st_dev, st_ino): never written, replaced or removed. ``model`` is
     left pointing at its input's data, so it can be saved again.
+
+    In steps: every refusal before anything is written (:func:`_check_save`), the data file
+    (:func:`_write_data`), the model file (:func:`_write_model_file`), then the renames that
+    commit them (:func:`_commit`); whatever is left of an unfinished save is removed.
     """
     out = Path(path)
+    skeleton = skeleton_of(model)
+    ext = list(external_tensors(skeleton))
+    folder, protected = _check_save(out, ext, external, reference_external_data, reads)
+    saved = [(t, [(e.key, e.value) for e in t.external_data]) for t in ext]
+    moved: list[tuple[onnx.TensorProto, bytes]] = []
+    outputs.clean_leftovers(folder)
+    old_data = [p for p in outputs.previous_data_files(out) if _id_of(p) not in protected]
+    files = _SaveFiles()
+    try:
+        written = 0
+        referenced: set[str] = set()
+        if reference_external_data and ext:
+            assert external is not None
+            written, referenced = _referenced_in_place(ext, external)
+        data_name: str | None = None
+        too_big = byte_size(model) > _PROTOBUF_LIMIT - _LIMIT_MARGIN
+        if (ext and not reference_external_data) or too_big:
+            data_name = outputs.free_data_name(out)
+            fd, files.data_tmp = outputs.new_temp(folder, out.name, "data")
+            with os.fdopen(fd, "wb") as dst:
+                written = _write_data(
+                    dst, skeleton if too_big else None, ext, external, data_name, written, moved, progress
+                )
+        files.model_tmp = _write_model_file(model, folder, out)
+        keep = {data_name, *referenced}
+        _commit(out, folder, data_name, [p for p in old_data if p.name not in keep], files)
+    except OSError as exc:
+        raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        _restore(saved, moved)
+        files.discard()
+    data_path = folder / data_name if data_name is not None else None
+    return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
+
+
+@dataclasses.dataclass
+class _SaveFiles:
+    """What an unfinished save has made (removed by :meth:`discard` unless committed)."""
+
+    data_tmp: Path | None = None
+    model_tmp: Path | None = None
+    journal: Path | None = None
+    #: The data file renamed into place (removed if the model's rename, the commit, did not happen).
+    renamed: Path | None = None
+    committed: bool = False
+
+    def discard(self) -> None:
+        if not self.committed and self.renamed is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.renamed)
+        for leftover in (self.data_tmp, self.model_tmp, self.journal):
+            outputs.discard(leftover)
+
+
+def _check_save(
+    out: Path,
+    ext: list[onnx.TensorProto],
+    external: ExternalData | None,
+    reference_external_data: bool,
+    reads: dict[tuple[int, int], Path] | None,
+) -> tuple[Path, dict[tuple[int, int], Path]]:
+    """Every refusal of a save, before anything is written: the output's folder and the files the
+    invocation reads (returned, with the folder), external data without a source, a zero-copy
+    output outside the input's folder."""
     folder = check_output_folder(out)
     protected = dict(reads or {})
     if external is not None:
         protected.update(external.reads())
     refuse_clash(out, protected)
-
-    skeleton = skeleton_of(model)
-    ext = list(external_tensors(skeleton))
-    saved = [(t, [(e.key, e.value) for e in t.external_data]) for t in ext]
-    moved: list[tuple[onnx.TensorProto, bytes]] = []
     if ext and external is None:
         raise UsageError(f"{out}: the model references external data but its source folder is unknown")
     if reference_external_data and ext:
@@ -381,85 +445,90 @@ def save_model(
                 f"{out}: --reference-external-data needs the output in the input's folder ({external.base_dir}); "
                 "elsewhere the weights are copied"
             )
-    outputs.clean_leftovers(folder)
-    old_data = [p for p in outputs.previous_data_files(out) if _id_of(p) not in protected]
+    return folder, protected
 
-    data_tmp: Path | None = None
-    model_tmp: Path | None = None
-    journal: Path | None = None
-    renamed: Path | None = None
-    committed = False
-    try:
-        written = 0
-        referenced: set[str] = set()
-        data_name: str | None = None
-        too_big = byte_size(model) > _PROTOBUF_LIMIT - _LIMIT_MARGIN
-        if reference_external_data and ext:
-            assert external is not None
-            for t in ext:
-                _fd, _offset, length = external.span(t)
-                referenced.add(next(e.value for e in t.external_data if e.key == "location"))
-                written += length
-        if (ext and not reference_external_data) or too_big:
-            data_name = outputs.free_data_name(out)
-            fd, data_tmp = outputs.new_temp(folder, out.name, "data")
-            spans = [external.span(t) for t in ext] if ext and external is not None else []
-            total_external = sum(length for _, _, length in spans)
-            copied = 0
-            with os.fdopen(fd, "wb") as dst:
-                for t, (src_fd, offset, length) in zip(ext, spans, strict=True):
-                    pad = (-written) % _ALIGN
-                    dst.write(b"\0" * pad)
-                    written += pad
-                    dst.flush()
-                    _copy_range(src_fd, dst, offset, length)
-                    _set_external(t, data_name, written, length)
-                    written += length
-                    copied += length
-                    if progress is not None:
-                        progress("writing weights bytes", copied, total_external)
-                if too_big:
-                    written = _externalize_large(skeleton, dst, data_name, written, moved)
-                dst.flush()
-                os.fsync(dst.fileno())
-                os.fchmod(dst.fileno(), outputs.FILE_MODE)
-        fd, model_tmp = outputs.new_temp(folder, out.name, "model")
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(to_chunks(model))  # pieces, not one joined copy of the whole output
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), outputs.FILE_MODE)
-        data_path = folder / data_name if data_name is not None else None
-        keep = {data_name, *referenced}
-        old_data = [p for p in old_data if p.name not in keep]
-        # The journal names the data file about to appear and the ones about to go, so that the
-        # leftovers of a kill between the renames below are found (outputs.clean_leftovers).
-        journal = outputs.write_journal(folder, out.name, data_name, [p.name for p in old_data])
-        with outputs.signals_blocked():
-            if data_tmp is not None and data_name is not None:
-                outputs.rename_new(data_tmp, folder / data_name)
-                renamed = folder / data_name
-                data_tmp = None
-            os.replace(model_tmp, out)  # the commit point
-            committed = True
-            outputs.forget(model_tmp)
-            model_tmp = None
-            for old in old_data:
-                with contextlib.suppress(OSError):
-                    os.unlink(old)
-            outputs.discard(journal)
-            journal = None
-        outputs.fsync_folder(folder)
-    except OSError as exc:
-        raise UsageError(f"{out}: cannot write: {exc.strerror or exc}") from None
-    finally:
-        _restore(saved, moved)
-        if not committed and renamed is not None:
+
+def _referenced_in_place(ext: list[onnx.TensorProto], external: ExternalData) -> tuple[int, set[str]]:
+    """Zero copy: the bytes the output references in the input's data files, and those files."""
+    written = 0
+    referenced: set[str] = set()
+    for t in ext:
+        _fd, _offset, length = external.span(t)
+        referenced.add(next(e.value for e in t.external_data if e.key == "location"))
+        written += length
+    return written, referenced
+
+
+def _write_data(
+    dst: BinaryIO,
+    too_big: onnx.ModelProto | None,
+    ext: list[onnx.TensorProto],
+    external: ExternalData | None,
+    data_name: str,
+    written: int,
+    moved: list[tuple[onnx.TensorProto, bytes]],
+    progress: ProgressSink | None,
+) -> int:
+    """The output's data file ``dst`` (``data_name``), from ``written`` bytes on: the external
+    tensors streamed from the input's data files, then the large in-memory tensors of ``too_big``
+    (the model's skeleton, when the model is past protobuf's limit; they go to ``moved``); each
+    tensor is pointed at its new place. The bytes written by the end, synced."""
+    spans = [external.span(t) for t in ext] if ext and external is not None else []
+    total_external = sum(length for _, _, length in spans)
+    copied = 0
+    for t, (src_fd, offset, length) in zip(ext, spans, strict=True):
+        pad = (-written) % _ALIGN
+        dst.write(b"\0" * pad)
+        written += pad
+        dst.flush()
+        _copy_range(src_fd, dst, offset, length)
+        _set_external(t, data_name, written, length)
+        written += length
+        copied += length
+        if progress is not None:
+            progress("writing weights bytes", copied, total_external)
+    if too_big is not None:
+        written = _externalize_large(too_big, dst, data_name, written, moved)
+    dst.flush()
+    os.fsync(dst.fileno())
+    os.fchmod(dst.fileno(), outputs.FILE_MODE)
+    return written
+
+
+def _write_model_file(model: onnx.ModelProto | EncodedModel, folder: Path, out: Path) -> Path:
+    """The model file, as a temporary in ``folder``, written in pieces (no joined copy of the
+    whole output) and synced; its path."""
+    fd, model_tmp = outputs.new_temp(folder, out.name, "model")
+    with os.fdopen(fd, "wb") as f:
+        f.writelines(to_chunks(model))
+        f.flush()
+        os.fsync(f.fileno())
+        os.fchmod(f.fileno(), outputs.FILE_MODE)
+    return model_tmp
+
+
+def _commit(out: Path, folder: Path, data_name: str | None, old_data: list[Path], files: _SaveFiles) -> None:
+    """Rename the data file, then the model file (the commit point), into place and remove the
+    previous output's data files ``old_data``, with the signals that would interrupt it blocked.
+    A journal names the data file about to appear and the ones about to go, so that the leftovers
+    of a kill between the renames are found (``outputs.clean_leftovers``)."""
+    files.journal = outputs.write_journal(folder, out.name, data_name, [p.name for p in old_data])
+    with outputs.signals_blocked():
+        if files.data_tmp is not None and data_name is not None:
+            outputs.rename_new(files.data_tmp, folder / data_name)
+            files.renamed = folder / data_name
+            files.data_tmp = None
+        assert files.model_tmp is not None
+        os.replace(files.model_tmp, out)  # the commit point
+        files.committed = True
+        outputs.forget(files.model_tmp)
+        files.model_tmp = None
+        for old in old_data:
             with contextlib.suppress(OSError):
-                os.unlink(renamed)
-        for leftover in (data_tmp, model_tmp, journal):
-            outputs.discard(leftover)
-    return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
+                os.unlink(old)
+        outputs.discard(files.journal)
+        files.journal = None
+    outputs.fsync_folder(folder)
 
 
 def _id_of(path: Path) -> tuple[int, int] | None:
