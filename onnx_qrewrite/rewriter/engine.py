@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -359,29 +359,28 @@ def _apply(
     node fields framed and joined), so that what the matches held is reused for what the
     replacements hold instead of adding to it (a bytes object and three list slots per created
     node were ~60 bytes on top of its ~120 bytes of body).
+
+    In steps: each scope's replacements (:func:`_build_scope`, one :func:`_replacement` each), the
+    op counts' change (:func:`_op_delta`), then the checks before splicing and the splice
+    (:func:`_assemble`).
     """
-    delta: collections.Counter[str] = collections.Counter()
-    templates: dict[tuple, Template | None] = {}
     total = sum(len(ms) for ms in matches.values())
-    done = 0
     if progress is not None:
         progress("rewriting nodes", 0, total)
-    names = NameAllocator(model, scopes, frozen=True)
+    build = _Build(
+        NameAllocator(model, scopes, frozen=True),
+        report,
+        stamp_templates,
+        provenance,
+        applied,
+        later,
+        earlier,
+        progress,
+        total,
+        guard=any(m.plan.remove_if_dead for ms in matches.values() for m in ms),
+    )
     pools: dict[int, ConstantPool] = {}
     built: dict[int, dict[int, bytes]] = {}
-    #: Initializers some replaced node read and its replacement does not: removal candidates.
-    dropped: set[str] = set()
-    #: Inputs of replaced nodes that their replacements still read (and everything replacements
-    #: read whose plans say they read more than their node's inputs).
-    still_read: set[str] = set()
-    #: Per root scope: outputs of nodes removed as dead, and what the other replacements read
-    #: (checked against each other before splicing; collected only when something is removed).
-    removed: dict[int, set[str]] = {}
-    read_by_rewrites: dict[int, set[str]] = {}
-    guard = any(m.plan.remove_if_dead for ms in matches.values() for m in ms)
-    builders: dict[str, Any] = {}  # rule id -> its builder (``Rule.implementation`` looks it up)
-    replaced_ops: collections.Counter[tuple[str, str]] = collections.Counter()
-    created_counts: collections.Counter[tuple[str, ...]] = collections.Counter()
     #: The main graph's new node list, written out as its replacements are built instead of held
     #: (io/spool.py: they were ~40 MB of a 100k-node chain's peak), when the nodes left as they are
     #: can be encoded as they are reached: no scope is a subgraph (a node holding one is encoded
@@ -394,139 +393,233 @@ def _apply(
         root = scope.root
         pool = pools.get(id(root))
         if pool is None:
-            pool = pools[id(root)] = ConstantPool(root, names)
-        replacements: dict[int, bytes] = {}
+            pool = pools[id(root)] = ConstantPool(root, build.names)
         pending = matches.pop(s, [])
-        pending.reverse()
-        node_list = scope.container.node
-        # Each replaced node's op, from the codes the scope walk noted: one shared string per op
-        # in the report entries, not a new one read out of protobuf per rewrite (~2 MB at 100k).
-        codes, keys = scope.op_codes()
-        # Which of the scope's nodes an earlier run's replacement made (their provenance).
-        made = provenance_mod.attribute_nodes(node_list) if earlier and pending else None
         spooled = can_spool and bool(pending) and scope.container is model.graph
         if spooled:
             spool = Spool()
-        cursor = 0  # the first node of the spooled list not yet written
-        while pending:
-            m = pending.pop()
-            site, rule, plan = m.site, m.rule, m.plan
-            node = site.node
-            builder = builders.get(rule.id)
-            if builder is None:
-                builder = builders[rule.id] = rule.implementation
-            if later or (made is not None and made[m.index] is not None and rule.exactness == EXACT):
-                metadata = _inherited_metadata(node, provenance)
-                prefix = node.name.rpartition("/")[0] or Emitter.prefix_for(node)
-            else:
-                metadata = Emitter.metadata_for(
-                    rule.id,
-                    node,
-                    rule.exactness,
-                    plan.bound,
-                    provenance,
-                    plan.bound_scale,
-                    plan.bound_formula,
-                    plan.bound_u8s8,
-                )
-                prefix = Emitter.prefix_for(node)
-            key = None
-            if stamp_templates and hasattr(builder, "template_key"):
-                key = builder.template_key(site, rule.options, plan)
-                key = None if key is None else (rule.id, id(pool), key)
-            template = templates.get(key) if key is not None else None
-            reads: set[str] | None
-            if template is not None:
-                piece, created_nodes = template.stamp_framed(site, names, prefix, metadata, scope.container)
-                created_ops = template.ops
-                # Which inputs the stamp reads is the template's: no set of names per stamp.
-                inputs = site.inputs
-                kept, left = template.input_use
-                for i in kept:
-                    still_read.add(inputs[i])
-                for i in left:  # a name also read at a kept position stays: dropped - still_read
-                    name = inputs[i]
-                    if name and scope.initializer(name) is not None:
-                        dropped.add(name)
-                reads = None
-            else:
-                emits = builder.contract.emits
-                emit = Emitter(site, rule.id, names, pool, emits=emits, metadata=metadata, prefix=prefix)
-                builder.build(site, emit, rule.options, plan)
-                nodes = emit.nodes
-                created_nodes = tuple(n for n, _ in emit.created)
-                created_ops = tuple(op for _, op in emit.created)
-                reads = emit.names_read()
-                if key is not None:
-                    templates[key] = Template.record(emit)
-                piece = frame_nodes(scope.container, nodes)
-                del nodes
-                for name in site.inputs:
-                    if not name:
-                        continue
-                    if name in reads:
-                        still_read.add(name)
-                    elif scope.initializer(name) is not None:
-                        dropped.add(name)
-            if spool is not None and spooled:
-                _spool_unchanged(spool, scope.container, cursor, m.index)
-                spool.write(piece)
-                cursor = m.index + 1
-                piece = b""  # replaced: its replacement is in the spool
-            replacements[m.index] = piece
-            if plan.reads is not None or plan.remove_if_dead or guard:
-                if reads is None:
-                    reads = template.site_inputs_read(site)  # type: ignore[union-attr]
-                if plan.reads is not None:  # it reads more than its node's inputs: all of it stays
-                    still_read.update(reads)
-                if plan.remove_if_dead:
-                    removed.setdefault(id(root), set()).update(o for o in site.outputs if o)
-                elif guard:
-                    read_by_rewrites.setdefault(id(root), set()).update(reads)
-            done += 1
-            if progress is not None and (done % 1024 == 0 or done == total):
-                progress("rewriting nodes", done, total)
-            domain, op_type = keys[codes[m.index]]
-            replaced_ops[domain, op_type] += 1
-            created_counts[created_ops] += 1
-            if applied is not None:
-                applied.append(_Applied(scope.path, node.name, rule.id, tuple(created_nodes), created_ops))
-            # Positional (in field order): keyword arguments cost a lookup each, 40k times on a chain.
-            report.rewrites.append(
-                AppliedRewrite(
-                    rule.id,
-                    site.label,
-                    op_type,
-                    domain,
-                    scope.path,
-                    created_nodes,
-                    created_ops,
-                    plan.notes,
-                    rule.exactness,
-                    plan.bound,
-                    plan.bound_formula,
-                )
+        # Which of the scope's nodes an earlier run's replacement made (their provenance).
+        made = provenance_mod.attribute_nodes(scope.container.node) if earlier and pending else None
+        built[s] = _build_scope(build, scope, pool, pending, spool if spooled else None, made)
+    delta = _op_delta(build, pools)
+    with stage(progress, "assembling the graph"):
+        return delta, _assemble(model, scopes, build, built, pools, keep_main_encoded, spool)
+
+
+@dataclasses.dataclass(slots=True)
+class _Build:
+    """What building the replacements shares across scopes (see :func:`_apply`)."""
+
+    names: NameAllocator
+    report: RewriteReport
+    stamp_templates: bool
+    provenance: str
+    applied: list[_Applied] | None
+    later: bool
+    #: The model holds an earlier run's replacements (``EngineOptions.continue_provenance``).
+    earlier: bool
+    progress: ProgressSink | None
+    total: int
+    #: Whether some match removes its node as dead: every rewrite's reads are then collected.
+    guard: bool
+    done: int = 0
+    templates: dict[tuple, Template | None] = dataclasses.field(default_factory=dict)
+    #: rule id -> its builder (``Rule.implementation`` looks it up).
+    builders: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Initializers some replaced node read and its replacement does not: removal candidates.
+    dropped: set[str] = dataclasses.field(default_factory=set)
+    #: Inputs of replaced nodes that their replacements still read (and everything replacements
+    #: read whose plans say they read more than their node's inputs).
+    still_read: set[str] = dataclasses.field(default_factory=set)
+    #: Per root scope: outputs of nodes removed as dead, and what the other replacements read
+    #: (checked against each other before splicing; collected only when something is removed).
+    removed: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    read_by_rewrites: dict[int, set[str]] = dataclasses.field(default_factory=dict)
+    #: Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
+    replaced_ops: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
+    created_counts: collections.Counter[tuple[str, ...]] = dataclasses.field(default_factory=collections.Counter)
+
+
+def _build_scope(
+    build: _Build,
+    scope: Scope,
+    pool: ConstantPool,
+    pending: list[_Match],
+    spool: Spool | None,
+    made: Sequence[Any] | None = None,
+) -> dict[int, bytes]:
+    """The replacements of one scope's matches (consumed), by node index; with a ``spool``, the
+    scope's whole new node list is written to it as they are built (each replacement kept empty).
+    ``made``: per node, the earlier run's replacement that made it, if any (``build.earlier``)."""
+    replacements: dict[int, bytes] = {}
+    pending.reverse()
+    # Each replaced node's op, from the codes the scope walk noted: one shared string per op
+    # in the report entries, not a new one read out of protobuf per rewrite (~2 MB at 100k).
+    codes, keys = scope.op_codes()
+    container = scope.container
+    cursor = 0  # the first node of the spooled list not yet written
+    builders, report, applied, progress = build.builders, build.report, build.applied, build.progress
+    root_id = id(scope.root)
+    while pending:
+        m = pending.pop()
+        site, rule, plan = m.site, m.rule, m.plan
+        node = site.node
+        builder = builders.get(rule.id)
+        if builder is None:
+            builder = builders[rule.id] = rule.implementation
+        # An exact rule's replacement of a node an earlier run made continues that replacement.
+        inherit = build.later or (made is not None and made[m.index] is not None and rule.exactness == EXACT)
+        piece, created_nodes, created_ops, reads = _replacement(build, m, builder, scope, pool, inherit)
+        if spool is not None:
+            if cursor < m.index:  # (none between a chain's quantizer and its matmul)
+                _spool_unchanged(spool, container, cursor, m.index)
+            spool.write(piece)
+            cursor = m.index + 1
+            piece = b""  # replaced: its replacement is in the spool
+        replacements[m.index] = piece
+        if plan.reads is not None or plan.remove_if_dead or build.guard:
+            _note_reads(build, site, plan, root_id, reads)
+        build.done += 1
+        if progress is not None and (build.done % 1024 == 0 or build.done == build.total):
+            progress("rewriting nodes", build.done, build.total)
+        domain, op_type = keys[codes[m.index]]
+        build.replaced_ops[domain, op_type] += 1
+        build.created_counts[created_ops] += 1
+        if applied is not None:
+            applied.append(_Applied(scope.path, node.name, rule.id, tuple(created_nodes), created_ops))
+        # Positional (in field order): keyword arguments cost a lookup each, 40k times on a chain.
+        report.rewrites.append(
+            AppliedRewrite(
+                rule.id,
+                site.label,
+                op_type,
+                domain,
+                scope.path,
+                created_nodes,
+                created_ops,
+                plan.notes,
+                rule.exactness,
+                plan.bound,
+                plan.bound_formula,
             )
-        if spool is not None and spooled:
-            _spool_unchanged(spool, scope.container, cursor, len(node_list))
-        built[s] = replacements
-    # Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
-    for (domain, op_type), n in replaced_ops.items():
+        )
+    if spool is not None:
+        _spool_unchanged(spool, container, cursor, len(container.node))
+    return replacements
+
+
+def _replacement(
+    build: _Build, m: _Match, builder: Any, scope: Scope, pool: ConstantPool, inherit: bool
+) -> tuple[bytes, Sequence[str], tuple[str, ...], set[str] | Template]:
+    """One match's replacement, framed as its scope's node fields: stamped from the template of an
+    earlier equal build (``builders/_stamp.py``) or built (and recorded as a template); also the
+    names of the nodes it created, their ops and the names the replacement reads of its node's
+    inputs (for a stamp, its template, which tells them: most rewrites never ask). Notes which inputs
+    of the node its replacement leaves unread (``build.dropped``) or still reads. ``inherit``: the
+    replacement continues the one that made the node (its provenance and name prefix)."""
+    site, rule, plan = m.site, m.rule, m.plan
+    node = site.node
+    if inherit:
+        metadata = _inherited_metadata(node, build.provenance)
+        prefix = node.name.rpartition("/")[0] or Emitter.prefix_for(node)
+    else:
+        name = node.name  # read once for both
+        metadata = Emitter.metadata_for(
+            rule.id,
+            node,
+            rule.exactness,
+            plan.bound,
+            build.provenance,
+            plan.bound_scale,
+            plan.bound_formula,
+            plan.bound_u8s8,
+            name,
+        )
+        outputs = site.outputs
+        prefix = Emitter.prefix_for(node, name, outputs[0] if outputs else "")
+    key = None
+    if build.stamp_templates and hasattr(builder, "template_key"):
+        key = builder.template_key(site, rule.options, plan)
+        key = None if key is None else (rule.id, id(pool), key)
+    template = build.templates.get(key) if key is not None else None
+    inputs = site.inputs
+    if template is not None:
+        piece, created_nodes = template.stamp_framed(site, build.names, prefix, metadata, scope.container)
+        # Which inputs the stamp reads is the template's: no set of names per stamp.
+        kept, left = template.input_use
+        for i in kept:
+            build.still_read.add(inputs[i])
+        for i in left:  # a name also read at a kept position stays: dropped - still_read
+            name = inputs[i]
+            if name and scope.initializer(name) is not None:
+                build.dropped.add(name)
+        return piece, created_nodes, template.ops, template
+    emit = Emitter(site, rule.id, build.names, pool, emits=builder.contract.emits, metadata=metadata, prefix=prefix)
+    builder.build(site, emit, rule.options, plan)
+    nodes = emit.nodes
+    created_nodes = tuple(n for n, _ in emit.created)
+    created_ops = tuple(op for _, op in emit.created)
+    reads = emit.names_read()
+    if key is not None:
+        build.templates[key] = Template.record(emit)
+    piece = frame_nodes(scope.container, nodes)
+    for name in inputs:
+        if not name:
+            continue
+        if name in reads:
+            build.still_read.add(name)
+        elif scope.initializer(name) is not None:
+            build.dropped.add(name)
+    return piece, created_nodes, created_ops, reads
+
+
+def _note_reads(build: _Build, site: Site, plan: Plan, root_id: int, reads: set[str] | Template) -> None:
+    """What a replacement reads, where it matters: all of it stays when its plan reads more than
+    its node's inputs; a node removed as dead, or any rewrite when some node is (``build.guard``),
+    is noted for :func:`_check_removed_are_unread`."""
+    if isinstance(reads, Template):
+        reads = reads.site_inputs_read(site)
+    if plan.reads is not None:  # it reads more than its node's inputs: all of it stays
+        build.still_read.update(reads)
+    if plan.remove_if_dead:
+        build.removed.setdefault(root_id, set()).update(o for o in site.outputs if o)
+    elif build.guard:
+        build.read_by_rewrites.setdefault(root_id, set()).update(reads)
+
+
+def _op_delta(build: _Build, pools: dict[int, ConstantPool]) -> collections.Counter[str]:
+    """The change in op counts: the replaced ops out, the created ones (and the Constant nodes
+    the pools made in functions) in."""
+    delta: collections.Counter[str] = collections.Counter()
+    for (domain, op_type), n in build.replaced_ops.items():
         delta[op_key(domain, op_type)] -= n
-    for ops, n in created_counts.items():
+    for ops, n in build.created_counts.items():
         for op in ops:
             delta[op] += n
     delta["Constant"] += sum(len(pool.constant_nodes) for pool in pools.values())  # in functions
-    with stage(progress, "assembling the graph"):
-        # Every name is drawn: the set of them is a large part of the peak memory, and the checks
-        # below build sets of the names nodes read.
-        names.release()
-        if removed:
-            _check_removed_are_unread(scopes, built, removed, read_by_rewrites)
-        if dropped - still_read:
-            _remove_unread_initializers(scopes, built, dropped - still_read, report, spool)
-        _return_freed_memory()
-        return delta, _splice(model, scopes, built, pools, keep_main_encoded, spool)
+    return delta
+
+
+def _assemble(
+    model: onnx.ModelProto,
+    scopes: list[Scope],
+    build: _Build,
+    built: dict[int, dict[int, bytes]],
+    pools: dict[int, ConstantPool],
+    keep_main_encoded: bool,
+    spool: Spool | None,
+) -> list[bytes] | Spool | None:
+    """Check the removals against what is still read, drop initializers nothing reads any more,
+    then splice (:func:`_splice`)."""
+    # Every name is drawn: the set of them is a large part of the peak memory, and the checks
+    # below build sets of the names nodes read.
+    build.names.release()
+    if build.removed:
+        _check_removed_are_unread(scopes, built, build.removed, build.read_by_rewrites)
+    if build.dropped - build.still_read:
+        _remove_unread_initializers(scopes, built, build.dropped - build.still_read, build.report, spool)
+    _return_freed_memory()
+    return _splice(model, scopes, built, pools, keep_main_encoded, spool)
 
 
 #: Nodes left as they are are spooled in runs of at most this many (one frame and one write per

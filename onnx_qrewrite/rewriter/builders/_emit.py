@@ -256,7 +256,7 @@ class Emitter:
         return self._prefix
 
     @staticmethod
-    def prefix_for(node: onnx.NodeProto) -> str:
+    def prefix_for(node: onnx.NodeProto, name: str | None = None, first_output: str | None = None) -> str:
         """Created names start with the replaced node's name or its first output, whichever is
         shorter (the node's name on a tie).
 
@@ -267,9 +267,13 @@ class Emitter:
         exporter's output names (``/layer/MatMul_output_0``) longer than its node names. The
         full node name stays recoverable: it is the ``onnx_qrewrite.origin`` entry of the
         replacement's first node (provenance.py) and the report's mapping.
+
+        ``name`` and ``first_output``: the node's, when the caller has read them already (each
+        read out of protobuf makes a new string).
         """
-        name = node.name
-        output = node.output[0] if node.output else ""
+        if name is None:
+            name = node.name
+        output = first_output if first_output is not None else (node.output[0] if node.output else "")
         if name and (not output or len(name) <= len(output)):
             return name
         return output or node.op_type
@@ -285,9 +289,11 @@ class Emitter:
         bound_scale: tuple[str, float] | None = None,
         bound_formula: str | None = None,
         bound_u8s8: float = 0.0,
+        node_name: str | None = None,
     ) -> tuple[bytes, bytes]:
         """Encoded metadata of a replacement's first node and of its other nodes, for provenance
-        ``mode`` (compact: the first node only; full: every node; none: no node)."""
+        ``mode`` (compact: the first node only; full: every node; none: no node). ``node_name``:
+        the node's name, when the caller has read it already."""
         if mode == "none":
             return b"", b""
         # Only the origin differs from node to node: the entries around it are encoded once per
@@ -313,7 +319,8 @@ class Emitter:
                 _protowire.encode_metadata([(cls.RULE_KEY, rule_id)]),
                 _protowire.encode_metadata(rest),
             )
-        encoded = parts[0] + _protowire.encode_metadata_entry(cls.ORIGIN_KEY, node.name) + parts[1]
+        origin = node.name if node_name is None else node_name
+        encoded = parts[0] + _protowire.encode_metadata_entry(cls.ORIGIN_KEY, origin) + parts[1]
         return encoded, (encoded if mode == "full" else b"")
 
     def _fresh(self, hint: str) -> str:
