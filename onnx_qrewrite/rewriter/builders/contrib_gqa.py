@@ -267,7 +267,7 @@ def _zero_dead_rows(emit: Emitter, scores: str, probs: str) -> str:
     lowest value gets the plain softmax, as it does with softcap; a sink or smooth_softmax's 0
     gives those rows exact zeros through the softmax itself)."""
     axes = [-1]
-    if emit.opset >= 18:
+    if emit.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
         top = emit.op1("ReduceMax", [scores, _i64(emit, axes)], keepdims=1)
     else:
         top = emit.op1("ReduceMax", [scores], axes=axes, keepdims=1)
