@@ -534,7 +534,8 @@ MASKS = {
 @pytest.mark.parametrize("sink", [False, True], ids=["", "head sink"])
 @pytest.mark.parametrize("option", ["none", "smooth softmax", "softcap 2"])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_group_query_attention_bias_masking_whole_rows(mask, option, sink):
+@pytest.mark.parametrize("opset", [17, 21])  # ReduceMax's axes: an attribute, then an input (18)
+def test_group_query_attention_bias_masking_whole_rows(opset, mask, option, sink):
     """An additive mask of finfo(float32).min (or -inf) over every key of a row: without softcap,
     head_sink or smooth_softmax the kernel writes zeros there (measured, onnxruntime 1.31.1; one ulp
     above the lowest value it computes the plain softmax), and so does the rewrite; with softcap a
@@ -544,6 +545,7 @@ def test_group_query_attention_bias_masking_whole_rows(mask, option, sink):
     batch, seq, past, heads, kv_heads, head, lengths, total = CASES["token step, per-entry lengths"]
     dims = [batch, heads, seq, total]
     model = _with_attention_bias(gqa_model(batch, seq, past, heads, kv_heads, head, OPTIONS.get(option, {})), dims)
+    model.opset_import[0].version = opset
     feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
     if sink:
         model = _with_head_sink(model, heads)
