@@ -65,10 +65,15 @@ class Hazard:
         )
 
 
+def _op_key(node: onnx.NodeProto) -> tuple[str, str]:
+    """The (domain, op_type) the tables above are keyed by ("ai.onnx" read as "")."""
+    return (node.domain if node.domain != "ai.onnx" else "", node.op_type)
+
+
 def _sensitive_nodes(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     nodes = []
     for node in model.graph.node:
-        why = NAN_NONDETERMINISTIC.get((node.domain if node.domain != "ai.onnx" else "", node.op_type))
+        why = NAN_NONDETERMINISTIC.get(_op_key(node))
         if why is not None and node.input and node.input[0]:
             nodes.append((node, why))
     return nodes
@@ -117,9 +122,7 @@ class NanHazardCheck:
                 continue
             count = int(np.isnan(value.astype(np.float64)).sum())
             if count:
-                below, small_why = NAN_DETERMINISTIC_BELOW.get(
-                    (node.domain if node.domain != "ai.onnx" else "", node.op_type), (0, why)
-                )
+                below, small_why = NAN_DETERMINISTIC_BELOW.get(_op_key(node), (0, why))
                 reason = small_why if value.size < below else why
                 return Hazard(sample_name, node.name or node.output[0], node.op_type, node.input[0], count, reason)
         return None

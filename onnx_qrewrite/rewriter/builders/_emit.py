@@ -14,7 +14,7 @@ import numpy as np
 from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.io import _protowire
-from onnx_qrewrite.rewriter import provenance
+from onnx_qrewrite.rewriter import kernel_opsets, provenance
 from onnx_qrewrite.rewriter.builders import NoMatch
 from onnx_qrewrite.rewriter.graph import ConstantSlabs, NameAllocator, Scope
 
@@ -392,3 +392,10 @@ class Emitter:
     def op1(self, op_type: str, inputs: Sequence[str], output: str | None = None, **kw: Any) -> str:
         """Single-output convenience form of :meth:`op`."""
         return self.op(op_type, inputs, [output] if output else 1, **kw)[0]
+
+    def reduce_last_axis(self, op_type: str, x: str) -> str:
+        """``op_type`` (ReduceMean, ReduceMax, ...) of ``x`` over its last axis, dims kept, in the
+        form the model's opset takes: the axes an input from opset 18, an attribute before."""
+        if self.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
+            return self.op1(op_type, [x, self.const(np.array([-1], np.int64))], keepdims=1)
+        return self.op1(op_type, [x], axes=[-1], keepdims=1)

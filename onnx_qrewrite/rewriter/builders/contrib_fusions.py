@@ -385,10 +385,7 @@ class NormalizationBuilder:
         else:
             # As the kernel: x / sqrt(mean(x * x) + eps) * gamma.
             square = emit.op1("Mul", [x, x])
-            if emit.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
-                mean = emit.op1("ReduceMean", [square, emit.const(np.array([-1], np.int64))], keepdims=1)
-            else:
-                mean = emit.op1("ReduceMean", [square], axes=[-1], keepdims=1)
+            mean = emit.reduce_last_axis("ReduceMean", square)
             root = emit.op1("Sqrt", [emit.op1("Add", [mean, emit.const(np.float32(eps))])])
             emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y)
 

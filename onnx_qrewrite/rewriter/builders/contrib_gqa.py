@@ -266,11 +266,7 @@ def _zero_dead_rows(emit: Emitter, scores: str, probs: str) -> str:
     writes them without softcap, head_sink or smooth_softmax (measured: a row one ulp above the
     lowest value gets the plain softmax, as it does with softcap; a sink or smooth_softmax's 0
     gives those rows exact zeros through the softmax itself)."""
-    axes = [-1]
-    if emit.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
-        top = emit.op1("ReduceMax", [scores, _i64(emit, axes)], keepdims=1)
-    else:
-        top = emit.op1("ReduceMax", [scores], axes=axes, keepdims=1)
+    top = emit.reduce_last_axis("ReduceMax", scores)
     dead = emit.op1("Not", [emit.op1("Greater", [top, emit.const(np.finfo(np.float32).min)])], hint="MaskedRow")
     return emit.op1("Where", [dead, emit.const(np.float32(0.0)), probs])
 

@@ -103,9 +103,7 @@ class DecomposeBuilder:
 
     @staticmethod
     def _mean(emit: Emitter, x: str) -> str:
-        if emit.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
-            return emit.op1("ReduceMean", [x, emit.const(np.array([-1], np.int64))], keepdims=1)
-        return emit.op1("ReduceMean", [x], axes=[-1], keepdims=1)
+        return emit.reduce_last_axis("ReduceMean", x)
 
     def _layer_norm(self, site: Site, emit: Emitter) -> None:
         x, gamma = site.input(0), site.input(1)
