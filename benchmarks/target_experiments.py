@@ -1,5 +1,5 @@
-"""Two measurements behind rules/targets/qnn.toml and tflite.toml that no shipped rewrite makes,
-so benchmarks/targets.py cannot show them (docs/targets-battery.md cites both):
+"""Measurements behind rules/targets/qnn.toml and tflite.toml that no shipped rewrite makes, so
+benchmarks/targets.py cannot show them (docs/targets-battery.md cites them):
 
 - ``tflite-recorded-shapes``: benchmarks/target_models.py's ortqop_bert with every value's shape
   recorded (onnxruntime runs it on the recorded inputs; shape inference cannot see through its
@@ -11,9 +11,17 @@ so benchmarks/targets.py cannot show them (docs/targets-battery.md cites both):
 - ``qnn-by-hand``: ortqdq_bert with its Erf written as a float formula (Abramowitz-Stegun 7.1.26,
   not a shipped rule) and its int32 biases folded to float, run on QNN's HTP simulator: how far its
   outputs are from onnxruntime's, in steps of the output's own quantization scale.
+- ``qnn-gelu``: ortqdq_bert and ortqop_bert rewritten ``--target qnn`` with their recorded input
+  shapes, then each quantized GELU (Div -> Erf -> Add -> Mul with a QuantizeLinear ->
+  DequantizeLinear pair after each op) replaced by hand with one QDQ node unit DequantizeLinear ->
+  Gelu -> QuantizeLinear (ONNX Gelu at opset 20, and com.microsoft Gelu), which the QNN EP builds
+  (its op builder registry has Gelu, no Erf): how far that is from the original in onnxruntime and
+  on QNN; then the rewrite cut at each quantized value, run on QNN and in onnxruntime: where
+  QNN's own difference from onnxruntime starts and how it grows, in steps of that value's scale.
 
     python benchmarks/target_experiments.py tflite-recorded-shapes [--cut NAME ...] [--skip RULE] [-o DIR]
     python benchmarks/target_experiments.py qnn-by-hand [-o DIR]
+    python benchmarks/target_experiments.py qnn-gelu [-o DIR]
 
 TFLite needs $ONNX_QREWRITE_TFLITE_PYTHON (verify/runtimes.py), QNN the [qnn] extra.
 """
@@ -191,17 +199,124 @@ def qnn_by_hand(folder: str | None) -> None:
         )
 
 
+def fuse_quantized_gelu(model: onnx.ModelProto, domain: str) -> onnx.ModelProto:
+    """``model`` with each GELU quantize_static writes, x/sqrt2 -> Erf -> Q/DQ -> Add 1 -> Q/DQ ->
+    Mul (x*0.5 -> Q/DQ) -> its output's QuantizeLinear, as one Gelu of ``domain`` reading the
+    DequantizeLinear of x: the inner quantizations are dropped, so this is approximate."""
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    graph = fused.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    dropped: set[str] = set()
+    gelus: dict[str, onnx.NodeProto] = {}
+    for erf in [n for n in graph.node if n.op_type == "Erf"]:
+        div, chain = producer[erf.input[0]], [erf]
+        for _ in range(6):  # Q, DQ, Add, Q, DQ, Mul
+            (after,) = readers[chain[-1].output[0]]
+            chain.append(after)
+        mul = chain[-1]
+        half = [producer[x] for x in mul.input if x != chain[-2].output[0]]
+        while half[-1].op_type != "Mul":  # the DequantizeLinear, QuantizeLinear of x * 0.5
+            half.append(producer[half[-1].input[0]])
+        dropped.update(n.name for n in [div, *chain, *half])
+        gelus[mul.name] = helper.make_node("Gelu", [div.input[0]], [mul.output[0]], erf.name + "/gelu", domain=domain)
+    nodes = [gelus.get(n.name, n) for n in graph.node if n.name not in dropped or n.name in gelus]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if domain:
+        fused.opset_import.append(helper.make_opsetid(domain, 1))
+    else:
+        (std,) = [o for o in fused.opset_import if o.domain in ("", "ai.onnx")]
+        std.version = max(std.version, 20)
+    return fused
+
+
+def _cut(model: onnx.ModelProto, value: str) -> onnx.ModelProto:
+    """``model`` up to ``value``, its one output."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    return onnx.utils.Extractor(inferred).extract_model([i.name for i in model.graph.input], [value])
+
+
+def qnn_gelu(folder: str | None) -> None:
+    from onnx_qrewrite.api import rewrite
+    from onnx_qrewrite.targets.shapes import InputShapes
+
+    for name in ("ortqdq_bert", "ortqop_bert"):
+        path, feeds = _models(folder, name)
+        shapes = InputShapes({k: v.shape for k, v in feeds.items()})
+        model = rewrite(onnx.load(path), target="qnn", input_shapes=shapes, allow_unlowered=True).model
+        _gelu_on_qnn(name, onnx.load(path), model, feeds)
+        _qnn_by_cut(name, fuse_quantized_gelu(model, ""), feeds)  # onnx's shape inference types Gelu
+
+
+def _gelu_on_qnn(name: str, original: onnx.ModelProto, model: onnx.ModelProto, feeds) -> None:
+    """The GELUs fused into Gelu, in onnxruntime and on QNN, against the original in onnxruntime."""
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    reference = _session(original)
+    for domain in ("", "com.microsoft"):
+        fused = fuse_quantized_gelu(model, domain)
+        (out,) = [o.name for o in fused.graph.output]
+        runner = make_runner("qnn", fused, label="gelu", shapes={k: v.shape for k, v in feeds.items()})
+        same = _session(fused)
+        for seed in (None, *CONFIRM_SEEDS):
+            inputs = feeds if seed is None else seeded_like(feeds, seed)
+            want = reference.run(None, inputs)[0]
+            ort_err = float(np.abs(same.run(None, inputs)[0] - want).max())
+            err = np.abs(np.asarray(runner.run(inputs)[out], np.float64) - want)
+            beyond = int((err > 5e-2 + 5e-2 * np.abs(want)).sum())
+            print(
+                f"{name} {domain or 'ai.onnx'} Gelu, inputs {'recorded' if seed is None else f'seed {seed}'}: "
+                f"in onnxruntime {ort_err:.3g} from the original; on QNN max abs {err.max():.3g}, "
+                f"{beyond} of {err.size} beyond QNN's 5e-2 tolerance"
+            )
+
+
+def _qnn_by_cut(name: str, model: onnx.ModelProto, feeds) -> None:
+    """``model`` cut at each quantized value (its DequantizeLinear's output) on QNN and in
+    onnxruntime, on the recorded inputs: the difference in steps of the value's scale."""
+    from onnx_qrewrite.errors import InvalidModelError
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    inits = {i.name: i for i in model.graph.initializer}
+    read = {x for n in model.graph.node for x in n.input}
+    dequantized = {
+        n.input[0]: n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] in read
+    }
+    for q in [n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[1] in inits]:
+        value = dequantized.get(q.output[0])
+        if value is None:
+            continue
+        part = _cut(model, value)
+        try:
+            got = make_runner("qnn", part, label="cut", shapes={k: v.shape for k, v in feeds.items()}).run(feeds)
+        except InvalidModelError:  # a cut QNN does not place whole (CPU fallback disabled)
+            print(f"{name} cut at {q.input[0]}: not placed wholly on QNN")
+            continue
+        err = np.abs(np.asarray(got[value], np.float64) - _session(part).run(None, feeds)[0])
+        step = float(nh.to_array(inits[q.input[1]]))
+        steps = np.rint(err / step).astype(int)
+        counts = {int(k): int(c) for k, c in zip(*np.unique(steps, return_counts=True), strict=True)}
+        print(f"{name} cut at {q.input[0]}: QNN vs onnxruntime max abs {err.max():.3g}, step {step:.4g}, {counts}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", choices=["tflite-recorded-shapes", "qnn-by-hand"])
+    parser.add_argument("experiment", choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu"])
     parser.add_argument("--cut", action="append", default=[], help="tflite: a value also compared (recorded inputs)")
     parser.add_argument("--skip", action="append", default=[], help="tflite: a rule left out of the catalogue")
     parser.add_argument("-o", "--output", help="folder for the battery's models (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.experiment == "tflite-recorded-shapes":
         tflite_recorded_shapes(args.output, args.cut, args.skip)
-    else:
+    elif args.experiment == "qnn-by-hand":
         qnn_by_hand(args.output)
+    else:
+        qnn_gelu(args.output)
 
 
 if __name__ == "__main__":
