@@ -136,6 +136,33 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + _REFUSE.format('when = "input-from"\nops = ["Softmax"]\nthrough = ["Where"]'), ""),
         (lambda t: t + _REFUSE.format('when = "always"\nthrough = ["Where"]'), "'through' goes with"),
         (lambda t: t + _REFUSE.format('when = "input-from"\nops = ["Softmax"]\nthrough = "Where"'), "a list"),
+        (
+            lambda t: (
+                t
+                + _REFUSE.format(
+                    'when = "input-from"\nops = ["Softmax"]\nthrough = ["Where"]\nthrough_static = { Where = 0 }'
+                )
+            ),
+            "",
+        ),
+        (
+            lambda t: (
+                t
+                + _REFUSE.format(
+                    'when = "input-from"\nops = ["Softmax"]\nthrough = ["Where"]\nthrough_static = { Relu = 0 }'
+                )
+            ),
+            "'through_static' maps ops of 'through'",
+        ),
+        (
+            lambda t: (
+                t
+                + _REFUSE.format(
+                    'when = "input-from"\nops = ["Softmax"]\nthrough = ["Where"]\nthrough_static = { Where = -1 }'
+                )
+            ),
+            "'through_static' maps ops of 'through'",
+        ),
         (lambda t: t + _REFUSE.format('when = "computed-input"\ninputs = [-1]'), "'inputs' must be a non-empty"),
         (lambda t: t + _REFUSE.format('when = "outside-chain"'), "'chain' goes with"),
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Div", "Erf"]'), "must name 'op'"),

@@ -1273,7 +1273,15 @@ def _between_softmax_and_its_quantize(path: Path, kind: str) -> onnx.ModelProto:
     model = onnx.load(path)
     (q,) = [n for n in model.graph.node if n.name == "layer.0.attention.probs_QuantizeLinear"]
     f, make, src = onnx.numpy_helper.from_array, helper.make_node, q.input[0]
-    model.graph.initializer.extend([f(np.float32(0), "t_zero"), f(np.zeros(1, np.bool_), "t_false")])
+    model.graph.initializer.extend(
+        [
+            f(np.float32(0), "t_zero"),
+            f(np.zeros(1, np.bool_), "t_false"),
+            f(np.int64(1), "t_one"),
+            f(np.int64(-1), "t_last"),
+        ]
+    )
+    length = [make("Shape", [src], ["t_shape"]), make("Gather", ["t_shape", "t_last"], ["t_len"], axis=0)]
     new = {
         "Identity": [make("Identity", [src], ["t_mid"])],
         "Where of a constant condition": [make("Where", ["t_false", "t_zero", src], ["t_mid"])],
@@ -1286,6 +1294,21 @@ def _between_softmax_and_its_quantize(path: Path, kind: str) -> onnx.ModelProto:
         "Where of a run-time condition": [
             make("IsNaN", [src], ["t_nan"]),
             make("Where", ["t_nan", "t_zero", src], ["t_mid"]),
+        ],
+        "Where of a condition on the input's values": [
+            make("Cast", [model.graph.input[0].name], ["t_ids"], to=onnx.TensorProto.FLOAT),
+            make("ReduceMax", ["t_ids"], ["t_max"], keepdims=0),
+            make("Less", ["t_max", "t_zero"], ["t_neg"]),
+            make("Where", ["t_neg", "t_zero", src], ["t_mid"]),
+        ],
+        "Where of a shape condition": [
+            *length,
+            make("Equal", ["t_len", "t_one"], ["t_single"]),
+            make("Where", ["t_single", "t_zero", src], ["t_mid"]),
+        ],
+        "Where of a constant condition, run-time other branch": [
+            make("Mul", [src, "t_zero"], ["t_zeros"]),
+            make("Where", ["t_false", "t_zeros", src], ["t_mid"]),
         ],
     }[kind]
     at = list(model.graph.node).index(q)
@@ -1302,16 +1325,20 @@ def _between_softmax_and_its_quantize(path: Path, kind: str) -> onnx.ModelProto:
         ("Where of a constant condition", True, False),
         ("Relu", False, True),
         ("Where of the Relu", False, True),
-        ("Where of a run-time condition", True, True),  # refused conservatively (rules/targets/tract.toml)
+        ("Where of a run-time condition", False, True),
+        ("Where of a condition on the input's values", False, True),
+        ("Where of a shape condition", True, False),
+        ("Where of a constant condition, run-time other branch", True, False),
     ],
 )
 def test_tract_quantizelinear_of_a_softmax_through_other_ops(battery, kind, refused, runs):
     """tract 0.23.9 computes ortqdq_bert's QuantizeLinear of the attention Softmax wrongly (2.09 max
     abs), also through an op it folds away (Identity, a Where of a constant condition), not once a
-    Relu is between them, nor through a Where reading that Relu: the profile refuses the Softmax's
-    output read directly or through Identity and Where, not a QuantizeLinear of any Where (as it
-    did). A Where whose condition is computed at run time tract computes right, and the profile
-    still refuses: its one conservative verdict here, asserted so a change is seen."""
+    Relu is between them, nor through a Where reading that Relu. A Where is decided by its
+    condition: one computed from shapes (as qop-softmax writes it) or a constant, whatever the
+    other branch, tract folds and is wrong; one read from run-time data (of the Softmax or of the
+    model's input) it computes right. The profile refuses exactly the wrong ones (through_static,
+    rules/targets/tract.toml), no longer the run-time conditions too."""
     _runtime("tract")
     path = battery["ortqdq_bert"]
     model = _between_softmax_and_its_quantize(path, kind)

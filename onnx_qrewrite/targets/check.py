@@ -403,13 +403,46 @@ def _written_by(scope: Scope, name: str, refusal: Refusal) -> tuple[str, list[st
             continue
         if producer.op_type in refusal.ops:
             return producer.op_type, via
-        if producer.op_type in refusal.through:
+        if producer.op_type in refusal.through and _static_where_asked(scope, producer, refusal):
             step = [*via, f"{producer.op_type} {producer.name or value!r}"]
             for x in producer.input:
                 if x and x not in seen:
                     seen.add(x)
                     pending.append((x, step))
     return None
+
+
+def _static_where_asked(scope: Scope, node: onnx.NodeProto, refusal: Refusal) -> bool:
+    """Whether ``node`` (an op of ``refusal.through``) is looked through: always, unless
+    ``through_static`` names its op, then only where that input is computed from constants and
+    Shape/Size alone (tract folds it once input facts are known, as verify gives them; a Where of
+    a condition read from run-time data it keeps, and computes right: rules/targets/tract.toml)."""
+    for op, index in refusal.through_static:
+        if node.op_type == op:
+            name = _operand(node, index)
+            return name is not None and (name in _shape_computed(scope) or _is_constant(scope, name))
+    return True
+
+
+def _shape_computed(scope: Scope) -> frozenset[str]:
+    """The values of ``scope`` computed from constants and the Shape or Size of any value (static
+    or not) alone, through standard ops without subgraphs: no run-time data in them."""
+
+    def compute() -> frozenset[str]:
+        found: set[str] = set()
+        for node in scope.container.node:
+            if node.domain not in _STANDARD or node.op_type in _NOT_FOLDED:
+                continue
+            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+                continue
+            inputs = [x for x in node.input if x]
+            if node.op_type in ("Shape", "Size", "Constant") or (
+                bool(inputs) and all(x in found or _is_constant(scope, x) for x in inputs)
+            ):
+                found.update(o for o in node.output if o)
+        return frozenset(found)
+
+    return scope.memo("targets.check.shape_computed", compute)
 
 
 def _per_channel(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:

@@ -49,7 +49,10 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # QLinearMatMul) | input-from (with ops = [...]: its first
                                      # input, or one of `inputs`, is the output of one of these
                                      # standard ops; with through = [...] also through a chain of
-                                     # those standard ops, reading it at any of their inputs) |
+                                     # those standard ops, reading it at any of their inputs;
+                                     # through_static = { Where = 0 }: through such an op only
+                                     # where that input is computed from constants and Shape/Size
+                                     # alone, no run-time data) |
                                      # rank-above (with rank = N: one of `inputs` has more than
                                      # N dimensions) | computed-input (one of `inputs` is
                                      # computed at run time, not a constant) | outside-chain
@@ -228,7 +231,20 @@ _ARITHMETIC_KEYS = {"float64", "source", "notes"}
 #: What a target does with float64 arithmetic ([arithmetic] float64).
 FLOAT64_ARITHMETIC = ("float64", "float32", "reduced", "refused")
 _OPS_KEYS = {"domain", "names", "types", "min_opset", "max_opset", "note", "source"}
-_REFUSE_KEYS = {"domain", "op", "when", "types", "ops", "through", "inputs", "rank", "chain", "reason", "source"}
+_REFUSE_KEYS = {
+    "domain",
+    "op",
+    "when",
+    "types",
+    "ops",
+    "through",
+    "through_static",
+    "inputs",
+    "rank",
+    "chain",
+    "reason",
+    "source",
+}
 _QUANT_KEYS = {
     "types",
     "constant_scale",
@@ -281,6 +297,8 @@ class Refusal:
     rank: int | None = None  # when = "rank-above": the most dimensions taken
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
     through: frozenset[str] = frozenset()  # "input-from": ops between the producer and the op it looks through
+    # "input-from": (op of ``through``, input) looked through only where that input has no run-time data
+    through_static: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -724,6 +742,7 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         raise _fail(path, where, "'through' must be a list of op names")
     if through and when != "input-from":
         raise _fail(path, where, "'through' goes with 'when = \"input-from\"'")
+    through_static = _through_static(path, where, raw, through)
     op = _string(path, where, raw, "op")
     if (when == "outside-chain") != bool(chain) or (chain and op not in chain):
         raise _fail(path, where, "'chain' goes with 'when = \"outside-chain\"', needs ops, and must name 'op'")
@@ -739,7 +758,19 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         rank,
         tuple(chain),
         frozenset(through),
+        through_static,
     )
+
+
+def _through_static(path: str, where: str, raw: Mapping[str, Any], through: list[str]) -> tuple[tuple[str, int], ...]:
+    """``through_static``: ops of ``through`` (to input positions) looked through only where that
+    input is computed from constants and shapes alone (a runtime that folds it folds the op away)."""
+    table = raw.get("through_static", {})
+    if not isinstance(table, Mapping) or not all(
+        op in through and isinstance(i, int) and not isinstance(i, bool) and i >= 0 for op, i in table.items()
+    ):
+        raise _fail(path, where, "'through_static' maps ops of 'through' to an input position (0, 1, ...)")
+    return tuple(sorted(table.items()))
 
 
 def _quantization(path: str, data: Mapping[str, Any], sources: Mapping[str, Source]) -> Quantization | None:
