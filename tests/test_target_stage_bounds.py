@@ -140,3 +140,32 @@ def test_verify_says_plainly_when_a_later_stage_computes_through_the_bounded_val
     assert "bound not checked at node mm (rule qop-matmul)" in report.to_table()
     assert report.to_dict()["unchecked_bounds"] == [{"node": "mm", "rule": "qop-matmul", "why": unchecked.why}]
     assert not [o for o in report.outputs if o.role == "bound"]
+
+
+def test_verify_says_plainly_when_a_later_stage_rewrites_the_bounded_replacement_inexactly(tmp_path):
+    """A later stage whose rule is not exact (qdq-to-float's approximate pair removal, for a target
+    with no QuantizeLinear or DequantizeLinear) rewrites what qop-matmul wrote: it does not continue
+    qop-matmul's provenance, so mm's bound describes no nodes of the model any more. verify reports
+    it unchecked (table, summary, JSON), naming the later rule, instead of saying nothing."""
+    folder = tmp_path / "approximate"
+    folder.mkdir()
+    profile = PROFILE.replace(
+        'name = "float-emulation"\nallow = "exact"', 'name = "qdq-to-float"\nallow = "approximate"'
+    )
+    (folder / "staged.toml").write_text(profile.replace('"DequantizeLinear", ', ""))
+    model = _model(read_by_dq=True)
+    model.graph.node.insert(0, helper.make_node("QuantizeLinear", ["x", "a_s", "a_z"], ["a"], name="q_in"))
+    del model.graph.input[:]
+    model.graph.input.append(helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8]))
+    result = rewrite(model, target=str(folder / "staged.toml"), allow=("exact", "bounded", "approximate"))
+    levels = {r.rule: r.exactness for r in result.report.rewrites}
+    assert levels["qop-matmul"] == "bounded" and levels["qdq-to-float-drop-dq"] == "approximate", levels
+    assert result.report.target["refused_after"] == 0
+    report = verify(model, result.model, samples=3)
+    (unchecked,) = report.unchecked_bounds
+    assert (unchecked.origin, unchecked.rule) == ("mm", "qop-matmul")
+    assert "qdq-to-float-drop-" in unchecked.why and "(approximate)" in unchecked.why
+    assert "NOT checked at the node" in report.summary
+    assert "bound not checked at node mm (rule qop-matmul)" in report.to_table()
+    assert report.to_dict()["unchecked_bounds"] == [{"node": "mm", "rule": "qop-matmul", "why": unchecked.why}]
+    assert not [o for o in report.outputs if o.role == "bound"]

@@ -457,6 +457,7 @@ def _build_scope(
     # in the report entries, not a new one read out of protobuf per rewrite (~2 MB at 100k).
     codes, keys = scope.op_codes()
     container = scope.container
+    bounded = _bounded_owners(container.node, made) if made is not None else frozenset()
     cursor = 0  # the first node of the spooled list not yet written
     builders, report, applied, progress = build.builders, build.report, build.applied, build.progress
     root_id = id(scope.root)
@@ -467,9 +468,12 @@ def _build_scope(
         builder = builders.get(rule.id)
         if builder is None:
             builder = builders[rule.id] = rule.implementation
-        # An exact rule's replacement of a node an earlier run made continues that replacement.
-        inherit = build.later or (made is not None and made[m.index] is not None and rule.exactness == EXACT)
-        piece, created_nodes, created_ops, reads = _replacement(build, m, builder, scope, pool, inherit)
+        # An exact rule's replacement of a node an earlier run made continues that replacement;
+        # another rule's ends it, and says so where the earlier one declared a bound.
+        earlier = made[m.index] if made is not None else None
+        inherit = build.later or (earlier is not None and rule.exactness == EXACT)
+        superseded = earlier if not inherit and earlier in bounded else None
+        piece, created_nodes, created_ops, reads = _replacement(build, m, builder, scope, pool, inherit, superseded)
         if spool is not None:
             if cursor < m.index:  # (none between a chain's quantizer and its matmul)
                 _spool_unchanged(spool, container, cursor, m.index)
@@ -508,15 +512,33 @@ def _build_scope(
     return replacements
 
 
+def _bounded_owners(nodes: Sequence[Any], made: Sequence[Any]) -> frozenset[tuple[str, str]]:
+    """The earlier run's replacements (rule, origin) that declared a bound (on their first node,
+    or every node in "full" mode)."""
+    keys = (provenance_mod.BOUND_KEY, Emitter.BOUND_FORMULA_KEY)
+    return frozenset(
+        owner
+        for node, owner in zip(nodes, made, strict=True)
+        if owner is not None and any(e.key in keys for e in node.metadata_props)
+    )
+
+
 def _replacement(
-    build: _Build, m: _Match, builder: Any, scope: Scope, pool: ConstantPool, inherit: bool
+    build: _Build,
+    m: _Match,
+    builder: Any,
+    scope: Scope,
+    pool: ConstantPool,
+    inherit: bool,
+    superseded: tuple[str, str] | None = None,
 ) -> tuple[bytes, Sequence[str], tuple[str, ...], set[str] | Template]:
     """One match's replacement, framed as its scope's node fields: stamped from the template of an
     earlier equal build (``builders/_stamp.py``) or built (and recorded as a template); also the
     names of the nodes it created, their ops and the names the replacement reads of its node's
     inputs (for a stamp, its template, which tells them: most rewrites never ask). Notes which inputs
     of the node its replacement leaves unread (``build.dropped``) or still reads. ``inherit``: the
-    replacement continues the one that made the node (its provenance and name prefix)."""
+    replacement continues the one that made the node (its provenance and name prefix).
+    ``superseded``: the earlier bounded replacement (rule, origin) this one rewrites part of."""
     site, rule, plan = m.site, m.rule, m.plan
     node = site.node
     if inherit:
@@ -535,6 +557,9 @@ def _replacement(
             plan.bound_u8s8,
             name,
         )
+        if superseded is not None and metadata[0]:
+            mark = encode_metadata([(provenance_mod.SUPERSEDED_KEY, "\t".join(superseded))])
+            metadata = (metadata[0] + mark, metadata[1] + mark if metadata[1] else b"")
         outputs = site.outputs
         prefix = Emitter.prefix_for(node, name, outputs[0] if outputs else "")
     key = None

@@ -33,6 +33,7 @@ __all__ = [
     "MODE_KEY",
     "ORIGIN_KEY",
     "RULE_KEY",
+    "SUPERSEDED_KEY",
     "attribute_nodes",
     "check_mode",
     "model_mode",
@@ -45,6 +46,10 @@ MODE_KEY = "onnx_qrewrite.provenance"
 #: bound (written by the Emitter; read by the verifier, which must not import the builders).
 EXACTNESS_KEY = "onnx_qrewrite.exactness"
 BOUND_KEY = "onnx_qrewrite.bound"
+#: On the first node of a later pass's inexact replacement of a node that an earlier bounded
+#: replacement made: "<rule>\t<origin>" of that earlier one, whose bound no longer describes the
+#: model's nodes (the verifier reports it unchecked instead of checking it, or saying nothing).
+SUPERSEDED_KEY = "onnx_qrewrite.supersedes_bound"
 MODES = ("compact", "full", "none")
 DEFAULT_MODE = "compact"
 

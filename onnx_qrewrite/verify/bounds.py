@@ -95,7 +95,9 @@ class BoundedRewrite:
 class UncheckedBound:
     """A bounded replacement whose bound is recorded but cannot be checked at its node: a later
     rewrite (a target plan's later stage, which continues the replacement's provenance) left it
-    without the original node's outputs, or joined it to values the original does not compute."""
+    without the original node's outputs, or joined it to values the original does not compute; or
+    a later stage's rule that is not exact rewrote part of it (it does not continue the
+    provenance: ``provenance.SUPERSEDED_KEY`` marks its replacement)."""
 
     rule: str
     origin: str
@@ -130,6 +132,10 @@ _NO_OUTPUTS = (
 _NOT_ORIGINAL = (
     "it reads values the original model does not compute (a later rewrite joined it to another "
     "replacement), so it cannot be run alone on the original's values"
+)
+_SUPERSEDED = (
+    "a later stage's {rule} ({exactness}) rewrote part of its replacement, so the bound it declared is "
+    "not that of the model's nodes; only the model's outputs are compared"
 )
 
 
@@ -176,7 +182,33 @@ def _scan(original: onnx.ModelProto, rewritten: onnx.ModelProto) -> tuple[list[B
                     )
                 )
         index = end
-    return found, unchecked
+    return _superseded(nodes, found, unchecked)
+
+
+def _superseded(
+    nodes: Sequence[onnx.NodeProto], found: list[BoundedRewrite], unchecked: list[UncheckedBound]
+) -> tuple[list[BoundedRewrite], list[UncheckedBound]]:
+    """``found`` and ``unchecked`` with the bounded replacements a later stage's inexact rule
+    rewrote part of (``provenance.SUPERSEDED_KEY``) moved to the unchecked, with why."""
+    why: dict[tuple[str, str], str] = {}
+    for node in nodes:
+        meta = _meta(node)
+        mark = meta.get(provenance.SUPERSEDED_KEY)
+        if mark is not None:
+            rule, _, origin = mark.partition("\t")
+            later = meta.get(provenance.RULE_KEY, "?")
+            why.setdefault(
+                (rule, origin), _SUPERSEDED.format(rule=later, exactness=meta.get(provenance.EXACTNESS_KEY, "?"))
+            )
+    if not why:
+        return found, unchecked
+    kept = [b for b in found if (b.rule, b.origin) not in why]
+    listed = {(u.rule, u.origin) for u in unchecked}
+    unchecked = [dataclasses.replace(u, why=why.get((u.rule, u.origin), u.why)) for u in unchecked]
+    unchecked += [
+        UncheckedBound(rule, origin, text) for (rule, origin), text in why.items() if (rule, origin) not in listed
+    ]
+    return kept, unchecked
 
 
 def _alone(rewrite: BoundedRewrite, rewritten: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:

@@ -108,8 +108,8 @@ class VerifyReport:
     #: Why nothing was compared although the models ran (e.g. the same file given twice).
     not_compared: str | None = None
     #: Bounded replacements whose bound is recorded but not checked at their node (verify/bounds.py
-    #: UncheckedBound: a target plan's later stage computes through what they wrote); the model's
-    #: outputs are still compared.
+    #: UncheckedBound: a target plan's later stage computes through what they wrote, or rewrote part
+    #: of it with a rule that is not exact); the model's outputs are still compared.
     unchecked_bounds: tuple[Any, ...] = ()
 
     @property
@@ -202,7 +202,7 @@ class VerifyReport:
         if not n:
             return ""
         what = _plural(n, ("bounded replacement's bound", "bounded replacements' bounds"))
-        return f"; {what} NOT checked at the node (a later rewrite computes through what they wrote)"
+        return f"; {what} NOT checked at the node (a later rewrite computes through or rewrote what they wrote)"
 
     def rows(self, role: str) -> list[ValueComparison]:
         """The comparison rows of ``role`` (``output``, ``bound`` or ``value-read``; see
