@@ -242,7 +242,15 @@ def _without_bias():
 
 NOT_LOWERED = {
     "past without present": (lambda: _with_input(4, "past", [2, 2, 4, 0, 8]), "past without present"),
-    "attention_bias": (lambda: _with_input(5, "ab", [2, 4, 8, 8]), "input 5 (attention_bias) is given"),
+    "attention_bias of rank 3": (
+        lambda: _with_input(5, "ab", [2, 8, 8]),
+        "attention_bias is 3-D; the kernel takes 4-D",
+    ),
+    "past_sequence_length": (lambda: _with_input(6, "psl", [1]), "input 6 (past_sequence_length) is given"),
+    "past with attention_bias (the kernel refuses it)": (
+        lambda: _with_past(_with_attention_bias(_with_input(4, "past", [2, 2, 4, 3, 8]), [2, 4, 8, 11])),
+        "past with attention_bias: the kernel refuses it",
+    ),
     "present with K and V sizes apart": (
         lambda: attention_model(
             2, 8, 32, [32, 32, 16], 4, attrs={"qkv_hidden_sizes": [32, 32, 16]}, outputs=("y", "p")
@@ -273,6 +281,58 @@ def test_attention_forms_not_lowered_say_why(case):
     make, reason = NOT_LOWERED[case]
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
         onnx_qrewrite.rewrite(make())
+
+
+def _with_attention_bias(model, shape):
+    node = model.graph.node[0]
+    while len(node.input) < 5:
+        node.input.append("")
+    node.input.append("ab")
+    model.graph.input.append(helper.make_tensor_value_info("ab", TensorProto.FLOAT, list(shape)))
+    return model
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("form", ["full", "heads", "one"])
+@pytest.mark.parametrize("mask", [None, "raw", "lengths"], ids=str)
+@pytest.mark.parametrize("unidirectional", [0, 1])
+@pytest.mark.parametrize("present", [False, True], ids=["no-present", "present"])
+def test_attention_bias_is_bit_exact(present, unidirectional, mask, form):
+    """attention_bias (B or 1, N or 1, S, T) joins the scaled scores before the mask, as in
+    MultiHeadAttention (the same kernel code): the fully masked entries show the order bit for bit.
+    (The kernel refuses it with past.)"""
+    batch, seq, hidden, heads = 2, 8, 32, 4
+    shape = {"full": (batch, heads, seq, seq), "heads": (1, heads, seq, seq), "one": (1, 1, seq, seq)}[form]
+    attrs = {"unidirectional": unidirectional}
+    outputs = ("y", "present") if present else ("y",)
+    model = attention_model(batch, seq, hidden, [hidden] * 3, heads, MASK_SHAPES[mask](batch, seq), attrs)
+    if present:
+        model = past_attention_model(batch, seq, 0, hidden, heads, MASK_SHAPES[mask](batch, seq), attrs, False)
+    feeds = attention_feeds(batch, seq, hidden, [hidden] * 3, mask)
+    model = _with_attention_bias(model, shape)
+    feeds["ab"] = (RNG.standard_normal(shape) * 3).astype(np.float32)
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-attention": 1}
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in outputs:
+        assert_bitwise_equal(got[name], want[name], f"{name}: present {present}, mask {mask}, bias {form}")
+    dropped = {**feeds, "ab": np.zeros_like(feeds["ab"])}
+    assert np.abs(run(result.model, dropped)["y"] - want["y"]).max() > 1e-3  # the bias matters here
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("shape", [(2, 33, 256, 4), (3, 1, 32, 4)], ids=str)
+def test_attention_bias_beyond_the_bit_exact_cases_is_within_the_stated_bound(shape):
+    """Wider inputs and one query: the projection rounds differently; the output within the bound,
+    its score counting attention_bias."""
+    batch, seq, hidden, heads = shape
+    sizes = [hidden] * 3
+    model = _with_attention_bias(attention_model(batch, seq, hidden, sizes, heads), (batch, heads, seq, seq))
+    feeds = attention_feeds(batch, seq, hidden, sizes)
+    feeds["ab"] = (RNG.standard_normal((batch, heads, seq, seq)) * 10).astype(np.float32)
+    _, want, got = rewrite_and_run(model, feeds)
+    ab_top = np.abs(feeds["ab"]).max() * 2.0**-20 * np.abs(feeds["x"] @ feeds["w"] + feeds["b"]).max()
+    assert np.abs(got.astype(np.float64) - want).max() <= _attention_bound(feeds, sizes, heads) + ab_top
 
 
 # --- Attention with past / present state (the KV cache of GPT-2-like decoders) --------------------
@@ -544,7 +604,10 @@ def _packed_kv():
 MHA_NOT_LOWERED = {
     "past_sequence_length": (lambda: _mha_with(8, "psl", [1]), "input 8 (past_sequence_length) is given"),
     "past_key alone": (lambda: _mha_with(6, "pk", [2, 4, 3, 8]), "past_key and past_value must both be given"),
-    "packed kv": (_packed_kv, "packed QKV or KV"),
+    "packed kv": (
+        _packed_kv,
+        "packed KV (key of shape (B, L, N, 2, H), no value): onnxruntime's CPU kernel refuses it",
+    ),
 }
 
 

@@ -207,10 +207,6 @@ def _without(model, output):
     return model
 
 
-def _qk_output():
-    return mha_model(2, 4, 4, 3, 32, 4, outputs=("y", "present_key", "present_value", "qk"))
-
-
 NOT_LOWERED = {
     "past without present": (
         lambda: mha_model(2, 4, 4, 3, 32, 4, outputs=("y",)),
@@ -220,7 +216,6 @@ NOT_LOWERED = {
         lambda: _without(mha_model(2, 4, 4, 3, 32, 4), "present_value"),
         "past_key/past_value without both present_key and present_value",
     ),
-    "qk output": (_qk_output, "the qk output is used"),
 }
 
 

@@ -488,26 +488,27 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: BOUNDED,
             bound="the projection's bias added after, not before, MLAS's K-blocked float32 sum (bit-exact while "
             "the input hidden size is <= 128 and sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
-            "at each output, score = scale·Q·Kᵀ, past keys and values included (asserted on the tests' battery; "
-            "worst measured 2^-22.6); present: its past part copied bit for bit, its new K and V within "
-            "2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size",
+            "at each output, score = scale·Q·Kᵀ plus attention_bias, past keys and values included (asserted on "
+            "the tests' battery; worst measured 2^-22.6); present: its past part copied bit for bit, its new K and "
+            "V within 2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size",
             opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
     ),
     "unfuse_multi_head_attention": (
         "contrib_attention",
         Contract(
-            output_types=lambda options, op: ("input 0", "input 0", "input 0"),  # output, present K and V
+            output_types=lambda options, op: ("input 0",) * 4,  # output, present K and V, qk
             options=(),
-            emits=ATTENTION_EMITS,
+            emits=ATTENTION_EMITS | {"Identity"},  # 4-D key/value's presents, the qk output
             exactness=lambda options: BOUNDED,
-            bound="without key_padding_mask, attention_bias, unidirectional and present outputs the kernel takes "
-            "its blocked (flash) softmax path, and at query sequence 1 MLAS's GEMV (most in a fully masked row): "
-            "other float32 roundings (bit-exact otherwise: sequence > 1 with any of them, past/present included); "
-            "within 2^-20·(1 + max|score|)·max|V| at each output, score = scale·Q·Kᵀ over the past and new keys "
-            "plus attention_bias, and plus the filter value in rows whose every key is masked (asserted on the "
-            "tests' battery; worst measured 0.091 of it, a fully masked decoder step); present_key / "
-            "present_value bit-exact (copies)",
+            bound="without key_padding_mask, attention_bias, unidirectional, present outputs, the qk output, "
+            "cache_indirection and 4-D key/value the kernel takes its blocked (flash) softmax path, and at query "
+            "sequence 1 MLAS's GEMV (most in a fully masked row): other float32 roundings (bit-exact otherwise: "
+            "sequence > 1 with any of them, past/present included); within 2^-20·(1 + max|score|)·max|V| at each "
+            "output, score = scale·Q·Kᵀ over the past and new keys plus attention_bias, and plus the filter value "
+            "in rows whose every key is masked (asserted on the tests' battery; worst measured 0.091 of it, a fully "
+            "masked decoder step); the qk output within 2^-20·(1 + max|score|) at sequence 1, bit-exact otherwise; "
+            "present_key / present_value bit-exact (copies)",
             opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
     ),

@@ -1,40 +1,52 @@
 """onnxruntime's ``com.microsoft`` attention fusions -> the standard ops they fuse (what
 onnxruntime.transformers' optimizer writes into BERT-like models)::
 
-    Attention(x, W, bias, mask_index, past)
+    Attention(x, W, bias, mask_index, past, attention_bias)
                                        -> MatMul(x, W) + bias, Slice into Q, K, V,
                                           Reshape/Transpose to heads, [Concat past K, V before them,
                                           present = their stack], MatMul(Q, Kᵀ) · scale
-                                          [+ Where(keep, 0, mask_filter_value)], Softmax,
+                                          [+ attention_bias] [+ the mask], Softmax,
                                           MatMul(·, V), Transpose/Reshape back
-    MultiHeadAttention(q, k, v, bias, key_padding_mask, attention_bias, past_key, past_value)
+    MultiHeadAttention(q, k, v, bias, key_padding_mask, attention_bias, past_key, past_value,
+                       past_sequence_length, cache_indirection)
                                        -> the same from Q, K, V (+ their bias slices), with
-                                          present_key/value = Concat(past, new heads) and
-                                          attention_bias added to the scaled scores before the mask
+                                          present_key/value = Concat(past, new heads), 4-D key/value
+                                          taken as heads, and qk = the scores the Softmax reads
 
 in the kernel's order of operations (onnxruntime 1.31.1's CPU kernel, ``attention_cpu_base.h``):
-scores are ``scale · Q·Kᵀ + mask`` with the mask the kernel builds (0 where a key is attended,
-``mask_filter_value``, default -10000, where not; keys after the query under ``unidirectional``
-get -inf whatever the padding mask says), then onnxruntime's own Softmax, then the probabilities times V.
+scores are ``scale · Q·Kᵀ + attention_bias + mask`` with the mask the kernel builds (0 where a key
+is attended, ``mask_filter_value``, default -10000, where not; float32's lowest value at the keys
+after the query under ``unidirectional``, in place of the padding value, added to the score:
+measured with scores beyond 2^103, where that sum overflows to -inf), then onnxruntime's own
+Softmax, then the probabilities times V.
 
 Masks (``mask_index``): absent; 1-D key lengths (B: keys at or after the length are masked; 2B: also
 those before the start positions in the second half); 2-D raw 0/1 mask (B, T) and 3-D (B, S, T)
 (a key is attended where the value is > 0); ``unidirectional`` adds the causal mask. With past state
 (2, B, N, P, H) the keys and values are the past ones then the new ones (the kernel's
 ConcatStateChunk; T = P + S, masks over T), query i sits at position P + i (the causal mask hides the
-keys after it), and ``present`` is (2, B, N, T, H). Not lowered (the node stays, with the reason):
-past without present (the kernel refuses it), ``past_present_share_buffer`` / ``past_sequence_length``,
-``attention_bias``, rotary embeddings, 4-D (Megatron) masks, float16, a missing bias (the CPU kernel
-crashes without one).
+keys after it), and ``present`` is (2, B, N, T, H). ``attention_bias`` (B or 1, N or 1, S, T) as
+MultiHeadAttention's (the same kernel code). Not lowered (the node stays, with the reason): past
+without present and past with attention_bias (the kernel refuses both),
+``past_present_share_buffer`` / ``past_sequence_length``, rotary embeddings, 4-D (Megatron) masks,
+float16, a missing bias (the CPU kernel crashes without one).
 
-MultiHeadAttention (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_mha_state.py):
-past_key/past_value (B, N, P, H) go before the new keys and values in heads, present_key/value
-are that concatenation (B, N, P + L, H), query i sits at P + i. The kernel's causal loop stops
-before the last query (and is off at one query): that row sees every key, which shows where there
-are more keys than past + queries. A 1-D key_padding_mask is read as B key lengths (also its
-3B + 2 form: only the first B). attention_bias (B or 1, N or 1, S, T) joins the scaled scores
-before the mask (a fully masked row shows the order). With past but without both present outputs
-the kernel does not attend to past + new keys (measured): not lowered.
+MultiHeadAttention (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_mha_state.py and
+tests/test_unfuse_mha_forms.py): past_key/past_value (B, N, P, H) go before the new keys and values
+in heads, present_key/value are that concatenation (B, N, P + L, H), query i sits at P + i. The
+kernel's causal loop stops before the last query (and is off at one query): that row sees every key,
+which shows where there are more keys than past + queries. A 1-D key_padding_mask is read as B key
+lengths (also its 3B + 2 form: only the first B). attention_bias (B or 1, N or 1, S, T) joins the
+scaled scores before the mask (a fully masked row shows the order). With past but without both
+present outputs the kernel does not attend to past + new keys (measured): not lowered. 4-D key and
+value (B, N, L, H), as cross attention passes its cached keys, are used as they are: only Q's slice
+of the bias is added (the kernel reads no other), the presents are copies of them (after the past
+where past and both presents are given, as for 3-D). The qk output (B, N, S, T) is the scores the
+Softmax reads, attention_bias and mask included. cache_indirection is read only with
+past_sequence_length (the kernel's decoder-masked path, not lowered): without it, its rank is checked
+and no value read (measured). Packed QKV (query (B, L, N, 3, H), or query alone) and packed KV (key
+(B, L, N, 2, H)) are refused by the CPU kernel itself ("not implemented for CPU"): nothing to
+measure, not lowered.
 
 Why bounded, not exact: the kernel computes each head's projection as its own GEMM whose output
 starts from the bias (C = bias, then C += x·W per K block), the standard form adds the bias after the
@@ -257,9 +269,13 @@ class AttentionBuilder:
         for attr in ("do_rotary", "past_present_share_buffer"):
             if site.attribute(attr, 0):
                 raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
-        for index, what in ((5, "attention_bias"), (6, "past_sequence_length")):
-            if site.input(index):
-                raise NoMatch(f"input {index} ({what}) is given; not lowered")
+        if site.input(6):
+            raise NoMatch("input 6 (past_sequence_length) is given; not lowered")
+        if site.input(5):
+            if site.input(4):
+                raise NoMatch("past with attention_bias: the kernel refuses it ('cannot have both')")
+            _float32(site, site.input(5))
+            _check_rank(site, 5, "attention_bias", 4)
         if not site.input(0) or not site.input(1):
             raise NoMatch("malformed node: input and weights are required")
         if not site.input(2):
@@ -308,7 +324,9 @@ class AttentionBuilder:
         keep, causal = emit_masks(
             emit, site.input(3), plan.data["mask_rank"], x, x, plan.data["causal"], key_length, past_length
         )
-        emit_heads_attention(emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv)
+        emit_heads_attention(
+            emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv, site.input(5)
+        )
 
 
 def _emit_state(
@@ -382,40 +400,41 @@ class MultiHeadAttentionBuilder:
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes({"num_heads", "unidirectional", "mask_filter_value", "scale"})
-        for index, what in ((8, "past_sequence_length"), (9, "cache_indirection")):
-            if site.input(index):
-                raise NoMatch(f"input {index} ({what}) is given; not lowered")
-        if len(site.node.output) > 3 and site.node.output[3]:
-            raise NoMatch("the qk output is used; not lowered")
-        if not (site.input(0) and site.input(1) and site.input(2)):
-            raise NoMatch("packed QKV or KV (no separate key and value) is not lowered")
+        if site.input(8):
+            raise NoMatch("input 8 (past_sequence_length) is given; not lowered")
+        _refuse_packed(site)
         _float32(site, *[site.input(i) for i in (0, 1, 2, 3, 5, 6, 7)])
         heads = int(site.attribute("num_heads", 0))
         if heads <= 0:
             raise NoMatch(f"num_heads={heads}")
-        sizes = _mha_sizes(site, heads)
+        sizes, bnsh = _mha_sizes(site, heads)
         plan = _mask_plan(site, 4, "key_padding_mask", sizes, heads)
         state = _mha_state(site, sizes, heads)
         if site.input(5):
             _check_rank(site, 5, "attention_bias", 4)
-        return dataclasses.replace(plan, data={**plan.data, **state})
+        if site.input(9):  # read only with past_sequence_length (the kernel's decoder-masked path)
+            _check_cache_indirection(site)
+        return dataclasses.replace(plan, data={**plan.data, **state, "bnsh": bnsh, "qk": _output(site, 3)})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
         q, k, v = site.input(0), site.input(1), site.input(2)
         if site.input(3):  # the kernel adds each slice of the bias to its input before the heads split
             bounds = np.cumsum([0, *sizes])
+            parts = 1 if plan.data["bnsh"] else 3  # 4-D key/value: the kernel reads Q's slice only (measured)
             q, k, v = (
                 emit.op1(
                     "Add",
                     [t, _slice(emit, site.input(3), int(bounds[i]), int(bounds[i + 1]), 0)],
                     hint=f"AddBias{'QKV'[i]}",
                 )
+                if i < parts
+                else t
                 for i, t in enumerate((q, k, v))
             )
         kv, key_length, past_length = None, None, None
-        if plan.data.get("state"):
-            kv = _emit_mha_state(emit, site, k, v, heads, sizes)
+        if plan.data.get("state") or plan.data["bnsh"]:
+            kv = _emit_mha_state(emit, site, k, v, heads, sizes, plan.data["bnsh"])
             key_length = _dim(emit, kv[0], 2)
             past_length = _dim(emit, site.input(6), 2) if site.input(6) else None
         keep, causal = emit_masks(
@@ -431,27 +450,94 @@ class MultiHeadAttentionBuilder:
         )
         scale = float(site.attribute("scale", 0.0))
         emit_heads_attention(
-            emit, q, k, v, heads, sizes, scale, keep, causal, site, site.node.output[0], kv, site.input(5)
+            emit,
+            q,
+            k,
+            v,
+            heads,
+            sizes,
+            scale,
+            keep,
+            causal,
+            site,
+            site.node.output[0],
+            kv,
+            site.input(5),
+            qk=_output(site, 3),
         )
 
 
-def _mha_sizes(site: Site, heads: int) -> list[int]:
-    """The hidden sizes of MultiHeadAttention's 3-D query, key and value, split into ``heads`` heads
-    with Q and K alike."""
-    sizes = []
-    for index, what in ((0, "query"), (1, "key"), (2, "value")):
-        shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
-        if shape is None or len(shape) != 3 or shape[2] is None:
-            if shape is not None and len(shape) != 3:
-                raise NoMatch(f"{what} is {len(shape)}-D; only (batch, sequence, hidden) is lowered")
-            raise NoMatch(
-                f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
-                "on the model first (onnx.shape_inference.infer_shapes)"
-            )
-        sizes.append(int(shape[2]))
+def _output(site: Site, index: int) -> str:
+    """Output ``index`` of the node where it is used, else ''."""
+    return site.node.output[index] if len(site.node.output) > index else ""
+
+
+def _refuse_packed(site: Site) -> None:
+    """The packed forms of MultiHeadAttention, which onnxruntime's CPU kernel refuses (measured
+    with 1.31.1: nothing to measure a rewrite against)."""
+    query = value_shape(site.scope, site.input(0), site.same_shape_ops)
+    if query is not None and len(query) == 5:
+        raise NoMatch(
+            "packed QKV (query of shape (B, L, N, 3, H)): onnxruntime's CPU kernel refuses it ('not implemented "
+            "for CPU'), nothing to measure against; not lowered"
+        )
+    if not site.input(1):
+        raise NoMatch(
+            "packed QKV (no key or value): onnxruntime's CPU kernel refuses it ('Packed qkv of 3D BS3NH format is "
+            "not support', or not implemented for CPU), nothing to measure against; not lowered"
+        )
+    key = value_shape(site.scope, site.input(1), site.same_shape_ops)
+    if (key is not None and len(key) == 5) or not site.input(2):
+        raise NoMatch(
+            "packed KV (key of shape (B, L, N, 2, H), no value): onnxruntime's CPU kernel refuses it ('not "
+            "implemented for CPU'), nothing to measure against; not lowered"
+        )
+
+
+def _check_cache_indirection(site: Site) -> None:
+    """cache_indirection without past_sequence_length: the CPU kernel checks its rank (3) and type
+    and reads none of its values (measured: any values give the same outputs); it only keeps the
+    kernel off its flash path."""
+    elem = site.elem_type(site.input(9))
+    if elem is not None and elem != _T.INT32:
+        raise NoMatch(f"cache_indirection is {dtype_name(elem)}, not int32")
+    _check_rank(site, 9, "cache_indirection", 3)
+
+
+def _mha_sizes(site: Site, heads: int) -> tuple[list[int], bool]:
+    """The hidden sizes of MultiHeadAttention's query (B, S, D), key and value, split into ``heads``
+    heads with Q and K alike; and whether key and value are 4-D (B, N, L, H), already in heads."""
+    shapes = [_mha_shape(site, index, heads) for index in range(3)]
+    bnsh = len(shapes[1]) == 4
+    if len(shapes[2]) != len(shapes[1]):
+        raise NoMatch(f"key is {len(shapes[1])}-D and value {len(shapes[2])}-D: the kernel takes both 3-D or both 4-D")
+    if bnsh and any(None not in (a, b) and a != b for a, b in zip(shapes[1], shapes[2], strict=True)):
+        raise NoMatch(f"4-D key {shapes[1]} and value {shapes[2]} differ in shape: the kernel refuses it")
+    last = [int(shape[-1] or 0) for shape in shapes]  # recorded: _mha_shape checks it
+    sizes = [last[0], heads * last[1], heads * last[2]] if bnsh else last
     if sizes[0] != sizes[1] or any(s % heads for s in sizes):
         raise NoMatch(f"hidden sizes {sizes} do not split into {heads} heads with Q and K alike")
-    return sizes
+    return sizes, bnsh
+
+
+def _mha_shape(site: Site, index: int, heads: int) -> tuple[int | None, ...]:
+    """The recorded shape of query (3-D), key or value (3-D, or 4-D with ``heads`` heads), its last
+    dimension known."""
+    what = ("query", "key", "value")[index]
+    shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+    if shape is not None and len(shape) not in ((3,) if index == 0 else (3, 4)):
+        raise NoMatch(
+            f"{what} is {len(shape)}-D; only (batch, sequence, hidden) or, for key and value, "
+            "(batch, heads, sequence, head) is lowered"
+        )
+    if shape is None or shape[-1] is None:
+        raise NoMatch(
+            f"the hidden size of {what} {site.input(index)!r} is not recorded; run onnx shape inference "
+            "on the model first (onnx.shape_inference.infer_shapes)"
+        )
+    if len(shape) == 4 and shape[1] not in (heads, None):
+        raise NoMatch(f"4-D {what} has {shape[1]} heads, not num_heads={heads}")
+    return shape
 
 
 def _check_rank(site: Site, index: int, label: str, rank: int) -> None:
@@ -488,15 +574,20 @@ def _mha_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
     return {"state": True}
 
 
-def _emit_mha_state(emit: Emitter, site: Site, k: str, v: str, heads: int, sizes: list[int]) -> tuple[str, str]:
-    """K and V split into heads (B, N, T, H), after past_key / past_value when given (the kernel's
-    ConcatStateChunk), written to present_key / present_value where those are used."""
+def _emit_mha_state(
+    emit: Emitter, site: Site, k: str, v: str, heads: int, sizes: list[int], bnsh: bool = False
+) -> tuple[str, str]:
+    """K and V split into heads (B, N, T, H) (``bnsh``: given so), after past_key / past_value when
+    given (the kernel's ConcatStateChunk), written to present_key / present_value where those are used."""
     result = []
     for i, (t, size) in enumerate(((k, sizes[1]), (v, sizes[2]))):
-        present = site.node.output[1 + i] if len(site.node.output) > 1 + i else ""
+        present = _output(site, 1 + i)
         past = site.input(6 + i)
-        shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size // heads], np.int64))])
-        split = emit.op1("Transpose", [shaped], None if past else present, perm=[0, 2, 1, 3])
+        if bnsh:
+            split = emit.op1("Identity", [t], present) if present and not past else t
+        else:
+            shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size // heads], np.int64))])
+            split = emit.op1("Transpose", [shaped], None if past else present, perm=[0, 2, 1, 3])
         result.append(emit.op1("Concat", [past, split], present, axis=2) if past else split)
     return result[0], result[1]
 
@@ -571,12 +662,16 @@ def emit_heads_attention(
     output: str,
     kv_heads: tuple[str, str] | None = None,
     attention_bias: str = "",
+    *,
+    qk: str = "",
 ) -> None:
     """Scaled dot-product attention over ``heads`` heads of Q (B, S, Hq), K (B, T, Hk), V (B, T, Hv),
     as onnxruntime's CPU kernel computes it; writes (B, S, Hv) to ``output``. ``kv_heads``: K and V
     already split into heads, (B, N, T, H) each (past state concatenated). ``attention_bias``
     (B or 1, N or 1, S, T) is added to the scaled scores before the mask (the kernel's order,
-    measured: it shows where every key of a row is masked)."""
+    measured: it shows where every key of a row is masked). ``qk``: where to write the scores the
+    Softmax reads (MultiHeadAttention's qk output: the kernel copies each row there after adding
+    attention_bias and the mask)."""
     head_qk, head_v = sizes[0] // heads, sizes[2] // heads
     if scale == 0.0:  # the kernel: 1.0f / sqrt(static_cast<float>(head_size))
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_qk)))
@@ -593,12 +688,21 @@ def emit_heads_attention(
     scores = emit.op1("Mul", [emit.op1("MatMul", [qh, kh]), emit.const(np.float32(scale))], hint="Scale")
     if attention_bias:
         scores = emit.op1("Add", [scores, attention_bias], hint="AddAttentionBias")
+    additive = None
     if keep is not None:
         fill = np.float32(site.attribute("mask_filter_value", _DEFAULT_FILTER))
         additive = emit.op1("Where", [keep, emit.const(np.float32(0.0)), emit.const(fill)], hint="Mask")
+    if causal is not None:
+        # The kernel's mask holds float32's lowest value at the keys after the query, in place of the
+        # padding mask's value, and is added to the score (measured: scores beyond 2^103 overflow to
+        # -inf there, +inf and NaN scores stay what they were plus lowest).
+        lowest = emit.const(np.float32(np.finfo(np.float32).min))
+        kept = additive if additive is not None else emit.const(np.float32(0.0))
+        additive = emit.op1("Where", [causal, kept, lowest], hint="Causal")
+    if additive is not None:
         scores = emit.op1("Add", [scores, additive], hint="AddMask")
-    if causal is not None:  # the kernel's causal mask is -inf (probability exactly 0), not the filter value
-        scores = emit.op1("Where", [causal, scores, emit.const(np.float32(-np.inf))], hint="Causal")
+    if qk:
+        emit.op1("Identity", [scores], qk)
     single_axis = emit.opset >= kernel_opsets.OP_VERSIONS["softmax-single-axis"]
     probs = emit.op1("Softmax", [scores], axis=-1 if single_axis else 3)  # 3: the last axis of 4-D scores
     context = emit.op1("Transpose", [emit.op1("MatMul", [probs, vh])], perm=[0, 2, 1, 3])
