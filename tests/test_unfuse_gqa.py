@@ -307,7 +307,10 @@ def _with_sin(model):
 NOT_LOWERED = {
     "rotary without caches": (lambda: _refused({"do_rotary": 1}), "do_rotary without cos_cache and sin_cache"),
     "caches without rotary": (lambda: _refused(extra=(7, "cos")), "cos_cache/sin_cache without do_rotary"),
-    "qk output": (lambda: _refused({"qk_output": 1}), "qk_output=1 is not lowered"),
+    "qk_output without output_qk": (
+        lambda: _refused({"qk_output": 1}),
+        "qk_output=1 without the output_qk output: the kernel refuses it",
+    ),
     "window of no key": (lambda: _refused({"local_window_size": 0}), "local_window_size=0: the kernel attends to no"),
     "negative softcap": (lambda: _refused({"softcap": -1.0}), "softcap=-1.0: the kernel's output then is neither"),
     "float16 rotary, float32 caches": (

@@ -37,7 +37,13 @@ out; the presents' round trip is exact); with ``do_rotary`` it rotates Q and the
 first (RotaryEmbedding's float16 routine: float32 products rounded to float16; measured bit for
 bit), and so does the rewrite.
 
-Not lowered (the node stays, with the reason): ``qk_output``, ``local_window_size`` 0 (no key
+``qk_output`` 1 / 2 with the output_qk output (B, N, S, total_sequence_length): each score row as the
+kernel copies it before the softmax (scale·Q·Kᵀ, softcapped, plus attention_bias, 0 at the keys not
+attended) or after it (the probabilities); where the past buffer is longer than
+total_sequence_length the kernel's output_qk changes from run to run (measured), undefined there.
+
+Not lowered (the node stays, with the reason): ``qk_output`` other than 0-2 or without output_qk (the
+kernel refuses both), output_qk with ``qk_output`` 0 (refused too), ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
 magnitude: measured), shapes that are not recorded. Where the kernel is
 undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
@@ -47,7 +53,7 @@ undefined the rewrite is not claimed: query rows of a first prompt past an entry
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -154,7 +160,8 @@ class GroupQueryAttentionBuilder:
             _present(emit, pasts[i], new, source, outputs[1 + i]) for i, new in enumerate((new_k, new_v))
         )
         allowed = _unsqueeze(emit, _allowed(emit, keys, rows, plan.data["window"]), [1, 2])  # (B, 1, 1, S, T)
-        context = _attend(emit, site, plan, q, present_k, present_v, allowed, outputs[0])
+        qk = _QKOutput(site.node.output[3], requested, plan.data["qk_output"]) if plan.data["qk_output"] else None
+        context = _attend(emit, site, plan, q, present_k, present_v, allowed, outputs[0], qk)
         if float16:
             for value, name in zip((context, present_k, present_v), site.node.output[:3], strict=True):
                 emit.op1("Cast", [value], name, to=_T.FLOAT16)
@@ -183,10 +190,15 @@ def _check_shapes(site: Site, batch: int | None, seq: int | None, heads: int) ->
 
 
 def _options(site: Site) -> dict[str, Any]:
-    """``local_window_size``, ``softcap`` and ``smooth_softmax`` as the plan's data, refusing the
-    values the kernel does not compute attention with (and ``qk_output``)."""
-    if site.attribute("qk_output", 0):
-        raise NoMatch(f"qk_output={site.attribute('qk_output')} is not lowered")
+    """``local_window_size``, ``softcap``, ``smooth_softmax`` and ``qk_output`` as the plan's data,
+    refusing the values the kernel does not compute attention with or refuses."""
+    qk_output = int(site.attribute("qk_output", 0))
+    if qk_output not in (0, 1, 2):
+        raise NoMatch(f"qk_output={qk_output}: the kernel refuses it (0, 1 or 2)")
+    if qk_output and not (len(site.node.output) > 3 and site.node.output[3]):
+        raise NoMatch(f"qk_output={qk_output} without the output_qk output: the kernel refuses it")
+    if len(site.node.output) > 3 and site.node.output[3] and not qk_output:
+        raise NoMatch("output_qk is used with qk_output=0: onnxruntime refuses it (qk_output not configured)")
     window = int(site.attribute("local_window_size", -1))  # negative: no window (measured, as -1)
     if window == 0:
         raise NoMatch("local_window_size=0: the kernel attends to no key (zero output); not lowered")
@@ -196,7 +208,8 @@ def _options(site: Site) -> dict[str, Any]:
             f"softcap={softcap}: the kernel's output then is neither uncapped nor capped at {-softcap} (measured); "
             "not lowered"
         )
-    return {"window": window, "softcap": softcap, "smooth": bool(site.attribute("smooth_softmax", 0))}
+    smooth = bool(site.attribute("smooth_softmax", 0))
+    return {"window": window, "softcap": softcap, "smooth": smooth, "qk_output": qk_output}
 
 
 def _float16(site: Site) -> bool:
@@ -228,12 +241,46 @@ def _inputs(emit: Emitter, site: Site, plan: Plan) -> tuple[str, str, str, list[
     return q, k, v, [emit.op1("Cast", [t], to=_T.FLOAT) if t else "" for t in pasts]
 
 
+class _QKOutput(NamedTuple):
+    """Where output_qk goes: its name, total_sequence_length (its width, int64) and the
+    ``qk_output`` mode (1: the scores before the softmax, 2: after)."""
+
+    name: str
+    width: str
+    mode: int
+
+
+def _write_qk(emit: Emitter, plan: Plan, qk: _QKOutput, rows: str) -> None:
+    """``rows`` (B, Nkv, G, S, T) as output_qk (B, N, S, total_sequence_length), the kernel's
+    layout (query head n·G + g), in the node's type."""
+    dims = emit.op1("Shape", [rows])
+    batch = emit.op1("Slice", [dims, _i64(emit, [0]), _i64(emit, [1])])
+    last = emit.op1("Slice", [dims, _i64(emit, [3]), _i64(emit, [5])])
+    shape = emit.op1("Concat", [batch, _i64(emit, [plan.data["heads"]]), last], axis=0)
+    heads = emit.op1("Reshape", [rows, shape])
+    width = emit.op1("Reshape", [qk.width, _i64(emit, [1])])
+    sliced = emit.op1("Slice", [heads, _i64(emit, [0]), width, _i64(emit, [3])])
+    if plan.data["float16"]:
+        emit.op1("Cast", [sliced], qk.name, to=_T.FLOAT16)
+    else:
+        emit.op1("Identity", [sliced], qk.name)
+
+
 def _attend(
-    emit: Emitter, site: Site, plan: Plan, q: str, present_k: str, present_v: str, allowed: str, output: str
+    emit: Emitter,
+    site: Site,
+    plan: Plan,
+    q: str,
+    present_k: str,
+    present_v: str,
+    allowed: str,
+    output: str,
+    qk: _QKOutput | None = None,
 ) -> str:
     """The grouped heads' attention over the present keys and values, (B, S, N·H) written to
     ``output`` (a fresh name if ""): query head h reads key/value head h // G, scores scaled
-    [softcapped], masked, softmax [smooth], times V."""
+    [softcapped], masked, softmax [smooth], times V. ``qk``: output_qk, the kernel's row before
+    the softmax (0 at the keys not attended) or after it."""
     heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
     scale = float(site.attribute("scale", 0.0)) or float(np.float32(1.0) / np.sqrt(np.float32(head)))
     groups = heads // kv_heads
@@ -247,6 +294,8 @@ def _attend(
     bias, sink = (_as_float32(emit, plan, site.input(i)) for i in (10, 11))
     if bias:  # the kernel adds it after softcap, before the mask (measured: before softcap is 0.1 off)
         scores = emit.op1("Add", [scores, _bias(emit, bias, scores, kv_heads, groups)], hint="Bias")
+    if qk is not None and qk.mode == 1:  # the kernel zeroes the keys it does not attend, then copies the row
+        _write_qk(emit, plan, qk, emit.op1("Where", [allowed, scores, emit.const(np.float32(0.0))]))
     scores = emit.op1("Where", [allowed, scores, emit.const(np.float32(-np.inf))], hint="Causal")
     if sink:  # head_sink (N,): head n·G + g's extra logit, as (1, Nkv, G, 1, 1)
         sink = emit.op1("Reshape", [sink, _i64(emit, [1, kv_heads, groups, 1, 1])], hint="HeadSink")
@@ -255,6 +304,8 @@ def _attend(
     probs = _softmax(emit, scores, sink or None)
     if bias and not sink and plan.data["softcap"] == 0:
         probs = _zero_dead_rows(emit, scores, probs)
+    if qk is not None and qk.mode == 2:
+        _write_qk(emit, plan, qk, probs)
     context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
     context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
     return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
