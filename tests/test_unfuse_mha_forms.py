@@ -16,7 +16,9 @@ The kernel (measured here):
 Each of these keeps the kernel off its flash (blocked softmax) path, so at query sequence > 1 the
 rewrite is bit-exact (asserted); a one-query step goes through MLAS's GEMV and is within the rule's
 bound (asserted, with a broken rewrite shown outside it). The packed forms (query (B, L, N, 3, H),
-query alone, key (B, L, N, 2, H)) are refused by the CPU kernel itself: not lowered.
+query alone, key (B, L, N, 2, H)) are refused by the CPU kernel itself: not lowered. The real
+model: a BART decoder's cross-attention block with cached encoder keys, as transformers exports it,
+fused by onnxruntime.transformers' optimizer itself into MultiHeadAttention with 4-D key/value.
 """
 
 from __future__ import annotations
@@ -375,3 +377,99 @@ def test_4d_key_value_after_past_without_both_presents_is_not_lowered():
     feeds = feeds_for(model)
     alone = bnsh_model(2, 4, 6, 32, 4)
     assert_bitwise_equal(run(model, feeds)["y"], run(alone, {n: feeds[n] for n in "qkv"})["y"], "past ignored")
+
+
+def cross_attention_with_past(batch=2, seq=3, enc=7, hidden=32, heads=4, seed=0):
+    """One BART decoder cross-attention block with the encoder's keys and values cached, as
+    transformers exports BartForConditionalGeneration's decoder with past (post-LayerNorm: the block's
+    input normalized, Q projected and scaled, the cached (B, N, L, H) keys and values read directly,
+    the output projection added back and normalized)."""
+    rng = np.random.default_rng(seed)
+    head = hidden // heads
+    inits, nodes = [], []
+
+    def c(name, value):
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def n(op, ins, out, **kw):
+        nodes.append(helper.make_node(op, ins, [out], name=out, **kw))
+        return out
+
+    def f(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    ln0 = n(
+        "LayerNormalization",
+        ["x", c("g0", np.ones(hidden, np.float32)), c("b0", f(hidden))],
+        "ln0",
+        axis=-1,
+        epsilon=1e-5,
+    )
+    q = n("MatMul", [ln0, c("wq", f(hidden, hidden))], "q")
+    qa = n("Add", [c("bq", f(hidden)), q], "qa")
+    qm = n("Mul", [qa, c("scale", np.array(head**-0.5, np.float32))], "qm")
+    qr = n("Reshape", [qm, c("heads_shape", np.array([batch, seq, heads, head], np.int64))], "qr")
+    qt = n("Transpose", [qr], "qt", perm=[0, 2, 1, 3])
+    kt = n("Transpose", ["past_key"], "kt", perm=[0, 1, 3, 2])
+    s = n("MatMul", [qt, kt], "scores")
+    p = n("Softmax", [s], "probs", axis=-1)
+    ctx = n("MatMul", [p, "past_value"], "ctx")
+    ctx_t = n("Transpose", [ctx], "ctx_t", perm=[0, 2, 1, 3])
+    ctx_r = n("Reshape", [ctx_t, c("merge_shape", np.array([batch, seq, hidden], np.int64))], "ctx_r")
+    o = n("MatMul", [ctx_r, c("wo", f(hidden, hidden))], "o")
+    oa = n("Add", [c("bo", f(hidden)), o], "oa")
+    res = n("Add", [ln0, oa], "res")
+    n("LayerNormalization", [res, c("g1", np.ones(hidden, np.float32)), c("b1", f(hidden))], "y", axis=-1, epsilon=1e-5)
+    graph = helper.make_graph(
+        nodes,
+        "bart_cross_attention",
+        [
+            INFO("x", TensorProto.FLOAT, [batch, seq, hidden]),
+            INFO("past_key", TensorProto.FLOAT, [batch, heads, enc, head]),
+            INFO("past_value", TensorProto.FLOAT, [batch, heads, enc, head]),
+        ],
+        [INFO("y", TensorProto.FLOAT, [batch, seq, hidden])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def test_a_bart_decoder_cross_attention_fused_by_onnxruntime_transformers_runs_on_standard_ops(tmp_path):
+    """onnxruntime.transformers' optimizer (model_type bart, use_multi_head_attention, as for
+    Whisper/BART decoders with past) fuses the block into MultiHeadAttention with the cached 4-D keys
+    and values and a bias whose K and V slices are zeros; the rewrite has only standard ops and
+    verify passes, and it computes what the unfused export does."""
+    import onnx
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from onnx_qrewrite.verify import verify
+
+    original = cross_attention_with_past()
+    onnx.save(original, tmp_path / "bart.onnx")
+    options = FusionOptions("bart")
+    options.use_multi_head_attention = True
+    optimized = optimize_model(
+        str(tmp_path / "bart.onnx"),
+        model_type="bart",
+        num_heads=4,
+        hidden_size=32,
+        optimization_options=options,
+        opt_level=0,
+    )
+    optimized.save_model_to_file(str(tmp_path / "fused.onnx"))
+    fused = onnx.load(tmp_path / "fused.onnx")
+    mha = [n for n in fused.graph.node if n.op_type == "MultiHeadAttention"]
+    assert len(mha) == 1 and mha[0].input[1:3] == ["past_key", "past_value"]
+    # The optimizer records no shape for the projection it feeds the node (as for BERT's mask index).
+    with pytest.raises(onnx_qrewrite.LoweringError, match="run onnx shape inference on the model first"):
+        onnx_qrewrite.rewrite(fused)
+    fused = onnx.shape_inference.infer_shapes(fused)
+    result = onnx_qrewrite.rewrite(fused)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert result.report.by_rule()[RULE] == 1
+    feeds = feeds_for(original)
+    assert verify(fused, result.model, inputs=feeds).passed
+    want = run(original, feeds)["y"].astype(np.float64)
+    assert np.abs(run(result.model, feeds)["y"] - want).max() < 1e-5
