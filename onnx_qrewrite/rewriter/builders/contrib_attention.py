@@ -401,7 +401,10 @@ class MultiHeadAttentionBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes({"num_heads", "unidirectional", "mask_filter_value", "scale"})
         if site.input(8):
-            raise NoMatch("input 8 (past_sequence_length) is given; not lowered")
+            raise NoMatch(
+                "input 8 (past_sequence_length) is given; not lowered (past and present sharing one buffer, with "
+                "cache_indirection the decoder-masked beam path: onnxruntime's BeamSearch decoding subgraphs)"
+            )
         _refuse_packed(site)
         _float32(site, *[site.input(i) for i in (0, 1, 2, 3, 5, 6, 7)])
         heads = int(site.attribute("num_heads", 0))
