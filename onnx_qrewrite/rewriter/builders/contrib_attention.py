@@ -417,7 +417,7 @@ class MultiHeadAttentionBuilder:
             _check_rank(site, 5, "attention_bias", 4)
         if site.input(9):  # read only with past_sequence_length (the kernel's decoder-masked path)
             _check_cache_indirection(site)
-        return dataclasses.replace(plan, data={**plan.data, **state, "bnsh": bnsh, "qk": _output(site, 3)})
+        return dataclasses.replace(plan, data={**plan.data, **state, "bnsh": bnsh})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         sizes, heads = plan.data["sizes"], plan.data["heads"]
