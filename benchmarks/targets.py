@@ -7,6 +7,13 @@ Markdown tables: per target and model, then per target (the README's Targets tab
 
     python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
                                  [--default] [--seeds N] [--fix-shapes] [--allow-approximate]
+    python benchmarks/targets.py --repeat 3 -o /tmp/target-models --doc docs/targets-battery.md
+
+``--doc FILE`` writes docs/targets-battery.md whole from one invocation: the battery as given, again
+with ``--fix-shapes`` (the rows that change), and with ``--fix-shapes --allow-approximate`` on the
+targets whose profile has a form that waits for the user's consent (the rows that change), headed by
+the command, commit, date, machine, load average while it ran and the runtimes' versions; the
+README's Targets table is its as-given summary. Each row goes to stderr as it is measured.
 
 Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts, and the rewrite's
 errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
@@ -249,57 +256,107 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="plan as `rewrite --target T --allow-approximate` does (forms that wait for the user's consent)",
     )
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="run the three passes of docs/targets-battery.md (as given; --fix-shapes; --fix-shapes "
+        "--allow-approximate on the targets with forms that wait for consent) and write that document here",
+    )
     args = parser.parse_args(argv)
+    if args.doc is not None and (args.fix_shapes or args.allow_approximate or args.default or args.seeds):
+        parser.error("--doc runs its own passes: it takes no --fix-shapes, --allow-approximate, --default or --seeds")
 
     from onnx_qrewrite.api import load_rules
-    from onnx_qrewrite.errors import MissingDependencyError
-    from onnx_qrewrite.targets import load_target, plan_for_target
-    from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
 
     with tempfile.TemporaryDirectory() as tmp:
         battery = make_battery(args.models_dir or tmp, set(args.models.split(",")) if args.models else None)
         catalogue = load_rules()
-        rows: list[dict[str, Any]] = []
-        header = "| target | model | family | refused before → after | rules used | original on the runtime | "
-        header += "default rewrite | " if args.default else ""
-        print(header + "`rewrite --target` on the runtime |")
-        print("|---" * (8 if args.default else 7) + "|")
-        for target in args.targets.split(","):
-            profile = load_target(target)
-            runtime = profile.runtime if profile.runtime in RUNTIMES else None
-            if runtime is not None:
-                try:
-                    runtime_info(runtime)
-                except MissingDependencyError as exc:
-                    print(f"{target}: {exc}; counts only", file=sys.stderr)
-                    runtime = None
-            measured_on = runtime or "onnxruntime"
-            for item in battery:
-                rows.append(_measure(item, target, profile, runtime, measured_on, catalogue, args, plan_for_target))
-                r = rows[-1]
-                cells = [r["original"], *([r["default"]] if args.default else []), r["rewrite"]]
-                ran = " | ".join(_cell(c) for c in cells)
-                print(
-                    f"| {target} | {item.name} | {item.family} | {r['before']} → {r['after']} | {r['rules']} | {ran} |",
-                    flush=True,
-                )
-        print(
-            "\ncells: on the target's runtime (onnxruntime CPU where none is installed here): `runs` = loads, runs and "
-            "agrees with onnxruntime running the original within the runtime's default tolerance (for a rewrite "
-            "that used bounded or approximate rules: with onnxruntime running that rewrite, the rule's own "
-            "difference being what its declaration and `verify` bound), WRONG = runs outside it, no = fails to "
-            "load or run; then max abs error / relative L2 error against onnxruntime running the original, "
-            "fastest run. A rewrite identical to the original is not run twice. `(step flip)`: outside the "
-            "tolerance on the recorded inputs only, within it on two more seeded inputs: a requantized activation "
-            "one step off through float rounding (the model's numbers are still those of the recorded inputs)."
-        )
-        _agreement(rows)
-        print()
-        _summary(rows)
+        targets = args.targets.split(",")
+        if args.doc is not None:
+            _write(args.doc, battery_document(battery, catalogue, targets, args, argv))
+            return 0
+        rows = _battery_pass(battery, catalogue, targets, args, args.fix_shapes, args.allow_approximate, stream=True)
+        print("\n" + CELLS)
+        print("\n" + _agreement(rows))
+        print("\n" + "\n".join(_summary(rows)))
     return 0
 
 
-def _agreement(rows: list[dict[str, Any]]) -> None:
+CELLS = (
+    "cells: on the target's runtime (onnxruntime CPU where none is installed here): `runs` = loads, runs and "
+    "agrees with onnxruntime running the original within the runtime's default tolerance (for a rewrite "
+    "that used bounded or approximate rules: with onnxruntime running that rewrite, the rule's own "
+    "difference being what its declaration and `verify` bound), WRONG = runs outside it, no = fails to "
+    "load or run; then max abs error / relative L2 error against onnxruntime running the original, "
+    "fastest run. A rewrite identical to the original is not run twice. `(step flip)`: outside the "
+    "tolerance on the recorded inputs only, within it on two more seeded inputs: a requantized activation "
+    "one step off through float rounding (the model's numbers are still those of the recorded inputs)."
+)
+
+
+def _battery_pass(
+    battery: list[Battery],
+    catalogue: Any,
+    targets: list[str],
+    args: Any,
+    fix_shapes: bool,
+    allow_approximate: bool,
+    stream: bool = False,
+) -> list[dict[str, Any]]:
+    """Every model of ``battery`` on every target, planned as given or with the recorded input
+    shapes fixed (``fix_shapes``), with or without the user's consent to approximate forms. With
+    ``stream`` the per-model table is printed as each row is measured (a long run shows progress);
+    else each row goes to stderr as progress."""
+    from onnx_qrewrite.errors import MissingDependencyError
+    from onnx_qrewrite.targets import load_target, plan_for_target
+    from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
+
+    rows: list[dict[str, Any]] = []
+    out = sys.stdout if stream else sys.stderr
+    print(_table_header(args.default), file=out, flush=True)
+    for target in targets:
+        profile = load_target(target)
+        runtime = profile.runtime if profile.runtime in RUNTIMES else None
+        if runtime is not None:
+            try:
+                runtime_info(runtime)
+            except MissingDependencyError as exc:
+                print(f"{target}: {exc}; counts only", file=sys.stderr)
+                runtime = None
+        measured_on = runtime or "onnxruntime"
+        for item in battery:
+            row = _measure(
+                item,
+                target,
+                profile,
+                runtime,
+                measured_on,
+                catalogue,
+                args,
+                plan_for_target,
+                fix_shapes,
+                allow_approximate,
+            )
+            row["load"] = os.getloadavg()[0]
+            rows.append(row)
+            print(_table_row(row, args.default), file=out, flush=True)
+    return rows
+
+
+def _table_header(default: bool = False) -> str:
+    header = "| target | model | family | refused before → after | rules used | original on the runtime | "
+    header += "default rewrite | " if default else ""
+    return header + "`rewrite --target` on the runtime |\n" + "|---" * (8 if default else 7) + "|"
+
+
+def _table_row(r: dict[str, Any], default: bool = False) -> str:
+    cells = [r["original"], *([r["default"]] if default else []), r["rewrite"]]
+    ran = " | ".join(_cell(c) for c in cells)
+    return f"| {r['target']} | {r['model']} | {r['family']} | {r['before']} → {r['after']} | {r['rules']} | {ran} |"
+
+
+def _agreement(rows: list[dict[str, Any]]) -> str:
     """Whether ``inspect --target`` said "refused" exactly where the runtime did not load, run and
     agree (each distinct model form once: a rewrite identical to the original is the original).
     Not for the ``onnx`` target: it is standard ONNX, of which onnxruntime runs a superset (its
@@ -319,25 +376,34 @@ def _agreement(rows: list[dict[str, Any]]) -> None:
                 agree += 1
             else:
                 disagree.append(f"{r['target']} {r['model']} {form}")
-    print(
-        f"\nVerdict vs runtime: `inspect --target` agrees with the runtime on {agree} of {agree + len(disagree)} "
-        f"model forms run on {', '.join(sorted(ran))} here"
+    return (
+        f"Verdict vs runtime: `inspect --target` agrees with the runtime on {agree} of {agree + len(disagree)} "
+        f"model forms run on {', '.join(sorted(ran)) or 'no runtime'} here"
         f"{'; disagrees on ' + ', '.join(disagree) if disagree else ''}."
     )
 
 
 def _measure(
-    item: Battery, target: str, profile: Any, runtime: str | None, on: str, catalogue: Any, args: Any, plan_for: Any
+    item: Battery,
+    target: str,
+    profile: Any,
+    runtime: str | None,
+    on: str,
+    catalogue: Any,
+    args: Any,
+    plan_for: Any,
+    fix_shapes: bool,
+    allow_approximate: bool,
 ) -> dict[str, Any]:
     from onnx_qrewrite import rewrite
 
     inputs, expected = _io(item.path)
     shapes = None
-    if args.fix_shapes or profile.static_shapes:
+    if fix_shapes or profile.static_shapes:
         from onnx_qrewrite.targets.shapes import InputShapes
 
         shapes = InputShapes({name: tuple(value.shape) for name, value in inputs.items()})
-    allow = ("exact", "bounded", "approximate") if args.allow_approximate else None
+    allow = ("exact", "bounded", "approximate") if allow_approximate else None
     plan = plan_for(item.path, catalogue, profile, input_shapes=shapes, allow=allow)
     row: dict[str, Any] = {
         "target": target,
@@ -394,10 +460,17 @@ def _reference(model: onnx.ModelProto) -> Any:
         return None
 
 
-def _summary(rows: list[dict[str, Any]]) -> None:
+def _reached(r: dict[str, Any]) -> bool:
+    """Nothing refused after the rewrite and, where the runtime is here, the rewrite runs and agrees."""
+    return r["after"] == 0 and (r["runtime"] is None or bool(r["rewrite"] and r["rewrite"]["runs"]))
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
     """Per target: the model families `rewrite --target` makes run there, and what is not reached."""
-    print("| target | reached after `rewrite --target` (models) | not reached: first reason | exactness | proven by |")
-    print("|---|---|---|---|---|")
+    lines = [
+        "| target | reached after `rewrite --target` (models) | not reached: first reason | exactness | proven by |",
+        "|---|---|---|---|---|",
+    ]
     by_target: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for r in rows:
         by_target[r["target"]].append(r)
@@ -406,25 +479,197 @@ def _summary(rows: list[dict[str, Any]]) -> None:
         levels: set[str] = set()
         forms: set[str] = set()
         for r in items:
-            ok = r["after"] == 0 and (r["runtime"] is None or bool(r["rewrite"] and r["rewrite"]["runs"]))
-            if ok:
+            if _reached(r):
                 reached[r["family"]].append(r["model"])
                 levels |= r["levels"]
                 forms |= set(r["forms"])
             else:
-                if r["after"]:
-                    why = f"{r['after']} refused: {r['first_refusal'].split(' [')[0].split(': ')[0]}"
-                elif r["rewrite"] and "why" in r["rewrite"]:
-                    why = f"fails on {r['runtime']}: {r['rewrite']['why']}"
-                else:
-                    why = f"WRONG on {r['runtime']}: max abs {r['rewrite']['max_abs']:.2g}" if r["rewrite"] else "?"
-                missing[r["family"]].append(f"{r['model']} ({why})")
+                missing[r["family"]].append(f"{r['model']} ({_why_not(r)})")
         proof = items[0]["proof"] + (f" ({items[0]['runtime']})" if items[0]["runtime"] else "")
         reach = "; ".join(f"{fam}: {', '.join(ms)}" for fam, ms in reached.items()) or "-"
         miss = "; ".join(f"{fam}: {', '.join(ms)}" for fam, ms in missing.items()) or "-"
         level = ", ".join(sorted(levels, key=["exact", "bounded", "approximate"].index)) or "none needed"
         level += f" (form {', '.join(sorted(forms))})" if forms else ""
-        print(f"| `{target}` | {reach} | {miss} | {level} | {proof} |")
+        lines.append(f"| `{target}` | {reach} | {miss} | {level} | {proof} |")
+    return lines
+
+
+def _why_not(r: dict[str, Any]) -> str:
+    """Why a row is not reached: the first refusal left, or what the runtime did with the rewrite."""
+    if r["after"]:
+        return f"{r['after']} refused: {r['first_refusal'].split(' [')[0].split(': ')[0]}"
+    if r["rewrite"] and "why" in r["rewrite"]:
+        return f"fails on {r['runtime']}: {r['rewrite']['why']}"
+    return f"WRONG on {r['runtime']}: max abs {r['rewrite']['max_abs']:.2g}" if r["rewrite"] else "?"
+
+
+def battery_document(
+    battery: list[Battery], catalogue: Any, targets: list[str], args: Any, argv: list[str] | None
+) -> str:
+    """docs/targets-battery.md, whole, from one invocation: the battery as given, with the recorded
+    input shapes fixed, and (on the targets whose profile has a form that waits for the user's
+    consent) with ``--allow-approximate`` too; headed by the command, commit, date, machine, load
+    and runtime versions it ran with, so a regeneration is this one command."""
+    from onnx_qrewrite.targets import load_target
+
+    started = time.time()
+    given = _battery_pass(battery, catalogue, targets, args, False, False)
+    fixed = _battery_pass(battery, catalogue, targets, args, True, False)
+    consent = [t for t in targets if any(f.consent == "user" for f in load_target(t).forms)]
+    approx = _battery_pass(battery, catalogue, consent, args, True, True) if consent else []
+    command = "python benchmarks/targets.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    lines = [
+        "# Targets: every model of the battery on every target",
+        "",
+        *_doc_header(command, started, given + fixed + approx, args.repeat, targets),
+        "",
+        "## As given",
+        "",
+        "Every model is planned as given, except for QNN, whose profile needs static input shapes: it is "
+        "planned with each model's recorded input shapes fixed (`--input-shape`, as `verify --runtime qnn` "
+        "runs it).",
+        "",
+        _table_header(),
+        *(_table_row(r) for r in given),
+        "",
+        CELLS,
+        "",
+        _agreement(given),
+        "",
+        "Per target (the README's Targets table is this table):",
+        "",
+        *_summary(given),
+        "",
+        "## Reached, per target and pass",
+        "",
+        *_reach_counts(given, fixed, approx),
+        "",
+        "## With `--input-shape` on every target",
+        "",
+        "Every target planned with each model's recorded input shapes fixed (batch 1, sequence 16 for the "
+        "BERTs; what `inspect`/`rewrite --target T --input-shape` see: the shapes recorded through the "
+        "com.microsoft ops, onnx_qrewrite/targets/shapes.py), the original run with those dims fixed too. "
+        "The rows whose counts, rules or verdicts differ from the pass as given:",
+        "",
+        *_changed(given, fixed),
+        "",
+        _agreement(fixed),
+    ]
+    if approx:
+        lines += [
+            "",
+            "## With `--input-shape` and `--allow-approximate`",
+            "",
+            f"The targets whose profile has a form that waits for the user's consent ({', '.join(consent)}), "
+            "planned as `rewrite --target T --input-shape ... --allow-approximate` does. The rows that "
+            "differ from the `--input-shape` pass:",
+            "",
+            *_changed(fixed, approx),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _doc_header(command: str, started: float, rows: list[dict[str, Any]], repeat: int, targets: list[str]) -> list[str]:
+    """Which command, code, machine, load and runtimes produced the document."""
+    import platform
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True, check=False)
+        return done.stdout.strip()
+
+    dirty = " with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)) + time.strftime("-%H:%M UTC", time.gmtime())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in _cpuinfo() if ln.startswith("model name")), platform.processor())
+    loads = [r["load"] for r in rows]
+    return [
+        f"Generated by `{command}`, one invocation (run it again to regenerate; do not edit by hand): "
+        f"{when}, commit {git('rev-parse', '--short=12', 'HEAD')}{dirty}, on a {os.cpu_count()}-core "
+        f"{platform.machine()} ({cpu}) shared with other work: load average (1 min) {min(loads):.1f} to "
+        f"{max(loads):.1f} while it ran. Latencies are the fastest of {repeat} runs after a warm-up, one "
+        "thread, and noisy under that load; QNN's are the HTP simulator's (nothing about a device), "
+        "TFLite's include starting its interpreter process.",
+        "",
+        f"Runtimes: {_versions(targets)}.",
+        "",
+        "The models: [`benchmarks/target_models.py`](../benchmarks/target_models.py) (each made by its "
+        "producer here, seeded, plus the committed test models); what each column means: the docstring of "
+        "[`benchmarks/targets.py`](../benchmarks/targets.py). Why some verdicts are what they are (QNN and the "
+        "quantized BERTs, TFLite and ortqop_bert, what `--input-shape` changes): "
+        "[targets-notes.md](targets-notes.md).",
+    ]
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _versions(targets: list[str]) -> str:
+    """The version of each runtime the targets run on (and onnxruntime's), as verify reports them."""
+    from onnx_qrewrite.errors import MissingDependencyError
+    from onnx_qrewrite.targets import load_target
+    from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
+
+    names = ["onnxruntime", *dict.fromkeys(p.runtime for p in map(load_target, targets) if p.runtime in RUNTIMES)]
+    out = [f"onnx {onnx.__version__}"]
+    for name in dict.fromkeys(names):
+        try:
+            out.append(f"{name} {runtime_info(name).version}")
+        except MissingDependencyError:
+            out.append(f"{name} not installed (counts only)")
+    return ", ".join(out)
+
+
+def _verdict(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "-"
+    if "max_abs" not in cell:
+        return "no"
+    return "in onnxruntime" if cell.get("ort") else "runs" if cell["runs"] else "WRONG"
+
+
+def _changed(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[str]:
+    """The rows of ``other`` whose counts, rules or verdicts differ from ``base``'s for the same
+    target and model (errors and latencies aside)."""
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["before"], r["after"], r["rules"], _verdict(r["original"]), _verdict(r["rewrite"])
+
+    was = {(r["target"], r["model"]): key(r) for r in base}
+    rows = [_table_row(r) for r in other if was.get((r["target"], r["model"])) != key(r)]
+    return [_table_header(), *rows] if rows else ["None."]
+
+
+def _reach_counts(given: list[dict[str, Any]], fixed: list[dict[str, Any]], approx: list[dict[str, Any]]) -> list[str]:
+    """Per target: how many models are reached as given, with the shapes fixed, and with consent."""
+
+    def count(rows: list[dict[str, Any]]) -> dict[str, int]:
+        out: dict[str, int] = collections.Counter()
+        for r in rows:
+            out[r["target"]] += _reached(r)
+        return out
+
+    total = collections.Counter(r["target"] for r in given)
+    a, b, c = count(given), count(fixed), count(approx)
+    lines = [
+        "| target | models | reached as given | with `--input-shape` | with `--input-shape --allow-approximate` |",
+        "|---|---|---|---|---|",
+    ]
+    for target in total:
+        third = str(c[target]) if any(r["target"] == target for r in approx) else "-"
+        lines.append(f"| `{target}` | {total[target]} | {a[target]} | {b[target]} | {third} |")
+    return lines
+
+
+def _write(path: Path, text: str) -> None:
+    """All or nothing: a temporary file beside ``path``, renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8") as f:
+        f.write(text)
+    os.replace(f.name, path)
 
 
 if __name__ == "__main__":
