@@ -268,15 +268,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--doc runs its own passes: it takes no --fix-shapes, --allow-approximate, --default or --seeds")
 
     from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.targets import load_target
 
     with tempfile.TemporaryDirectory() as tmp:
         battery = make_battery(args.models_dir or tmp, set(args.models.split(",")) if args.models else None)
         catalogue = load_rules()
-        targets = args.targets.split(",")
+        # Every profile read once, as the run starts (editing one meanwhile changes nothing here).
+        profiles = {t: load_target(t) for t in args.targets.split(",")}
         if args.doc is not None:
-            _write(args.doc, battery_document(battery, catalogue, targets, args, argv))
+            _write(args.doc, battery_document(battery, catalogue, profiles, args, argv))
             return 0
-        rows = _battery_pass(battery, catalogue, targets, args, args.fix_shapes, args.allow_approximate, stream=True)
+        rows = _battery_pass(battery, catalogue, profiles, args, args.fix_shapes, args.allow_approximate, stream=True)
         print("\n" + CELLS)
         print("\n" + _agreement(rows))
         print("\n" + "\n".join(_summary(rows)))
@@ -298,7 +300,7 @@ CELLS = (
 def _battery_pass(
     battery: list[Battery],
     catalogue: Any,
-    targets: list[str],
+    profiles: dict[str, Any],
     args: Any,
     fix_shapes: bool,
     allow_approximate: bool,
@@ -309,14 +311,13 @@ def _battery_pass(
     ``stream`` the per-model table is printed as each row is measured (a long run shows progress);
     else each row goes to stderr as progress."""
     from onnx_qrewrite.errors import MissingDependencyError
-    from onnx_qrewrite.targets import load_target, plan_for_target
+    from onnx_qrewrite.targets import plan_for_target
     from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
 
     rows: list[dict[str, Any]] = []
     out = sys.stdout if stream else sys.stderr
     print(_table_header(args.default), file=out, flush=True)
-    for target in targets:
-        profile = load_target(target)
+    for target, profile in profiles.items():
         runtime = profile.runtime if profile.runtime in RUNTIMES else None
         if runtime is not None:
             try:
@@ -504,24 +505,23 @@ def _why_not(r: dict[str, Any]) -> str:
 
 
 def battery_document(
-    battery: list[Battery], catalogue: Any, targets: list[str], args: Any, argv: list[str] | None
+    battery: list[Battery], catalogue: Any, profiles: dict[str, Any], args: Any, argv: list[str] | None
 ) -> str:
     """docs/targets-battery.md, whole, from one invocation: the battery as given, with the recorded
     input shapes fixed, and (on the targets whose profile has a form that waits for the user's
     consent) with ``--allow-approximate`` too; headed by the command, commit, date, machine, load
     and runtime versions it ran with, so a regeneration is this one command."""
-    from onnx_qrewrite.targets import load_target
-
-    started, code = time.time(), _code_state()  # the code as the run starts (the tree may change meanwhile)
-    given = _battery_pass(battery, catalogue, targets, args, False, False)
-    fixed = _battery_pass(battery, catalogue, targets, args, True, False)
-    consent = [t for t in targets if any(f.consent == "user" for f in load_target(t).forms)]
+    # The code and runtimes as the run starts (the tree may change while it runs).
+    started, code, versions = time.time(), _code_state(), _versions(profiles)
+    consent = {t: p for t, p in profiles.items() if any(f.consent == "user" for f in p.forms)}
+    given = _battery_pass(battery, catalogue, profiles, args, False, False)
+    fixed = _battery_pass(battery, catalogue, profiles, args, True, False)
     approx = _battery_pass(battery, catalogue, consent, args, True, True) if consent else []
     command = "python benchmarks/targets.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
         "# Targets: every model of the battery on every target",
         "",
-        *_doc_header(command, started, code, given + fixed + approx, args.repeat, targets),
+        *_doc_header(command, started, code, given + fixed + approx, args.repeat, versions),
         "",
         "## As given",
         "",
@@ -582,7 +582,7 @@ def _code_state() -> str:
 
 
 def _doc_header(
-    command: str, started: float, code: str, rows: list[dict[str, Any]], repeat: int, targets: list[str]
+    command: str, started: float, code: str, rows: list[dict[str, Any]], repeat: int, versions: str
 ) -> list[str]:
     """Which command, code, machine, load and runtimes produced the document."""
     import platform
@@ -598,7 +598,7 @@ def _doc_header(
         "thread, and noisy under that load; QNN's are the HTP simulator's (nothing about a device), "
         "TFLite's include starting its interpreter process.",
         "",
-        f"Runtimes: {_versions(targets)}.",
+        f"Runtimes: {versions}.",
         "",
         "The models: [`benchmarks/target_models.py`](../benchmarks/target_models.py) (each made by its "
         "producer here, seeded, plus the committed test models); what each column means: the docstring of "
@@ -615,13 +615,12 @@ def _cpuinfo() -> list[str]:
         return []
 
 
-def _versions(targets: list[str]) -> str:
+def _versions(profiles: dict[str, Any]) -> str:
     """The version of each runtime the targets run on (and onnxruntime's), as verify reports them."""
     from onnx_qrewrite.errors import MissingDependencyError
-    from onnx_qrewrite.targets import load_target
     from onnx_qrewrite.verify.runtimes import RUNTIMES, runtime_info
 
-    names = ["onnxruntime", *dict.fromkeys(p.runtime for p in map(load_target, targets) if p.runtime in RUNTIMES)]
+    names = ["onnxruntime", *(p.runtime for p in profiles.values() if p.runtime in RUNTIMES)]
     out = [f"onnx {onnx.__version__}"]
     for name in dict.fromkeys(names):
         try:
