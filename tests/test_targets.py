@@ -168,6 +168,8 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Div", "Erf"]'), "must name 'op'"),
         (lambda t: t + '\n[network]\nqdq_only_types = ["unit8"]\nsource = "doc"\n', "unknown element type"),
         (lambda t: t + _REFUSE.format('when = "rank-above"\ninputs = [0, 3]\nrank = 2'), ""),
+        (lambda t: t + _REFUSE.format('when = "shape-unrecorded"\ninputs = [1]'), ""),
+        (lambda t: t + _REFUSE.format('when = "shape-unrecorded"\nrank = 2'), "'rank' (a number >= 0) goes with"),
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Add", "Mul"]'), ""),
         (lambda t: t + _REFUSE.format('when = "unfused-outputs"'), "'ops' goes with"),
         (lambda t: t + _REFUSE.format('when = "always"\nops = ["MatMul"]'), "'ops' goes with"),
@@ -1020,6 +1022,27 @@ def test_rank_and_computed_input_refusals_look_at_the_operands():
     assert "with input 3 ('w_in') computed at run time" in computed.reasons[0]
 
 
+def test_a_shape_unrecorded_refusal_looks_at_whether_the_input_has_a_shape():
+    """onnx2tf infers shapes itself where the model records none, and freezes what it cannot infer
+    (the tflite profile's QLinearSoftmax and QLinearMatMul refusals): refused exactly when the
+    input's shape (rank at least) is neither inferred, recorded nor a constant's."""
+    profile = parse_target(MINIMAL + _REFUSE.format('when = "shape-unrecorded"'), "mini.toml")
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3])
+    out = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    one = onnx.numpy_helper.from_array(np.ones((2, 3), np.float32), "one")
+    known = _graph([helper.make_node("Add", ["x", "one"], ["y"], name="add")], [x], [out], [one])
+    assert check_model(known, profile) == []
+    # The same Add reading the output of an op shape inference does not know (a contrib op).
+    opaque = helper.make_node("Unknown", ["x"], ["r"], name="r", domain="custom.domain")
+    unknown = _graph([opaque, helper.make_node("Add", ["r", "one"], ["y"], name="add")], [x], [out], [one])
+    unknown.opset_import.append(helper.make_opsetid("custom.domain", 1))
+    add = [v for v in check_model(unknown, profile) if v.node == "add"]
+    assert len(add) == 1 and "with input 0 ('r') of unrecorded shape" in add[0].reasons[0], add
+    # Its constant operand has a shape: looking at input 1 refuses nothing.
+    at_one = parse_target(MINIMAL + _REFUSE.format('when = "shape-unrecorded"\ninputs = [1]'), "mini.toml")
+    assert not [v for v in check_model(unknown, at_one) if v.node == "add"]
+
+
 def test_an_op_taken_only_inside_a_chain_and_raw_integer_tensors():
     """QNN takes Erf only inside the float GELU its EP fuses (Div -> Erf -> Add -> Mul), and 8-bit
     tensors only on the quantized side of a Q/DQ (observed, rules/targets/qnn.toml)."""
@@ -1063,8 +1086,8 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     `inspect --target` says what would make it apply (here: the reduction length of an activation
     x activation QLinearMatMul, which qop-matmul with reduction_length = 'recorded' needs and the
     model does not record). The shipped rule bounds it at run time instead (a bound that depends on
-    K, tests/test_qoperator_run_time_k.py), but not for TFLite, whose profile sets 'recorded'
-    (tests/test_target_rule_options.py): the user's own option asks for it there."""
+    K, tests/test_qoperator_run_time_k.py), for TFLite too (LiteRT runs it on the QOperator BERT,
+    tests/test_targets_runtime.py)."""
     f = onnx.numpy_helper.from_array
     consts = [f(np.float32(0.1), "s"), f(np.uint8(128), "z")]
     node = helper.make_node("QLinearMatMul", ["a", "s", "z", "b", "s", "z", "s", "z"], ["y"], name="mm")
@@ -1092,11 +1115,7 @@ def test_inspect_says_why_a_weighed_rule_does_not_apply(tmp_path):
     assert verdict.rule == "qop-matmul" and not verdict.after
     shipped = plan_for_target(path, load_rules(), load_target("tflite"))
     (verdict,) = [n for n in shipped.nodes if n.node == "mm"]
-    assert verdict.rule is None and "--input-shape" in verdict.hint
-    run_time = load_rules(options={"qop-matmul": {"reduction_length": "run-time"}})
-    asked = plan_for_target(path, run_time, load_target("tflite"))
-    (verdict,) = [n for n in asked.nodes if n.node == "mm"]
-    assert verdict.rule == "qop-matmul" and not verdict.after and asked.refused_after == 0
+    assert verdict.rule == "qop-matmul" and not verdict.after and shipped.refused_after == 0
 
 
 def test_readers_decide_the_unfused_outputs_and_read_by_refusals():

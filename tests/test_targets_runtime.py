@@ -253,8 +253,8 @@ _CASES = [
 
 #: (runtime, model, form) -> why the verdict is known not to agree with the runtime: asserted as
 #: it is, so the case is looked at again once the runtime or the profile changes (README, Targets).
-#: (TFLite's QOperator BERT as given was one until the tflite profile set qop-matmul's
-#: reduction_length = "recorded": test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape.)
+#: (TFLite's QOperator BERT as given was one until the tflite profile refused its QLinearSoftmax of
+#: symbolic shape: test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape.)
 KNOWN_DISAGREEMENTS: dict[tuple[str, str, str], str] = {}
 
 
@@ -811,38 +811,39 @@ def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp
 
 
 def test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape(battery):
-    """ortqop_bert's two activation x activation QLinearMatMuls sum over lengths onnx's shape
-    inference cannot see through its com.microsoft QLinearAdd/QLinearSoftmax. The catalogue's
-    qop-matmul bounds them by a function of the run-time length (tests/test_qoperator_run_time_k.py),
-    and LiteRT does not run that rewrite (observed, onnx2tf 2.6.9 -> ai-edge-litert 2.1.2): the
-    converted model's attention merge Reshape (shape [0, 0, 64]) reads [1, 1, 64] and fails to
-    prepare at sequence 16. So the tflite profile sets reduction_length = "recorded" for the rule:
-    as given the plan leaves those two nodes refused, naming --input-shape, and LiteRT agrees (the
-    model still has them, as custom ops it cannot run). With `--input-shape` fixing the recorded
-    inputs' shape every shape is recorded (targets/shapes.py), the bound is computed at the length,
-    nothing is refused, and LiteRT runs the rewrite and agrees with onnxruntime running the
-    original. The user's own option still asks for the run-time bound, which LiteRT fails on: what
-    the profile's option is for."""
+    """ortqop_bert's shapes behind its com.microsoft ops are not in the model. onnx2tf 2.6.9 infers
+    them with onnxruntime's SymbolicShapeInference, which does not know QLinearSoftmax and stops
+    after it; onnx2tf then fixes the symbolic dims it could not infer to 1, so the attention's merge
+    Reshape (shape [0, 0, 64]) becomes [1, 1, 64] and fails to prepare at sequence 16 (observed:
+    what was blamed on qop-matmul's run-time-K bound of the attention products before). So the
+    tflite profile refuses a QLinearSoftmax whose input shape is not fixed (qop-softmax rewrites it)
+    and a QLinearMatMul whose rank is not recorded (onnx2tf, inferring it, sees rank 3 and leaves a
+    custom op): as given nothing is refused, the activation products are bounded at their run-time
+    length, and LiteRT agrees with onnxruntime running the original. The same plan with the
+    QLinearSoftmax left as it is fails to prepare: that node is what trips onnx2tf. With
+    `--input-shape` every shape is fixed, the QLinearSoftmax is kept, and LiteRT agrees too."""
     _runtime("tflite")
     path = battery["ortqop_bert"]
     inputs, expected = _io(path)
     profile = load_target("tflite")
     given = plan_for_target(path, load_rules(), profile)
-    assert given.refused_after == 2 and {r.op for r in given.after} == {"QLinearMatMul"}
-    assert all("--input-shape" in v.hint for v in given.nodes if v.after), [v.hint for v in given.nodes]
-    assert not _bound_formulas(given.rewritten)
+    assert given.refused_after == 0
+    refused = {v.node: v.reasons[0] for v in given.before}
+    assert "of a shape that is not fixed" in refused["layer.0.attention.probs_quant"], refused
+    assert "of unrecorded shape" in refused["layer.0.output.matmul_quant"], refused
+    assert _bound_formulas(given.rewritten) == {"run-time-k"}
     ran, detail = runs_on("tflite", given.rewritten, inputs, expected, original=path)
-    assert not ran and "ONNX_QLINEARMATMUL" in detail, detail  # the custom op onnx2tf leaves
+    assert ran, detail
+    kept = plan_for_target(path, load_rules(skip=["qop-softmax", "qop-softmax-shapeless"]), profile)
+    assert [v.node for v in kept.after] == ["layer.0.attention.probs_quant"]
+    ran, detail = runs_on("tflite", kept.rewritten, inputs, expected, original=path)
+    assert not ran and "failed to reshape" in detail, detail
     plan = plan_for_target(path, load_rules(), profile, input_shapes=_recorded_shapes(inputs))
     assert plan.refused_after == 0 and plan.input_shapes["fixed"] == ["batch=1", "seq=16"]
+    assert "layer.0.attention.probs_quant" not in {v.node for v in plan.before}
     assert not _bound_formulas(plan.rewritten)
     ran, detail = runs_on("tflite", plan.rewritten, inputs, expected, original=path)
     assert ran, detail
-    user = load_rules(options={"qop-matmul": {"reduction_length": "run-time"}})
-    asked = plan_for_target(path, user, profile)
-    assert asked.refused_after == 0 and _bound_formulas(asked.rewritten) == {"run-time-k"}
-    ran, detail = runs_on("tflite", asked.rewritten, inputs, expected, original=path)
-    assert not ran and "failed to reshape" in detail, detail
 
 
 def _bound_formulas(model: onnx.ModelProto) -> set[str]:

@@ -496,6 +496,26 @@ def _rank_above(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | N
     return None
 
 
+def _shape_unrecorded(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input looked at has no recorded shape (not even its rank): a converter that infers shapes
+    itself decides them, and may decide them wrongly (onnx2tf: the tflite profile)."""
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        if name and _rank(scope, name) is None:
+            return f" with input {index} ({name!r}) of unrecorded shape"
+    return None
+
+
+def _shape_not_static(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input looked at has no recorded shape or a dimension that is not a number (a symbolic
+    one): a converter that infers shapes itself may fix such dimensions wrongly (onnx2tf)."""
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        if name and scope.constant(name) is None and known_shape(scope.recorded_shapes.get(name)) is None:
+            return f" with input {index} ({name!r}) of a shape that is not fixed"
+    return None
+
+
 def _computed_input(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """An input looked at is not a constant."""
     for index in refusal.inputs:
@@ -562,6 +582,8 @@ _WHEN: dict[str, Callable[[Refusal, onnx.NodeProto, Scope], str | None]] = {
     "folded-quantize-input": _folded_quantize,
     "read-by": _read_by,
     "quantized-type": _quantized_type,
+    "shape-unrecorded": _shape_unrecorded,
+    "shape-not-static": _shape_not_static,
 }
 
 

@@ -1084,7 +1084,7 @@ class _Account:
 
     def _set_here(self, rule_id: str) -> str:
         """The options the profile set for the rule, as the weighed line adds them (", with
-        reduction_length = 'recorded' for tflite"; "" when it set none)."""
+        reduction_length = 'recorded' for mini"; "" when it set none)."""
         applied = self.set_options.get(rule_id, {}).get("options")
         if not applied:
             return ""

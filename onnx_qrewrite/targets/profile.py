@@ -66,8 +66,14 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # folded-quantize-input (two of its inputs are
                                      # QuantizeLinear -> DequantizeLinear pairs: one of a value
                                      # computed at run time, one of a value the runtime folds to
-                                     # a constant of more than one element at load time)
-    inputs = [0]                     # rank-above / computed-input / input-from: the input
+                                     # a constant of more than one element at load time) |
+                                     # shape-unrecorded (one of `inputs` has no shape that
+                                     # shape inference, --input-shape's recording or a constant
+                                     # gives: what a converter that infers shapes itself may get
+                                     # wrong) | shape-not-static (one of `inputs` has no
+                                     # shape, or a dimension that is not a fixed number)
+    inputs = [0]                     # rank-above / computed-input / input-from /
+                                     # shape-unrecorded / shape-not-static: the input
                                      # positions looked at (default: the first)
     rank = 2                         # rank-above: the most dimensions the target takes there
     chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
@@ -108,7 +114,7 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     [[rewrites.options]]             # options of a catalogue rule for this target only, checked
     rule = "qop-matmul"              # against the rule's builder contract as a rule file's are
     options = { reduction_length = "recorded" }
-    why = "LiteRT fails to prepare its run-time-K form: ..."  # shown by inspect, targets --long
+    why = "the runtime fails on its run-time-K form: ..."  # shown by inspect, targets --long
     source = "..."                   # (--rule-option RULE.KEY=V, the user's, wins over it)
 
     [[rewrites.form]]                # a named form (rules/forms/<name>.toml) the target may need
@@ -179,6 +185,8 @@ REFUSE_WHEN = (
     "unfused-outputs",
     "read-by",
     "folded-quantize-input",
+    "shape-unrecorded",
+    "shape-not-static",
 )
 #: Element type names as the profiles spell them (onnx's, lower case; "float32" for FLOAT).
 TYPE_NAMES = frozenset(
@@ -729,8 +737,9 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
     ):
         raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
-    if "inputs" in raw and when not in ("rank-above", "computed-input", "input-from"):
-        raise _fail(path, where, "'inputs' goes with 'when' rank-above, computed-input or input-from")
+    looks_at = ("rank-above", "computed-input", "input-from", "shape-unrecorded", "shape-not-static")
+    if "inputs" in raw and when not in looks_at:
+        raise _fail(path, where, f"'inputs' goes with 'when' {', '.join(looks_at[:-1])} or {looks_at[-1]}")
     rank = _int(path, where, raw, "rank")
     if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
         raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
