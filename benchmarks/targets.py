@@ -7,7 +7,7 @@ Markdown tables: per target and model, then per target (the README's Targets tab
 
     python benchmarks/targets.py [--repeat 5] [--targets openvino,tract,...] [--models a,b] [-o DIR]
                                  [--default] [--seeds N] [--fix-shapes] [--allow-approximate]
-    python benchmarks/targets.py --repeat 3 -o /tmp/target-models --doc docs/targets-battery.md
+    python benchmarks/targets.py --repeat 3 --doc docs/targets-battery.md
 
 ``--doc FILE`` writes docs/targets-battery.md whole from one invocation: the battery as given, again
 with ``--fix-shapes`` (the rows that change), and with ``--fix-shapes --allow-approximate`` on the
