@@ -1041,6 +1041,11 @@ def test_a_shape_unrecorded_refusal_looks_at_whether_the_input_has_a_shape():
     # Its constant operand has a shape: looking at input 1 refuses nothing.
     at_one = parse_target(MINIMAL + _REFUSE.format('when = "shape-unrecorded"\ninputs = [1]'), "mini.toml")
     assert not [v for v in check_model(unknown, at_one) if v.node == "add"]
+    # A Flatten's output has rank 2 whatever its input's shape (a QOperator CNN's head reads one).
+    flat = helper.make_node("Flatten", ["r"], ["f"], name="flat")
+    flattened = _graph([opaque, flat, helper.make_node("Add", ["f", "one"], ["y"], name="add")], [x], [out], [one])
+    flattened.opset_import.append(helper.make_opsetid("custom.domain", 1))
+    assert not [v for v in check_model(flattened, profile) if v.node == "add"]
 
 
 def test_an_op_taken_only_inside_a_chain_and_raw_integer_tensors():

@@ -234,12 +234,17 @@ _SCALES = {"QuantizeLinear": (1,), "DequantizeLinear": (1,), "QLinearConv": (1, 
 
 
 def _rank(scope: Scope, name: str) -> int | None:
-    """The number of dimensions of ``name`` when shape inference or a constant tells it."""
+    """The number of dimensions of ``name`` when shape inference or a constant tells it, or its
+    producer fixes it whatever its input's shape (Flatten: 2, where onnx's inference gives no
+    shape for an input of unknown shape, e.g. a QOperator CNN's pooled value)."""
     shape = scope.recorded_shapes.get(name)
     if shape is not None:
         return len(shape)
     value = scope.constant(name)
-    return None if value is None else value.ndim
+    if value is not None:
+        return value.ndim
+    producer = scope.producer(name)
+    return 2 if producer is not None and producer.domain in _STANDARD and producer.op_type == "Flatten" else None
 
 
 def _consumers(scope: Scope) -> dict[str, list[onnx.NodeProto]]:
