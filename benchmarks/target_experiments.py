@@ -1,5 +1,5 @@
 """Measurements behind rules/targets/qnn.toml and tflite.toml that no shipped rewrite makes, so
-benchmarks/targets.py cannot show them (docs/targets-battery.md cites them):
+benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
 
 - ``tflite-recorded-shapes``: benchmarks/target_models.py's ortqop_bert with every value's shape
   recorded (onnxruntime runs it on the recorded inputs; shape inference cannot see through its
