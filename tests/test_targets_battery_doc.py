@@ -57,6 +57,16 @@ def test_reach_counts_per_target_and_pass():
     assert lines[2:] == ["| `tract` | 2 | 1 | 2 | - |", "| `nnapi` | 1 | 0 | 0 | 1 |"]
 
 
+def test_a_rewrite_onnxruntime_cannot_load_is_not_reached_without_a_runtime():
+    """No runtime for the target here: nothing refused is not enough, the rewrite must run in
+    onnxruntime (webgpu's --allow-approximate rewrite of the QDQ CNN failed the checker)."""
+    row = {**_row("webgpu", "a", 7, 0), "runtime": None}
+    assert targets._reached({**row, "rewrite": {"ort": True, "runs": True, "max_abs": 0.0, "rel_l2": 0.0}})
+    broken = {**row, "rewrite": {"runs": False, "why": "Invalid model"}}
+    assert not targets._reached(broken)
+    assert targets._why_not(broken) == "fails on onnxruntime: Invalid model"
+
+
 def test_the_document_from_one_invocation(tmp_path):
     """A small battery (the committed dynamic_mlp, two targets with no runtime needed), end to end:
     the file is written whole, headed by the command that makes it again."""
