@@ -270,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     from onnx_qrewrite.api import load_rules
     from onnx_qrewrite.targets import load_target
 
+    code = _code_state() if args.doc is not None else ""  # before anything else: the tree may change meanwhile
     with tempfile.TemporaryDirectory() as tmp:
         battery = make_battery(args.models_dir or tmp, set(args.models.split(",")) if args.models else None)
         catalogue = load_rules()
         # Every profile read once, as the run starts (editing one meanwhile changes nothing here).
         profiles = {t: load_target(t) for t in args.targets.split(",")}
         if args.doc is not None:
-            _write(args.doc, battery_document(battery, catalogue, profiles, args, argv))
+            _write(args.doc, battery_document(battery, catalogue, profiles, args, argv, code))
             return 0
         rows = _battery_pass(battery, catalogue, profiles, args, args.fix_shapes, args.allow_approximate, stream=True)
         print("\n" + CELLS)
@@ -509,14 +510,14 @@ def _why_not(r: dict[str, Any]) -> str:
 
 
 def battery_document(
-    battery: list[Battery], catalogue: Any, profiles: dict[str, Any], args: Any, argv: list[str] | None
+    battery: list[Battery], catalogue: Any, profiles: dict[str, Any], args: Any, argv: list[str] | None, code: str
 ) -> str:
     """docs/targets-battery.md, whole, from one invocation: the battery as given, with the recorded
     input shapes fixed, and (on the targets whose profile has a form that waits for the user's
     consent) with ``--allow-approximate`` too; headed by the command, commit, date, machine, load
     and runtime versions it ran with, so a regeneration is this one command."""
-    # The code and runtimes as the run starts (the tree may change while it runs).
-    started, code, versions = time.time(), _code_state(), _versions(profiles)
+    # The runtimes as the run starts (``code``: the commit and tree as the invocation started).
+    started, versions = time.time(), _versions(profiles)
     consent = {t: p for t, p in profiles.items() if any(f.consent == "user" for f in p.forms)}
     given = _battery_pass(battery, catalogue, profiles, args, False, False)
     fixed = _battery_pass(battery, catalogue, profiles, args, True, False)
