@@ -338,6 +338,12 @@ _Pending = dict[int, list[tuple[list[ValueComparison | None], int, _Judge]]]
 _PENDING_BYTES = 1 << 28
 
 
+def _case(judge: _Judge) -> _Case:
+    """The case a pending judgement judges."""
+    assert isinstance(judge, functools.partial)
+    return judge.args[0]
+
+
 def _held_bytes(judge: _Judge, constants: dict[str, np.ndarray]) -> int:
     """The bytes a pending judgement holds: its sample's values of the node (not the constants)."""
     assert isinstance(judge, functools.partial)
@@ -352,7 +358,7 @@ def _judge_pending(pending: _Pending, rewrites: Sequence[BoundedRewrite], reads:
     for index, jobs in pending.items():
         node, formula = reads.originals[id(rewrites[index])], rewrites[index].formula
         assert node is not None and formula is not None
-        prepared = element_bounds.prepare(formula, node, reads.constants)
+        prepared = element_bounds.prepare(formula, node, reads.constants, [_case(judge).reads for _, _, judge in jobs])
         for parts, slot, judge in jobs:
             parts[slot] = judge(prepared)
         del prepared

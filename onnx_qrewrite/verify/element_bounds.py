@@ -42,7 +42,7 @@ Formulas (``name`` or ``name:parameter``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +51,16 @@ import onnx
 from onnx_qrewrite.rewriter import u8s8
 from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 
-__all__ = ["FORMULAS", "describe", "element_bound", "needed_inputs", "preparable", "prepare", "uses_saturation"]
+__all__ = [
+    "FORMULAS",
+    "WeightMagnitudes",
+    "describe",
+    "element_bound",
+    "needed_inputs",
+    "preparable",
+    "prepare",
+    "uses_saturation",
+]
 
 _U = 2.0**-24
 _ROUNDING = 2.0**-20  # generous: a few roundings of float32 values, each at most u
@@ -146,14 +155,48 @@ def _u8s8_pairs(
     return np.where(scaled > 0, scaled * (1 + _ROUNDING) + _ROUNDING * magnitude, 0.0)
 
 
-def _weight_magnitudes(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> np.ndarray:
-    """``|W|`` in float64, ``[K, N]``: the MatMulNBits node's dequantized weights, the part of its
-    ``float32-sum-order`` bound that reads constants only (:func:`prepare` computes it once per node)."""
+class WeightMagnitudes:
+    """``|W|`` in float64, ``[K, N]``: a MatMulNBits node's dequantized weights, the part of its
+    ``float32-sum-order`` bound that reads constants only (:func:`prepare` computes it once per
+    node), and ``|A| @ |W|`` for the activations it was prepared with, made by one matrix product
+    over all their rows: ``|W|`` (32 MB at K = N = 2048) is read from memory once per node instead
+    of once per sample. Each row's product is the same dot product either way."""
+
+    def __init__(self, magnitudes: np.ndarray, activations: Sequence[np.ndarray] = ()) -> None:
+        self.magnitudes = magnitudes
+        #: id(A) -> (A, |A| @ |W|): A is held so that its id is not reused while the product is.
+        self._products: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        k, n = magnitudes.shape
+        given = list({id(a): a for a in activations}.values())
+        if not given or k == 0:  # (K = 0: nothing to batch; product() computes each)
+            return
+        rows = np.concatenate([np.abs(a.astype(np.float64)).reshape(-1, k) for a in given])
+        products = rows @ magnitudes
+        start = 0
+        for a in given:
+            count = a.size // k
+            self._products[id(a)] = (a, products[start : start + count].reshape((*a.shape[:-1], n)))
+            start += count
+
+    def product(self, a: np.ndarray) -> np.ndarray:
+        """``|A| @ |W|`` in float64 (computed now for an activation it was not prepared with)."""
+        held = self._products.get(id(a))
+        if held is not None and held[0] is a:
+            return held[1]
+        return np.abs(a.astype(np.float64)) @ self.magnitudes
+
+
+def _weight_magnitudes(
+    node: onnx.NodeProto, values: Mapping[str, np.ndarray], samples: Sequence[Mapping[str, np.ndarray]] = ()
+) -> WeightMagnitudes:
+    """The MatMulNBits node's :class:`WeightMagnitudes`, with the products of the activations (input
+    0) of ``samples``, the values the bound will be evaluated on."""
     from onnx_qrewrite.rewriter.builders.matmul_nbits import dequantized_weights
 
     attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
     w = dequantized_weights(attributes, values[node.input[1]], values[node.input[2]], _input(node, values, 3))
-    return np.abs(w.astype(np.float64))
+    activations = [a for sample in samples if (a := _input(node, sample, 0)) is not None]
+    return WeightMagnitudes(np.abs(w.astype(np.float64)), activations)
 
 
 def _float32_sum_order(
@@ -162,15 +205,15 @@ def _float32_sum_order(
     values: Mapping[str, np.ndarray],
     expected: np.ndarray,
     actual: np.ndarray,
-    prepared: np.ndarray | None = None,
+    prepared: WeightMagnitudes | None = None,
 ) -> np.ndarray:
     a = _input(node, values, 0)
     assert a is not None
-    magnitudes = _weight_magnitudes(node, values) if prepared is None else prepared
-    k = magnitudes.shape[0]
+    weights = _weight_magnitudes(node, values) if prepared is None else prepared
+    k = weights.magnitudes.shape[0]
     n = (k + 1) * _U
     gamma = n / (1 - n)
-    total = np.abs(a.astype(np.float64)) @ magnitudes
+    total = weights.product(a)
     bias = _input(node, values, 5)
     if bias is not None:
         total = total + np.abs(bias.astype(np.float64))
@@ -298,7 +341,7 @@ FORMULAS: dict[str, Callable[..., np.ndarray]] = {
 #: formula name -> op -> (the inputs of its part that reads constants only, that part): a part
 #: computed once per node by :func:`prepare`, not once per sample (MatMulNBits' dequantized
 #: weights: 1.4 s of 4.7 s per layer at K = N = 2048 when they were recomputed per sample).
-_PREPARED: dict[str, dict[str, tuple[tuple[int, ...], Callable[[onnx.NodeProto, Mapping[str, np.ndarray]], Any]]]] = {
+_PREPARED: dict[str, dict[str, tuple[tuple[int, ...], Callable[..., Any]]]] = {
     "float32-sum-order": {"MatMulNBits": ((1, 2, 3), _weight_magnitudes)},
 }
 
@@ -314,11 +357,18 @@ def preparable(formula: str | None, node: onnx.NodeProto, constants: Mapping[str
     return all(node.input[i] in constants for i in spec[0] if i < len(node.input) and node.input[i])
 
 
-def prepare(formula: str, node: onnx.NodeProto, constants: Mapping[str, np.ndarray]) -> Any:
+def prepare(
+    formula: str,
+    node: onnx.NodeProto,
+    constants: Mapping[str, np.ndarray],
+    samples: Sequence[Mapping[str, np.ndarray]] = (),
+) -> Any:
     """The part of ``formula``'s bound at ``node`` that depends on its constant inputs only (the
     weights), for :func:`element_bound`'s ``prepared``: the same values it would compute on each
-    sample, computed once. Only where :func:`preparable` says so."""
-    return _PREPARED[_split(formula)[0]][node.op_type][1](node, constants)
+    sample, computed once. ``samples``: the values of the node's inputs on each sample the bound
+    will be evaluated on, whose part that reads the weights is then computed for all of them at once
+    (the same values). Only where :func:`preparable` says so."""
+    return _PREPARED[_split(formula)[0]][node.op_type][1](node, constants, samples)
 
 
 def element_bound(
