@@ -233,3 +233,23 @@ def test_in_process_callers_keep_their_garbage_collector():
     assert _gc_state_after(code) == "0 True"
     paused = "import gc\ngc.disable()\n" + code
     assert _gc_state_after(paused) == "0 False"  # a caller's own setting is kept
+
+
+def test_the_verifiers_package_loads_without_collections_in_the_commands_own_process():
+    """``verify`` loads numpy, onnxruntime and the verifier's package with the collector paused,
+    then frozen (``cli.import_quietly``), in the command's own process: no collection walks those
+    objects while they load. In-process callers import it as usual (collections run), and keep
+    their collector on."""
+    code = (
+        "import gc, sys\n"
+        "from onnx_qrewrite import cli\n"
+        "cli._PROCESS['own_process'] = OWN\n"
+        "runs = []\n"
+        "gc.callbacks.append(lambda phase, info: runs.append(phase) if phase == 'start' else None)\n"
+        "cli.import_quietly('onnx_qrewrite.verify')\n"
+        "print(len(runs), gc.get_freeze_count() > 0, gc.isenabled(), 'onnxruntime' in sys.modules)"
+    )
+    own = _gc_state_after(code.replace("OWN", "True")).split()
+    assert own == ["0", "True", "True", "True"], own
+    in_process = _gc_state_after(code.replace("OWN", "False")).split()
+    assert int(in_process[0]) > 0 and in_process[1:] == ["False", "True", "True"], in_process

@@ -20,7 +20,7 @@ from onnx_qrewrite import __version__
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 from onnx_qrewrite.io import signals
 
-__all__ = ["main", "run"]
+__all__ = ["import_quietly", "main", "run"]
 
 #: name -> "module:attribute" of the click command
 SUBCOMMANDS = {
@@ -55,21 +55,23 @@ def _shortened(text: str, limit: int) -> str:
 
 
 #: ``own_process``: :func:`run` started the command in a process of its own (the console script,
-#: ``python -m onnx_qrewrite``), not in-process (tests, embedding); see :func:`_import_subcommand`.
+#: ``python -m onnx_qrewrite``), not in-process (tests, embedding); see :func:`import_quietly`.
 _PROCESS = {"own_process": False}
 
 
-def _import_subcommand(module: str) -> Any:
+def import_quietly(module: str) -> Any:
     """``importlib.import_module(module)``; in a process of its own (:func:`run`), with the cyclic
     garbage collector paused, then the loaded objects frozen (``gc.freeze``).
 
-    A subcommand's module imports onnx (and with it numpy and protobuf): hundreds of thousands of
-    objects that live as long as the process, and no garbage, which the collector, triggered by
-    their allocations, would walk again and again while they load and at every full collection
-    after: about 12 ms of ``inspect``'s CPU on a small model (0.235 s to 0.223 s, runs
-    interleaved with and without it). In-process it is a plain import: freezing there would keep the caller's
-    garbage forever, and pausing alone only postpones the walk (it cost 10 ms more, measured so)."""
-    if not _PROCESS["own_process"]:
+    A subcommand's module imports onnx (and with it numpy and protobuf), and ``verify`` imports
+    numpy and onnxruntime: hundreds of thousands of objects that live as long as the process, and
+    no garbage, which the collector, triggered by their allocations, would walk again and again
+    while they load and at every full collection after: about 12 ms of ``inspect``'s CPU on a small
+    model (0.235 s to 0.223 s, runs interleaved with and without it), 11 ms of ``verify``'s (the
+    verifier's package, 252 ms to 241 ms at the least of 21 runs each). In-process it is a plain
+    import: freezing there would keep the caller's garbage forever, and pausing alone only
+    postpones the walk (it cost 10 ms more, measured so)."""
+    if not _PROCESS["own_process"] or module in sys.modules:
         return importlib.import_module(module)
     was_enabled = gc.isenabled()
     gc.disable()
@@ -101,7 +103,7 @@ class _LazyGroup(click.Group):
             return None
         module, attr = target.split(":")
         try:
-            command = getattr(_import_subcommand(module), attr)
+            command = getattr(import_quietly(module), attr)
         except (ImportError, AttributeError):
             return None
         if not any("--quiet" in p.opts for p in command.params):

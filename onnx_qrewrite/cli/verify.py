@@ -286,7 +286,10 @@ def verify_kwargs(
 ) -> dict[str, Any]:
     """Option values -> keyword arguments of ``verify``; raises UsageError naming a bad option.
     Everything that can be checked without the models is checked here, before any work."""
+    from onnx_qrewrite.cli import import_quietly
     from onnx_qrewrite.io.input_shape import parse_input_shapes
+
+    import_quietly("onnx_qrewrite.verify")  # numpy and onnxruntime: see import_quietly
     from onnx_qrewrite.verify import DriftThresholds, GenerationOptions, SessionSettings, Tolerances
     from onnx_qrewrite.verify.inputs import parse_int_range, parse_val_range
 
