@@ -49,12 +49,17 @@ def test_rules_loads_no_onnx_numpy_or_builder_code():
 
 
 def _console_modules(tmp_path, *args: str) -> set[str]:
-    """The modules loaded once the console script's :func:`cli.run` ran ``args`` (exit 0)."""
-    return _modules_after(
+    """The modules loaded once the console script's :func:`cli.run` ran ``args`` (exit 0), listed
+    by an atexit handler: ``run`` ends the process itself (``cli._end_process``)."""
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(' '.join(sorted(sys.modules))))\n"
         f"sys.argv = ['onnx-qrewrite', *{list(args)!r}]\n"
         "from onnx_qrewrite.cli import run\n"
-        "try:\n    run()\nexcept SystemExit as exc:\n    assert not exc.code, exc.code"
+        "run()"
     )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return set(out.strip().splitlines()[-1].split())
 
 
 def test_console_inspect_and_verify_of_a_plain_model_import_no_onnx(tmp_path):
@@ -253,3 +258,38 @@ def test_the_verifiers_package_loads_without_collections_in_the_commands_own_pro
     assert own == ["0", "True", "True", "True"], own
     in_process = _gc_state_after(code.replace("OWN", "False")).split()
     assert int(in_process[0]) > 0 and in_process[1:] == ["False", "True", "True"], in_process
+
+
+def test_the_console_script_ends_with_the_commands_status_without_tearing_down_modules(tmp_path):
+    """``cli.run`` ends the process with the command's exit status once the atexit handlers ran
+    and the standard streams are flushed, skipping the interpreter's teardown of every module
+    (a module's object whose finalizer would print at teardown prints nothing); an error keeps
+    its exit code and its one line."""
+    model = SAMPLES / "dynamic_mlp.onnx"
+    code = (
+        "import atexit, sys\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        print('torn down')\n"
+        "kept = Finalized()\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "sys.argv = ['onnx-qrewrite', *sys.argv[1:]]\n"
+        "from onnx_qrewrite.cli import run\n"
+        "run()"
+    )
+    done = subprocess.run([sys.executable, "-c", code, "rules"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "dql-expand" in done.stdout and done.stdout.rstrip().endswith("atexit ran"), done.stdout[-200:]
+    assert "torn down" not in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-c", code, "verify", str(model), str(tmp_path / "missing.onnx")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 3, bad.stderr
+    assert "missing.onnx" in bad.stderr and bad.stdout.strip() == "atexit ran", (bad.stdout, bad.stderr)
+    # In-process (tests, embedding), main returns to its caller: the interpreter's own exit follows.
+    plain = code.replace("from onnx_qrewrite.cli import run\nrun()", "from onnx_qrewrite.cli import main\nmain()")
+    done = subprocess.run([sys.executable, "-c", plain, "rules"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "torn down" in done.stdout, done.stdout[-200:]
