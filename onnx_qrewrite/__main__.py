@@ -1,4 +1,4 @@
-from onnx_qrewrite.cli import run
+from onnx_qrewrite.cli import console
 
 if __name__ == "__main__":
-    run()
+    console()

@@ -28,17 +28,15 @@ def llm(tmp_path_factory) -> Path:
 
 # The child reports its own peak (VmHWM, reset at exec). Not wait4's ru_maxrss: Linux carries the
 # forking parent's high-water mark through fork and exec, and this pytest process may be large.
+# Printed by an atexit handler: ``python -m onnx_qrewrite`` ends the process itself (cli.console).
 _MEASURED = """
-import runpy, sys
+import atexit, runpy, sys
+def peak():
+    peak = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM"))
+    print(f"VmHWM {peak}", file=sys.stderr)
+atexit.register(peak)
 sys.argv = ["onnx-qrewrite", *sys.argv[1:]]
-try:
-    runpy.run_module("onnx_qrewrite", run_name="__main__")
-    code = 0
-except SystemExit as exc:
-    code = exc.code or 0
-peak = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM"))
-print(f"VmHWM {peak}", file=sys.stderr)
-sys.exit(code)
+runpy.run_module("onnx_qrewrite", run_name="__main__")
 """
 
 

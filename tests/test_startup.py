@@ -49,14 +49,14 @@ def test_rules_loads_no_onnx_numpy_or_builder_code():
 
 
 def _console_modules(tmp_path, *args: str) -> set[str]:
-    """The modules loaded once the console script's :func:`cli.run` ran ``args`` (exit 0), listed
-    by an atexit handler: ``run`` ends the process itself (``cli._end_process``)."""
+    """The modules loaded once the console script's :func:`cli.console` ran ``args`` (exit 0),
+    listed by an atexit handler: it ends the process itself (``cli._end_process``)."""
     probe = (
         "import atexit, sys\n"
         "atexit.register(lambda: print(' '.join(sorted(sys.modules))))\n"
         f"sys.argv = ['onnx-qrewrite', *{list(args)!r}]\n"
-        "from onnx_qrewrite.cli import run\n"
-        "run()"
+        "from onnx_qrewrite.cli import console\n"
+        "console()"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     return set(out.strip().splitlines()[-1].split())
@@ -261,7 +261,8 @@ def test_the_verifiers_package_loads_without_collections_in_the_commands_own_pro
 
 
 def test_the_console_script_ends_with_the_commands_status_without_tearing_down_modules(tmp_path):
-    """``cli.run`` ends the process with the command's exit status once the atexit handlers ran
+    """``cli.console`` (the console script, ``python -m onnx_qrewrite``) ends the process with the
+    command's exit status once the atexit handlers ran
     and the standard streams are flushed, skipping the interpreter's teardown of every module
     (a module's object whose finalizer would print at teardown prints nothing); an error keeps
     its exit code and its one line."""
@@ -274,8 +275,8 @@ def test_the_console_script_ends_with_the_commands_status_without_tearing_down_m
         "kept = Finalized()\n"
         "atexit.register(lambda: print('atexit ran'))\n"
         "sys.argv = ['onnx-qrewrite', *sys.argv[1:]]\n"
-        "from onnx_qrewrite.cli import run\n"
-        "run()"
+        "from onnx_qrewrite.cli import console\n"
+        "console()"
     )
     done = subprocess.run([sys.executable, "-c", code, "rules"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
@@ -289,7 +290,7 @@ def test_the_console_script_ends_with_the_commands_status_without_tearing_down_m
     )
     assert bad.returncode == 3, bad.stderr
     assert "missing.onnx" in bad.stderr and bad.stdout.strip() == "atexit ran", (bad.stdout, bad.stderr)
-    # In-process (tests, embedding), main returns to its caller: the interpreter's own exit follows.
-    plain = code.replace("from onnx_qrewrite.cli import run\nrun()", "from onnx_qrewrite.cli import main\nmain()")
+    # cli.run returns to its caller (harnesses that go on after the command): the interpreter's exit follows.
+    plain = code.replace("import console\nconsole()", "import run\nrun()")
     done = subprocess.run([sys.executable, "-c", plain, "rules"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "torn down" in done.stdout, done.stdout[-200:]

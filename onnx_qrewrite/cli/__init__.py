@@ -22,7 +22,7 @@ from onnx_qrewrite import __version__
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 from onnx_qrewrite.io import signals
 
-__all__ = ["import_quietly", "main", "run"]
+__all__ = ["console", "import_quietly", "main", "run"]
 
 #: name -> "module:attribute" of the click command
 SUBCOMMANDS = {
@@ -239,8 +239,8 @@ def main(ctx: click.Context, verbose: int, quiet: bool) -> None:
 
 
 def run() -> None:
-    """The ``onnx-qrewrite`` console script and ``python -m onnx_qrewrite``: :func:`main`, in a
-    process that ends when it returns.
+    """The command line as the ``onnx-qrewrite`` console script and ``python -m onnx_qrewrite`` run
+    it (:func:`console`): :func:`main`, in a process that ends when it returns.
 
     Before the interpreter exits, every object still alive is moved out of the cyclic garbage
     collector's reach (``gc.freeze``). The interpreter's final collections would otherwise walk
@@ -254,11 +254,6 @@ def run() -> None:
     command returns. In-process callers (tests, embedding) call :func:`main` and keep their
     collector as it was.
 
-    The process then ends with the command's exit status (:func:`_end_process`) without the
-    interpreter tearing down its modules, which frees numpy's, onnxruntime's and onnx's objects
-    one by one: 26 ms of CPU after importing the verifier (240 ms against 266 ms, the least of 21
-    runs each), a tenth of the benchmark's bare onnxruntime sessions on the tiny BERT.
-
     The process being the command's own also lets the modules on ``inspect``'s path take onnx's
     message classes and extension module from onnx's files without ``import onnx``
     (:mod:`onnx_qrewrite._onnx`)."""
@@ -268,12 +263,22 @@ def run() -> None:
     _PROCESS["own_process"] = True
     try:
         main()
-    except SystemExit as done:
-        gc.freeze()
-        _end_process(done.code)
-        raise
     finally:
         gc.freeze()
+
+
+def console() -> None:
+    """The ``onnx-qrewrite`` console script and ``python -m onnx_qrewrite``: :func:`run`, then the
+    process ends with the command's exit status (:func:`_end_process`) without the interpreter
+    tearing down its modules, which frees numpy's, onnxruntime's and onnx's objects one by one: 26
+    ms of CPU after importing the verifier (240 ms against 266 ms, the least of 21 runs each), a
+    tenth of the benchmark's bare onnxruntime sessions on the tiny BERT. (:func:`run` returns to
+    its caller, for harnesses that run the command line as its own process would, then go on.)"""
+    try:
+        run()
+    except SystemExit as done:
+        _end_process(done.code)
+        raise
 
 
 def _end_process(code: object) -> None:
@@ -301,4 +306,4 @@ def _end_process(code: object) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    run()
+    console()
