@@ -290,7 +290,13 @@ def test_the_console_script_ends_with_the_commands_status_without_tearing_down_m
     )
     assert bad.returncode == 3, bad.stderr
     assert "missing.onnx" in bad.stderr and bad.stdout.strip() == "atexit ran", (bad.stdout, bad.stderr)
-    # cli.run returns to its caller (harnesses that go on after the command): the interpreter's exit follows.
-    plain = code.replace("import console\nconsole()", "import run\nrun()")
+    # In-process, main returns to its caller and the interpreter's own exit tears the modules down;
+    # cli.run returns too (harnesses that run the command as its process would, then go on).
+    plain = code.replace("import console\nconsole()", "import main\nmain()")
     done = subprocess.run([sys.executable, "-c", plain, "rules"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "torn down" in done.stdout, done.stdout[-200:]
+    returning = code.replace(
+        "import console\nconsole()", "import run\ntry:\n    run()\nexcept SystemExit:\n    print('returned')"
+    )
+    done = subprocess.run([sys.executable, "-c", returning, "rules"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "returned\natexit ran" in done.stdout, done.stdout[-200:]
