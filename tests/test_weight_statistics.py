@@ -29,7 +29,7 @@ def _reference(weights: np.ndarray, read: _Read) -> tuple[float | None, bool | N
         rows = np.moveaxis(weights, -2, -1).reshape(-1, weights.shape[-2])
     rows = rows.astype(np.int64)
     b = read.b
-    if b.zero_point and b.zp_value is None:
+    if b.has_zp and b.zp_value is None:
         columns = None
     else:
         zp = np.zeros(1, np.int64) if b.zp_value is None else b.zp_value.astype(np.int64).reshape(-1)
@@ -48,8 +48,8 @@ def _reference(weights: np.ndarray, read: _Read) -> tuple[float | None, bool | N
 
 
 def _read(conv: bool, a_dtype: str, b_dtype: str, zp: np.ndarray | None) -> _Read:
-    a = _Operand("a", "a_zp", a_dtype, None, 1, True)
-    b = _Operand("b", "b_zp" if zp is not None else "", b_dtype, zp, None if zp is None else zp.size)
+    a = _Operand(0, 2, a_dtype, None, 1, True)
+    b = _Operand(1, 3 if zp is not None else None, b_dtype, zp, None if zp is None else zp.size)
     return _Read(conv, a, b, None, None)
 
 
@@ -112,7 +112,7 @@ def test_nothing_is_read_when_no_statistic_needs_the_values():
         yield
 
     read = _read(False, "uint8", "uint8", None)
-    read = _Read(False, read.a, _Operand("b", "zp_at_run_time", "uint8", None, None), None, None)
+    read = _Read(False, read.a, _Operand(1, 3, "uint8", None, None), None, None)
     assert _weight_statistics(ConstantSlabs((4, 4), untouchable()), read) == (None, False)
 
 

@@ -34,6 +34,7 @@ from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter import provenance as provenance_mod
 from onnx_qrewrite.rewriter.builders import ConstantPool, Emitter, NoMatch, NotApplicable, Plan, Site
+from onnx_qrewrite.rewriter.builders._facts import CheckMemo
 from onnx_qrewrite.rewriter.builders._stamp import Template
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
@@ -64,6 +65,10 @@ class EngineOptions:
     #: Stamp repeated replacements from a recorded template (builders/_stamp.py); off only to
     #: prove that stamping and building give the same bytes.
     stamp_templates: bool = True
+    #: Decide a rule's check once per distinct node structure, for builders whose checks read the
+    #: graph through the Site's recorded queries (builders/_facts.py); off only to prove that
+    #: recorded and fresh checks give the same outcomes.
+    memo_checks: bool = True
     #: Exactness levels rules may have (onnx_qrewrite.rewriter.contract). Exact rules are always tried
     #: first and bounded ones only where no exact rule applies; approximate rules run only when
     #: listed here (``--allow-approximate``; a target profile may ask too), and then first.
@@ -108,7 +113,7 @@ def _in_order(rules: list[Rule]) -> list[Rule]:
     return with_precedence(ordered) if any(r.precedes for r in ordered) else ordered
 
 
-def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
+def _try_rule(rule: Rule, site: Site, options: EngineOptions, memo: CheckMemo | None = None) -> Plan:
     if rule.exactness not in options.allow:
         flag = " (--allow-approximate)" if rule.exactness == APPROXIMATE else ""
         raise NotApplicable(f"{rule.exactness} rule: runs only when asked{flag}")
@@ -126,10 +131,10 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
             f"proven for (onnxruntime 1.31.1 loads up to {opset_mod.MAX_RUNTIME_OPSET}; what onnx changed above it "
             "is not described)"
         )
-    dtype = builder.quantized_dtype(site)
-    if rule.dtypes is not None and dtype not in rule.dtypes:
-        raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")
-    plan = builder.check(site, rule.options)
+    if memo is not None and getattr(builder, "memo_check", False):
+        plan = memo.decide(rule, site, lambda recorded: _check(rule, builder, recorded))
+    else:
+        plan = _check(rule, builder, site)
     needed = plan.min_opset
     if needed > current:
         if options.keep_opset:
@@ -138,6 +143,15 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions) -> Plan:
             raise NoMatch(f"needs opset {needed}, above the highest allowed ({options.max_opset})")
         if site.scope.is_function:
             raise NoMatch(f"needs opset {needed}; raising the opset of a local function is not supported")
+    return plan
+
+
+def _check(rule: Rule, builder: Any, site: Site) -> Plan:
+    """The rule's dtype condition and its builder's check: what :class:`CheckMemo` records."""
+    dtype = builder.quantized_dtype(site)
+    if rule.dtypes is not None and dtype not in rule.dtypes:
+        raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")
+    plan: Plan = builder.check(site, rule.options)
     return plan
 
 
@@ -156,14 +170,21 @@ class _Pending:
 
 
 def _first_applicable(
-    site: Site, rules: list[Rule], options: EngineOptions, reasons: list[str], quiet: bool, *, removal: bool
+    site: Site,
+    rules: list[Rule],
+    options: EngineOptions,
+    reasons: list[str],
+    quiet: bool,
+    *,
+    removal: bool,
+    memo: CheckMemo | None = None,
 ) -> tuple[Rule | None, Plan | None, int, bool]:
     """The first of ``rules`` that applies to ``site``, its plan and its position (reasons of the
     others appended to ``reasons``), and whether every decline was "not applicable". Removal rules
     (``Plan.remove_if_dead``) count only when ``removal`` (a node is considered for removal once)."""
     for position, rule in enumerate(rules):
         try:
-            plan = _try_rule(rule, site, options)
+            plan = _try_rule(rule, site, options, memo)
         except NoMatch as why:
             # Approximate rules are extras asked for: their declining never makes a node an error.
             quiet = quiet and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
@@ -213,6 +234,7 @@ def _match(
 
     for s, scope in enumerate(scopes):
         pending: list[_Pending] = []
+        memo = CheckMemo() if options.memo_checks else None
         nodes = scope.container.node
         codes, keys = scope.op_codes()
         for code, n in collections.Counter(codes).items():
@@ -239,7 +261,9 @@ def _match(
             reasons: list[str] = []
             # A standard-domain node every candidate declines as "not applicable" is fine as it is.
             quiet = key[0] in ("", "ai.onnx")
-            rule, plan, position, quiet = _first_applicable(site, candidates, options, reasons, quiet, removal=True)
+            rule, plan, position, quiet = _first_applicable(
+                site, candidates, options, reasons, quiet, removal=True, memo=memo
+            )
             if plan is not None and plan.remove_if_dead:
                 assert rule is not None
                 pending.append(_Pending(site, index, rule, plan, candidates[position + 1 :], reasons, quiet))
@@ -252,7 +276,9 @@ def _match(
                     matches.setdefault(s, []).append(_Match(p.site, p.index, p.rule, p.plan))
                     continue
                 p.reasons.append(f"{p.rule.id}: its outputs are still read once the other rewrites are applied")
-                rule, plan, _, quiet = _first_applicable(p.site, p.rest, options, p.reasons, p.quiet, removal=False)
+                rule, plan, _, quiet = _first_applicable(
+                    p.site, p.rest, options, p.reasons, p.quiet, removal=False, memo=memo
+                )
                 decide(s, p.site, p.index, rule, plan, p.reasons, quiet)
             matches.get(s, []).sort(key=lambda m: m.index)
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})

@@ -117,6 +117,41 @@ class Site:
         weights that may be gigabytes): see :meth:`Scope.constant_slabs`."""
         return self.scope.constant_slabs(value, max_bytes) if value else None
 
+    # What a check may ask of the graph around the node without touching ``node`` or ``scope``
+    # itself: a builder whose check asks only through these (and the methods above) can have its
+    # decisions made once per distinct structure (``memo_check``, see ``_facts.py``).
+
+    @property
+    def op_type(self) -> str:
+        return self.node.op_type
+
+    @property
+    def default_opset(self) -> int:
+        return self.scope.default_opset
+
+    def value_shape(self, value: str) -> tuple[int | None, ...] | None:
+        """Static shape of ``value`` (see :func:`_qdq.value_shape`: records, Constants, seen
+        through this catalogue's shape-preserving ops); None when unknown."""
+        from onnx_qrewrite.rewriter.builders._qdq import value_shape  # _qdq imports this module
+
+        return value_shape(self.scope, value, self.same_shape_ops)
+
+    def producer_op(self, value: str) -> tuple[str, str] | None:
+        """(domain, op_type) of the node of this scope writing ``value``; None when none does."""
+        node = self.scope.producer(value) if value else None
+        return None if node is None else (node.domain, node.op_type)
+
+    def producer_input(self, value: str, i: int) -> str:
+        """Name of input ``i`` of the node writing ``value`` ('' when there is no such node or input)."""
+        node = self.scope.producer(value) if value else None
+        if node is None or i >= len(node.input):
+            return ""
+        return node.input[i]
+
+    def scope_memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """:meth:`Scope.memo`: a fact shared by the scope's nodes, computed once."""
+        return self.scope.memo(key, compute)
+
 
 #: Constant names say their dtype briefly (they are read by every node that uses them).
 _SHORT_DTYPES = {"float32": "f32", "float64": "f64", "float16": "f16", "int64": "i64", "int32": "i32", "uint8": "u8"}

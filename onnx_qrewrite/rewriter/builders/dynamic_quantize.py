@@ -64,7 +64,6 @@ from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name, known_shape
 
@@ -85,7 +84,7 @@ def nan_guard(site: Site, x: str, option: str) -> str:
     :data:`NO_GUARD`. Shared by every expansion that computes a DynamicQuantizeLinear: this op, and
     DynamicQuantizeMatMul (whose kernel quantizes A with the same search: measured in
     tests/test_lower_integer_matmul.py)."""
-    shape = value_shape(site.scope, x, site.same_shape_ops)
+    shape = site.value_shape(x)
     dims = known_shape(shape)
     if dims is not None:
         return STATIC_GUARD if 0 < math.prod(dims) < SCALAR_MINMAX_BELOW else NO_GUARD
@@ -135,6 +134,8 @@ class DynamicQuantizeLinearBuilder:
 
     name = "dynamic_quantize_linear"
     contract = CONTRACTS["dynamic_quantize_linear"]
+    #: ``check`` reads the graph only through the Site's queries: decided once per structure (_facts.py).
+    memo_check = True
 
     def quantized_dtype(self, site: Site) -> str | None:
         return "uint8"  # DynamicQuantizeLinear always produces uint8

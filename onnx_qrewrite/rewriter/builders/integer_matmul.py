@@ -54,7 +54,7 @@ import numpy as np
 from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, value_shape
+from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.dynamic_quantize import (
     GUARD_NOTES,
@@ -84,12 +84,18 @@ def float32_sum_bound(k: int, total: float) -> float:
     return math.ldexp(math.ceil(math.ldexp(n / (1 - n) * total, 8)), -8)  # rounded up, 1/256 steps
 
 
+#: ``_Operand.zp_at`` of DynamicQuantizeMatMul's A: its zero point is computed by the rewrite.
+_COMPUTED = -1
+
+
 @dataclasses.dataclass(frozen=True)
 class _Operand:
-    """One integer operand of the product: its value, zero point and what is known about them."""
+    """One integer operand of the product: where its value and zero point are among the node's
+    inputs, and what is known about them. Positions, not names: a plan holds no name of its node,
+    so nodes of one structure share one plan (``memo_check``, ``_facts.py``)."""
 
-    name: str
-    zero_point: str  # '' when absent
+    at: int  # the value's position among the node's inputs
+    zp_at: int | None  # its zero point's (None: absent; _COMPUTED: made by the rewrite)
     dtype: str
     zp_value: np.ndarray | None
     zp_size: int | None
@@ -105,16 +111,25 @@ class _Operand:
         if key is None:
             zp = self.zp_value
             constant = None if zp is None else (zp.dtype.str, zp.shape, zp.tobytes())
-            key = (self.dtype, bool(self.zero_point), constant, self.zp_size, self.zp_scalar)
+            key = (self.dtype, self.has_zp, constant, self.zp_size, self.zp_scalar)
             object.__setattr__(self, "_template_key", key)  # frozen: a cache, not a field
         return key
+
+    @property
+    def has_zp(self) -> bool:
+        return self.zp_at is not None
+
+    def names(self, inputs: tuple[str, ...]) -> tuple[str, str]:
+        """(value, zero point) among ``inputs``, the node's (the zero point '' when absent or computed)."""
+        zp_at = self.zp_at
+        return inputs[self.at], inputs[zp_at] if zp_at is not None and zp_at >= 0 else ""
 
     def largest_shift(self) -> int:
         """max |x - zp| over every x of the type (and every zero point when it is not constant)."""
         if self.dtype == _UNKNOWN:
             return 255  # uint8 or int8, with a zero point of the same type
         lo, hi = INTEGER_RANGES[self.dtype]
-        if not self.zero_point:
+        if not self.has_zp:
             return max(-lo, hi)
         if self.zp_value is None:
             return hi - lo
@@ -130,9 +145,10 @@ class _Read:
     k: int | None  # terms per output element
     b_rank: int | None
     a_rank: int | None = None
-    a_scale: str = ""
-    b_scale: str = ""
-    bias: str = ""
+    #: Positions of A's and B's scales and of the bias among the node's inputs (-1: none).
+    a_scale: int = -1
+    b_scale: int = -1
+    bias: int = -1
     dynamic: bool = False  # DynamicQuantizeMatMul: A is float, quantized first
     to_float: bool = False
     #: max over output columns/channels of sum_k |b - b_zp| (None: unknown), from constant weights.
@@ -151,12 +167,12 @@ def _recorded_or_implied_type(site: Site, name: str, zero_point: str) -> str | N
         elem = site.elem_type(value) if value else None
         if elem:
             return dtype_name(elem)
-    producer = site.scope.producer(name)
-    if producer is not None and producer.domain in ("", "ai.onnx"):
-        if producer.op_type == "DynamicQuantizeLinear":
+    producer = site.producer_op(name)
+    if producer is not None and producer[0] in ("", "ai.onnx"):
+        if producer[1] == "DynamicQuantizeLinear":
             return "uint8"
-        if producer.op_type == "QuantizeLinear":
-            zp = producer.input[2] if len(producer.input) > 2 else ""
+        if producer[1] == "QuantizeLinear":
+            zp = site.producer_input(name, 2)
             elem = site.elem_type(zp) if zp else None
             return dtype_name(elem) if elem else ("uint8" if not zp else None)
     return None
@@ -206,7 +222,7 @@ class _WeightStatistics:
         self._conv = read.conv
         self._k_major = not read.conv and len(shape) <= 2  # slabs cut K
         b = read.b
-        self._zp: np.ndarray | None = None if (b.zero_point and b.zp_value is None) else _zero_points(b)
+        self._zp: np.ndarray | None = None if (b.has_zp and b.zp_value is None) else _zero_points(b)
         self.columns: float | None = None if self._zp is None else 0.0
         self._sums: np.ndarray | None = None  # per column (k-major B)
         self._row = 0  # rows of the [column, K] view seen so far
@@ -328,6 +344,12 @@ def _reduction_length(shape: tuple[int | None, ...] | None, conv: bool) -> int |
     return None
 
 
+def _padded(site: Site) -> tuple[str, ...]:
+    """The node's inputs, absent optional ones '' up to the 7 the fused forms take."""
+    inputs = site.inputs
+    return inputs + ("",) * (7 - len(inputs)) if len(inputs) < 7 else inputs
+
+
 #: The wiring (see ``template_key``) of n inputs whose names are all present and different.
 _IN_ORDER = tuple(tuple(range(n)) for n in range(8))
 
@@ -337,24 +359,29 @@ class IntegerMatMulBuilder:
 
     name = "integer_matmul"
     contract = CONTRACTS["integer_matmul"]
+    #: ``check`` reads the graph only through the Site's queries: decided once per structure (_facts.py).
+    memo_check = True
 
     def quantized_dtype(self, site: Site) -> str | None:
         types = []
         for name in (site.input(0), site.input(1)):
             elem = site.elem_type(name)
             types.append(dtype_name(elem) if elem else "unknown")
-        if site.node.op_type == "DynamicQuantizeMatMul":
+        if site.op_type == "DynamicQuantizeMatMul":
             types[0] = "uint8"
         return "/".join(types)
 
     # -- reading ------------------------------------------------------------------------------
 
-    def _operand(self, site: Site, name: str, zp: str, what: str, *, dtype: str | None = None) -> _Operand:
-        """The operand's type and zero point (the weights' values are read once, in ``_read``)."""
+    def _operand(self, site: Site, at: int, zp_at: int, what: str) -> _Operand:
+        """The operand at input ``at`` (zero point at ``zp_at``): its type and zero point (the
+        weights' values are read once, in ``_read``)."""
+        inputs = _padded(site)
+        name, zp = inputs[at], inputs[zp_at]
         if not name:
-            raise NoMatch(f"malformed node: {site.node.op_type} has no {what}")
-        if dtype is None:
-            dtype = _recorded_or_implied_type(site, name, zp)
+            raise NoMatch(f"malformed node: {site.op_type} has no {what}")
+        dtype: str | None
+        dtype = _recorded_or_implied_type(site, name, zp)
         if dtype is None:
             # Both operand types are 8-bit (the op's schema): the forms and the bounds hold for
             # either, with |x - zp| <= 255; only the saturation check needs the type.
@@ -366,40 +393,43 @@ class IntegerMatMulBuilder:
             if zp_elem is not None and dtype_name(zp_elem) != dtype:
                 raise NoMatch(f"malformed node: zero point {zp!r} is {dtype_name(zp_elem)}, {what} is {dtype}")
         zp_value = site.constant(zp) if zp else None
-        zp_shape = tuple(zp_value.shape) if zp_value is not None else value_shape(site.scope, zp, site.same_shape_ops)
+        zp_shape = tuple(zp_value.shape) if zp_value is not None else site.value_shape(zp)
         known = [d for d in zp_shape or () if d is not None]  # every dimension known: the size is too
         zp_size = math.prod(known) if zp_shape is not None and len(known) == len(zp_shape) else None
         scalar = zp_shape == ()
-        producer = site.scope.producer(zp) if zp and zp_shape is None else None
-        if producer is not None and producer.op_type == "DynamicQuantizeLinear" and producer.domain in ("", "ai.onnx"):
+        producer = site.producer_op(zp) if zp and zp_shape is None else None
+        if producer in (("", "DynamicQuantizeLinear"), ("ai.onnx", "DynamicQuantizeLinear")):
             zp_size, scalar = 1, True  # its zero point output is a scalar
-        return _Operand(name, zp, dtype, zp_value, zp_size, scalar)
+        return _Operand(at, zp_at if zp else None, dtype, zp_value, zp_size, scalar)
 
-    def _weights(self, site: Site, name: str, zp: str, what: str) -> _Operand:
+    def _weights(self, site: Site, at: int, zp_at: int, what: str) -> _Operand:
         """:meth:`_operand` of B (w), once per scope: one weight often feeds many nodes, and what
-        is known of it (type, zero point's value and shape) depends on the scope only."""
-        return site.scope.memo(("integer-matmul-operand", name, zp, what), lambda: self._operand(site, name, zp, what))
+        is known of it (type, zero point's value and shape) depends on the scope only (and on the
+        positions the operand records)."""
+        inputs = _padded(site)
+        key = ("integer-matmul-operand", inputs[at], inputs[zp_at], what, at, zp_at)
+        return site.scope_memo(key, lambda: self._operand(site, at, zp_at, what))
 
     def _read(self, site: Site) -> _Read:
-        op = site.node.op_type
+        op = site.op_type
         outputs = site.outputs
         if len(outputs) != 1 or not outputs[0]:
             raise NoMatch(f"malformed node: {op} has one output, it has {len(outputs)}")
-        inputs = site.inputs + ("",) * (7 - len(site.inputs))  # absent optional inputs are ''
+        inputs = _padded(site)
         extra: dict[str, Any] = {}
         if op == "MatMulInteger":
             conv = False
-            a = self._operand(site, inputs[0], inputs[2], "A")
-            b = self._weights(site, inputs[1], inputs[3], "B")
+            a = self._operand(site, 0, 2, "A")
+            b = self._weights(site, 1, 3, "B")
         elif op == "ConvInteger":
             conv = True
-            a = self._operand(site, inputs[0], inputs[2], "x")
-            b = self._weights(site, inputs[1], inputs[3], "w")
+            a = self._operand(site, 0, 2, "x")
+            b = self._weights(site, 1, 3, "w")
         elif op == "MatMulIntegerToFloat":
             conv = False
-            a = self._operand(site, inputs[0], inputs[4], "A")
-            b = self._weights(site, inputs[1], inputs[5], "B")
-            extra = {"a_scale": inputs[2], "b_scale": inputs[3], "bias": inputs[6], "to_float": True}
+            a = self._operand(site, 0, 4, "A")
+            b = self._weights(site, 1, 5, "B")
+            extra = {"a_scale": 2, "b_scale": 3, "bias": 6 if inputs[6] else -1, "to_float": True}
             if not inputs[2] or not inputs[3]:
                 raise NoMatch("malformed node: MatMulIntegerToFloat needs a_scale and b_scale")
         elif op == "DynamicQuantizeMatMul":
@@ -407,9 +437,9 @@ class IntegerMatMulBuilder:
             elem = site.elem_type(inputs[0])
             if elem is not None and elem != _T.FLOAT:
                 raise NoMatch(f"A {inputs[0]!r} is {dtype_name(elem)}; DynamicQuantizeMatMul takes float32")
-            a = _Operand(inputs[0], "<dynamic>", "uint8", None, 1, True)
-            b = self._weights(site, inputs[1], inputs[3], "B")
-            extra = {"b_scale": inputs[2], "bias": inputs[4], "dynamic": True, "to_float": True}
+            a = _Operand(0, _COMPUTED, "uint8", None, 1, True)
+            b = self._weights(site, 1, 3, "B")
+            extra = {"b_scale": 2, "bias": 4 if inputs[4] else -1, "dynamic": True, "to_float": True}
             if not inputs[2]:
                 raise NoMatch("malformed node: DynamicQuantizeMatMul needs b_scale")
         else:
@@ -417,11 +447,12 @@ class IntegerMatMulBuilder:
         # One weight often feeds many nodes (every block of a chain; a layer's weight under several
         # quantizers): its statistics are worked out once per scope, from everything they depend on
         # (the weights' own facts, and the operands' types, which decide the kernel's pairing).
-        weight_key = ("integer-matmul-weights", b.name, b.zero_point, conv, a.dtype, b.dtype)
-        b_shape, columns, excess, worst_excess = site.scope.memo(
-            weight_key, lambda: self._weight_facts(site, _Read(conv, a, b, None, None, **extra))
+        b_name, b_zp = b.names(inputs)
+        weight_key = ("integer-matmul-weights", b_name, b_zp, conv, a.dtype, b.dtype)
+        b_shape, columns, excess, worst_excess = site.scope_memo(
+            weight_key, lambda: self._weight_facts(site, _Read(conv, a, b, None, None, **extra), b_name)
         )
-        a_shape = None if extra.get("dynamic") else value_shape(site.scope, a.name, site.same_shape_ops)
+        a_shape = None if extra.get("dynamic") else site.value_shape(inputs[0])
         return _Read(
             conv,
             a,
@@ -436,32 +467,31 @@ class IntegerMatMulBuilder:
         )
 
     def _weight_facts(
-        self, site: Site, read: _Read
+        self, site: Site, read: _Read, b_name: str
     ) -> tuple[tuple[int | None, ...] | None, float | None, int | None, int]:
-        """B's shape, column sums and how far onnxruntime's u8 x s8 kernel may saturate on it
-        (:func:`_saturation_excess`); the weights' values are read here and only these statistics
-        of them are kept."""
-        b = read.b
-        weights = site.constant_slabs(b.name)
+        """B's (``b_name``'s) shape, column sums and how far onnxruntime's u8 x s8 kernel may
+        saturate on it (:func:`_saturation_excess`); the weights' values are read here and only
+        these statistics of them are kept."""
+        weights = site.constant_slabs(b_name)
         if weights is None:
-            shape = value_shape(site.scope, b.name, site.same_shape_ops)
+            shape = site.value_shape(b_name)
             return (shape, None, *_saturation_excess(None, read, _reduction_length(shape, read.conv)))
         shape = tuple(weights.shape)
         columns, saturates = _weight_statistics(weights, read)
         if saturates is False:  # no adjacent pair at all can leave int16 (or the types never pair)
             return shape, columns, 0, 0
         # Some adjacent pair may: the kernel's own pairs (2j, 2j+1), per column, from the values.
-        return shape, columns, *_saturation_excess(site.constant(b.name), read, _reduction_length(shape, read.conv))
+        return shape, columns, *_saturation_excess(site.constant(b_name), read, _reduction_length(shape, read.conv))
 
     # -- deciding -----------------------------------------------------------------------------
 
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         read = site.memo("integer-matmul", lambda: self._read(site))
         form = options["accumulate"]
-        notes = [f"{read.a.dtype} x {read.b.dtype}", *self._zero_point_notes(read)]
+        notes = [f"{read.a.dtype} x {read.b.dtype}", *self._zero_point_notes(read, _padded(site))]
         excess = self._saturation(read, options["u8s8_saturation"], notes)
         opset = kernel_opsets.FORMS["dynamic-quantize-linear" if read.dynamic else "integer-matmul"]
-        guard = nan_guard(site, read.a.name, options["nan_guard"]) if read.dynamic else NO_GUARD
+        guard = nan_guard(site, site.input(0), options["nan_guard"]) if read.dynamic else NO_GUARD
         if guard in GUARD_NOTES:
             notes.append(f"A quantized with {GUARD_NOTES[guard]}")
         data = {"read": read, "form": form, "nan_guard": guard}
@@ -470,40 +500,44 @@ class IntegerMatMulBuilder:
                 raise NoMatch("ONNX Conv has no int32 form")
             notes.append("int32 MatMul")
             return Plan(min_opset=opset, notes=tuple(notes), data=data)
-        return self._float_plan(read, form, excess, notes, opset, data)
+        return self._float_plan(read, form, excess, notes, opset, data, _padded(site))
 
     @staticmethod
-    def _zero_point_notes(read: _Read) -> list[str]:
-        """What the zero points' shapes mean here; refuses the ones the rewrite cannot compute."""
+    def _zero_point_notes(read: _Read, inputs: tuple[str, ...]) -> list[str]:
+        """What the zero points' shapes mean here; refuses the ones the rewrite cannot compute
+        (``inputs``: the node's, named in the reasons)."""
         notes = []
-        if read.a.zero_point and read.a.zp_size not in (None, 1):
+        if read.a.has_zp and read.a.zp_size not in (None, 1):
             if read.conv:
                 raise NoMatch(
-                    f"x zero point {read.a.zero_point!r} has {read.a.zp_size} elements; only one is supported"
+                    f"x zero point {read.a.names(inputs)[1]!r} has {read.a.zp_size} elements; only one is supported"
                 )
             notes.append("per-row A zero point (onnxruntime's kernel rejects it; computed by the ONNX definition)")
-        if read.b.zero_point and read.b.zp_size not in (None, 1):
+        if read.b.has_zp and read.b.zp_size not in (None, 1):
             notes.append(
                 "per-channel w zero point (onnxruntime's kernel rejects it; computed by the ONNX definition)"
                 if read.conv
                 else "per-column B zero point"
             )
-        if read.conv and read.b.zero_point and read.b.zp_size != 1 and read.b_rank is None:
+        if read.conv and read.b.has_zp and read.b.zp_size != 1 and read.b_rank is None:
+            b_name, b_zp = read.b.names(inputs)
             raise NoMatch(
-                f"w zero point {read.b.zero_point!r} may be per channel and the rank of w {read.b.name!r} is not "
+                f"w zero point {b_zp!r} may be per channel and the rank of w {b_name!r} is not "
                 "recorded; run shape inference first"
             )
         return notes
 
     @staticmethod
-    def _float_plan(read: _Read, form: str, excess: int, notes: list[str], opset: int, data: dict[str, Any]) -> Plan:
+    def _float_plan(
+        read: _Read, form: str, excess: int, notes: list[str], opset: int, data: dict[str, Any], inputs: tuple[str, ...]
+    ) -> Plan:
         """The plan of a float32-accumulating form: exact where the sums provably stay integers
         (|sum| <= 2^24), else bounded by float32's summation error (plus any u8 x s8 excess).
         Made in one call (not a base plan and ``dataclasses.replace``, which inspects the fields
         each time: 4% of a chain's rewrite)."""
         if read.k is None:
             raise NoMatch(
-                f"the reduction length K is unknown (the shape of {read.b.name!r} is not recorded), so no bound "
+                f"the reduction length K is unknown (the shape of {inputs[read.b.at]!r} is not recorded), so no bound "
                 "on the float32 sums can be shown; run shape inference first"
             )
         columns = read.columns
@@ -602,7 +636,7 @@ class IntegerMatMulBuilder:
             read.a_rank,
             read.b_rank,
             read.to_float,
-            bool(read.bias),
+            read.bias >= 0,
             read.dynamic,
             plan.data["nan_guard"],
             wiring,
@@ -614,16 +648,19 @@ class IntegerMatMulBuilder:
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         read: _Read = plan.data["read"]
         compute = _T.INT32 if plan.data["form"] == "int32" else _T.FLOAT
-        a = read.a
+        inputs = _padded(site)
+        a_names = read.a.names(inputs)
         if read.dynamic:
             names = [emit.fresh("A_quantized"), emit.fresh("A_scale"), emit.fresh("A_zero_point")]
-            DynamicQuantizeLinearBuilder.expand_onnxruntime(a.name, emit, names, guard=plan.data["nan_guard"])
-            a = dataclasses.replace(a, name=names[0], zero_point=names[2])
+            DynamicQuantizeLinearBuilder.expand_onnxruntime(a_names[0], emit, names, guard=plan.data["nan_guard"])
+            a_names = (names[0], names[2])
             a_scale = names[1]
         else:
-            a_scale = read.a_scale
-        a_shifted = self._shifted(emit, a, compute, per_row=True, rank=read.a_rank)
-        b_shifted = self._shifted(emit, read.b, compute, per_row=False, rank=read.b_rank, conv=read.conv)
+            a_scale = inputs[read.a_scale] if read.a_scale >= 0 else ""
+        b_scale = inputs[read.b_scale] if read.b_scale >= 0 else ""
+        a_shifted = self._shifted(emit, read.a, a_names, compute, per_row=True, rank=read.a_rank)
+        b_names = read.b.names(inputs)
+        b_shifted = self._shifted(emit, read.b, b_names, compute, per_row=False, rank=read.b_rank, conv=read.conv)
         y = site.node.output[0]
         direct = not read.to_float and compute == _T.INT32  # int32 MatMul writes the output itself
         target = y if direct else None
@@ -639,19 +676,27 @@ class IntegerMatMulBuilder:
             return
         if compute == _T.INT32:
             acc = emit.op1("Cast", [acc], to=_T.FLOAT)
-        scale = emit.op1("Mul", [a_scale, read.b_scale], hint="ScaleProduct")
-        if read.bias:
+        scale = emit.op1("Mul", [a_scale, b_scale], hint="ScaleProduct")
+        if read.bias >= 0:
             scaled = emit.op1("Mul", [acc, scale])
-            emit.op1("Add", [scaled, read.bias], y)
+            emit.op1("Add", [scaled, inputs[read.bias]], y)
         else:
             emit.op1("Mul", [acc, scale], y)
 
     @staticmethod
     def _shifted(
-        emit: Emitter, operand: _Operand, compute: int, *, per_row: bool, rank: int | None, conv: bool = False
+        emit: Emitter,
+        operand: _Operand,
+        names: tuple[str, str],
+        compute: int,
+        *,
+        per_row: bool,
+        rank: int | None,
+        conv: bool = False,
     ) -> str:
-        value = emit.op1("Cast", [operand.name], to=compute)
-        zp = operand.zero_point
+        """``names``: the operand's value and zero point ('' when it has none)."""
+        value = emit.op1("Cast", [names[0]], to=compute)
+        zp = names[1]
         if not zp or (operand.zp_value is not None and not np.any(operand.zp_value)):
             return value
         if operand.zp_size == 1 or (per_row and operand.zp_size is None and (rank is None or rank < 2)):

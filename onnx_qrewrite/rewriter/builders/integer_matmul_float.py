@@ -33,7 +33,7 @@ import onnx
 
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
-from onnx_qrewrite.rewriter.builders.integer_matmul import IntegerMatMulBuilder
+from onnx_qrewrite.rewriter.builders.integer_matmul import IntegerMatMulBuilder, _padded
 from onnx_qrewrite.rewriter.graph import Scope
 
 __all__ = ["IntegerMatMulFloatOutputBuilder"]
@@ -72,7 +72,8 @@ def _fold(site: Site, producer: onnx.NodeProto) -> Plan:
     except NoMatch as why:
         raise NotApplicable(str(why)) from None
     read = plan.data["read"]
-    reads = frozenset(n for n in (read.a.name, read.b.name, read.a.zero_point, read.b.zero_point) if n)
+    inputs = _padded(own)
+    reads = frozenset(n for n in (*read.a.names(inputs), *read.b.names(inputs)) if n)
     notes = (*plan.notes, "int32 output folded into its Cast")
     return Plan(min_opset=plan.min_opset, notes=notes, data=plan.data, reads=reads)
 
@@ -105,8 +106,11 @@ class IntegerMatMulFloatOutputBuilder:
         read = plan.data["read"]
         producer = site.scope.producer(site.node.input[0])
         assert producer is not None
-        a = IntegerMatMulBuilder._shifted(emit, read.a, _T.FLOAT, per_row=True, rank=read.a_rank)
-        b = IntegerMatMulBuilder._shifted(emit, read.b, _T.FLOAT, per_row=False, rank=read.b_rank, conv=read.conv)
+        inputs = _padded(Site(producer, site.scope, site.same_shape_ops))
+        a = IntegerMatMulBuilder._shifted(emit, read.a, read.a.names(inputs), _T.FLOAT, per_row=True, rank=read.a_rank)
+        b = IntegerMatMulBuilder._shifted(
+            emit, read.b, read.b.names(inputs), _T.FLOAT, per_row=False, rank=read.b_rank, conv=read.conv
+        )
         out = site.node.output[0]
         if read.conv:
             emit.op1("Conv", [a, b], out, **{attr.name: attr for attr in producer.attribute})

@@ -1,0 +1,211 @@
+"""Checks decided once per node structure (builders/_facts.py): the same outcomes as checking every
+node, and two nodes that differ in one fact a check reads get their own decisions."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnx_qrewrite
+from onnx_qrewrite.io.encoded import to_bytes
+from onnx_qrewrite.rewriter import engine
+from onnx_qrewrite.rewriter.builders import NoMatch, Plan, Site
+from onnx_qrewrite.rewriter.builders._facts import CheckMemo, Name, Unrecorded
+from onnx_qrewrite.rewriter.graph import iter_scopes
+
+ROOT = Path(__file__).resolve().parent.parent
+U8, I8, F = TensorProto.UINT8, TensorProto.INT8, TensorProto.FLOAT
+
+
+def _model(nodes, inputs, outputs, initializers=(), value_info=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers), value_info=list(value_info))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _weights(name: str, values: np.ndarray | None = None) -> onnx.TensorProto:
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, (4, 3), dtype=np.uint8) if values is None else values
+    return numpy_helper.from_array(w, name)
+
+
+def _matmuls(a_types, a_shapes, *, zps=(128, 128), weights=(None, None), a_from=("input", "input")):
+    """Two MatMulIntegers m0 and m1, alike but for what the arguments give each."""
+    nodes, inputs, inits, outs = [], [], [], []
+    for k in range(2):
+        a = f"a{k}"
+        if a_from[k] == "dql":
+            inputs.append(helper.make_tensor_value_info(f"x{k}", F, [2, 4]))
+            nodes.append(helper.make_node("DynamicQuantizeLinear", [f"x{k}"], [a, f"s{k}", f"z{k}"], name=f"q{k}"))
+            a_zp = f"z{k}"
+        elif a_from[k] == "identity":  # a producer whose output's type nothing records
+            inputs.append(helper.make_tensor_value_info(f"x{k}", a_types[k], a_shapes[k]))
+            nodes.append(helper.make_node("Identity", [f"x{k}"], [a], name=f"i{k}"))
+            a_zp = ""
+        else:
+            inputs.append(helper.make_tensor_value_info(a, a_types[k], a_shapes[k]))
+            a_zp = ""
+        inits += [_weights(f"w{k}", weights[k]), numpy_helper.from_array(np.array(zps[k], np.uint8), f"wz{k}")]
+        nodes.append(helper.make_node("MatMulInteger", [a, f"w{k}", a_zp, f"wz{k}"], [f"y{k}"], name=f"m{k}"))
+        outs.append(helper.make_tensor_value_info(f"y{k}", TensorProto.INT32, None))
+    return _model(nodes, inputs, outs, inits)
+
+
+def _dqls(shapes):
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", [f"x{k}"], [f"y{k}", f"s{k}", f"z{k}"], name=f"q{k}")
+        for k in range(2)
+    ]
+    inputs = [helper.make_tensor_value_info(f"x{k}", F, shapes[k]) for k in range(2)]
+    outputs = [helper.make_tensor_value_info(f"y{k}", U8, shapes[k]) for k in range(2)]
+    return _model(nodes, inputs, outputs)
+
+
+def _decisions(model: onnx.ModelProto, memo: bool) -> dict[str, tuple[str, Plan]]:
+    """Node name -> (rule, plan) as matching decides them."""
+    catalogue = onnx_qrewrite.load_rules()
+    _, matches, unlowered, _ = engine._match(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
+    assert not unlowered
+    return {m.site.node.name: (m.rule.id, m.plan) for ms in matches.values() for m in ms}
+
+
+def _described(decision: tuple[str, Plan]) -> str:
+    return f"{decision[0]} {decision[1]!r}"
+
+
+# Each: a model of two nodes of one structure (op, attributes, name pattern) that differ in one
+# fact their checks read, and the two nodes.
+DIFFERING = {
+    "A's recorded type": (_matmuls((U8, I8), ([2, 4], [2, 4])), "m0", "m1"),
+    "A's rank": (_matmuls((U8, U8), ([2, 4], [3, 2, 4])), "m0", "m1"),
+    "A's producer": (_matmuls((U8, U8), ([2, 4], [2, 4]), a_from=("dql", "identity")), "m0", "m1"),
+    "B's zero point bytes": (_matmuls((U8, U8), ([2, 4], [2, 4]), zps=(128, 0)), "m0", "m1"),
+    "B's values": (
+        _matmuls((U8, U8), ([2, 4], [2, 4]), weights=(np.full((4, 3), 128, np.uint8), None)),
+        "m0",
+        "m1",
+    ),
+    "the quantized input's shape": (_dqls(([1, 4], [1, 16])), "q0", "q1"),
+}
+
+
+@pytest.mark.parametrize("case", list(DIFFERING))
+def test_nodes_differing_in_one_fact_read_get_their_own_decisions(case):
+    model, first, second = DIFFERING[case]
+    recorded, fresh = _decisions(model, memo=True), _decisions(model, memo=False)
+    assert {k: _described(v) for k, v in recorded.items()} == {k: _described(v) for k, v in fresh.items()}
+    assert _described(recorded[first]) != _described(recorded[second])
+
+
+def test_nodes_of_one_structure_share_one_plan():
+    model = _matmuls((U8, U8), ([2, 4], [2, 4]), weights=(None, None), zps=(128, 128))
+    # Same weights too: one initializer read by both.
+    for node in model.graph.node:
+        node.input[1], node.input[3] = "w0", "wz0"
+    recorded = _decisions(model, memo=True)
+    assert recorded["m0"][1] is recorded["m1"][1]
+    fresh = _decisions(model, memo=False)
+    assert fresh["m0"][1] is not fresh["m1"][1]
+    assert _described(recorded["m0"]) == _described(fresh["m0"]) == _described(fresh["m1"])
+
+
+MODELS = sorted((ROOT / "sample_models").glob("*.onnx")) + sorted((ROOT / "tests/data/models").glob("*.onnx"))
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
+def test_recorded_checks_rewrite_as_fresh_ones(path):
+    """Byte for byte, report included, on the committed models (and with every option the
+    rules take at their defaults)."""
+    results = []
+    for memo in (True, False):
+        model = onnx.load(path)
+        rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions(memo_checks=memo))
+        results.append((to_bytes(rewritten), report.to_dict()))
+    assert results[0] == results[1]
+
+
+def test_a_chain_rewrites_as_with_fresh_checks():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from models import _chain_model_bytes
+
+    results = []
+    for memo in (True, False):
+        model = onnx.ModelProto.FromString(_chain_model_bytes(30))
+        rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions(memo_checks=memo))
+        results.append((to_bytes(rewritten), report.to_dict()))
+    assert results[0] == results[1]
+
+
+# -- the recording itself ------------------------------------------------------------------------
+
+
+def _sites(model: onnx.ModelProto) -> list[Site]:
+    scope = iter_scopes(model, None)[0]
+    return [Site(node, scope) for node in scope.container.node]
+
+
+RULE = types.SimpleNamespace(id="test-rule")
+
+
+def test_a_name_gives_no_text():
+    name = Name("blk1/x", ("i", 0))
+    assert name == Name("blk1/x", ("o", 2)) and name != "" and bool(name)
+    assert hash(name) == hash("blk1/x")
+    for use in (str, repr, lambda n: f"{n}", lambda n: f"{n!r}", lambda n: n == "blk1/x"):
+        with pytest.raises(Unrecorded):
+            use(name)
+    with pytest.raises((TypeError, AttributeError)):
+        name + "/suffix"
+    with pytest.raises((TypeError, AttributeError)):
+        name.startswith("blk")  # type: ignore[attr-defined]
+
+
+def test_a_plan_naming_its_node_is_never_shared():
+    calls = []
+
+    def check(site: Site) -> Plan:
+        calls.append(type(site).__name__)
+        return Plan(notes=(f"reads {site.inputs[0]}",))
+
+    memo = CheckMemo()
+    plans = [memo.decide(RULE, site, check) for site in _sites(_dqls(([4], [4])))]
+    assert [p.notes for p in plans] == [("reads x0",), ("reads x1",)]
+    assert calls == ["RecordingSite", "Site", "RecordingSite", "Site"]
+
+
+def test_a_check_comparing_a_name_with_a_literal_is_never_shared():
+    def check(site: Site) -> Plan:
+        return Plan(notes=("first" if site.inputs[0] == "x0" else "other",))
+
+    memo = CheckMemo()
+    assert [memo.decide(RULE, site, check).notes for site in _sites(_dqls(([4], [4])))] == [("first",), ("other",)]
+
+
+def test_a_check_reading_the_node_itself_is_never_shared():
+    def check(site: Site) -> Plan:
+        return Plan(notes=(site.node.op_type,))
+
+    memo = CheckMemo()
+    sites = _sites(_dqls(([4], [4])))
+    assert [memo.decide(RULE, site, check).notes for site in sites] == [("DynamicQuantizeLinear",)] * 2
+
+
+def test_a_recorded_decline_is_shared_only_without_names():
+    def check(site: Site) -> Plan:
+        if site.value_shape(site.inputs[0]) == (4,):
+            raise NoMatch("four elements")
+        raise NoMatch(f"{site.inputs[0]!r} has another shape")
+
+    memo = CheckMemo()
+    reasons = []
+    for site in _sites(_dqls(([4], [5]))) + _sites(_dqls(([4], [6]))):
+        with pytest.raises(NoMatch) as why:
+            memo.decide(RULE, site, check)
+        reasons.append(str(why.value))
+    assert reasons == ["four elements", "'x1' has another shape", "four elements", "'x1' has another shape"]
