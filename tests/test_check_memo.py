@@ -68,9 +68,9 @@ def _dqls(shapes):
 def _decisions(model: onnx.ModelProto, memo: bool) -> dict[str, tuple[str, Plan]]:
     """Node name -> (rule, plan) as matching decides them."""
     catalogue = onnx_qrewrite.load_rules()
-    _, matches, unlowered, _ = engine._match(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
+    scopes, matches, unlowered, _ = engine._match(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
     assert not unlowered
-    return {m.site.node.name: (m.rule.id, m.plan) for ms in matches.values() for m in ms}
+    return {scopes[s].container.node[m.index].name: (m.rule.id, m.plan) for s, ms in matches.items() for m in ms}
 
 
 def _described(decision: tuple[str, Plan]) -> str:

@@ -97,7 +97,11 @@ class EngineOptions:
 
 @dataclasses.dataclass(slots=True)
 class _Match:
-    site: Site
+    """Which rule rewrites the node at ``index`` of a scope, and its plan. Not the node's Site: the
+    matches wait for their builds all together, and 40k Sites with the node's wrapper and its
+    names read out of protobuf were ~20 MB of a 100k-node rewrite's peak memory; the build makes
+    the Site again (:func:`_site_of`)."""
+
     index: int
     rule: Rule
     plan: Plan
@@ -221,7 +225,7 @@ def _match(
 
     def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
         if rule is not None and plan is not None:
-            matches.setdefault(s, []).append(_Match(site, index, rule, plan))
+            matches.setdefault(s, []).append(_Match(index, rule, plan))
         elif not quiet and restrict is None:
             node = site.node
             unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
@@ -273,7 +277,7 @@ def _match(
             dead = _dead(scope, matches.get(s, []), pending)
             for p in pending:
                 if p.index in dead:
-                    matches.setdefault(s, []).append(_Match(p.site, p.index, p.rule, p.plan))
+                    matches.setdefault(s, []).append(_Match(p.index, p.rule, p.plan))
                     continue
                 p.reasons.append(f"{p.rule.id}: its outputs are still read once the other rewrites are applied")
                 rule, plan, _, quiet = _first_applicable(
@@ -370,6 +374,7 @@ def _apply(
     applied: list[_Applied] | None = None,
     later: bool = False,
     earlier: bool = False,
+    same_shape_ops: frozenset[str] = frozenset(),
 ) -> tuple[collections.Counter[str], list[bytes] | Spool | None]:
     """Build every replacement, drop initializers only replaced nodes read, then splice.
 
@@ -404,6 +409,7 @@ def _apply(
         progress,
         total,
         guard=any(m.plan.remove_if_dead for ms in matches.values() for m in ms),
+        same_shape_ops=same_shape_ops,
     )
     pools: dict[int, ConstantPool] = {}
     built: dict[int, dict[int, bytes]] = {}
@@ -448,6 +454,8 @@ class _Build:
     total: int
     #: Whether some match removes its node as dead: every rewrite's reads are then collected.
     guard: bool
+    #: The catalogue's shape-preserving ops (``Site.same_shape_ops``), for the Sites made again.
+    same_shape_ops: frozenset[str] = frozenset()
     done: int = 0
     templates: dict[tuple, Template | None] = dataclasses.field(default_factory=dict)
     #: rule id -> its builder (``Rule.implementation`` looks it up).
@@ -484,12 +492,14 @@ def _build_scope(
     codes, keys = scope.op_codes()
     container = scope.container
     bounded = _bounded_owners(container.node, made) if made is not None else frozenset()
+    nodes = container.node
     cursor = 0  # the first node of the spooled list not yet written
     builders, report, applied, progress = build.builders, build.report, build.applied, build.progress
     root_id = id(scope.root)
     while pending:
         m = pending.pop()
-        site, rule, plan = m.site, m.rule, m.plan
+        rule, plan = m.rule, m.plan
+        site = Site(nodes[m.index], scope, build.same_shape_ops)
         node = site.node
         builder = builders.get(rule.id)
         if builder is None:
@@ -499,7 +509,9 @@ def _build_scope(
         earlier = made[m.index] if made is not None else None
         inherit = build.later or (earlier is not None and rule.exactness == EXACT)
         superseded = earlier if not inherit and earlier in bounded else None
-        piece, created_nodes, created_ops, reads = _replacement(build, m, builder, scope, pool, inherit, superseded)
+        piece, created_nodes, created_ops, reads = _replacement(
+            build, site, m, builder, scope, pool, inherit, superseded
+        )
         if spool is not None:
             if cursor < m.index:  # (none between a chain's quantizer and its matmul)
                 _spool_unchanged(spool, container, cursor, m.index)
@@ -551,6 +563,7 @@ def _bounded_owners(nodes: Sequence[Any], made: Sequence[Any]) -> frozenset[tupl
 
 def _replacement(
     build: _Build,
+    site: Site,
     m: _Match,
     builder: Any,
     scope: Scope,
@@ -565,7 +578,7 @@ def _replacement(
     of the node its replacement leaves unread (``build.dropped``) or still reads. ``inherit``: the
     replacement continues the one that made the node (its provenance and name prefix).
     ``superseded``: the earlier bounded replacement (rule, origin) this one rewrites part of."""
-    site, rule, plan = m.site, m.rule, m.plan
+    rule, plan = m.rule, m.plan
     node = site.node
     if inherit:
         metadata = _inherited_metadata(node, build.provenance)
@@ -1029,10 +1042,9 @@ def _pass(
         report.ops_before = collections.Counter(counts)
     needed = max((m.plan.min_opset for ms in matches.values() for m in ms), default=0)
     if needed > (opset_mod.model_default_opset(model) or 0):
-        why_rule = next(m for ms in matches.values() for m in ms if m.plan.min_opset == needed)
-        model = opset_mod.raise_default_opset(
-            model, needed, report, why=f"rule {why_rule.rule.id} on {why_rule.site.label}"
-        )
+        s, why_rule = next((s, m) for s, ms in matches.items() for m in ms if m.plan.min_opset == needed)
+        label = Site(scopes[s].container.node[why_rule.index], scopes[s]).label
+        model = opset_mod.raise_default_opset(model, needed, report, why=f"rule {why_rule.rule.id} on {label}")
         with stage(progress, "matching rules"):
             scopes, matches, unlowered, counts = _match(model, catalogue, options, external, restrict)
     if unlowered and not options.allow_unlowered:
@@ -1061,6 +1073,7 @@ def _pass(
             applied,
             later=restrict is not None,
             earlier=options.continue_provenance,
+            same_shape_ops=catalogue.same_shape_ops,
         )
         counts.update(delta)
         if main_nodes is not None:
