@@ -16,6 +16,12 @@ in the spirit of onnxscript's rewrite rules:
     Emits the replacement nodes through an :class:`Emitter`. Must write the original node's output
     names, so nothing downstream changes.
 
+A builder may set ``memo_check = True`` when its ``check`` (and ``quantized_dtype``) read the
+graph only through the Site's queries (``inputs``, ``outputs``, ``elem_type``, ``constant``,
+``value_shape``, ``producer_op``, ``producer_input``, ``scope_memo``...) and keep no name of the
+node in the plan: the engine then decides each node structure once (``_facts.py``), and a check
+that reads anything else is simply run for every node, as without it.
+
 Builders register themselves by name with :func:`register`; rule files refer to that name.
 Built-in builders declare their contracts in :mod:`onnx_qrewrite.rewriter.builders.contracts`, which imports
 neither onnx nor numpy: the catalogue validates rules against them without importing any builder's
