@@ -621,6 +621,10 @@ def _replacement(
     emit = Emitter(site, rule.id, build.names, pool, emits=builder.contract.emits, metadata=metadata, prefix=prefix)
     builder.build(site, emit, rule.options, plan)
     nodes = emit.nodes
+    if not nodes and not plan.remove_if_dead:
+        # A removal is valid only once nothing reads the node, which the engine decides (Plan.remove_if_dead);
+        # decided by the builder alone, a reader another rule leaves (or no rule chose) read a value no node wrote.
+        raise InternalError(f"{site.label}: rule {rule.id} removed the node without Plan.remove_if_dead")
     created_nodes = tuple(n for n, _ in emit.created)
     created_ops = tuple(op for _, op in emit.created)
     reads = emit.names_read()

@@ -14,6 +14,12 @@ and (for nodes the target refuses as they are) each rule of the forms the profil
 3. when every choice leaves refusals, the fewest refused nodes, the node as it is on a tie: a
    rewrite never turns an accepted node into refused ones, nor one refused node into more.
 
+A removal rule (one that removes its node: qdq-to-float-drop-q, float-emulation-q-unread) applies
+only once nothing reads the node (the engine decides, ``Plan.remove_if_dead``), so weighed node by
+node it never applies: a refused node left as it is is tried with its removal rules together with
+its readers' rules of the same builder (:func:`_try_removals`), and kept if the target then refuses
+less; where a reader has no such rule, the node stays refused and is named.
+
 Rules that rewrite only ops the profile lists under ``[rewrites] keep`` (ops it runs natively) are
 left out. The chosen rewrites are then applied together and checked again; a rewrite whose result
 is refused more than the node as it is gives way, and if the whole still has more refusals than
@@ -38,6 +44,7 @@ from typing import Any
 import onnx
 
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
+from onnx_qrewrite.rewriter.contract import UNREAD
 from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, check_model, node_label
 from onnx_qrewrite.targets.lower_opset import check_for_target, lowering_for_target
@@ -573,6 +580,7 @@ def _stage(model: onnx.ModelProto, ctx: _Context, depth: int, before: list[Refus
     chosen = {n.key: _best(n, ctx.rules) for n in nodes}
     choice: dict[tuple[str, int], tuple[str, ...]] = {k: (c,) if c else () for k, c in chosen.items()}
     state = runs.settle(choice)
+    choice, state = _try_removals(runs, choice, state)
     choice, state, trials = _try_forms(runs, choice, state, applied)
     if depth == 0 and state.after and MAX_STAGES > 1:
         choice, state = _try_deferring(runs, choice, state)
@@ -689,6 +697,92 @@ def _best(node: _Node, rules: dict[str, Rule]) -> str | None:
             n = node.outcome[rule_id]
             options.append((_preference(rule_id, n, _RANK[rules[rule_id].exactness], order), rule_id))
     return min(options, key=lambda o: o[0])[1]
+
+
+_SUBGRAPHS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _removes(rule: Rule) -> bool:
+    """Whether ``rule`` removes the node it matches (its builder declares every output unread,
+    contract.UNREAD): the engine removes it only once nothing reads it (``Plan.remove_if_dead``),
+    so weighed node by node, its readers as they are, it never applies."""
+    types = rule.contract.output_types
+    return types is not None and all(types(rule.options, ref.op) == (UNREAD,) for ref in rule.match)
+
+
+def _try_removals(
+    runs: _StageRuns, choice: dict[tuple[str, int], tuple[str, ...]], state: _State
+) -> tuple[dict[tuple[str, int], tuple[str, ...]], _State]:
+    """Refused nodes left as they are that a removal rule (:func:`_removes`) would remove once
+    their readers no longer read them: qdq-to-float-drop-q removes a QuantizeLinear whose
+    DequantizeLinear readers qdq-to-float-drop-dq rewrites (accepted readers, which the node's own
+    choice leaves as they are). Tried together: each such node with its removal rules, each of its
+    readers left as it is with its weighed rules of the same builder that leave it no more refused;
+    kept if the target then refuses less. A node with a reader no such rule rewrites is not tried
+    (it stays refused, and ``inspect`` names it)."""
+    trial = dict(choice)
+    readers: _Readers | None = None
+    for node in runs.nodes:
+        if not node.refused or choice[node.key]:
+            continue
+        removals = [r for r in node.candidates if _removes(runs.ctx.rules[r])]
+        if not removals:
+            continue
+        readers = readers or _Readers(runs)
+        partners = readers.rules(node, removals, choice)
+        if partners is not None:
+            trial[node.key] = tuple(removals)
+            trial.update(partners)
+    if trial == choice:
+        return choice, state
+    tried = runs.settle(trial)
+    return (trial, tried) if len(tried.after) < len(state.after) else (choice, state)
+
+
+class _Readers:
+    """Who reads each value of a stage's model (per scope; the scope's outputs and subgraphs as
+    readers no rule rewrites), and which of its rules a removal's readers would need."""
+
+    def __init__(self, runs: _StageRuns) -> None:
+        self.runs = runs
+        self.by_key = {n.key: n for n in runs.nodes}
+        self.nodes: dict[str, Any] = {}
+        #: (scope, value) -> indices of the nodes reading it; -1 for a reader no rule may rewrite.
+        self.of: dict[tuple[str, str], list[int]] = {}
+        for scope in iter_scopes(runs.model):
+            container = scope.container
+            self.nodes[scope.path] = container.node
+            outputs = [o.name for o in container.output] if isinstance(container, onnx.GraphProto) else container.output
+            for name in outputs:
+                self.of.setdefault((scope.path, name), []).append(-1)
+            for index, node in enumerate(container.node):
+                opaque = any(a.type in _SUBGRAPHS for a in node.attribute)
+                for name in node.input:
+                    if name:
+                        self.of.setdefault((scope.path, name), []).append(-1 if opaque else index)
+
+    def rules(
+        self, node: _Node, removals: list[str], choice: dict[tuple[str, int], tuple[str, ...]]
+    ) -> dict[tuple[str, int], tuple[str, ...]] | None:
+        """Per reader of ``node``'s outputs, its weighed rules of the removal rules' builders that
+        leave it no more refused than it is; None when a reader has none, or another rule is chosen
+        for it, or it is the scope's output or a subgraph: then nothing removes the node."""
+        path, index = node.key
+        rules_of = self.runs.ctx.rules
+        builders = {rules_of[r].builder for r in removals}
+        out: dict[tuple[str, int], tuple[str, ...]] = {}
+        for name in self.nodes[path][index].output:
+            for at in self.of.get((path, name), []) if name else []:
+                reader = self.by_key.get((path, at))
+                if reader is None or choice[reader.key]:
+                    return None
+                weighed = reader.outcome
+                fits = [r for r in reader.candidates if rules_of[r].builder in builders and r in weighed]
+                rules = tuple(r for r in fits if weighed[r] <= reader.refused)
+                if not rules:
+                    return None
+                out[reader.key] = rules
+        return out or None
 
 
 def _try_forms(

@@ -30,7 +30,6 @@ quantized model), so those rules also need ``--allow-approximate``; what it drop
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,26 +40,9 @@ from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES, quantized_dtype, value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
-from onnx_qrewrite.rewriter.graph import Scope, dtype_name
+from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["QDQToFloatBuilder", "dequantize_constant"]
-
-_CONSUMERS: weakref.WeakKeyDictionary[Scope, dict[str, list[onnx.NodeProto]]] = weakref.WeakKeyDictionary()
-
-
-def _consumers(scope: Scope) -> dict[str, list[onnx.NodeProto]] | None:
-    """Readers of each value in the scope; None when a node has subgraphs (which may read too)."""
-    found = _CONSUMERS.get(scope)
-    if found is None:
-        found = {}
-        for node in scope.container.node:
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                found = {"": []}  # marker: not analysable
-                break
-            for name in node.input:
-                found.setdefault(name, []).append(node)
-        _CONSUMERS[scope] = found
-    return None if "" in found else found
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
@@ -168,27 +150,23 @@ class QDQToFloatBuilder:
             producer = site.scope.producer(site.input(0))
             if producer is None or producer.op_type != "QuantizeLinear" or producer.domain not in ("", "ai.onnx"):
                 raise NotApplicable("its input is not produced by a QuantizeLinear")
+            # It reads x, not the quantized value: the QuantizeLinear is dead once its readers are rewritten.
+            reads = frozenset((producer.input[0],))
             clamp = _clamp(site)
             if isinstance(clamp, str):
-                return Plan(notes=(f"clamp not kept: {clamp}",), data={"x": producer.input[0]})
+                return Plan(notes=(f"clamp not kept: {clamp}",), data={"x": producer.input[0]}, reads=reads)
             lo, hi, shape = clamp
             note = f"clamped to [{lo.min():.9g}, {hi.max():.9g}], the pair's range" + (
                 "" if shape is None else " (per channel)"
             )
-            return Plan(notes=(note,), data={"x": producer.input[0], "clamp": clamp})
-        # drop_pair_q: only when every reader is a DequantizeLinear the pair rule removes.
-        consumers = _consumers(site.scope)
-        if consumers is None:
-            raise NotApplicable("the graph has subgraphs that may read the quantized value")
-        y = node.output[0]
-        container = site.scope.container
-        is_output = isinstance(container, onnx.GraphProto) and any(o.name == y for o in container.output)
-        if site.scope.is_function or is_output:
-            raise NotApplicable("the quantized value is an output of the graph")
-        readers = consumers.get(y, [])
-        if not readers or any(r.op_type != "DequantizeLinear" or r.domain not in ("", "ai.onnx") for r in readers):
-            raise NotApplicable("the quantized value is read by something other than DequantizeLinear")
-        return Plan()
+            return Plan(notes=(note,), data={"x": producer.input[0], "clamp": clamp}, reads=reads)
+        # drop_pair_q: removed only once nothing reads it, which the engine decides after every
+        # other node's rewrite (Plan.remove_if_dead): its readers must be rewritten by the pair rule
+        # (which reads x, not the quantized value). A plan rewriting only some nodes (rewrite
+        # --target, --skip qdq-to-float-drop-dq) left a DequantizeLinear reading a removed value.
+        if node.op_type != "QuantizeLinear":
+            raise NotApplicable(f"the rule removes QuantizeLinear nodes, not {node.op_type}")
+        return Plan(remove_if_dead=True)
 
     @staticmethod
     def _check_fold(site: Site) -> Plan:
@@ -235,7 +213,7 @@ class QDQToFloatBuilder:
                 emit.op1("Clip", [x, emit.const(lo.reshape(())), emit.const(hi.reshape(()))], y)
             else:  # min/max attributes (float32, so the same values)
                 emit.op1("Clip", [x], y, min=float(lo.reshape(())), max=float(hi.reshape(())))
-        # drop_pair_q: nothing; every reader of the output is replaced by the pair rule.
+        # drop_pair_q: nothing; the engine removes the node only if nothing reads it any more.
 
 
 register(QDQToFloatBuilder())
