@@ -258,12 +258,9 @@ def _relu_cnn() -> onnx.ModelProto:
     return small_cnn()
 
 
-@rule_marker("qdq-to-float-drop-dq", "positive")
-def test_quantize_static_folds_the_relu_into_the_quantizer_and_the_form_keeps_it(tmp_path):
-    """onnxruntime's quantize_static (QDQ) removes each Relu after a Conv and quantizes the Conv's
-    output with zero point 0 (uint8 qmin): the Q -> DQ pair is the Relu. Replaced by Identity, the
-    negative values pass (measured: 0.61 max abs from the quantized model on these inputs); by the
-    Clip the form now writes, the result stays within 0.006 of it (the rounding dropped)."""
+def quantize_static_relu_cnn(tmp_path) -> tuple[onnx.ModelProto, onnx.ModelProto]:
+    """The small ReLU CNN and onnxruntime's quantize_static of it (QDQ, uint8 activations,
+    per-channel int8 weights), as (float model, quantized model)."""
     import onnxruntime.quantization as quantization
     from test_qoperator_real_models import _Reader
 
@@ -278,8 +275,17 @@ def test_quantize_static_folds_the_relu_into_the_quantizer_and_the_form_keeps_it
         weight_type=quantization.QuantType.QInt8,
         per_channel=True,
     )
-    quantized = onnx.load(dst)
-    assert "Relu" in op_types(onnx.load(src)) and "Relu" not in op_types(quantized)  # folded
+    return onnx.load(src), onnx.load(dst)
+
+
+@rule_marker("qdq-to-float-drop-dq", "positive")
+def test_quantize_static_folds_the_relu_into_the_quantizer_and_the_form_keeps_it(tmp_path):
+    """onnxruntime's quantize_static (QDQ) removes each Relu after a Conv and quantizes the Conv's
+    output with zero point 0 (uint8 qmin): the Q -> DQ pair is the Relu. Replaced by Identity, the
+    negative values pass (measured: 0.61 max abs from the quantized model on these inputs); by the
+    Clip the form now writes, the result stays within 0.006 of it (the rounding dropped)."""
+    float_model, quantized = quantize_static_relu_cnn(tmp_path)
+    assert "Relu" in op_types(float_model) and "Relu" not in op_types(quantized)  # folded
     result = onnx_qrewrite.rewrite(quantized, rules=FORM, allow=APPROXIMATE)
     assert not {"QuantizeLinear", "Relu"} & set(op_types(result.model))
     clamps = {r.node: r.notes[0] for r in result.report.rewrites if r.rule == "qdq-to-float-drop-dq"}

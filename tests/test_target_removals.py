@@ -193,22 +193,9 @@ def test_webgpu_with_consent_removes_the_pairs_of_a_quantize_static_model(tmp_pa
     without consent it stays refused (exit 4); with --allow-approximate, exit 5 before (drop-q
     weighed alone, the DequantizeLinear nodes reading its output left as they were). Now each pair
     goes whole: a valid model without QuantizeLinear that computes what the form computes."""
-    import onnxruntime.quantization as quantization
-    from test_qdq_to_float import _relu_cnn
-    from test_qoperator_real_models import _Reader
+    from test_qdq_to_float import quantize_static_relu_cnn
 
-    src, dst = tmp_path / "cnn.onnx", tmp_path / "cnn_qdq.onnx"
-    onnx.save(_relu_cnn(), src)
-    quantization.quantize_static(
-        str(src),
-        str(dst),
-        _Reader((1, 3, 16, 16)),
-        quant_format=quantization.QuantFormat.QDQ,
-        activation_type=quantization.QuantType.QUInt8,
-        weight_type=quantization.QuantType.QInt8,
-        per_channel=True,
-    )
-    quantized = onnx.load(dst)
+    _, quantized = quantize_static_relu_cnn(tmp_path)
     with pytest.raises(LoweringError, match="target webgpu would still refuse node"):
         onnx_qrewrite.rewrite(quantized, target="webgpu")
     result = onnx_qrewrite.rewrite(quantized, target="webgpu", allow=APPROXIMATE)

@@ -317,26 +317,10 @@ def _folded(scope: Scope) -> frozenset[str]:
     static (``--input-shape`` makes an input's so), and what a standard op without subgraphs
     computes from such values alone. One pass in node order: a value out of order is not folded."""
 
-    def compute() -> frozenset[str]:
-        shapes = scope.recorded_shapes
-        folded: set[str] = set()
-        for node in scope.container.node:
-            if node.domain not in _STANDARD or node.op_type in _NOT_FOLDED:
-                continue
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                continue
-            inputs = [x for x in node.input if x]
-            if node.op_type in ("Shape", "Size"):
-                folds = bool(inputs) and known_shape(shapes.get(inputs[0])) is not None
-            else:
-                folds = node.op_type == "Constant" or (
-                    bool(inputs) and all(x in folded or _is_constant(scope, x) for x in inputs)
-                )
-            if folds:
-                folded.update(o for o in node.output if o)
-        return frozenset(folded)
+    def shape_folds(inputs: list[str]) -> bool:
+        return bool(inputs) and known_shape(scope.recorded_shapes.get(inputs[0])) is not None
 
-    return scope.memo("targets.check.folded", compute)
+    return scope.memo("targets.check.folded", lambda: _computed_from_constants(scope, shape_folds))
 
 
 def _quantized_from(scope: Scope, name: str) -> str | None:
@@ -432,22 +416,29 @@ def _static_where_asked(scope: Scope, node: onnx.NodeProto, refusal: Refusal) ->
 def _shape_computed(scope: Scope) -> frozenset[str]:
     """The values of ``scope`` computed from constants and the Shape or Size of any value (static
     or not) alone, through standard ops without subgraphs: no run-time data in them."""
+    return scope.memo("targets.check.shape_computed", lambda: _computed_from_constants(scope, lambda _: True))
 
-    def compute() -> frozenset[str]:
-        found: set[str] = set()
-        for node in scope.container.node:
-            if node.domain not in _STANDARD or node.op_type in _NOT_FOLDED:
-                continue
-            if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
-                continue
-            inputs = [x for x in node.input if x]
-            if node.op_type in ("Shape", "Size", "Constant") or (
+
+def _computed_from_constants(scope: Scope, shape_folds: Callable[[list[str]], bool]) -> frozenset[str]:
+    """The values of ``scope`` computed from constants alone through standard ops without
+    subgraphs (random ops excluded), a Shape or Size counting as constant where ``shape_folds``
+    says so for its inputs. One pass in node order: a value out of order is not counted."""
+    found: set[str] = set()
+    for node in scope.container.node:
+        if node.domain not in _STANDARD or node.op_type in _NOT_FOLDED:
+            continue
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            continue
+        inputs = [x for x in node.input if x]
+        if node.op_type in ("Shape", "Size"):
+            folds = shape_folds(inputs)
+        else:
+            folds = node.op_type == "Constant" or (
                 bool(inputs) and all(x in found or _is_constant(scope, x) for x in inputs)
-            ):
-                found.update(o for o in node.output if o)
-        return frozenset(found)
-
-    return scope.memo("targets.check.shape_computed", compute)
+            )
+        if folds:
+            found.update(o for o in node.output if o)
+    return frozenset(found)
 
 
 def _per_channel(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
