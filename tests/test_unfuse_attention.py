@@ -292,6 +292,39 @@ def _with_attention_bias(model, shape):
     return model
 
 
+#: attention_bias shapes onnxruntime's Attention (B 2, S 8, N 4) and MultiHeadAttention (B 2, S 8,
+#: N 4, L 6) kernels refuse: (B or 1, N or 1, S, total) only; the rewrite would broadcast the others
+BIAS_SHAPES_REFUSED = [
+    ("Attention", [2, 4, 1, 8], 2),
+    ("Attention", [2, 4, 8, 1], 3),
+    ("Attention", [2, 2, 8, 8], 1),
+    ("MultiHeadAttention", [2, 4, 1, 6], 2),
+    ("MultiHeadAttention", [1, 1, 8, 1], 3),
+    ("MultiHeadAttention", [3, 1, 8, 6], 0),
+]
+
+
+@rule_marker("unfuse-attention", "negative")
+@rule_marker("unfuse-multi-head-attention", "negative")
+@pytest.mark.parametrize(("op", "shape", "axis"), BIAS_SHAPES_REFUSED, ids=str)
+def test_attention_bias_shapes_the_kernel_refuses_are_refused(op, shape, axis):
+    """Refused by name where the shape is recorded, quoting the kernel's message for the sequence
+    axes; and onnxruntime refuses the same shapes when it runs."""
+    if op == "Attention":
+        model, feeds = attention_model(2, 8, 32, [32] * 3, 4), attention_feeds(2, 8, 32, [32] * 3)
+    else:
+        model, feeds = mha_model(2, 8, 6, 32, 32, 4), mha_feeds(2, 8, 6, 32, 32)
+    model = _with_attention_bias(model, shape)
+    feeds["ab"] = RNG.standard_normal(shape).astype(np.float32)
+    kernel = {2: "sequence_length", 3: "total_sequence_length"}.get(axis)
+    said = f"Input 'attention_bias' dimension {axis} should be same as {kernel}, got {shape[axis]}" if kernel else ""
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(f"'ab' has dimension {axis} = {shape[axis]}")) as e:
+        onnx_qrewrite.rewrite(model)
+    assert said in str(e.value)
+    with pytest.raises(Exception, match=re.escape(said) if said else "attention_bias"):
+        run(model, feeds)
+
+
 @rule_marker("unfuse-attention", "positive")
 @pytest.mark.parametrize("form", ["full", "heads", "one"])
 @pytest.mark.parametrize("mask", [None, "raw", "lengths"], ids=str)

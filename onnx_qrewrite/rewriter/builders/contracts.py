@@ -531,8 +531,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "(asserted on the tests' battery; worst measured 0.061 of it, scales 0.01-30, up to 201 keys, head "
             "size 128; with softcap, smooth_softmax and local_window_size 0.082), float16 outputs within that "
             "plus one float16 ulp (the kernel computes in float32 and rounds once); output_qk within "
-            "2^-20·(1 + max|score|) (worst measured 0.40 of it before the softmax, 0.057 after; float16: plus one "
-            "float16 ulp); present_key / present_value bit-exact (copies)",
+            "2^-20·(1 + max|score|) at each entry's keys < seqlens_k[b] + 1 (worst measured 0.40 of it before the "
+            "softmax, 0.057 after; float16: plus one float16 ulp; beyond them, with seqlens_k uneven across the "
+            "batch, the kernel leaves output_qk unwritten: undefined); present_key / present_value bit-exact (copies)",
             output_types=lambda options, op: ("input 0",) * 4,  # output, present K and V, output_qk
             outputs=3,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["group-query-attention"]),

@@ -276,6 +276,9 @@ class AttentionBuilder:
                 raise NoMatch("past with attention_bias: the kernel refuses it ('cannot have both')")
             _float32(site, site.input(5))
             _check_rank(site, 5, "attention_bias", 4)
+            x = value_shape(site.scope, site.input(0), site.same_shape_ops) or (None, None)
+            heads = int(site.attribute("num_heads", 0))  # no past with attention_bias: total = S
+            refuse_recorded_shape(site, 5, "attention_bias", [(1, x[0]), (1, heads), (x[1],), (x[1],)], True)
         if not site.input(0) or not site.input(1):
             raise NoMatch("malformed node: input and weights are required")
         if not site.input(2):
@@ -415,6 +418,7 @@ class MultiHeadAttentionBuilder:
         state = _mha_state(site, sizes, heads)
         if site.input(5):
             _check_rank(site, 5, "attention_bias", 4)
+            refuse_recorded_shape(site, 5, "attention_bias", _mha_bias_dims(site, heads, bnsh), True)
         if site.input(9):  # read only with past_sequence_length (the kernel's decoder-masked path)
             _check_cache_indirection(site)
         return dataclasses.replace(plan, data={**plan.data, **state, "bnsh": bnsh})
@@ -523,6 +527,17 @@ def _mha_sizes(site: Site, heads: int) -> tuple[list[int], bool]:
     return sizes, bnsh
 
 
+def _mha_bias_dims(site: Site, heads: int, bnsh: bool) -> list[tuple[int | None, ...] | None]:
+    """The attention_bias dimensions MultiHeadAttention's kernel takes: (B or 1, N or 1, S, P + L),
+    None where a length is not recorded."""
+    query = value_shape(site.scope, site.input(0), site.same_shape_ops) or (None, None)
+    key = value_shape(site.scope, site.input(1), site.same_shape_ops)
+    new = key[2 if bnsh else 1] if key else None
+    past = value_shape(site.scope, site.input(6), site.same_shape_ops) if site.input(6) else (0, 0, 0)
+    total = None if new is None or past is None or past[2] is None else past[2] + new
+    return [(1, query[0]), (1, heads), (query[1],), (total,)]
+
+
 def _mha_shape(site: Site, index: int, heads: int) -> tuple[int | None, ...]:
     """The recorded shape of query (3-D), key or value (3-D, or 4-D with ``heads`` heads), its last
     dimension known."""
@@ -541,6 +556,38 @@ def _mha_shape(site: Site, index: int, heads: int) -> tuple[int | None, ...]:
     if len(shape) == 4 and shape[1] not in (heads, None):
         raise NoMatch(f"4-D {what} has {shape[1]} heads, not num_heads={heads}")
     return shape
+
+
+#: onnxruntime's names of attention_bias's dimensions 2 and 3 in its refusal
+_BIAS_AXES = {2: "sequence_length", 3: "total_sequence_length"}
+
+
+def refuse_recorded_shape(
+    site: Site, index: int, what: str, dims: list[tuple[int | None, ...] | None], quote: bool = False
+) -> None:
+    """Refuses input ``index`` if its recorded shape has another rank than ``dims`` or a dimension
+    outside the values ``dims`` allows at that axis (None: any; a None among the values: not known,
+    not checked): the kernel refuses those shapes when it runs, where the rewrite would broadcast.
+    ``quote``: attention_bias's axes 2 and 3 quote Attention's and MultiHeadAttention's own message
+    (measured). Shapes known only at run time are
+    not checked."""
+    recorded = value_shape(site.scope, site.input(index), site.same_shape_ops) if site.input(index) else None
+    if recorded is None:
+        return
+    if len(recorded) != len(dims):
+        raise NoMatch(f"{what} {site.input(index)!r} has rank {len(recorded)}; the kernel takes rank {len(dims)}")
+    for axis, (dim, allowed) in enumerate(zip(recorded, dims, strict=True)):
+        if dim is None or allowed is None or None in allowed or dim in allowed:
+            continue
+        expected = " or ".join(str(a) for a in allowed)
+        said = (
+            f" (onnxruntime: \"Input '{what}' dimension {axis} should be same as {_BIAS_AXES[axis]}, got {dim}\")"
+            if quote and axis in _BIAS_AXES
+            else ""
+        )
+        raise NoMatch(
+            f"{what} {site.input(index)!r} has dimension {axis} = {dim}; the kernel requires {expected}{said}"
+        )
 
 
 def _check_rank(site: Site, index: int, label: str, rank: int) -> None:

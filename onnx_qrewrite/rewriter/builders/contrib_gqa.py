@@ -41,6 +41,11 @@ bit), and so does the rewrite.
 kernel copies it before the softmax (scale·Q·Kᵀ, softcapped, plus attention_bias, 0 at the keys not
 attended) or after it (the probabilities); where the past buffer is longer than
 total_sequence_length the kernel's output_qk changes from run to run (measured), undefined there.
+An entry's row is written only over its own keys (< seqlens_k[b] + 1): where seqlens_k differs
+across the batch the kernel leaves the keys at or beyond seqlens_k[b] + 1 unwritten (they hold
+whatever memory held before: -5.2e32 measured), undefined there; the rewrite writes 0 there.
+``verify`` compares every key, so output_qk with uneven lengths is not comparable (the rewrite's
+note says so).
 
 Not lowered (the node stays, with the reason): ``qk_output`` other than 0-2 or without output_qk (the
 kernel refuses both), output_qk with ``qk_output`` 0 (refused too), ``local_window_size`` 0 (no key
@@ -62,6 +67,7 @@ from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contrib_attention import refuse_recorded_shape
 from onnx_qrewrite.rewriter.builders.contrib_rotary import INTERLEAVED_BLOCK, rotate
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -124,7 +130,8 @@ class GroupQueryAttentionBuilder:
         _check_shapes(site, shape[0], shape[1], heads)
         data["float16"] = float16
         data |= _options(site)
-        return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], data=data)
+        notes = (_QK_NOTE,) if data["qk_output"] else ()
+        return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], notes=notes, data=data)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]
@@ -167,26 +174,20 @@ class GroupQueryAttentionBuilder:
                 emit.op1("Cast", [value], name, to=_T.FLOAT16)
 
 
+#: output_qk's keys past an entry's length: the kernel leaves them unwritten; verify compares every key
+_QK_NOTE = (
+    "output_qk's keys at or beyond seqlens_k[b] + 1 are undefined: onnxruntime 1.31.1 leaves them unwritten "
+    "when seqlens_k differs across the batch (the rewrite writes 0); verify compares every key, so output_qk "
+    "with uneven lengths is not comparable"
+)
+
+
 def _check_shapes(site: Site, batch: int | None, seq: int | None, heads: int) -> None:
     """Refuses a recorded attention_bias shape other than (B or 1, N or 1, S, total) and a recorded
     position_ids shape other than (B, S): the kernel refuses them when it runs, and the rewrite would
     broadcast them instead. (Shapes known only at run time are not checked by the rewrite.)"""
-    wanted: dict[int, tuple[str, list[tuple[int | None, ...] | None]]] = {
-        10: ("attention_bias", [(1, batch), (1, heads), (seq,), None]),
-        9: ("position_ids", [(batch,), (seq,)]),
-    }
-    for index, (what, dims) in wanted.items():
-        recorded = value_shape(site.scope, site.input(index), site.same_shape_ops) if site.input(index) else None
-        if recorded is None:
-            continue
-        if len(recorded) != len(dims):
-            raise NoMatch(f"{what} {site.input(index)!r} has rank {len(recorded)}; the kernel takes rank {len(dims)}")
-        for axis, (dim, allowed) in enumerate(zip(recorded, dims, strict=True)):
-            if dim is not None and allowed is not None and None not in allowed and dim not in allowed:
-                expected = " or ".join(str(a) for a in allowed)
-                raise NoMatch(
-                    f"{what} {site.input(index)!r} has dimension {axis} = {dim}; the kernel requires {expected}"
-                )
+    refuse_recorded_shape(site, 10, "attention_bias", [(1, batch), (1, heads), (seq,), None])
+    refuse_recorded_shape(site, 9, "position_ids", [(batch,), (seq,)])
 
 
 def _options(site: Site) -> dict[str, Any]:
