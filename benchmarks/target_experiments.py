@@ -211,6 +211,7 @@ def fuse_quantized_gelu(model: onnx.ModelProto, domain: str) -> onnx.ModelProto:
     for n in graph.node:
         for x in n.input:
             readers.setdefault(x, []).append(n)
+    # keyed by output name, not node name: unnamed nodes ("") would collide
     dropped: set[str] = set()
     gelus: dict[str, onnx.NodeProto] = {}
     for erf in [n for n in graph.node if n.op_type == "Erf"]:
@@ -222,9 +223,11 @@ def fuse_quantized_gelu(model: onnx.ModelProto, domain: str) -> onnx.ModelProto:
         half = [producer[x] for x in mul.input if x != chain[-2].output[0]]
         while half[-1].op_type != "Mul":  # the DequantizeLinear, QuantizeLinear of x * 0.5
             half.append(producer[half[-1].input[0]])
-        dropped.update(n.name for n in [div, *chain, *half])
-        gelus[mul.name] = helper.make_node("Gelu", [div.input[0]], [mul.output[0]], erf.name + "/gelu", domain=domain)
-    nodes = [gelus.get(n.name, n) for n in graph.node if n.name not in dropped or n.name in gelus]
+        dropped.update(n.output[0] for n in [div, *chain, *half])
+        gelus[mul.output[0]] = helper.make_node(
+            "Gelu", [div.input[0]], [mul.output[0]], f"{erf.name or erf.output[0]}/gelu", domain=domain
+        )
+    nodes = [gelus.get(n.output[0], n) for n in graph.node if n.output[0] not in dropped or n.output[0] in gelus]
     del graph.node[:]
     graph.node.extend(nodes)
     if domain:

@@ -1165,3 +1165,57 @@ def test_every_refusal_condition_a_profile_may_name_is_checked():
     from onnx_qrewrite.targets.profile import REFUSE_WHEN
 
     assert set(check._WHEN) == set(REFUSE_WHEN)
+
+
+def _softmax_where_quantize(condition: str) -> onnx.ModelProto:
+    """QuantizeLinear(Where(c, 0, Softmax(x))) with the condition ``c`` made as ``condition`` says."""
+    init = onnx.numpy_helper.from_array
+    nodes = [helper.make_node("Softmax", ["x"], ["p"], axis=-1)]
+    inits = [init(np.float32(0.01), "s"), init(np.uint8(0), "z"), init(np.float32(0), "zero")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])]
+    if condition == "initializer":
+        inits.append(init(np.array(True), "c"))
+    elif condition == "Shape":
+        inits += [init(np.array([-1], np.int64), "ax"), init(np.int64(1), "one")]
+        nodes += [
+            helper.make_node("Shape", ["p"], ["sh"]),
+            helper.make_node("Gather", ["sh", "ax"], ["g"]),
+            helper.make_node("Equal", ["g", "one"], ["c"]),
+        ]
+    elif condition == "graph input":
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, [2, 4]))
+    elif condition == "IsNaN":
+        nodes.append(helper.make_node("IsNaN", ["p"], ["c"]))
+    elif condition == "Size of a run-time value":
+        nodes += [
+            helper.make_node("IsNaN", ["p"], ["n"]),
+            helper.make_node("Size", ["n"], ["sz"]),
+            helper.make_node("Cast", ["sz"], ["c"], to=TensorProto.BOOL),
+        ]
+    nodes += [
+        helper.make_node("Where", ["c", "zero", "p"], ["w"]),
+        helper.make_node("QuantizeLinear", ["w", "s", "z"], ["q"], name="ql"),
+        helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+    ]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    graph = helper.make_graph(nodes, "g", inputs, [output], inits)
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+
+
+@pytest.mark.parametrize(
+    ("condition", "refused"),
+    [
+        ("initializer", True),
+        ("Shape", True),
+        ("Size of a run-time value", True),
+        ("graph input", False),
+        ("IsNaN", False),
+    ],
+)
+def test_a_refusal_looks_through_a_where_only_where_its_condition_is_static(condition, refused):
+    """tract's QuantizeLinear(Softmax) refusal looks through a Where (through_static) only where
+    the condition is computed from constants and Shape/Size alone (tract folds it); a condition
+    read from run-time data (a graph input, IsNaN of the Softmax) it keeps, and the node is not
+    refused. Offline: the profile's data and check_model, no tract needed."""
+    found = [r for r in check_model(_softmax_where_quantize(condition), load_target("tract")) if r.node == "ql"]
+    assert bool(found) is refused, found

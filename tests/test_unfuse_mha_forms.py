@@ -5,7 +5,8 @@ The kernel (measured here):
 
 - key and value (B, N, L, H) are used as they are (the form cross attention passes its cached keys
   in); of the bias only Q's slice is added (K's and V's are not read); present_key / present_value
-  are copies of key / value; past_key / past_value with them are refused.
+  are copies of key / value, or with past_key / past_value (and both presents) the past then key /
+  value, as with 3-D key/value (lowered: tested below).
 - the qk output (B, N, S, T) is each row of scores the softmax reads: scale·Q·Kᵀ + attention_bias +
   the mask, the mask being the padding value (``mask_filter_value``) where a key is masked and
   float32's lowest value at the keys after the query under ``unidirectional``, in place of the
