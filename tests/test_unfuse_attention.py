@@ -310,12 +310,15 @@ BIAS_SHAPES_REFUSED = [
 def test_attention_bias_shapes_the_kernel_refuses_are_refused(op, shape, axis):
     """Refused by name where the shape is recorded, quoting the kernel's message for the sequence
     axes; and onnxruntime refuses the same shapes when it runs."""
+    rng = np.random.default_rng(3)  # its own: the module's RNG feeds later tests their data
     if op == "Attention":
-        model, feeds = attention_model(2, 8, 32, [32] * 3, 4), attention_feeds(2, 8, 32, [32] * 3)
+        model = attention_model(2, 8, 32, [32] * 3, 4)
+        sizes = {"x": (2, 8, 32), "w": (32, 96), "b": (96,)}
     else:
-        model, feeds = mha_model(2, 8, 6, 32, 32, 4), mha_feeds(2, 8, 6, 32, 32)
+        model = mha_model(2, 8, 6, 32, 32, 4)
+        sizes = {"q": (2, 8, 32), "k": (2, 6, 32), "v": (2, 6, 32), "b": (96,)}
     model = _with_attention_bias(model, shape)
-    feeds["ab"] = RNG.standard_normal(shape).astype(np.float32)
+    feeds = {name: rng.standard_normal(size).astype(np.float32) for name, size in {**sizes, "ab": shape}.items()}
     kernel = {2: "sequence_length", 3: "total_sequence_length"}.get(axis)
     said = f"Input 'attention_bias' dimension {axis} should be same as {kernel}, got {shape[axis]}" if kernel else ""
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(f"'ab' has dimension {axis} = {shape[axis]}")) as e:
