@@ -713,12 +713,14 @@ def embed_feeds(scale=1.0):
     }
 
 
-def _assert_layer_norm_bound(got, want, total, gamma, beta, what):
-    """The stated bound: 16·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum (float64)."""
+def _assert_layer_norm_bound(got, want, total, gamma, beta, what, factor=16):
+    """The stated bound: factor·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum
+    (float64); factor 16 for EmbedLayerNormalization, 32 for QEmbedLayerNormalization (the contract's
+    measured figures: worst 4.6 and 27.4 over 240 random draws of these batteries)."""
     total = total.astype(np.float64)
     centred = total - total.mean(axis=-1, keepdims=True)
     normalized = centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + 1e-12)
-    bound = 16 * 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
+    bound = factor * 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
     diff = np.abs(got.astype(np.float64) - want)
     assert np.all(diff <= bound), f"{what}: {np.max(diff - bound):g} beyond the bound"
 
@@ -821,7 +823,7 @@ def test_qembed_layer_norm(table_type, segment, mask):
     if segment:
         total = total + dequantized("segments")[feeds["seg"]]
     gamma, beta = dequantized("gamma"), dequantized("beta")
-    _assert_layer_norm_bound(got["y"], want["y"], total, gamma, beta, "QEmbedLayerNormalization")
+    _assert_layer_norm_bound(got["y"], want["y"], total, gamma, beta, "QEmbedLayerNormalization", 32)
 
 
 @rule_marker("unfuse-qembed-layer-norm", "negative")

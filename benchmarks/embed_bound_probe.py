@@ -1,0 +1,79 @@
+"""How close EmbedLayerNormalization's and QEmbedLayerNormalization's rewrites come to their stated
+bound, over many random draws of the tests' batteries (tests/test_unfuse_attention.py's models).
+
+    python benchmarks/embed_bound_probe.py [DRAWS]     # default 60 draws x 4 cases per op
+
+Prints, per op, the worst max|rewrite - kernel| / (2^-24·(|γ·x̂| + |β| + 1)) found, x̂ the
+normalized embedding sum (float64), with the draw it came from: the figure the contract's bound
+(builders/contracts.py, unfuse_embed_layer_norm) quotes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from onnx import numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import test_unfuse_attention as T
+from conftest import run
+
+import onnx_qrewrite
+
+
+def _ratio(got: np.ndarray, want: np.ndarray, total: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> float:
+    total = total.astype(np.float64)
+    centred = total - total.mean(-1, keepdims=True)
+    normalized = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-12)
+    unit = 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
+    return float(np.max(np.abs(got.astype(np.float64) - want) / unit))
+
+
+def _feeds(model, scale: float = 1.0) -> dict[str, np.ndarray]:
+    names = {i.name for i in model.graph.input}
+    return {k: v for k, v in T.embed_feeds(scale).items() if k in names}
+
+
+def embed(draws: int) -> tuple[float, object]:
+    worst: tuple[float, object] = (0.0, None)
+    for seed in range(draws):
+        T.RNG = np.random.default_rng(1000 + seed)
+        for segment in (True, False):
+            for scale in (1.0, 100.0):
+                model = T.embed_model(segment, True, False, attrs={"epsilon": 1e-5})
+                feeds = _feeds(model, scale)
+                want, got = run(model, feeds), run(onnx_qrewrite.rewrite(model).model, feeds)
+                r = _ratio(got["y"], want["y"], want["sum"], feeds["gamma"], feeds["beta"])
+                worst = max(worst, (r, (seed, segment, scale)), key=lambda w: w[0])
+    return worst
+
+
+def qembed(draws: int) -> tuple[float, object]:
+    worst: tuple[float, object] = (0.0, None)
+    for seed in range(draws):
+        T.RNG = np.random.default_rng(seed)
+        for table_type in (np.uint8, np.int8):
+            for segment in (True, False):
+                model = T.qembed_model(table_type, segment, True)
+                feeds = _feeds(model)
+                want, got = run(model, feeds), run(onnx_qrewrite.rewrite(model).model, feeds)
+                t = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+
+                def dq(name: str, t: dict = t) -> np.ndarray:
+                    return (t[f"{name}_q"] - t[f"{name}_zp"]) * t[f"{name}_s"]
+
+                total = dq("words")[feeds["ids"]] + dq("positions")[: T.EMB["seq"]]
+                if segment:
+                    total = total + dq("segments")[feeds["seg"]]
+                r = _ratio(got["y"], want["y"], total, dq("gamma"), dq("beta"))
+                worst = max(worst, (r, (seed, table_type.__name__, segment)), key=lambda w: w[0])
+    return worst
+
+
+if __name__ == "__main__":
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+    for op, probe in (("EmbedLayerNormalization", embed), ("QEmbedLayerNormalization", qembed)):
+        ratio, draw = probe(n)
+        print(f"{op}: worst {ratio:.1f} (draw {draw}) over {4 * n} cases")
