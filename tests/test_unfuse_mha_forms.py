@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
+from test_unfuse_mha_state import one_mha_model
 
 import onnx_qrewrite
 
@@ -85,19 +86,7 @@ def bnsh_model(
         "present_value": [batch, heads, kv_seq, head_v],
         "qk": [batch, heads, seq, kv_seq],
     }
-    node = helper.make_node(
-        "MultiHeadAttention",
-        inputs,
-        list(outputs),
-        name="mha",
-        domain="com.microsoft",
-        num_heads=heads,
-        **(attrs or {}),
-    )
-    graph = helper.make_graph([node], "g", values, [INFO(o, TensorProto.FLOAT, shapes[o]) for o in outputs if o])
-    return helper.make_model(
-        graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
+    return one_mha_model(inputs, outputs, values, shapes, heads, attrs)
 
 
 def mask_shape(mask, batch, seq, total):

@@ -62,6 +62,11 @@ def mha_model(
     shapes = {"y": [batch, seq, hidden], "present_key": [batch, heads, total, head]}
     shapes["present_value"] = shapes["present_key"]
     shapes["qk"] = [batch, heads, seq, total]
+    return one_mha_model(inputs, outputs, values, shapes, heads, attrs)
+
+
+def one_mha_model(inputs, outputs, values, shapes, heads, attrs=None):
+    """A model of one MultiHeadAttention node named "mha": its float32 outputs of ``shapes``."""
     node = helper.make_node(
         "MultiHeadAttention",
         inputs,
@@ -71,7 +76,8 @@ def mha_model(
         num_heads=heads,
         **(attrs or {}),
     )
-    graph = helper.make_graph([node], "g", values, [info(o, TensorProto.FLOAT, shapes[o]) for o in outputs if o])
+    results = [helper.make_tensor_value_info(o, TensorProto.FLOAT, shapes[o]) for o in outputs if o]
+    graph = helper.make_graph([node], "g", values, results)
     return helper.make_model(
         graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     )
