@@ -69,7 +69,6 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -205,7 +204,7 @@ def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int,
         elem = site.elem_type(name)
         if elem is not None and elem != _T.INT32:
             raise NoMatch(f"{label} is {dtype_name(elem)}, not int32")
-        shape = value_shape(site.scope, name, site.same_shape_ops)
+        shape = site.value_shape(name)
         if shape is None and label == "mask_index" and _is_embed_mask_index(site, name):
             shape = (None,)  # EmbedLayerNormalization's mask index is (batch,)
         if shape is None:
@@ -276,7 +275,7 @@ class AttentionBuilder:
                 raise NoMatch("past with attention_bias: the kernel refuses it ('cannot have both')")
             _float32(site, site.input(5))
             _check_rank(site, 5, "attention_bias", 4)
-            x = value_shape(site.scope, site.input(0), site.same_shape_ops) or (None, None)
+            x = site.value_shape(site.input(0)) or (None, None)
             heads = int(site.attribute("num_heads", 0))  # no past with attention_bias: total = S
             refuse_recorded_shape(site, 5, "attention_bias", [(1, x[0]), (1, heads), (x[1],), (x[1],)], True)
         if not site.input(0) or not site.input(1):
@@ -289,7 +288,7 @@ class AttentionBuilder:
             raise NoMatch(f"num_heads={heads}")
         sizes = [int(s) for s in site.attribute("qkv_hidden_sizes", [])]
         if not sizes:
-            w_shape = value_shape(site.scope, site.input(1), site.same_shape_ops)
+            w_shape = site.value_shape(site.input(1))
             if w_shape is None or len(w_shape) != 2 or w_shape[1] is None:
                 raise NoMatch(
                     f"the shape of weights {site.input(1)!r} is not recorded (needed to split Q, K, V); run onnx "
@@ -359,7 +358,7 @@ def _kv_state(site: Site, sizes: list[int], heads: int, past_index: int = 4) -> 
         raise NoMatch(f"past/present with K and V of different sizes {sizes[1:]}: the state stacks them")
     if past:
         _float32(site, past)
-        shape = value_shape(site.scope, past, site.same_shape_ops)
+        shape = site.value_shape(past)
         want = (2, None, heads, None, sizes[1] // heads)
         if shape is not None and (
             len(shape) != 5 or any(w is not None and d not in (w, None) for d, w in zip(shape, want, strict=False))
@@ -482,7 +481,7 @@ def _output(site: Site, index: int) -> str:
 def _refuse_packed(site: Site) -> None:
     """The packed forms of MultiHeadAttention, which onnxruntime's CPU kernel refuses (measured
     with 1.31.1: nothing to measure a rewrite against)."""
-    query = value_shape(site.scope, site.input(0), site.same_shape_ops)
+    query = site.value_shape(site.input(0))
     if query is not None and len(query) == 5:
         raise NoMatch(
             "packed QKV (query of shape (B, L, N, 3, H)): onnxruntime's CPU kernel refuses it ('not implemented "
@@ -493,7 +492,7 @@ def _refuse_packed(site: Site) -> None:
             "packed QKV (no key or value): onnxruntime's CPU kernel refuses it ('Packed qkv of 3D BS3NH format is "
             "not support', or not implemented for CPU), nothing to measure against; not lowered"
         )
-    key = value_shape(site.scope, site.input(1), site.same_shape_ops)
+    key = site.value_shape(site.input(1))
     if (key is not None and len(key) == 5) or not site.input(2):
         raise NoMatch(
             "packed KV (key of shape (B, L, N, 2, H), no value): onnxruntime's CPU kernel refuses it ('not "
@@ -530,10 +529,10 @@ def _mha_sizes(site: Site, heads: int) -> tuple[list[int], bool]:
 def _mha_bias_dims(site: Site, heads: int, bnsh: bool) -> list[tuple[int | None, ...] | None]:
     """The attention_bias dimensions MultiHeadAttention's kernel takes: (B or 1, N or 1, S, P + L),
     None where a length is not recorded."""
-    query = value_shape(site.scope, site.input(0), site.same_shape_ops) or (None, None)
-    key = value_shape(site.scope, site.input(1), site.same_shape_ops)
+    query = site.value_shape(site.input(0)) or (None, None)
+    key = site.value_shape(site.input(1))
     new = key[2 if bnsh else 1] if key else None
-    past = value_shape(site.scope, site.input(6), site.same_shape_ops) if site.input(6) else (0, 0, 0)
+    past = site.value_shape(site.input(6)) if site.input(6) else (0, 0, 0)
     total = None if new is None or past is None or past[2] is None else past[2] + new
     return [(1, query[0]), (1, heads), (query[1],), (total,)]
 
@@ -542,7 +541,7 @@ def _mha_shape(site: Site, index: int, heads: int) -> tuple[int | None, ...]:
     """The recorded shape of query (3-D), key or value (3-D, or 4-D with ``heads`` heads), its last
     dimension known."""
     what = ("query", "key", "value")[index]
-    shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+    shape = site.value_shape(site.input(index))
     if shape is not None and len(shape) not in ((3,) if index == 0 else (3, 4)):
         raise NoMatch(
             f"{what} is {len(shape)}-D; only (batch, sequence, hidden) or, for key and value, "
@@ -571,7 +570,7 @@ def refuse_recorded_shape(
     ``quote``: attention_bias's axes 2 and 3 quote Attention's and MultiHeadAttention's own message
     (measured). Shapes known only at run time are
     not checked."""
-    recorded = value_shape(site.scope, site.input(index), site.same_shape_ops) if site.input(index) else None
+    recorded = site.value_shape(site.input(index)) if site.input(index) else None
     if recorded is None:
         return
     if len(recorded) != len(dims):
@@ -591,7 +590,7 @@ def refuse_recorded_shape(
 
 
 def _check_rank(site: Site, index: int, label: str, rank: int) -> None:
-    shape = value_shape(site.scope, site.input(index), site.same_shape_ops)
+    shape = site.value_shape(site.input(index))
     if shape is not None and len(shape) != rank:
         raise NoMatch(f"{label} is {len(shape)}-D; the kernel takes {rank}-D")
 
@@ -615,7 +614,7 @@ def _mha_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
         raise NoMatch(f"past with key and value of different sizes {sizes[1:]}: the kernel refuses it")
     head = sizes[1] // heads
     for name in past:
-        shape = value_shape(site.scope, name, site.same_shape_ops) if name else None
+        shape = site.value_shape(name) if name else None
         want = (None, heads, None, head)
         if shape is not None and (
             len(shape) != 4 or any(w not in (d, None) and d is not None for d, w in zip(shape, want, strict=False))

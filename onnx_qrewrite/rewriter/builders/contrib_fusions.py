@@ -50,7 +50,6 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS, gelu_opset, normalization_opset
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -173,7 +172,7 @@ class BiasAddBuilder:
         if None in types or len(types) != 1 or not types <= set(_BIAS_ADD_TYPES):
             named = ", ".join(dtype_name(t) if t else "unknown" for t in (site.elem_type(n) for n in node.input))
             raise NoMatch(f"input types {named}: the kernel takes float32 or float16, the same for all three")
-        problem = _bias_add_shapes(*(value_shape(site.scope, name, site.same_shape_ops) for name in node.input))
+        problem = _bias_add_shapes(*(site.value_shape(name) for name in node.input))
         if problem:
             raise NoMatch(problem)
         return Plan()
@@ -241,7 +240,7 @@ class FusedGemmConvBuilder:
             if not site.input(2):
                 raise NoMatch("a sum input Z without a bias is not lowered")
             rank = None
-            shape = value_shape(site.scope, site.input(1), site.same_shape_ops)
+            shape = site.value_shape(site.input(1))
             if shape is not None:
                 rank = len(shape)
             if rank is None:
@@ -298,7 +297,7 @@ class FusedMatMulBuilder:
             )
         ranks = []
         for i, t in enumerate(trans):
-            shape = value_shape(site.scope, site.input(i), site.same_shape_ops)
+            shape = site.value_shape(site.input(i))
             if t and (shape is None or len(shape) < 2):
                 raise NoMatch(
                     f"the rank of input {site.input(i)!r} is not recorded (needed to transpose it); run onnx "
@@ -351,7 +350,7 @@ class NormalizationBuilder:
             raise NoMatch("the inv_std_var output is used; not lowered")
         axis = int(site.attribute("axis", -1))
         if axis != -1:
-            shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
+            shape = site.value_shape(site.input(0))
             if shape is None or axis != len(shape) - 1:
                 raise NoMatch(f"axis {axis} is not the last axis (or the rank is not recorded)")
         stash = int(site.attribute("stash_type", 1))

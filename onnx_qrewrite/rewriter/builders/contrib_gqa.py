@@ -65,7 +65,6 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders._qdq import value_shape
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.builders.contrib_attention import refuse_recorded_shape
 from onnx_qrewrite.rewriter.builders.contrib_rotary import INTERLEAVED_BLOCK, rotate
@@ -113,7 +112,7 @@ class GroupQueryAttentionBuilder:
         heads, kv_heads = int(site.attribute("num_heads", 0)), int(site.attribute("kv_num_heads", 0))
         if heads <= 0 or kv_heads <= 0 or heads % kv_heads:
             raise NoMatch(f"num_heads={heads} is not a multiple of kv_num_heads={kv_heads}")
-        shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
+        shape = site.value_shape(site.input(0))
         if shape is None or len(shape) != 3 or shape[2] is None:
             raise NoMatch(
                 f"the hidden size of query {site.input(0)!r} is not recorded; run onnx shape inference on the model "
@@ -377,7 +376,7 @@ def _rotary_dim(site: Site, head: int, cache_type: int) -> int:
         elem = site.elem_type(site.input(index))
         if elem is not None and elem != cache_type:
             raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; the query is {dtype_name(cache_type)}")
-    cache = value_shape(site.scope, site.input(7), site.same_shape_ops)
+    cache = site.value_shape(site.input(7))
     if cache is None or len(cache) != 2 or cache[1] is None:
         raise NoMatch(f"the width of cos_cache {site.input(7)!r} is not recorded (run onnx shape inference first)")
     rotary = 2 * cache[1]
