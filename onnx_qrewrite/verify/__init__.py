@@ -37,7 +37,13 @@ from onnx_qrewrite.errors import InvalidModelError, UsageError
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.verify._ort import ort
-from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
+from onnx_qrewrite.verify.compare import (
+    Tolerances,
+    UndefinedLookup,
+    ValueComparison,
+    compare_values,
+    merge_comparisons,
+)
 from onnx_qrewrite.verify.drift import DriftDecision, DriftThresholds, decide
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
@@ -774,6 +780,8 @@ class _Judgement(NamedTuple):
     anchored: Anchored | None = None
     #: Bounded replacements whose bound cannot be checked at their node (verify/bounds.py).
     unchecked: tuple[Any, ...] = ()
+    #: The original's undefined elements, set aside in every comparison (verify/undefined.py).
+    undefined: UndefinedLookup | None = None
 
 
 def _compared_with_itself(
@@ -803,6 +811,7 @@ def _judge(
     With bounded replacements (onnxruntime, no drift), the outputs without an explicit tolerance
     are judged against the original re-anchored at their values (:func:`_reanchor`)."""
     names = list(original_runner.output_types)
+    undefined = _undefined(models, samples, make_runner)
     per_output = _run_samples(
         lambda sample: original_runner.run(sample.feeds),
         rewritten_runner,
@@ -812,9 +821,10 @@ def _judge(
         options.progress,
         kept,
         drift,
+        undefined,
     )
     bounded = options.runtime == "onnxruntime" and not _provenance_key_absent(models.rewritten, provenance.BOUND_KEY)
-    anchored = _reanchor(models, names, samples, options, make_runner) if bounded and drift is None else None
+    anchored = _reanchor(models, names, samples, options, make_runner, undefined) if bounded and drift is None else None
     if anchored is not None:
         from onnx_qrewrite.verify.reanchor import judged_outputs
 
@@ -833,11 +843,26 @@ def _judge(
         # and on the cut original's (the bounds are stated against onnxruntime's kernels).
         outputs += check_bounds(models.original.proto, models.rewritten.proto, samples, make_runner, anchored)
         unchecked = tuple(unchecked_bounds(models.original.proto, models.rewritten.proto))
-    return _Judgement(outputs, hazards, anchored=anchored, unchecked=unchecked)
+    return _Judgement(outputs, hazards, anchored=anchored, unchecked=unchecked, undefined=undefined)
+
+
+def _undefined(models: _Models, samples: Sequence[Sample], make_runner: _RunnerFactory) -> UndefinedLookup | None:
+    """The elements of the original's values its kernels leave undefined (verify/undefined.py);
+    None on the fast path, whose originals hold no vendor op (the only kernels known to)."""
+    if models.original.fast:
+        return None
+    from onnx_qrewrite.verify.undefined import undefined_elements
+
+    return undefined_elements(models.reference.proto, samples, lambda model: make_runner(model, "original"))
 
 
 def _reanchor(
-    models: _Models, names: Sequence[str], samples: Sequence[Sample], options: _Options, make_runner: _RunnerFactory
+    models: _Models,
+    names: Sequence[str],
+    samples: Sequence[Sample],
+    options: _Options,
+    make_runner: _RunnerFactory,
+    undefined: UndefinedLookup | None = None,
 ) -> Anchored | None:
     """The original (as the outputs are compared with it) cut at the bounded replacements' outputs
     and run from the rewritten model's values there, with the outputs and the values the
@@ -859,6 +884,7 @@ def _reanchor(
         options.tolerances,
         make_runner,
         boundary,
+        undefined,
     )
 
 
@@ -920,6 +946,7 @@ def _localize_failure(
             options.drift if decision.judged else None,
             runtime=options.runtime,
             runtime_drift=None if options.runtime == "onnxruntime" else options.drift,
+            undefined=judgement.undefined,
         )
 
 
@@ -957,10 +984,12 @@ def _run_samples(
     progress: ProgressSink | None = None,
     keep: dict[str, dict[str, np.ndarray]] | None = None,
     drift: DriftThresholds | None = None,
+    undefined: UndefinedLookup | None = None,
 ) -> dict[str, list[tuple[str, ValueComparison]]]:
     """Each shared output of each sample compared (output name -> one comparison per sample);
     ``keep``, when given, receives the expected outputs of each sample (for ``--save-outputs``);
-    ``drift``, when given, judges the outputs by their drift (approximate rewrites)."""
+    ``drift``, when given, judges the outputs by their drift (approximate rewrites);
+    ``undefined``: the original's undefined elements, not compared."""
     shared = [n for n in names if n in rewritten.output_types]
     per_output: dict[str, list[tuple[str, ValueComparison]]] = {n: [] for n in shared}
     for done, sample in enumerate(samples, 1):
@@ -971,7 +1000,8 @@ def _run_samples(
         for name in shared:
             tol = tolerances.for_value(name, reference[name].dtype)
             judge = None if drift is None else drift.for_value(name)
-            comparison = compare_values(name, sample.name, reference[name], actual[name], tol, judge)
+            unset = None if undefined is None else undefined(name, sample.name, reference[name].shape)
+            comparison = compare_values(name, sample.name, reference[name], actual[name], tol, judge, undefined=unset)
             per_output[name].append((sample.name, comparison))
         if progress is not None:
             progress("verifying samples", done, len(samples))

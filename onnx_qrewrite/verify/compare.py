@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,6 +41,8 @@ __all__ = [
     "TOLERANCE_RULES",
     "Tolerance",
     "Tolerances",
+    "Undefined",
+    "UndefinedLookup",
     "ValueComparison",
     "Worst",
     "compare_values",
@@ -171,6 +173,19 @@ def parse_tolerance_option(values: Sequence[str], option: str, kind: type) -> tu
     return default, per_name
 
 
+class Undefined(NamedTuple):
+    """Elements of the original's value that its kernel leaves undefined (it never writes them:
+    they hold whatever the memory held), so they are not compared, and why (:mod:`.undefined`)."""
+
+    mask: np.ndarray  # True where undefined, broadcastable to the value's shape
+    why: str
+
+
+#: Which elements of a value are undefined on a sample: (value name, sample name, shape) -> the
+#: Undefined elements, or None where every element is defined (:mod:`.undefined`).
+UndefinedLookup = Callable[[str, str, tuple[int, ...]], Undefined | None]
+
+
 @dataclasses.dataclass(frozen=True)
 class Worst:
     """The element with the largest absolute error."""
@@ -219,6 +234,10 @@ class ValueComparison:
     #: a bounded replacement reads, against the re-anchored original (:mod:`.reanchor`). Only
     #: outputs are counted as outputs in the summary.
     role: str = "output"
+    #: Elements not compared because the original's kernel leaves them undefined (not counted in
+    #: ``elements``), and why (:class:`Undefined`).
+    undefined: int = 0
+    undefined_why: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -302,9 +321,11 @@ def compare_values(
     tol: Tolerance,
     drift: DriftThreshold | None = None,
     element_bound: np.ndarray | None = None,
+    undefined: Undefined | None = None,
 ) -> ValueComparison:
     """Compare one value of one sample; with ``drift``, judge it by its drift (:mod:`.drift`);
-    with ``element_bound`` (broadcast to the value's shape), each element within its own bound."""
+    with ``element_bound`` (broadcast to the value's shape), each element within its own bound;
+    ``undefined``: elements the original's kernel leaves undefined, not compared (counted apart)."""
     original, rewritten = np.asarray(original), np.asarray(rewritten)
     floating = not is_integer_dtype(original.dtype)
     base: dict[str, Any] = {  # the fields every outcome shares
@@ -328,6 +349,10 @@ def compare_values(
         )
     if element_bound is not None:
         element_bound = np.broadcast_to(np.asarray(element_bound, np.float64), original.shape)
+    skipped, why = 0, None
+    if undefined is not None:
+        original, rewritten, skipped = _defined_only(original, rewritten, undefined.mask)
+        why = undefined.why if skipped else None
     exact, within, abs_error, magnitude = _errors(original, rewritten, tol, element_bound)
     with np.errstate(divide="ignore", invalid="ignore"):
         rel_error = np.where(abs_error == 0, 0.0, np.where(np.isinf(abs_error), np.inf, abs_error / magnitude))
@@ -343,9 +368,9 @@ def compare_values(
     failed = not measured.passed if measured is not None else bool(mismatches)
     return ValueComparison(
         **base,
-        elements=int(original.size),
+        elements=int(original.size) - skipped,
         mismatches=mismatches,
-        exact_matches=int(np.count_nonzero(exact)),
+        exact_matches=int(np.count_nonzero(exact)) - skipped,
         max_abs_error=max_abs_error,
         max_rel_error=float(rel_error.max()) if original.size else 0.0,
         worst=_worst(sample, original, rewritten, abs_error, rel_error),
@@ -355,7 +380,21 @@ def compare_values(
         inf_original=inf_original,
         inf_rewritten=inf_rewritten,
         drift=measured,
+        undefined=skipped,
+        undefined_why=why,
     )
+
+
+def _defined_only(original: np.ndarray, rewritten: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Both values with their undefined elements (``mask``) set to 0 on both sides, so they match
+    exactly and count nowhere but in the number returned (subtracted from the elements and exact
+    matches): the worst element's index stays that of the value."""
+    undefined = np.broadcast_to(np.asarray(mask, bool), original.shape)
+    count = int(np.count_nonzero(undefined))
+    if not count:
+        return original, rewritten, 0
+    zero = np.zeros((), original.dtype)
+    return np.where(undefined, zero, original), np.where(undefined, zero, rewritten), count
 
 
 def _non_finite(values: np.ndarray) -> tuple[int, int]:
@@ -404,4 +443,6 @@ def merge_comparisons(parts: Sequence[ValueComparison]) -> ValueComparison:
         failed_samples=tuple(s for p in parts for s in p.failed_samples),
         drift=merge_drifts(drifts) if drifts else None,
         against_original=merge_comparisons(plain) if plain else None,
+        undefined=sum(p.undefined for p in parts),
+        undefined_why=next((p.undefined_why for p in parts if p.undefined_why), None),
     )

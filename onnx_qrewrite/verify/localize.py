@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from onnx_qrewrite.errors import InvalidModelError, first_line
 from onnx_qrewrite.rewriter import provenance
-from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values
+from onnx_qrewrite.verify.compare import Tolerances, UndefinedLookup, ValueComparison, compare_values
 from onnx_qrewrite.verify.drift import DriftThreshold, DriftThresholds
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.session import ModelRunner
@@ -102,6 +102,7 @@ def localize(
     *,
     runtime: str = "onnxruntime",
     runtime_drift: DriftThresholds | None = None,
+    undefined: UndefinedLookup | None = None,
 ) -> Localization:
     """Run both models with their shared intermediate values exposed and name the first differing
     node. ``make_runner(model, side)`` opens a session for ``side`` ("original" / "rewritten")
@@ -115,7 +116,8 @@ def localize(
     ``runtime_drift``, so the value named is where that runtime's numbers go wrong (a departure of
     a step or two is not localised there: verify in onnxruntime localises those). A runtime that
     cannot run the model with the extra outputs, or whose outputs agree once they are added (its
-    compiler fuses differently), gives a Localization that says so and names no node."""
+    compiler fuses differently), gives a Localization that says so and names no node.
+    ``undefined``: the original's undefined elements (:mod:`.undefined`), not compared."""
     candidates = _shared_values(original, rewritten)
     names = list(dict.fromkeys(out for _, out, _ in candidates))
     if not names:
@@ -133,8 +135,10 @@ def localize(
             continue
         original_value = expected[out]
         tolerance = tolerances.for_value(out, original_value.dtype)
+        unset = None if undefined is None else undefined(out, sample.name, original_value.shape)
+        drift_here = _drift_for(out, rewritten, drift, runtime_drift)
         comparison = compare_values(
-            out, sample.name, original_value, actual[out], tolerance, _drift_for(out, rewritten, drift, runtime_drift)
+            out, sample.name, original_value, actual[out], tolerance, drift_here, undefined=unset
         )
         if comparison.problem is not None and runtime != "onnxruntime" and out not in _outputs(rewritten):
             walk.skipped.append(out)  # another runtime's choice of type for an intermediate, not a value

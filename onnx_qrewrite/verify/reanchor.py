@@ -40,7 +40,13 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from onnx_qrewrite.verify.compare import Tolerances, ValueComparison, compare_values, merge_comparisons
+from onnx_qrewrite.verify.compare import (
+    Tolerances,
+    UndefinedLookup,
+    ValueComparison,
+    compare_values,
+    merge_comparisons,
+)
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
 from onnx_qrewrite.verify.session import ModelRunner
@@ -140,11 +146,17 @@ def run_anchored(
     tolerances: Tolerances,
     make_runner: Callable[[onnx.ModelProto, str], ModelRunner],
     boundary: Mapping[str, str] | None = None,
+    undefined: UndefinedLookup | None = None,
 ) -> Anchored:
     """Run the rewritten model with ``anchors`` exposed, the original cut there and fed with them,
     and compare the outputs ``names`` element-wise at ``tolerances`` (the values the rewritten
     model returns with the anchors exposed are the ones compared, so that both come from one run),
-    and likewise the ``boundary`` values (name -> row label; :func:`boundary_values`)."""
+    and likewise the ``boundary`` values (name -> row label; :func:`boundary_values`), the
+    original's ``undefined`` elements (:mod:`.undefined`) set aside."""
+
+    def unset(name: str, sample: Sample, value: np.ndarray) -> Any:
+        return None if undefined is None else undefined(name, sample.name, value.shape)
+
     boundary = dict(boundary or {})
     rewritten_runner = make_runner(with_outputs(rewritten, [*anchors, *boundary]), "rewritten")
     shared = [n for n in names if n in rewritten_runner.output_types]
@@ -162,11 +174,13 @@ def run_anchored(
         expected = cut_runner.run(result.sample(sample).feeds, list(dict.fromkeys([*shared, *boundary])))
         for name in shared:
             tol = tolerances.for_value(name, expected[name].dtype)
-            comparison = compare_values(name, sample.name, expected[name], actual[name], tol)
+            unset_here = unset(name, sample, expected[name])
+            comparison = compare_values(name, sample.name, expected[name], actual[name], tol, undefined=unset_here)
             result.per_output[name].append((sample.name, comparison))
         for name, label in boundary.items():
             tol = tolerances.for_value(name, expected[name].dtype)
-            comparison = compare_values(label, sample.name, expected[name], actual[name], tol)
+            unset_here = unset(name, sample, expected[name])
+            comparison = compare_values(label, sample.name, expected[name], actual[name], tol, undefined=unset_here)
             comparison = dataclasses.replace(comparison, reference="re-anchored", role="value-read")
             result.boundary.setdefault(label, []).append((sample.name, comparison))
     assert result is not None, "verify always has at least one sample"

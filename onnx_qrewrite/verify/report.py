@@ -124,6 +124,8 @@ class VerifyReport:
         if sum(o.elements for o in self.outputs) == 0:
             if self.excluded and all(any(h.sample == s.name for h in self.excluded) for s in self.samples):
                 return f"every sample was excluded: {self.excluded[0].describe()}"
+            if any(o.undefined for o in self.outputs):
+                return "every element is one the original's kernel leaves undefined"
             return "every output has zero elements on every sample"
         return None
 
@@ -160,6 +162,9 @@ class VerifyReport:
         if self.excluded:
             n_ex = len({h.sample for h in self.excluded})
             excluded = f"; {n_ex} sample{'s' * (n_ex != 1)} excluded (NaN into a non-deterministic kernel)"
+        undefined = sum(o.undefined for o in self.outputs)
+        if undefined:
+            excluded += f"; {_plural(undefined, ('element', 'elements'))} the original leaves undefined not compared"
         reason = self.inconclusive_reason
         if reason is not None:
             return f"INCONCLUSIVE | nothing was compared: {reason}"
@@ -423,6 +428,8 @@ def _output_rows(o: ValueComparison, anchors: Sequence[str]) -> list[tuple[str, 
         notes.append(
             f"NaN {o.nan_original} / {o.nan_rewritten}, inf {o.inf_original} / {o.inf_rewritten} (original / rewritten)"
         )
+    if o.undefined:
+        notes.append(_undefined_text(o))
     if o.drift is not None:
         notes.append(f"drift: {o.drift.describe()}")
     if o.against_original is not None:
@@ -538,6 +545,7 @@ def _comparison_dict(o: ValueComparison) -> dict[str, Any]:
         "reference": o.reference,
         "role": o.role,
         "against_original": None if o.against_original is None else _comparison_dict(o.against_original),
+        "undefined": {"elements": o.undefined, "why": o.undefined_why},
     }
 
 
@@ -618,6 +626,11 @@ def _against_original_text(plain: ValueComparison) -> str:
     )
 
 
+def _undefined_text(o: ValueComparison) -> str:
+    """The elements set aside as undefined in the original (verify/undefined.py), and why."""
+    return f"{o.undefined} of {o.elements + o.undefined} elements not compared: {o.undefined_why}"
+
+
 def _stats_lines(o: ValueComparison) -> list[str]:
     return [
         f"output {o.name}: {o.dtype} {_fmt_shape(o.shape)}, tolerance {o.tolerance_text}",
@@ -627,6 +640,7 @@ def _stats_lines(o: ValueComparison) -> list[str]:
         f"exact matches: {o.exact_matches}/{o.elements} ({100 * o.exact_match_rate:.2f}%)",
         f"NaN original/rewritten: {o.nan_original}/{o.nan_rewritten}; inf: {o.inf_original}/{o.inf_rewritten}",
         f"failing samples: {', '.join(dict.fromkeys(o.failed_samples)) or '-'}",
+        *([_undefined_text(o)] if o.undefined else []),
         *([f"drift: {o.drift.describe()}"] if o.drift is not None else []),
         *([_against_original_text(o.against_original)] if o.against_original is not None else []),
     ]

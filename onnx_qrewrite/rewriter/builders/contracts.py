@@ -532,8 +532,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "size 128; with softcap, smooth_softmax and local_window_size 0.082), float16 outputs within that "
             "plus one float16 ulp (the kernel computes in float32 and rounds once); output_qk within "
             "2^-20·(1 + max|score|) at each entry's keys < seqlens_k[b] + 1 (worst measured 0.40 of it before the "
-            "softmax, 0.057 after; float16: plus one float16 ulp; beyond them, with seqlens_k uneven across the "
-            "batch, the kernel leaves output_qk unwritten: undefined); present_key / present_value bit-exact (copies)",
+            "softmax, 0.057 after; float16: plus one float16 ulp; beyond them the kernel leaves output_qk "
+            "unwritten: undefined, not compared by verify); present_key / present_value bit-exact (copies)",
             output_types=lambda options, op: ("input 0",) * 4,  # output, present K and V, output_qk
             outputs=3,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["group-query-attention"]),

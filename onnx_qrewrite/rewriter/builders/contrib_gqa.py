@@ -41,11 +41,11 @@ bit), and so does the rewrite.
 kernel copies it before the softmax (scale·Q·Kᵀ, softcapped, plus attention_bias, 0 at the keys not
 attended) or after it (the probabilities); where the past buffer is longer than
 total_sequence_length the kernel's output_qk changes from run to run (measured), undefined there.
-An entry's row is written only over its own keys (< seqlens_k[b] + 1): where seqlens_k differs
-across the batch the kernel leaves the keys at or beyond seqlens_k[b] + 1 unwritten (they hold
-whatever memory held before: -5.2e32 measured), undefined there; the rewrite writes 0 there.
-``verify`` compares every key, so output_qk with uneven lengths is not comparable (the rewrite's
-note says so).
+An entry's row is written only over its own keys (< seqlens_k[b] + 1): where seqlens_k[b] + 1 is
+less than total_sequence_length (lengths uneven across the batch, a padded first prompt) the kernel
+leaves the keys at or beyond it unwritten (they hold whatever memory held before: -5.2e32
+measured), undefined there; the rewrite writes 0 there, and ``verify`` does not compare them
+(``verify/undefined.py``; the rewrite's note says so).
 
 Not lowered (the node stays, with the reason): ``qk_output`` other than 0-2 or without output_qk (the
 kernel refuses both), output_qk with ``qk_output`` 0 (refused too), ``local_window_size`` 0 (no key
@@ -173,11 +173,10 @@ class GroupQueryAttentionBuilder:
                 emit.op1("Cast", [value], name, to=_T.FLOAT16)
 
 
-#: output_qk's keys past an entry's length: the kernel leaves them unwritten; verify compares every key
+#: output_qk's keys past an entry's length: the kernel leaves them unwritten, verify sets them aside
 _QK_NOTE = (
     "output_qk's keys at or beyond seqlens_k[b] + 1 are undefined: onnxruntime 1.31.1 leaves them unwritten "
-    "when seqlens_k differs across the batch (the rewrite writes 0); verify compares every key, so output_qk "
-    "with uneven lengths is not comparable"
+    "where seqlens_k[b] + 1 < total_sequence_length (the rewrite writes 0); verify does not compare them"
 )
 
 

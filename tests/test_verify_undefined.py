@@ -1,0 +1,230 @@
+"""verify sets aside the elements of the original's values its kernel leaves undefined
+(onnx_qrewrite/verify/undefined.py): GroupQueryAttention's output_qk at the keys at or beyond
+seqlens_k[b] + 1, which onnxruntime's kernel never writes (measured here: they change with what
+the memory held before), and says how many and why.
+
+A rewrite may hold anything there: the rewritten models below write 12345 at exactly those keys
+(the kernel's stale memory, made deterministic on the rewritten side), which verify must pass, and
+one wrong value at a key the kernel writes, which it must still catch, at the outputs, against the
+re-anchored original and in the localiser.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+from conftest import run
+from onnx import TensorProto, helper, numpy_helper
+from test_unfuse_gqa import CASES, gqa_bound, gqa_feeds, gqa_model
+from test_unfuse_gqa_qk import throwaway, with_qk, written
+
+import onnx_qrewrite
+from onnx_qrewrite.verify import SCHEMA_PATH, Sample, Tolerances
+from onnx_qrewrite.verify import verify as verify_models
+
+#: uneven lengths: entries 1 and 2 leave keys unwritten (3 entries, 4 heads, 1 query, 10 keys)
+SHAPE = CASES["token step, per-entry lengths"]
+BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD, LENGTHS, TOTAL = SHAPE
+QK_SHAPE = (BATCH, HEADS, SEQ, TOTAL)
+UNWRITTEN = ~written(np.zeros(QK_SHAPE), LENGTHS)  # keys >= seqlens_k[b] + 1
+
+
+def samples(count=2):
+    return [Sample(f"s{i}", gqa_feeds(BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD, LENGTHS, TOTAL)) for i in range(count)]
+
+
+def verify(model, rewritten, inputs):
+    """verify with output y held to the rule's stated bound (the rule records none in the model,
+    so verify would hold it to the default float32 tolerance, which its few-ulp rounding exceeds)."""
+    bound = max(gqa_bound(s.feeds, HEADS, KV_HEADS, HEAD, HEAD**-0.5) for s in inputs if "q" in s.feeds)
+    return verify_models(model, rewritten, inputs=inputs, tolerances=Tolerances(output_atol={"y": bound}))
+
+
+def qk_model(mode=1):
+    return with_qk(gqa_model(BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD), mode)
+
+
+def with_computed_lengths(model):
+    """seqlens_k and total_sequence_length computed from an attention mask (B, total), as
+    onnxruntime-genai's decoders compute them: ReduceSum - 1, Cast; Shape[1], Cast."""
+    graph = model.graph
+    kept = [i for i in graph.input if i.name not in ("sl", "tl")]
+    del graph.input[:]
+    graph.input.extend([*kept, helper.make_tensor_value_info("mask", TensorProto.INT64, [BATCH, TOTAL])])
+    graph.initializer.extend(
+        [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("one", 1), ("axis1", [1]), ("at1", 1))]
+    )
+    nodes = [
+        helper.make_node("ReduceSum", ["mask", "axis1"], ["count"], keepdims=0),
+        helper.make_node("Sub", ["count", "one"], ["sl64"]),
+        helper.make_node("Cast", ["sl64"], ["sl"], to=TensorProto.INT32),
+        helper.make_node("Shape", ["mask"], ["mask_shape"]),
+        helper.make_node("Gather", ["mask_shape", "at1"], ["tl64"], axis=0),
+        helper.make_node("Cast", ["tl64"], ["tl"], to=TensorProto.INT32),
+    ]
+    for node in reversed(nodes):
+        graph.node.insert(0, node)
+    return model
+
+
+def masked(sample):
+    feeds = {k: v for k, v in sample.feeds.items() if k not in ("sl", "tl")}
+    feeds["mask"] = (np.arange(TOTAL) < np.array(LENGTHS)[:, None]).astype(np.int64)
+    return Sample(sample.name, feeds)
+
+
+def changed(rewritten, name, delta, tag):
+    """``rewritten`` with ``delta`` (a constant of the value's shape) added to the value ``name``
+    after the replacement computes it: its producer writes ``name_tag``, a new Add ``tag`` ``name``."""
+    model = onnx.ModelProto()
+    model.CopyFrom(rewritten)
+    producer = next(n for n in model.graph.node if name in n.output)
+    producer.output[list(producer.output).index(name)] = f"{name}_{tag}"
+    model.graph.initializer.append(numpy_helper.from_array(delta.astype(np.float32), f"{name}_{tag}_delta"))
+    model.graph.node.append(helper.make_node("Add", [f"{name}_{tag}", f"{name}_{tag}_delta"], [name], name=tag))
+    return model
+
+
+def garbage_where_undefined(rewritten):
+    """A correct rewrite too: the keys the kernel leaves unwritten may hold anything."""
+    return changed(rewritten, "qk", np.where(UNWRITTEN, 12345.0, 0.0), "garbage")
+
+
+def wrong_at_a_written_key(rewritten):
+    """Broken: entry 1's first key (written by the kernel) off by 0.01."""
+    delta = np.zeros(QK_SHAPE)
+    delta[1, 0, 0, 0] = 0.01
+    return changed(rewritten, "qk", delta, "wrong_qk")
+
+
+def qk_row(report):
+    return next(o for o in report.outputs if o.name == "qk")
+
+
+def test_the_kernel_leaves_exactly_those_keys_unwritten():
+    """The premise, measured: after runs that leave different data in memory, output_qk changes
+    only at keys >= seqlens_k[b] + 1 (and does change there), for both modes."""
+    for mode in (1, 2):
+        model, feeds = qk_model(mode), samples(1)[0].feeds
+        seen = []
+        for fill in (-1000.0, 3.0, 77.0):
+            run(model, {k: np.full_like(v, fill) if v.dtype.kind == "f" else v for k, v in feeds.items()})
+            seen.append(run(model, feeds)["qk"])
+        moved = np.zeros(QK_SHAPE, bool)
+        for other in seen[1:]:
+            moved |= other.view(np.uint32) != seen[0].view(np.uint32)
+        assert not (moved & ~UNWRITTEN).any()
+        assert moved.any(), "no stale data showed: the test cannot tell written from unwritten keys"
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_uneven_lengths_pass_with_the_undefined_keys_not_compared(mode):
+    model = qk_model(mode)
+    rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
+    given = samples()
+    report = verify(model, rewritten, inputs=given)
+    assert report.passed, report.to_table()
+    row = qk_row(report)
+    assert row.undefined == UNWRITTEN.sum() * len(given)
+    assert row.elements == (~UNWRITTEN).sum() * len(given)
+    assert "seqlens_k[b] + 1" in row.undefined_why and "unwritten" in row.undefined_why
+    assert f"{row.undefined} of {row.undefined + row.elements} elements not compared" in report.to_table()
+    assert f"{row.undefined} elements the original leaves undefined not compared" in report.summary
+    body = report.to_dict()
+    jsonschema.validate(body, json.loads(SCHEMA_PATH.read_text()))
+    qk_json = next(o for o in body["outputs"] if o["name"] == "qk")
+    assert qk_json["undefined"] == {"elements": row.undefined, "why": row.undefined_why}
+    assert all(o.undefined == 0 for o in report.outputs if o.name != "qk")
+
+
+def test_the_rewrite_as_made_passes_after_stale_memory():
+    """The rewrite itself (0 at the unwritten keys) against the kernel after a run that leaves
+    stale data: the undefined keys are the only ones set aside."""
+    model = qk_model()
+    rewritten = onnx_qrewrite.rewrite(model).model
+    given = samples()
+    throwaway(model, given[0].feeds)
+    report = verify(model, rewritten, inputs=given)
+    assert report.passed, report.to_table()
+    assert qk_row(report).undefined == UNWRITTEN.sum() * len(given)
+
+
+def test_a_wrong_value_at_a_written_key_is_still_caught():
+    model = qk_model()
+    rewritten = wrong_at_a_written_key(garbage_where_undefined(onnx_qrewrite.rewrite(model).model))
+    report = verify(model, rewritten, inputs=samples())
+    assert not report.passed
+    row = qk_row(report)
+    assert row.mismatches == 2 and row.worst is not None and row.worst.index == (1, 0, 0, 0)
+    assert report.localization is not None and report.localization.node == "wrong_qk"
+
+
+def test_seqlens_k_computed_in_the_graph():
+    """seqlens_k computed from an attention mask: verify reads the original's value of it."""
+    model = with_computed_lengths(qk_model())
+    rewritten = onnx_qrewrite.rewrite(model).model
+    given = [masked(s) for s in samples()]
+    assert verify(model, garbage_where_undefined(rewritten), inputs=given).passed
+    report = verify(model, wrong_at_a_written_key(garbage_where_undefined(rewritten)), inputs=given)
+    assert not report.passed and qk_row(report).mismatches == 2
+
+
+def test_through_identity_and_cast():
+    """A value read from output_qk element for element is set aside at the same keys."""
+    model = qk_model()
+    model.graph.node.append(helper.make_node("Cast", ["qk"], ["qk16"], to=TensorProto.FLOAT16))
+    model.graph.output.append(helper.make_tensor_value_info("qk16", TensorProto.FLOAT16, list(QK_SHAPE)))
+    rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
+    report = verify(model, rewritten, inputs=samples())
+    assert report.passed, report.to_table()
+    assert next(o for o in report.outputs if o.name == "qk16").undefined == UNWRITTEN.sum() * 2
+
+
+def test_the_localiser_walks_past_the_undefined_keys():
+    """A wrong output y after output_qk's garbage: the localiser names y's node, not output_qk's."""
+    model = qk_model()
+    rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
+    delta = np.zeros((BATCH, SEQ, HEADS * HEAD))
+    delta[0, 0, 0] = 0.01
+    report = verify(model, changed(rewritten, "y", delta, "wrong_y"), inputs=samples())
+    assert not report.passed and qk_row(report).passed
+    assert report.localization is not None and report.localization.node == "wrong_y", report.to_table()
+
+
+def _with_bounded_branch(model):
+    """A QLinearAdd beside the attention (qop-add, a bounded rule with a recorded bound): verify
+    then judges the outputs against the re-anchored original."""
+    graph = model.graph
+    graph.input.append(helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 3]))
+    graph.output.append(helper.make_tensor_value_info("c", TensorProto.UINT8, [2, 3]))
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(0.05, np.float32), "a_s"),
+            numpy_helper.from_array(np.array(128, np.uint8), "a_z"),
+            numpy_helper.from_array(np.array(0.07, np.float32), "c_s"),
+            numpy_helper.from_array(np.array(120, np.uint8), "c_z"),
+        ]
+    )
+    graph.node.append(
+        helper.make_node(
+            "QLinearAdd", ["a", "a_s", "a_z", "a", "a_s", "a_z", "c_s", "c_z"], ["c"], domain="com.microsoft"
+        )
+    )
+    return model
+
+
+def test_against_the_re_anchored_original():
+    model = _with_bounded_branch(qk_model())
+    rewritten = onnx_qrewrite.rewrite(model).model
+    rng = np.random.default_rng(3)
+    given = [Sample(s.name, {**s.feeds, "a": rng.integers(0, 256, (2, 3), dtype=np.uint8)}) for s in samples()]
+    report = verify(model, garbage_where_undefined(rewritten), inputs=given)
+    assert report.passed, report.to_table()
+    row = qk_row(report)
+    assert row.reference == "re-anchored" and row.undefined == UNWRITTEN.sum() * 2
+    broken = verify(model, wrong_at_a_written_key(garbage_where_undefined(rewritten)), inputs=given)
+    assert not broken.passed and qk_row(broken).reference == "re-anchored" and not qk_row(broken).passed
