@@ -99,7 +99,7 @@ def cut_at(original: onnx.ModelProto, anchors: Mapping[str, np.dtype]) -> onnx.M
 @dataclasses.dataclass
 class Anchored:
     """Per sample: the rewritten model's values at the anchors and its comparisons with the cut
-    original (output name -> one comparison per sample, as ``verify``'s ``_run_samples``)."""
+    original (output name -> one comparison per sample, as :func:`.judge.run_samples`)."""
 
     anchors: tuple[str, ...]
     cut: onnx.ModelProto
