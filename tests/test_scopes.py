@@ -175,3 +175,34 @@ def test_onnx_ir_model_in_onnx_ir_model_out():
     assert isinstance(result.model, ir.Model)
     assert not any(n.op_type == "DynamicQuantizeLinear" for n in result.model.graph.all_nodes())
     assert sum(1 for n in model.graph.all_nodes() if n.op_type == "DynamicQuantizeLinear") == 5
+
+
+def test_one_reader_index_gives_each_view_of_who_reads_a_value():
+    """Scope.reads is a scope's one reader index: ``readers`` lists each reading node once (a read
+    inside its subgraphs counts), ``input_readers`` one node per input slot (a runtime's graph links
+    a value so; subgraph reads do not count). After an edit, ``invalidate`` makes it read again."""
+    model = onnx.parser.parse_model(
+        """
+        <ir_version: 8, opset_import: ["" : 17]>
+        agraph (float[N] x, bool c) => (float[N] y, float[N] z)
+        {
+            sq = Mul (x, x)
+            y = If (c) <
+                then_branch = t_g () => (float[N] t_y) { t_y = Add (sq, x) },
+                else_branch = e_g () => (float[N] e_y) { e_y = Identity (sq) }
+            >
+            z = Relu (sq)
+        }
+        """
+    )
+    (main,) = [s for s in iter_scopes(model) if s.path == "main"]
+    assert main.reads()["x"] == [(0, 0), (0, 1), (1, -1)]
+    assert [n.op_type for n in main.readers("x")] == ["Mul", "If"]
+    assert [n.op_type for n in main.input_readers("x")] == ["Mul", "Mul"]
+    assert [n.op_type for n in main.readers("sq")] == ["If", "Relu"]
+    assert [n.op_type for n in main.input_readers("sq")] == ["Relu"]
+    assert main.readers("") == main.readers("y") == main.input_readers("") == []
+    main.container.node[2].input[0] = "x"
+    main.invalidate()
+    assert [n.op_type for n in main.readers("sq")] == ["If"]
+    assert [n.op_type for n in main.input_readers("x")] == ["Mul", "Mul", "Relu"]

@@ -420,21 +420,48 @@ class Scope:
         None dims unknown). A name mapped to None is declared here with no shape."""
         return self._own().shapes
 
-    def readers(self) -> dict[str, list[onnx.NodeProto]]:
-        """The nodes of this scope reading each value (a node whose subgraphs read it counts), in
-        node order; forgotten by :meth:`invalidate` like the other indexes."""
+    def reads(self) -> dict[str, list[tuple[int, int]]]:
+        """Every read of each value by this scope's nodes, in node order: (node index, input slot),
+        the slot -1 for a read inside the node's subgraphs (once per node, at any depth).
 
-        def index() -> dict[str, list[onnx.NodeProto]]:
+        The one reader index of a scope: :meth:`readers`, :meth:`input_readers` and the target plan
+        (targets/plan.py) read theirs from it. It describes the node list as it was when first asked:
+        whatever edits the node list must call :meth:`invalidate` (as for the other indexes), which
+        forgets it; an added initializer (:meth:`add_initializer`) reads nothing and keeps it."""
+
+        def index() -> dict[str, list[tuple[int, int]]]:
             from onnx_qrewrite.io.toposort import outer_reads  # toposort imports this module
 
-            found: dict[str, list[onnx.NodeProto]] = {}
-            for node in self.container.node:
-                for name in set(node.input) | outer_reads(node):
+            found: dict[str, list[tuple[int, int]]] = {}
+            for at, node in enumerate(self.container.node):
+                for slot, name in enumerate(node.input):
                     if name:
-                        found.setdefault(name, []).append(node)
+                        found.setdefault(name, []).append((at, slot))
+                for name in outer_reads(node):
+                    if name:
+                        found.setdefault(name, []).append((at, -1))
             return found
 
-        return self.memo(("readers",), index)
+        return self.memo(("reads",), index)
+
+    def readers(self, name: str) -> list[onnx.NodeProto]:
+        """The nodes of this scope reading ``name``, each once, in node order (a node whose
+        subgraphs read it counts): who observes the value, for a rewrite that changes it."""
+        nodes = self.container.node
+        found: list[onnx.NodeProto] = []
+        last = -1
+        for at, _slot in self.reads().get(name, ()):
+            if at != last:  # a node's reads are adjacent in the index
+                found.append(nodes[at])
+                last = at
+        return found
+
+    def input_readers(self, name: str) -> list[onnx.NodeProto]:
+        """One node per input slot reading ``name`` (a node reading it twice is listed twice), in
+        node order; reads inside subgraphs do not count. What a runtime's graph links the value
+        to directly, as its fusions count them (targets/check.py)."""
+        nodes = self.container.node
+        return [nodes[at] for at, slot in self.reads().get(name, ()) if slot >= 0]
 
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers

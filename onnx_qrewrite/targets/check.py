@@ -247,18 +247,6 @@ def _rank(scope: Scope, name: str) -> int | None:
     return 2 if producer is not None and producer.domain in _STANDARD and producer.op_type == "Flatten" else None
 
 
-def _consumers(scope: Scope) -> dict[str, list[onnx.NodeProto]]:
-    def index() -> dict[str, list[onnx.NodeProto]]:
-        found: dict[str, list[onnx.NodeProto]] = {}
-        for n in scope.container.node:
-            for name in n.input:
-                if name:
-                    found.setdefault(name, []).append(n)
-        return found
-
-    return scope.memo("targets.check.consumers", index)
-
-
 def _in_chain(node: onnx.NodeProto, scope: Scope, chain: tuple[str, ...]) -> bool:
     """Whether ``node`` is a link of ``chain``: standard ops, each one's first output feeding the
     next (how a runtime's own fusion finds a pattern, e.g. QNN's Div -> Erf -> Add -> Mul GELU).
@@ -276,7 +264,7 @@ def _in_chain(node: onnx.NodeProto, scope: Scope, chain: tuple[str, ...]) -> boo
     def ahead(n: onnx.NodeProto, i: int) -> bool:  # n is chain[i]; chain[i + 1:] follow it
         if i == len(chain) - 1:
             return True
-        nxt = _consumers(scope).get(n.output[0], []) if n.output else []
+        nxt = scope.input_readers(n.output[0]) if n.output else []
         return any(standard(c, chain[i + 1]) and ahead(c, i + 1) for c in nxt)
 
     return any(op == node.op_type and back(node, i) and ahead(node, i) for i, op in enumerate(chain))
@@ -287,7 +275,6 @@ def _unfused(node: onnx.NodeProto, scope: Scope, readers: frozenset[str]) -> str
     DQConvIntegerFusion and DqlDqFusion take a DynamicQuantizeLinear only with the group they
     fuse it into): each output read by exactly one node and not a graph output, the first output by
     one of ``readers``. None when it can be."""
-    consumers = _consumers(scope)
     container = scope.container
     outputs = set(container.output) if isinstance(container, onnx.FunctionProto) else {o.name for o in container.output}
     for index, name in enumerate(node.output):
@@ -295,7 +282,7 @@ def _unfused(node: onnx.NodeProto, scope: Scope, readers: frozenset[str]) -> str
             return f" whose output {index} is not produced"
         if name in outputs:
             return f" whose output {name!r} is a graph output"
-        read = consumers.get(name, [])
+        read = scope.input_readers(name)
         if not read:
             return f" whose output {name!r} no node reads"
         if len(read) > 1:
@@ -539,7 +526,7 @@ def _folded_quantize(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> st
 def _read_by(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """The node's first output is read by one of the standard ops named (and, when types are
     named, a Q/DQ node quantizes to one of them)."""
-    readers = _consumers(scope).get(node.output[0], []) if node.output and node.output[0] else []
+    readers = scope.input_readers(node.output[0]) if node.output else []
     reader = next((c for c in readers if c.domain in _STANDARD and c.op_type in refusal.ops), None)
     if reader is None:
         return None

@@ -740,8 +740,11 @@ def _try_removals(
 
 
 class _Readers:
-    """Who reads each value of a stage's model (per scope; the scope's outputs and subgraphs as
-    readers no rule rewrites), and which of its rules a removal's readers would need."""
+    """Who reads each value of a stage's model (per scope, from its index :meth:`Scope.reads`; the
+    scope's outputs and nodes holding subgraphs as readers no rule rewrites), and which of its rules
+    a removal's readers would need. Reads inside a subgraph are not counted: a trial that would
+    remove a node read there only costs a settle, as the engine keeps that node
+    (``Plan.remove_if_dead``)."""
 
     def __init__(self, runs: _StageRuns) -> None:
         self.runs = runs
@@ -751,15 +754,19 @@ class _Readers:
         self.of: dict[tuple[str, str], list[int]] = {}
         for scope in iter_scopes(runs.model):
             container = scope.container
-            self.nodes[scope.path] = container.node
+            nodes = self.nodes[scope.path] = container.node
             outputs = [o.name for o in container.output] if isinstance(container, onnx.GraphProto) else container.output
             for name in outputs:
                 self.of.setdefault((scope.path, name), []).append(-1)
-            for index, node in enumerate(container.node):
-                opaque = any(a.type in _SUBGRAPHS for a in node.attribute)
-                for name in node.input:
-                    if name:
-                        self.of.setdefault((scope.path, name), []).append(-1 if opaque else index)
+            opaque: dict[int, bool] = {}
+            for name, reads in scope.reads().items():
+                at = self.of.setdefault((scope.path, name), [])
+                for index, slot in reads:
+                    if slot < 0:
+                        continue
+                    if index not in opaque:
+                        opaque[index] = any(a.type in _SUBGRAPHS for a in nodes[index].attribute)
+                    at.append(-1 if opaque[index] else index)
 
     def rules(
         self, node: _Node, removals: list[str], choice: dict[tuple[str, int], tuple[str, ...]]

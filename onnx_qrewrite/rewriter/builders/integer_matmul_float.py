@@ -62,7 +62,7 @@ def _fold(site: Site, producer: onnx.NodeProto) -> Plan:
     if producer.op_type not in _PRODUCERS or producer.domain not in ("", "ai.onnx"):
         raise NotApplicable(f"{producer.op_type} is not an integer matmul or convolution")
     y = producer.output[0] if len(producer.output) == 1 else ""
-    readers = site.scope.readers().get(y, []) if y else []
+    readers = site.scope.readers(y)
     if len(readers) != 1 or not _is_cast_to_float(readers[0]) or y in _graph_outputs(site.scope):
         raise NotApplicable(f"its int32 output {y!r} is observed by more than one Cast to float")
     own = Site(producer, site.scope, site.same_shape_ops)

@@ -107,7 +107,7 @@ def _candidates(scope: Scope, name: str) -> list[tuple[str, str]]:
                     out.append((producer.input[s], producer.input[z] if z < len(producer.input) else ""))
             elif _is_move(producer) and producer.input[0]:
                 todo.append(producer.input[0])
-        for reader in scope.readers().get(value, []):
+        for reader in scope.readers(value):
             op, domain = reader.op_type, reader.domain
             if domain not in (*_STANDARD, "com.microsoft"):
                 continue
@@ -183,7 +183,7 @@ class QdqWrapBuilder:
         dtype = _dtype(site, site.input(0))
         if dtype not in _QUANTIZED:
             raise NotApplicable(f"{node.op_type} on {dtype or 'a tensor of unknown type'}, not uint8/int8")
-        readers = site.scope.readers().get(node.output[0], [])
+        readers = site.scope.readers(node.output[0])
         if (
             node.op_type == "Gather"
             and site.constant(node.input[0]) is not None
