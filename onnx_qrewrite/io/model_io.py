@@ -27,6 +27,7 @@ from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, f
 from onnx_qrewrite.io import outputs
 from onnx_qrewrite.io.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
 from onnx_qrewrite.io.external_data import ExternalData, all_tensors, external_tensors
+from onnx_qrewrite.io.heap import return_freed_memory
 from onnx_qrewrite.io.model_file import read_once as _read_once
 from onnx_qrewrite.io.outputs import refuse_clash
 from onnx_qrewrite.io.toposort import sort_model
@@ -225,7 +226,17 @@ def check_model(
 
 def check_serialized(serialized: bytes, *, what: str, error: type[QRewriteError] = InvalidModelError) -> None:
     """onnx's checker on a serialized model (see :func:`check_model`); external data is not looked
-    at by our callers' contract: pass only bytes whose tensors are all in the model."""
+    at by our callers' contract: pass only bytes whose tensors are all in the model.
+
+    The checker's copy of the model is handed back to the system once it is freed (io/heap.py):
+    what the caller parses next is then not placed among its freed pages."""
+    try:
+        _check_serialized(serialized, what, error)
+    finally:
+        return_freed_memory()
+
+
+def _check_serialized(serialized: bytes, what: str, error: type[QRewriteError]) -> None:
     try:
         onnx.checker.check_model(serialized)
     except (onnx.checker.ValidationError, ValueError, RuntimeError, UnicodeError) as exc:

@@ -29,6 +29,7 @@ from onnx_qrewrite.io._protowire import NODE_INPUT, encode_metadata, encode_node
 from onnx_qrewrite.io._wire import length_prefixed
 from onnx_qrewrite.io.encoded import EncodedModel, to_proto
 from onnx_qrewrite.io.external_data import ExternalData
+from onnx_qrewrite.io.heap import return_freed_memory
 from onnx_qrewrite.io.spool import Spool
 from onnx_qrewrite.progress import ProgressSink, stage
 from onnx_qrewrite.rewriter import opset as opset_mod
@@ -686,7 +687,7 @@ def _assemble(
         _check_removed_are_unread(scopes, built, build.removed, build.read_by_rewrites)
     if build.dropped - build.still_read:
         _remove_unread_initializers(scopes, built, build.dropped - build.still_read, build.report, spool)
-    _return_freed_memory()
+    return_freed_memory()
     return _splice(model, scopes, built, pools, keep_main_encoded, spool)
 
 
@@ -853,26 +854,6 @@ def _splice(
     return main_nodes
 
 
-def _return_freed_memory() -> None:
-    """Hand memory that has been freed back to the operating system (glibc keeps it otherwise).
-
-    Loading and checking a model, and matching it, free large temporary allocations (onnx's
-    checker alone: ~80 MB on a 100k-node model); glibc keeps them mapped, so everything allocated
-    afterwards comes on top of them in the process's peak RSS. A no-op where glibc is absent.
-
-    ``malloc_trim`` is looked up among the symbols the process has loaded (``dlopen(NULL)``), where
-    glibc's are: ``ctypes.util.find_library("c")`` would run ``ldconfig -p`` in a subprocess,
-    which cost every ``inspect`` and ``rewrite`` about 0.04 s of CPU.
-    """
-    import ctypes
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
-
-
 def _record_provenance_mode(model: onnx.ModelProto, mode: str) -> None:
     """Say in the model how its created nodes carry provenance (provenance.py), replacing what an
     earlier rewrite said."""
@@ -961,7 +942,7 @@ def _run(
     most one per such rule, however the rules' emits and matches overlap. Not with a target's
     per-node plan (``node_rules``): the plan decided every node's rules from the input model."""
     report = RewriteReport()
-    _return_freed_memory()  # what loading and checking the input freed
+    return_freed_memory()  # what loading (and checking, io/heap.py) the input freed
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
