@@ -411,6 +411,7 @@ def _apply(
         total,
         guard=any(m.plan.remove_if_dead for ms in matches.values() for m in ms),
         same_shape_ops=same_shape_ops,
+        scopes=scopes,
     )
     pools: dict[int, ConstantPool] = {}
     built: dict[int, dict[int, bytes]] = {}
@@ -464,8 +465,12 @@ class _Build:
     #: Initializers some replaced node read and its replacement does not: removal candidates.
     dropped: set[str] = dataclasses.field(default_factory=set)
     #: Inputs of replaced nodes that their replacements still read (and everything replacements
-    #: read whose plans say they read more than their node's inputs).
+    #: read whose plans say they read more than their node's inputs), among the initializers: only
+    #: ``dropped - still_read`` is asked, and ``dropped`` holds initializers only (every other
+    #: name kept here was ~5.6 MB, set and strings, of a 100k-node chain's peak memory).
     still_read: set[str] = dataclasses.field(default_factory=set)
+    #: Every scope rewritten: where an initializer may be (see :meth:`keep_read`).
+    scopes: Sequence[Scope] = ()
     #: Per root scope: outputs of nodes removed as dead, and what the other replacements read
     #: (checked against each other before splicing; collected only when something is removed).
     removed: dict[int, set[str]] = dataclasses.field(default_factory=dict)
@@ -473,6 +478,14 @@ class _Build:
     #: Counted per distinct op (and per distinct tuple of created ops) while rewriting, not per node.
     replaced_ops: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
     created_counts: collections.Counter[tuple[str, ...]] = dataclasses.field(default_factory=collections.Counter)
+
+    def keep_read(self, name: str) -> None:
+        """Note ``name`` as still read, if it names an initializer of any scope (see ``still_read``;
+        any scope's, as ``dropped`` may hold an outer graph's)."""
+        for scope in self.scopes:
+            if scope.own_initializer(name) is not None:
+                self.still_read.add(name)
+                return
 
 
 def _build_scope(
@@ -613,7 +626,7 @@ def _replacement(
         # Which inputs the stamp reads is the template's: no set of names per stamp.
         kept, left = template.input_use
         for i in kept:
-            build.still_read.add(inputs[i])
+            build.keep_read(inputs[i])
         for i in left:  # a name also read at a kept position stays: dropped - still_read
             name = inputs[i]
             if name and scope.initializer(name) is not None:
@@ -636,7 +649,7 @@ def _replacement(
         if not name:
             continue
         if name in reads:
-            build.still_read.add(name)
+            build.keep_read(name)
         elif scope.initializer(name) is not None:
             build.dropped.add(name)
     return piece, created_nodes, created_ops, reads
@@ -649,7 +662,8 @@ def _note_reads(build: _Build, site: Site, plan: Plan, root_id: int, reads: set[
     if isinstance(reads, Template):
         reads = reads.site_inputs_read(site)
     if plan.reads is not None:  # it reads more than its node's inputs: all of it stays
-        build.still_read.update(reads)
+        for name in reads:
+            build.keep_read(name)
     if plan.remove_if_dead:
         build.removed.setdefault(root_id, set()).update(o for o in site.outputs if o)
     elif build.guard:
