@@ -10,7 +10,10 @@ parsing them, loading the rule catalogue, the engine's walk of the scopes (ops, 
 names), matching (the rules' checks; the walk included), building (stamps, builds, spooling),
 and saving. Stages a plain ``rewrite`` runs that are not listed (the command line, the report)
 are the difference between the total and their sum. The output is written to a temporary folder.
-Beside each stage, the process's peak RSS when it ended (``ru_maxrss``): which stage sets the peak.
+Beside each stage, the process's peak RSS when it ended (``ru_maxrss``), and the stage's own peak:
+the highest RSS while it ran (Linux: the high-water mark is reset as the stage starts, by writing
+5 to ``/proc/self/clear_refs``, and read from ``VmHWM`` as it ends). The first says which stage
+sets the process's peak; the second what each stage would peak at if an earlier one peaked lower.
 """
 
 from __future__ import annotations
@@ -41,18 +44,58 @@ _T2 = time.process_time()
 _PEAKS: dict[str, float] = {}
 
 
+#: The process's peak RSS in MB so far, over the stages' own peaks: the kernel's ``ru_maxrss``
+#: is the same high-water mark, so it restarts with each stage's reset (see :func:`_timed`).
+_PROCESS_PEAK = [0.0]
+
+
 def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KB on Linux
+    """The process's peak RSS so far (``ru_maxrss`` where no stage reset the mark)."""
+    return max(_PROCESS_PEAK[0], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # KB on Linux
+
+
+#: Per stage, the highest RSS in MB while it last ran (None where Linux's reset is unavailable).
+_OWN_PEAKS: dict[str, float | None] = {}
+#: The stages running, outermost first, each with the highest RSS seen so far while it runs.
+_RUNNING: list[list[Any]] = []
+
+
+def _reset_high_water() -> bool:
+    """Fold the high-water mark so far into every running stage's, then reset it."""
+    try:
+        seen = _high_water_mb()
+        for entry in _RUNNING:
+            entry[1] = max(entry[1], seen)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _high_water_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def _timed(into: dict[str, float], name: str, func: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # A stage inside another resets the mark too: what the outer one saw before is folded
+        # into its running highest first (_reset_high_water), so each stage's own peak is whole.
+        reset = _reset_high_water()
+        _RUNNING.append([name, 0.0])
         start = time.process_time()
         try:
             return func(*args, **kwargs)
         finally:
             into[name] = into.get(name, 0.0) + time.process_time() - start
+            _, highest = _RUNNING.pop()
+            own = max(highest, _high_water_mb()) if reset else None
+            _OWN_PEAKS[name] = own
+            _PROCESS_PEAK[0] = max(_PROCESS_PEAK[0], own or 0.0)
             _PEAKS[name] = _peak_mb()
+            for entry in _RUNNING:  # what this stage peaked at, its outer stages saw too
+                entry[1] = max(entry[1], own or 0.0)
 
     return wrapper
 
@@ -74,7 +117,9 @@ def main(path: str) -> None:
         _timed(times, "save", result.save)(Path(folder) / "out.onnx")
     total = time.process_time() - _T0
     for name, seconds in times.items():
+        own = _OWN_PEAKS.get(name)
         peak = f"  peak RSS {_PEAKS[name]:6.1f} MB" if name in _PEAKS else ""
+        peak += f", its own {own:6.1f} MB" if own is not None else ""
         print(f"{name:32s} {seconds:7.3f} s  {100 * seconds / total:5.1f}%{peak}")
     print(f"{'total':32s} {total:7.3f} s  peak RSS {_peak_mb():6.1f} MB")
 
