@@ -810,6 +810,83 @@ def test_tflite_qlinear_add_of_a_gathered_uint8_table_is_refused_and_lowered(tmp
     assert np.array_equal(got, want)
 
 
+def _qlinear_matmul_behind(op: str, shape: tuple[int, ...]) -> onnx.ModelProto:
+    """x (symbolic batch) -> QuantizeLinear -> a com.microsoft QLinear unary op -> QLinearMatMul with
+    constant weights -> DequantizeLinear: onnx's inference records no shape after the contrib op."""
+    from onnx.numpy_helper import from_array
+
+    rng = np.random.default_rng(0)
+    consts = [
+        from_array(rng.integers(-60, 60, (shape[-1], 6)).astype(np.int8), "w"),
+        *(from_array(np.float32(v), n) for n, v in (("xs", 0.02), ("ms", 0.004), ("ws", 0.01))),
+        *(from_array(np.uint8(v), n) for n, v in (("xz", 128), ("mz", 0), ("yz", 130))),
+        from_array(np.float32(0.03), "ys"),
+        from_array(np.int8(0), "wz"),
+    ]
+    attrs = {"alpha": 0.1} if op == "QLinearLeakyRelu" else {}
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node(op, ["xq", "xs", "xz", "ms", "mz"], ["m"], name="mid", domain="com.microsoft", **attrs),
+        helper.make_node("QLinearMatMul", ["m", "ms", "mz", "w", "ws", "wz", "ys", "yz"], ["yq"], name="mm"),
+        helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"]),
+    ]
+    dims = ["batch", *shape[1:]]
+    graph = helper.make_graph(
+        nodes,
+        "behind",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*dims[:-1], 6])],
+        consts,
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_the_rank_behind_contrib_ops_is_derived_not_refused_unknown():
+    """No runtime needed: the tflite verdict on a QLinearMatMul behind a com.microsoft op follows the
+    rank derived through it (rank 2 accepted, rank 3 refused as rank 3), and behind an op with no
+    rank rule (a com.microsoft op it does not know) it is still refused as unrecorded."""
+    profile = load_target("tflite")
+    assert check_model(_qlinear_matmul_behind("QLinearSigmoid", (3, 8)), profile) == []
+    (three,) = check_model(_qlinear_matmul_behind("QLinearLeakyRelu", (2, 5, 8)), profile)
+    assert "with a rank-3 input ('m'" in three.reasons[0]
+    unknown = _qlinear_matmul_behind("QLinearSigmoid", (3, 8))
+    unknown.graph.node[1].op_type = "QLinearUnknown"
+    reasons = [r for v in check_model(unknown, profile) if v.node == "mm" for r in v.reasons]
+    assert any("of unrecorded shape" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("op", ["QLinearSigmoid", "QLinearLeakyRelu"])
+def test_tflite_qlinear_matmul_behind_a_contrib_op_is_judged_by_its_derived_rank(tmp_path, op):
+    """onnx's inference stops at a com.microsoft op; the tflite profile refused every QLinearMatMul
+    reading such a value ("rank not recorded"). onnx2tf 2.6.9 infers the rank through the op
+    (onnxruntime's symbolic inference) and converts a rank-2 one: LiteRT runs it, and inspect,
+    deriving the rank through the op, now lets it be. At rank 3 the derived rank is refused
+    (rank-above), LiteRT cannot prepare the ONNX_QLINEARMATMUL custom op onnx2tf leaves, and the
+    target rewrite (qop-matmul) runs."""
+    _runtime("tflite")
+    profile = load_target("tflite")
+    for shape in ((3, 8), (2, 5, 8)):
+        model = _qlinear_matmul_behind(op, shape)
+        path = tmp_path / f"{op}_{len(shape)}.onnx"
+        onnx.save(model, path)
+        feeds = {"x": np.random.default_rng(1).standard_normal(shape).astype(np.float32)}
+        want = _reference(path)(feeds)["y"]
+        refused = check_model(model, profile)
+        if len(shape) == 2:
+            assert refused == []
+            got = make_runner("tflite", model, label="as given").run(feeds)["y"]
+            assert got.shape == want.shape and np.array_equal(got, want)
+            continue
+        assert [(v.node, "with a rank-3 input ('m'" in v.reasons[0]) for v in refused] == [("mm", True)]
+        with pytest.raises(QRewriteError, match="ONNX_QLINEARMATMUL"):
+            make_runner("tflite", model, label="as given").run(feeds)
+        plan = plan_for_target(path, load_rules(), profile)
+        assert plan.refused_after == 0
+        got = make_runner("tflite", plan.rewritten, label="rewrite").run(feeds)["y"]
+        assert got.shape == want.shape and np.max(np.abs(got - want)) <= RUNTIMES["tflite"].atol, op
+
+
 def test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape(battery):
     """ortqop_bert's shapes behind its com.microsoft ops are not in the model. onnx2tf 2.6.9 infers
     them with onnxruntime's SymbolicShapeInference, which does not know QLinearSoftmax and stops
@@ -830,7 +907,7 @@ def test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape(battery):
     assert given.refused_after == 0
     refused = {v.node: v.reasons[0] for v in given.before}
     assert "of a shape that is not fixed" in refused["layer.0.attention.probs_quant"], refused
-    assert "of unrecorded shape" in refused["layer.0.output.matmul_quant"], refused
+    assert "with a rank-3 input" in refused["layer.0.output.matmul_quant"], refused
     assert _bound_formulas(given.rewritten) == {"run-time-k"}
     ran, detail = runs_on("tflite", given.rewritten, inputs, expected, original=path)
     assert ran, detail

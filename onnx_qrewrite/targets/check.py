@@ -19,6 +19,7 @@ import onnx
 
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, iter_scopes, known_shape
 from onnx_qrewrite.targets.profile import Refusal, TargetProfile
+from onnx_qrewrite.targets.shapes import contrib_rank
 
 __all__ = ["Refused", "check_model", "model_level_reasons", "node_label"]
 
@@ -233,10 +234,17 @@ def _is_constant(scope: Scope, name: str | None) -> bool:
 _SCALES = {"QuantizeLinear": (1,), "DequantizeLinear": (1,), "QLinearConv": (1, 4, 6), "QLinearMatMul": (1, 4, 6)}
 
 
-def _rank(scope: Scope, name: str) -> int | None:
+#: How many com.microsoft producers :func:`_rank` follows back from a value (a QOperator model's
+#: chain of QLinear ops between two QLinearMatMuls is a few long).
+_RANK_DEPTH = 32
+
+
+def _rank(scope: Scope, name: str, depth: int = _RANK_DEPTH) -> int | None:
     """The number of dimensions of ``name`` when shape inference or a constant tells it, or its
     producer fixes it whatever its input's shape (Flatten: 2, where onnx's inference gives no
-    shape for an input of unknown shape, e.g. a QOperator CNN's pooled value)."""
+    shape for an input of unknown shape, e.g. a QOperator CNN's pooled value), or it is the output
+    of com.microsoft ops that keep their input's rank (shapes.contrib_rank: onnx's inference stops
+    at them, onnxruntime's symbolic inference, which onnx2tf runs, does not)."""
     shape = scope.recorded_shapes.get(name)
     if shape is not None:
         return len(shape)
@@ -244,7 +252,13 @@ def _rank(scope: Scope, name: str) -> int | None:
     if value is not None:
         return value.ndim
     producer = scope.producer(name)
-    return 2 if producer is not None and producer.domain in _STANDARD and producer.op_type == "Flatten" else None
+    if producer is None:
+        return None
+    if producer.domain in _STANDARD and producer.op_type == "Flatten":
+        return 2
+    if depth <= 0 or not producer.output or producer.output[0] != name:
+        return None
+    return contrib_rank(producer, lambda n: _rank(scope, n, depth - 1))
 
 
 def _in_chain(node: onnx.NodeProto, scope: Scope, chain: tuple[str, ...]) -> bool:

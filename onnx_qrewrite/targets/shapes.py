@@ -24,7 +24,7 @@ an incomplete inference it writes ``sym_shape_infer_temp.onnx`` into the current
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx
@@ -36,6 +36,7 @@ __all__ = [
     "Applied",
     "InputShapes",
     "apply_input_shapes",
+    "contrib_rank",
     "drop_value_info",
     "fix_input_shapes",
     "parse_input_shapes",
@@ -223,6 +224,24 @@ def _contrib_shape(node: onnx.NodeProto, shape_of, type_of) -> tuple[tuple[int, 
     else:
         return None
     return (shape, elem) if shape is not None and elem else None
+
+
+#: The same tables' ops whose output keeps the rank of one input whatever the dims (the global
+#: pool's spatial dims become 1): what a converter that guesses ranks through them sees too.
+_RANK_KEPT = {**{op: (source,) for op, (source, _) in _SAME_SHAPE.items()}, **_BROADCAST}
+_RANK_KEPT["QLinearGlobalAveragePool"] = (0,)
+
+
+def contrib_rank(node: onnx.NodeProto, rank_of: Callable[[str], int | None]) -> int | None:
+    """The rank of a com.microsoft op's first output where its shape rule keeps an input's rank
+    (same shape, broadcast: the larger; a global pool), from the inputs' ranks ``rank_of`` gives:
+    known even where onnx's inference, stopping at the op, records no shape (symbolic dims)."""
+    if node.domain != "com.microsoft" or node.op_type not in _RANK_KEPT:
+        return None
+    names = [node.input[i] if len(node.input) > i else "" for i in _RANK_KEPT[node.op_type]]
+    ranks = [rank_of(name) if name else None for name in names]
+    known = [r for r in ranks if r is not None]
+    return max(known) if known and len(known) == len(ranks) else None
 
 
 def _static(vi: onnx.ValueInfoProto) -> tuple[int, ...] | None:
