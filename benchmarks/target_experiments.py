@@ -18,10 +18,16 @@ benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
   (its op builder registry has Gelu, no Erf): how far that is from the original in onnxruntime and
   on QNN; then the rewrite cut at each quantized value, run on QNN and in onnxruntime: where
   QNN's own difference from onnxruntime starts and how it grows, in steps of that value's scale.
+- ``qnn-drift``: the same rewrites (GELUs fused, so QNN places every node), each node unit alone on
+  QNN, fed onnxruntime's exact quantized inputs, against onnxruntime: whether an op of QNN's drifts
+  or the network amplifies each op's one-step rounding differences (beside the network cut at the
+  same value); and onnxruntime at its default optimization level (its QDQ fusions into integer
+  kernels) on the original against the reference (optimizations off), beside QNN.
 
     python benchmarks/target_experiments.py tflite-recorded-shapes [--cut NAME ...] [--skip RULE] [-o DIR]
     python benchmarks/target_experiments.py qnn-by-hand [-o DIR]
     python benchmarks/target_experiments.py qnn-gelu [-o DIR]
+    python benchmarks/target_experiments.py qnn-drift [-o DIR]
 
 TFLite needs $ONNX_QREWRITE_TFLITE_PYTHON (verify/runtimes.py), QNN the [qnn] extra.
 """
@@ -307,9 +313,142 @@ def _qnn_by_cut(name: str, model: onnx.ModelProto, feeds) -> None:
         print(f"{name} cut at {q.input[0]}: QNN vs onnxruntime max abs {err.max():.3g}, step {step:.4g}, {counts}")
 
 
+def _unit_inputs(model: onnx.ModelProto, value: str) -> list[str]:
+    """The quantized activations (and graph inputs) the node unit computing ``value`` reads: walking
+    back through float ops, stopping at each DequantizeLinear of a computed value (its quantized
+    input is the unit's input) and at constants (weights, shapes: inside the unit)."""
+    constant = {i.name for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    found: list[str] = []
+    stack, seen = [value], set()
+    while stack:
+        name = stack.pop()
+        if not name or name in seen or name in constant:
+            continue
+        seen.add(name)
+        node = producer.get(name)
+        if node is None:
+            found.append(name)
+        elif node.op_type == "DequantizeLinear" and node.input[0] not in constant:
+            found.append(node.input[0])
+        elif node.op_type == "QuantizeLinear":
+            found.append(name)
+        elif node.op_type != "Constant":
+            stack.extend(node.input)
+    return sorted(set(found))
+
+
+def _steps(err: np.ndarray, step: float) -> dict[int, int]:
+    steps = np.rint(err / step).astype(int)
+    return {int(k): int(c) for k, c in zip(*np.unique(steps, return_counts=True), strict=True)}
+
+
+def _on_qnn(model: onnx.ModelProto, feeds, value: str):
+    from onnx_qrewrite.errors import QRewriteError
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    try:
+        runner = make_runner("qnn", model, label="cut", shapes={k: v.shape for k, v in feeds.items()})
+        return np.asarray(runner.run(feeds)[value], np.float64)
+    except QRewriteError:  # not placed wholly on QNN (CPU fallback disabled)
+        return None
+
+
+def drift_model(path: Path, feeds) -> onnx.ModelProto:
+    """The BERT at ``path`` rewritten --target qnn with ``feeds``' shapes, its GELUs fused so that
+    QNN places every node, every value's shape recorded (for cutting)."""
+    from onnx_qrewrite.api import rewrite
+    from onnx_qrewrite.targets.shapes import InputShapes
+
+    shapes = InputShapes({k: v.shape for k, v in feeds.items()})
+    model = rewrite(onnx.load(path), target="qnn", input_shapes=shapes, allow_unlowered=True).model
+    return record_shapes(fuse_quantized_gelu(model, ""), feeds)
+
+
+def quantized_units(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
+    """Each QuantizeLinear of a constant scale whose value is dequantized again, with that
+    DequantizeLinear's output (the value a node unit computes), in node order."""
+    inits = {i.name for i in model.graph.initializer}
+    read = {x for n in model.graph.node for x in n.input}
+    dequantized = {
+        n.input[0]: n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.output[0] in read
+    }
+    return [
+        (q, dequantized[q.output[0]])
+        for q in model.graph.node
+        if q.op_type == "QuantizeLinear" and q.input[1] in inits and q.output[0] in dequantized
+    ]
+
+
+def unit_alone(
+    model: onnx.ModelProto, exact, feeds, q: onnx.NodeProto, value: str
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The node unit ending in ``q`` and the DequantizeLinear giving ``value`` as a model of its own,
+    and its inputs as onnxruntime computed them (``exact``: every value of ``model`` there)."""
+    inputs = _unit_inputs(model, q.input[0])
+    unit = onnx.utils.Extractor(model).extract_model(inputs, [value])
+    return unit, {k: exact[k] if k in exact else feeds[k] for k in inputs}
+
+
+def qnn_drift(folder: str | None) -> None:
+    """Each BERT rewritten --target qnn with its recorded input shapes and its GELUs fused (so that
+    QNN places every node): per quantized value, QNN's difference from onnxruntime (graph
+    optimizations off) in steps of that value's scale, for the node unit alone (fed onnxruntime's
+    exact quantized inputs) and for the network up to it; then onnxruntime itself at its default
+    optimization level (its QDQ fusions into integer kernels, what QNN's session also runs at) on
+    the original, and QNN's output against that."""
+    for name in ("ortqdq_bert", "ortqop_bert"):
+        path, feeds = _models(folder, name)
+        fused = drift_model(path, feeds)
+        exact = _every_value(fused, feeds)
+        inits = {i.name: i for i in fused.graph.initializer}
+        producer = {o: n for n in fused.graph.node for o in n.output}
+        print(f"{name}: value | ops | step | alone: steps off (count) | network up to it: steps off (count)")
+        for q, value in quantized_units(fused):
+            step = float(nh.to_array(inits[q.input[1]]))
+            unit, unit_feeds = unit_alone(fused, exact, feeds, q, value)
+            ops = sorted({n.op_type for n in unit.graph.node} - {"QuantizeLinear", "DequantizeLinear"})
+            alone = _on_qnn(unit, unit_feeds, value)
+            whole = _on_qnn(_cut(fused, value), feeds, value)
+            want = np.asarray(exact[value], np.float64)
+            cells = ["not placed" if got is None else str(_steps(np.abs(got - want), step)) for got in (alone, whole)]
+            label = producer[q.input[0]].name or q.input[0]
+            print(f"  {label} | {','.join(ops)} | {step:.4g} | {cells[0]} | {cells[1]}")
+        _default_level(name, path, fused, feeds)
+
+
+def _default_level(name: str, path: Path, fused: onnx.ModelProto, feeds) -> None:
+    """onnxruntime at its default optimization level on the original, against it with optimizations
+    off (the reference), and QNN (the fused rewrite) against both, on the recorded and seeded inputs."""
+    import onnxruntime as ort
+
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    original = onnx.load(path)
+    reference = _session(original)
+    default = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    runner = make_runner("qnn", fused, label="fused", shapes={k: v.shape for k, v in feeds.items()})
+    (out,) = [o.name for o in fused.graph.output]
+    for seed in (None, *CONFIRM_SEEDS):
+        inputs = feeds if seed is None else seeded_like(feeds, seed)
+        want, fast = reference.run(None, inputs)[0], default.run(None, inputs)[0]
+        got = np.asarray(runner.run(inputs)[out], np.float64)
+        e1, e2, e3 = np.abs(fast - want), np.abs(got - want), np.abs(got - fast)
+        print(
+            f"{name} inputs {'recorded' if seed is None else f'seed {seed}'}: onnxruntime default level vs off "
+            f"{e1.max():.3g} ({_beyond(e1, want)} beyond 5e-2); QNN vs off {e2.max():.3g} ({_beyond(e2, want)}); "
+            f"QNN vs default level {e3.max():.3g} ({_beyond(e3, fast)})"
+        )
+
+
+def _beyond(err: np.ndarray, want: np.ndarray) -> int:
+    """How many elements are beyond QNN's verify tolerance (atol = rtol = 5e-2)."""
+    return int((err > 5e-2 + 5e-2 * np.abs(want)).sum())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu"])
+    parser.add_argument("experiment", choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu", "qnn-drift"])
     parser.add_argument("--cut", action="append", default=[], help="tflite: a value also compared (recorded inputs)")
     parser.add_argument("--skip", action="append", default=[], help="tflite: a rule left out of the catalogue")
     parser.add_argument("-o", "--output", help="folder for the battery's models (default: a temporary one)")
@@ -318,6 +457,8 @@ def main(argv: list[str] | None = None) -> None:
         tflite_recorded_shapes(args.output, args.cut, args.skip)
     elif args.experiment == "qnn-by-hand":
         qnn_by_hand(args.output)
+    elif args.experiment == "qnn-drift":
+        qnn_drift(args.output)
     else:
         qnn_gelu(args.output)
 
