@@ -129,8 +129,14 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
             lambda t: t + FORM.replace("float-emulation", "qdq-to-float").replace("why =", "options = {}\nwhy ="),
             "",  # qdq-to-float has an exact rule: valid at allow = "exact"
         ),
-        (lambda t: t + _REFUSE.format('when = "rank-above"'), "'rank' (a number >= 0) goes with"),
-        (lambda t: t + _REFUSE.format('when = "always"\nrank = 2'), "'rank' (a number >= 0) goes with"),
+        (
+            lambda t: t + _REFUSE.format('when = "rank-above"'),
+            "'rank' (a number >= 0) goes with 'when' rank-above or rank-below",
+        ),
+        (
+            lambda t: t + _REFUSE.format('when = "always"\nrank = 2'),
+            "'rank' (a number >= 0) goes with 'when' rank-above or rank-below",
+        ),
         (lambda t: t + _REFUSE.format('when = "always"\ninputs = [1]'), "'inputs' goes with"),
         (lambda t: t + _REFUSE.format('when = "input-from"\nops = ["Gather"]\ninputs = [0, 3]'), ""),
         (lambda t: t + _REFUSE.format('when = "input-from"\nops = ["Softmax"]\nthrough = ["Where"]'), ""),
@@ -169,7 +175,10 @@ def test_every_shipped_target_loads_and_cites_declared_sources():
         (lambda t: t + '\n[network]\nqdq_only_types = ["unit8"]\nsource = "doc"\n', "unknown element type"),
         (lambda t: t + _REFUSE.format('when = "rank-above"\ninputs = [0, 3]\nrank = 2'), ""),
         (lambda t: t + _REFUSE.format('when = "shape-unrecorded"\ninputs = [1]'), ""),
-        (lambda t: t + _REFUSE.format('when = "shape-unrecorded"\nrank = 2'), "'rank' (a number >= 0) goes with"),
+        (
+            lambda t: t + _REFUSE.format('when = "shape-unrecorded"\nrank = 2'),
+            "'rank' (a number >= 0) goes with 'when' rank-above or rank-below",
+        ),
         (lambda t: t + _REFUSE.format('when = "outside-chain"\nchain = ["Add", "Mul"]'), ""),
         (lambda t: t + _REFUSE.format('when = "unfused-outputs"'), "'ops' goes with"),
         (lambda t: t + _REFUSE.format('when = "always"\nops = ["MatMul"]'), "'ops' goes with"),

@@ -887,6 +887,44 @@ def test_tflite_qlinear_matmul_behind_a_contrib_op_is_judged_by_its_derived_rank
         assert got.shape == want.shape and np.max(np.abs(got - want)) <= RUNTIMES["tflite"].atol, op
 
 
+def test_tflite_rank_one_qlinear_matmul_is_refused_and_its_rewrite_has_the_right_shape(tmp_path):
+    """onnx2tf 2.6.9 converts a QLinearMatMul of rank-1 activations (a [K] vector) to
+    FULLY_CONNECTED, whose output LiteRT gives as (1, N), not onnxruntime's (N,): the values are
+    right, the shape is not. The tflite profile refuses it (rank-below); qop-matmul's rewrite has
+    the right shape and values."""
+    _runtime("tflite")
+    from onnx.numpy_helper import from_array
+
+    rng = np.random.default_rng(0)
+    consts = [
+        from_array(rng.integers(-60, 60, (8, 6)).astype(np.int8), "w"),
+        *(from_array(np.float32(v), n) for n, v in (("xs", 0.02), ("ws", 0.01), ("ys", 0.03))),
+        *(from_array(np.uint8(v), n) for n, v in (("xz", 128), ("yz", 130))),
+        from_array(np.int8(0), "wz"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("QLinearMatMul", ["xq", "xs", "xz", "w", "ws", "wz", "ys", "yz"], ["yq"], name="mm"),
+        helper.make_node("DequantizeLinear", ["yq", "ys", "yz"], ["y"]),
+    ]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])
+    graph = helper.make_graph(nodes, "r1", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6])], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    path = tmp_path / "rank1.onnx"
+    onnx.save(model, path)
+    feeds = {"x": np.random.default_rng(1).standard_normal(8).astype(np.float32)}
+    want = _reference(path)(feeds)["y"]
+    profile = load_target("tflite")
+    (refused,) = check_model(model, profile)
+    assert refused.node == "mm" and "with a rank-1 input" in refused.reasons[0]
+    got = make_runner("tflite", model, label="as given").run(feeds)["y"]
+    assert got.shape == (1, 6) and np.array_equal(got[0], want)  # the observed wrong shape
+    plan = plan_for_target(path, load_rules(), profile)
+    assert plan.refused_after == 0
+    got = make_runner("tflite", plan.rewritten, label="rewrite").run(feeds)["y"]
+    assert got.shape == want.shape and np.max(np.abs(got - want)) <= RUNTIMES["tflite"].atol
+
+
 def test_the_qoperator_bert_on_tflite_as_given_and_with_input_shape(battery):
     """ortqop_bert's shapes behind its com.microsoft ops are not in the model. onnx2tf 2.6.9 infers
     them with onnxruntime's SymbolicShapeInference, which does not know QLinearSoftmax and stops

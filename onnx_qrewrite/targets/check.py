@@ -493,6 +493,17 @@ def _rank_above(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | N
     return None
 
 
+def _rank_below(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """An input looked at has fewer dimensions than the target takes (a known rank only)."""
+    assert refusal.rank is not None
+    for index in refusal.inputs:
+        name = _operand(node, index)
+        rank = _rank(scope, name) if name else None
+        if rank is not None and rank < refusal.rank:
+            return f" with a rank-{rank} input ({name!r}; at least {refusal.rank})"
+    return None
+
+
 def _shape_unrecorded(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """An input looked at has no recorded shape (not even its rank): a converter that infers shapes
     itself decides them, and may decide them wrongly (onnx2tf: the tflite profile)."""
@@ -573,6 +584,7 @@ _WHEN: dict[str, Callable[[Refusal, onnx.NodeProto, Scope], str | None]] = {
     "nonzero-zero-point": _nonzero_zero_point,
     "type": _of_type,
     "rank-above": _rank_above,
+    "rank-below": _rank_below,
     "computed-input": _computed_input,
     "outside-chain": _outside_chain,
     "unfused-outputs": _unfused_outputs,

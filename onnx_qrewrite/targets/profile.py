@@ -54,7 +54,8 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # where that input is computed from constants and Shape/Size
                                      # alone, no run-time data) |
                                      # rank-above (with rank = N: one of `inputs` has more than
-                                     # N dimensions) | computed-input (one of `inputs` is
+                                     # N dimensions) | rank-below (with rank = N: one of
+                                     # `inputs` has fewer) | computed-input (one of `inputs` is
                                      # computed at run time, not a constant) | outside-chain
                                      # (with chain = [...]: it is not a link of a direct
                                      # producer -> consumer chain of these standard ops) |
@@ -67,15 +68,17 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
                                      # QuantizeLinear -> DequantizeLinear pairs: one of a value
                                      # computed at run time, one of a value the runtime folds to
                                      # a constant of more than one element at load time) |
-                                     # shape-unrecorded (one of `inputs` has no shape that
-                                     # shape inference, --input-shape's recording or a constant
-                                     # gives: what a converter that infers shapes itself may get
-                                     # wrong) | shape-not-static (one of `inputs` has no
-                                     # shape, or a dimension that is not a fixed number)
-    inputs = [0]                     # rank-above / computed-input / input-from /
+                                     # shape-unrecorded (one of `inputs` has no rank that
+                                     # shape inference, --input-shape's recording, a constant or
+                                     # the com.microsoft ops before it give: what a converter
+                                     # that infers shapes itself may get wrong) |
+                                     # shape-not-static (one of `inputs` has no shape, or a
+                                     # dimension that is not a fixed number)
+    inputs = [0]                     # rank-above / rank-below / computed-input / input-from /
                                      # shape-unrecorded / shape-not-static: the input
                                      # positions looked at (default: the first)
-    rank = 2                         # rank-above: the most dimensions the target takes there
+    rank = 2                         # rank-above: the most dimensions the target takes there;
+                                     # rank-below: the fewest
     chain = ["Div", "Erf", "Add", "Mul"]   # outside-chain: the only chain the op runs inside
     reason = "y_scale must be a const"
     source = "observed"
@@ -180,6 +183,7 @@ REFUSE_WHEN = (
     "per-channel",
     "input-from",
     "rank-above",
+    "rank-below",
     "computed-input",
     "outside-chain",
     "unfused-outputs",
@@ -302,7 +306,7 @@ class Refusal:
     types: frozenset[str] = frozenset()
     ops: frozenset[str] = frozenset()  # "input-from": the producers it applies after; else: its readers
     inputs: tuple[int, ...] = (0,)  # "rank-above" / "computed-input" / "input-from": the inputs looked at
-    rank: int | None = None  # when = "rank-above": the most dimensions taken
+    rank: int | None = None  # when = "rank-above": the most dimensions taken; "rank-below": the fewest
     chain: tuple[str, ...] = ()  # when = "outside-chain": the chain the op runs only inside
     through: frozenset[str] = frozenset()  # "input-from": ops between the producer and the op it looks through
     # "input-from": (op of ``through``, input) looked through only where that input has no run-time data
@@ -737,12 +741,12 @@ def _refusal(path: str, where: str, item: Any, sources: Mapping[str, Source]) ->
         or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in positions)
     ):
         raise _fail(path, where, "'inputs' must be a non-empty list of input positions (0, 1, ...)")
-    looks_at = ("rank-above", "computed-input", "input-from", "shape-unrecorded", "shape-not-static")
+    looks_at = ("rank-above", "rank-below", "computed-input", "input-from", "shape-unrecorded", "shape-not-static")
     if "inputs" in raw and when not in looks_at:
         raise _fail(path, where, f"'inputs' goes with 'when' {', '.join(looks_at[:-1])} or {looks_at[-1]}")
     rank = _int(path, where, raw, "rank")
-    if (when == "rank-above") != (rank is not None) or (rank is not None and rank < 0):
-        raise _fail(path, where, "'rank' (a number >= 0) goes with 'when = \"rank-above\"', and it needs one")
+    if (when in ("rank-above", "rank-below")) != (rank is not None) or (rank is not None and rank < 0):
+        raise _fail(path, where, "'rank' (a number >= 0) goes with 'when' rank-above or rank-below, and they need one")
     chain = raw.get("chain", [])
     if not isinstance(chain, list) or not all(isinstance(o, str) and o for o in chain):
         raise _fail(path, where, "'chain' must be a list of op names")
