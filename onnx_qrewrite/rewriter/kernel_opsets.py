@@ -101,6 +101,10 @@ FORMS: dict[str, int] = {
     # com.microsoft RotaryEmbedding: Range-11 (positions from a start), Equal-11 on float64 (the
     # fused multiply-add's rounding, emulated in float64; Equal-7 takes integers and bool only).
     "rotary-embedding": 11,
+    # com.microsoft (Q)EmbedLayerNormalization: the mask count's ReduceSum-13 (axes an input); the
+    # normalization's CumSum-11, Slice-10 with inputs, Gather-11 with a negative index, Range-11,
+    # DequantizeLinear-10 per tensor (test_unfuse_attention.py::test_embed_layer_norms_at_opset_13).
+    "embed-layer-norm": 13,
     # com.microsoft GroupQueryAttention: Max-12 on int64 (the present length), GatherElements-11,
     # Unsqueeze-13's axes input (the form is written once, at 13).
     "group-query-attention": 13,

@@ -10,8 +10,15 @@ dequantizes each value it reads)::
         output 2:  the embedding sum before the normalization
 
 in the kernel's order (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_attention.py):
-the sum is ``(word + position) + segment``, bit-exact; the normalization is bounded, as for
-SkipLayerNormalization, because the kernel sums the mean and the variance sequentially in float32.
+the sum is ``(word + position) + segment``, bit-exact. The normalization is the kernels' own
+(``embed_layer_norm.cc``, ``qembed_layer_norm.cc``): two passes over each row, each a sequential
+float32 sum (``mean = Σx / h``, then ``var = Σ(x - mean)² / h``), ``(x - mean) / sqrt(var + eps) · γ + β``.
+Not ``LayerNormalization``: onnxruntime's computes ``sqrt(Σx²/h - mean² + eps)`` in one pass, which
+cancels where a row's mean is large against its spread (a quantized table's zero point puts it
+there: that was the QEmbedLayerNormalization gap, 27.4·2^-24 against 4.6 for the float battery's
+near-zero means), and ``ReduceSum`` adds in another order, whose error the mean's magnitude
+carries into every ``x - mean``. ``CumSum`` adds sequentially: its last element is the kernels' sum,
+so the whole row is bit-exact on x86-64 (measured; ``benchmarks/embed_bound_probe.py``).
 The mask index counts values equal to 1 (a 2 or a -1 does not count), bit-exact.
 
 Where they differ on invalid input: an id outside the table (or negative) is an error in the kernel;
@@ -74,7 +81,7 @@ class EmbedLayerNormalizationBuilder:
                 value = site.constant(site.input(index)) if site.input(index) else None
                 if site.input(index) and (value is None or value.size != 1):
                     raise NoMatch(f"{site.input(index)!r} is not a constant per-tensor scale or zero point")
-        return Plan(min_opset=kernel_opsets.OP_VERSIONS["layer-normalization"])
+        return Plan(min_opset=kernel_opsets.FORMS["embed-layer-norm"])
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = [*site.node.output, "", ""][:3]
@@ -111,7 +118,7 @@ class EmbedLayerNormalizationBuilder:
             total = emit.op1("Add", [total, segments], outputs[2] or None)
         eps = float(site.attribute("epsilon", 1e-12))
         gamma, beta = (dequantize(site.input(i), i) if quantized else site.input(i) for i in (5, 6))
-        emit.op1("LayerNormalization", [total, gamma, beta], outputs[0], axis=-1, epsilon=eps)
+        _normalize(emit, total, gamma, beta, eps, outputs[0])
         if outputs[1]:
             if site.input(7):
                 ones = emit.op1("Cast", [emit.op1("Equal", [site.input(7), emit.const(np.int32(1))])], to=_T.INT32)
@@ -128,6 +135,32 @@ class EmbedLayerNormalizationBuilder:
                 )
                 zero = onnx.helper.make_tensor("value", _T.INT32, [1], [0])
                 emit.op1("ConstantOfShape", [batch], outputs[1], value=zero)
+
+
+def _row_sum(emit: Emitter, x: str) -> str:
+    """Σ over the last axis (kept) in the kernels' order, each element added to the running float32
+    sum in turn: CumSum's last element (onnxruntime's CumSum adds sequentially: measured)."""
+    running = emit.op1("CumSum", [x, emit.const(np.int64(-1))])
+    last = emit.const(np.array([-1], np.int64))
+    return emit.op1("Slice", [running, last, emit.const(np.array([_INT64_MAX], np.int64)), last])
+
+
+def _normalize(emit: Emitter, x: str, gamma: str, beta: str, eps: float, output: str) -> None:
+    """The kernels' normalization of each row of ``x`` into ``output``, operation for operation:
+    ``mean = Σx / h``; ``a = x - mean``; ``e = sqrt(Σa² / h + eps)``; ``a / e · γ + β``, h the
+    hidden size as float32 (exact below 2^24)."""
+    dims = emit.op1("Shape", [x])
+    hidden = emit.op1("Cast", [emit.op1("Gather", [dims, emit.const(np.int64(-1))], axis=0)], to=_T.FLOAT)
+    mean = emit.op1("Div", [_row_sum(emit, x), hidden], hint="Mean")
+    centred = emit.op1("Sub", [x, mean])
+    variance = emit.op1("Div", [_row_sum(emit, emit.op1("Mul", [centred, centred])), hidden], hint="Variance")
+    root = emit.op1("Sqrt", [emit.op1("Add", [variance, emit.const(np.float32(eps))])])
+    scaled = emit.op1("Mul", [emit.op1("Div", [centred, root]), gamma])
+    emit.op1("Add", [scaled, beta], output)
+
+
+#: The end of a Slice to the end of its axis.
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 register(EmbedLayerNormalizationBuilder())
