@@ -220,20 +220,78 @@ def test_the_packed_table_keeps_a_4_bit_table_at_its_packed_size():
 
 
 AXES = [((40, 48), 1, 0), ((40, 48), 0, 1), ((6, 5, 48), 1, 2), ((6, 40, 5), 2, 1), ((40, 6, 5), 2, 0)]
+AXES += [((5, 40, 6), 1, 0), ((48, 6, 5), 0, 1), ((3, 4, 5, 33), 2, 0)]
+
+
+def _with_indices_rank(model, rank):
+    """``model`` with indices of ``rank`` (recorded) and the output's rank to match."""
+    ids = model.graph.input[0].type.tensor_type
+    del ids.shape.dim[:]
+    for i in range(rank):
+        ids.shape.dim.add().dim_param = f"i{i}"
+    out = model.graph.output[0].type.tensor_type
+    table_rank = len(out.shape.dim) - 1  # the models' indices are 2-D
+    del out.shape.dim[:]
+    for i in range(table_rank - 1 + rank):
+        out.shape.dim.add().dim_param = f"o{i}"
+    return model
 
 
 @rule_marker("gather-block-quantized-packed", "positive")
 @rule_marker("gather-block-quantized-table", "positive")
-@pytest.mark.parametrize("storage", ["int4", "uint4"])
+@pytest.mark.parametrize("form", ["packed", "table"])
+@pytest.mark.parametrize("scale_type", [np.float16, np.float32])
+@pytest.mark.parametrize("storage, with_zp", [("int4", True), ("uint4", True), ("int4", False), ("uint4", False)])
 @pytest.mark.parametrize("shape, gather_axis, quantize_axis", AXES)
-def test_dequantized_table_on_every_axis_pair_the_kernel_takes(storage, shape, gather_axis, quantize_axis):
-    """The packed form gathers along 0 with blocks along the last axis; the table takes the rest."""
-    original = table_model(storage, True, 16, np.float16, 13, shape, gather_axis, quantize_axis)
+def test_every_axis_pair_the_kernel_takes(storage, with_zp, scale_type, shape, gather_axis, quantize_axis, form):
+    """Both forms on every axis pair onnxruntime's kernel takes for int4/uint4 (uint8 storage: along
+    0, blocks along the last only): the packed table stored with its axes permuted (gathered first,
+    blocked last) and each lookup transposed back; the dequantized table gathered where it is.
+    Bit for bit with the kernel, the packed table at its packed size."""
+    original = table_model(storage, with_zp, 16, scale_type, 13, shape, gather_axis, quantize_axis)
+    skip = ["gather-block-quantized-packed"] if form == "table" else []
+    result = onnx_qrewrite.rewrite(original, keep_opset=True, skip=skip)
+    assert result.report.by_rule() == {f"gather-block-quantized-{form}": 1}
+    if form == "packed":
+        arrays = [numpy_helper.to_array(t) for t in result.model.graph.initializer]
+        assert max(a.size for a in arrays if a.dtype.kind == "f") < np.prod(shape)  # no float table
+        assert any(a.dtype == np.uint8 and 2 * a.size >= np.prod(shape) for a in arrays)  # the packed one
+        moved = gather_axis != 0 or quantize_axis != len(shape) - 1
+        assert ("Transpose" in op_types(result.model)) == moved
+    size = shape[gather_axis]
+    feeds = {"ids": np.array([[0, -1, 2], [1, size - 1, -size]], np.int64)}
+    what = f"{storage} zp {with_zp} {shape} gather {gather_axis} blocks {quantize_axis} {form}"
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], what)
+
+
+@rule_marker("gather-block-quantized-packed", "positive")
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_other_axes_with_indices_of_any_rank(rank):
+    """The transpose back depends on the indices' rank: a scalar index (the gathered axis dropped),
+    a vector, a 3-D block of indices."""
+    original = _with_indices_rank(table_model("int4", True, 16, np.float32, 13, (6, 40, 5), 2, 1), rank)
     result = onnx_qrewrite.rewrite(original, keep_opset=True)
-    packed = gather_axis == 0 and quantize_axis == len(shape) - 1
-    assert result.report.by_rule() == {f"gather-block-quantized-{'packed' if packed else 'table'}": 1}
-    feeds = {"ids": np.array([[0, -1], [1, shape[gather_axis] - 1]], np.int64)}
-    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"{shape} {gather_axis}")
+    assert result.report.by_rule() == {"gather-block-quantized-packed": 1}
+    ids = np.asarray(np.array([[[0, -1], [4, 2]], [[1, 3], [-5, 0]]], np.int64)[(0,) * (3 - rank)])
+    assert_bitwise_equal(run(result.model, {"ids": ids})["emb"], run(original, {"ids": ids})["emb"], f"rank {rank}")
+
+
+@rule_marker("gather-block-quantized-packed", "negative")
+def test_other_axes_with_indices_of_unrecorded_rank_take_the_table():
+    """Without the indices' rank the packed form cannot transpose back: it says so, and the
+    dequantized table (which gathers along the axis as it is) lowers the node."""
+    original = table_model("uint4", True, 16, np.float16, 13, (40, 48), 1, 0)
+    # The indices reshaped to a shape given at run time: their rank is not recorded.
+    graph = original.graph
+    graph.input.append(helper.make_tensor_value_info("ids_shape", TensorProto.INT64, [2]))
+    graph.node.insert(0, helper.make_node("Reshape", ["ids", "ids_shape"], ["ids_any"]))
+    graph.node[1].input[1] = "ids_any"
+    result = onnx_qrewrite.rewrite(original, keep_opset=True)
+    assert result.report.by_rule() == {"gather-block-quantized-table": 1}
+    with pytest.raises(onnx_qrewrite.LoweringError, match="the rank of indices 'ids_any' is not recorded"):
+        onnx_qrewrite.rewrite(original, keep_opset=True, skip=["gather-block-quantized-table"])
+    feeds = {"ids": np.array([[0, -1], [1, 47]], np.int64), "ids_shape": np.array([2, 2], np.int64)}
+    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], "unrecorded rank")
 
 
 @rule_marker("gather-block-quantized-packed", "negative")
@@ -256,7 +314,9 @@ def test_a_block_larger_than_the_table_allocates_nothing_by_it():
     per row): the table form picks each value's scale by index, where it repeated the scales
     block_size times (192 TiB here: exit 5; a smaller huge block filled the memory first)."""
     original = table_model("int4", True, 2**40, np.float16, 13, (40, 48), 1, 0)
-    result = onnx_qrewrite.rewrite(original, keep_opset=True)
-    assert result.report.by_rule() == {"gather-block-quantized-table": 1}
     feeds = {"ids": np.array([[0, -1], [1, 47]], np.int64)}
-    assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], "block 2^40")
+    for form in ("table", "packed"):  # the packed form indexes each value's block alike
+        skip = ["gather-block-quantized-packed"] if form == "table" else []
+        result = onnx_qrewrite.rewrite(original, keep_opset=True, skip=skip)
+        assert result.report.by_rule() == {f"gather-block-quantized-{form}": 1}
+        assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"block 2^40, {form}")

@@ -630,10 +630,11 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     doc="blocked_dequantize: Gather the quantized rows, then a blocked DequantizeLinear (opset 21); "
                     "dequantized_table: the table dequantized at rewrite time (float32 or float16 like the "
                     "scales), then Gather (opset 11); packed_table: the table kept packed, each lookup's rows "
-                    "unpacked with Div/Mul/Sub and dequantized with Cast/Sub/Mul (opset 11)",
+                    "unpacked with Div/Mul/Sub and dequantized with Cast/Sub/Mul (opset 11), a table on other "
+                    "axes stored with them permuted and each lookup transposed back",
                 ),
             ),
-            emits=frozenset({"Gather", "DequantizeLinear", "Div", "Sub", "Concat", "Cast", "Mul"}),
+            emits=frozenset({"Gather", "DequantizeLinear", "Div", "Sub", "Concat", "Cast", "Mul", "Transpose"}),
             opset=lambda options, dtypes: str(
                 {
                     GBQ_BLOCKED: kernel_opsets.BLOCKED,

@@ -14,12 +14,15 @@ per table.
 
 onnxruntime's Gather takes no 4-bit tensors, so the table is stored with one byte per value (int8
 holding ``q - zp_default`` when there is no zero point): twice the packed size, still quantized.
-Form ``packed_table`` (below opset 21 with ``--keep-opset``, float16 scales, bits 2; gathering along
-0 with blocks along the last axis): the table stays packed (``bits`` per value, rows byte-aligned,
-int4 offset by 8) with one byte of zero point per block; each lookup gathers its rows and unpacks
-them in int32 (Div, Mul, Sub: onnxruntime's Sub takes no uint8 and BitwiseAnd is opset 18), then
-``T2(float32(q - zp) * float32(scale))`` with Cast, Sub, Mul, any opset from 11. Form
-``dequantized_table`` (other axes, or asked by skipping the packed rule): the constant table is
+Form ``packed_table`` (below opset 21 with ``--keep-opset``, float16 scales, bits 2, and int4/uint4
+tables on other axes): the table stays packed (``bits`` per value, rows byte-aligned, int4 offset by
+8) with one byte of zero point per block; each lookup gathers its rows and unpacks them in int32
+(Div, Mul, Sub: onnxruntime's Sub takes no uint8 and BitwiseAnd is opset 18), then
+``T2(float32(q - zp) * float32(scale))`` with Cast, Sub, Mul, any opset from 11. A table gathered
+along another axis than 0 or blocked along another than the last is stored with its axes permuted
+(gathered first, blocked last) and each lookup transposed back (the indices' rank recorded). Form
+``dequantized_table`` (where the indices' rank is not recorded, or asked by skipping the packed
+rule): the constant table is
 dequantized at rewrite time exactly as the kernel computes each element and gathered,
 ``Gather(T2(float32(q - zp) * scale), indices, axis=gather_axis)``: one float per value (8x a 4-bit
 table's packed size in float32), any opset from 11.
@@ -183,14 +186,20 @@ def _check_packed(site: Site) -> Plan:
     """The table kept packed (uint8, ``bits`` per value, each row starting on a byte), the zero
     points one byte per block; each lookup unpacks its rows with Div, Mul and Sub and computes
     ``T2(float32(q - zp) * float32(scale))`` as the kernel does. int4 values are stored offset by 8
-    (0..15) and their zero points with them, so ``q - zp`` is unchanged. Gathering along axis 0 with
-    blocks along the last axis only (every uint8 table; int4/uint4 ones on other axes take the table)."""
+    (0..15) and their zero points with them, so ``q - zp`` is unchanged. An int4/uint4 table gathered
+    along another axis, or blocked along another than the last, is stored with its axes permuted
+    (the gathered axis first, the blocked one last; scales and zero points alike) and the lookup
+    transposed back: the indices' rank must then be recorded (the transpose depends on it)."""
     values, storage, bits, block, gather_axis, quantize_axis, scales, zp = _read_table(site)
-    if gather_axis != 0 or quantize_axis != values.ndim - 1 or values.ndim < 2:
-        raise NoMatch(
-            f"gather_axis={gather_axis}, quantize_axis={quantize_axis}: the packed form gathers along 0 with "
-            "blocks along the last axis"
-        )
+    rank = values.ndim
+    if rank < 2:
+        raise NoMatch(f"a rank-{rank} table: the packed form reads rows")
+    perm = [gather_axis, *(a for a in range(rank) if a not in (gather_axis, quantize_axis)), quantize_axis]
+    back = None
+    if perm != list(range(rank)):
+        back = _transpose_back(site, perm)
+        values, scales = values.transpose(perm), scales.transpose(perm)
+        zp = zp if isinstance(zp, int) else zp.transpose(perm)
     bits = 4 if storage in ("int4", "uint4") else bits
     offset = -8 if storage == "int4" else 0  # stored value = value - offset
     rows = (values - offset).astype(np.uint8).reshape(-1, values.shape[-1])
@@ -198,14 +207,40 @@ def _check_packed(site: Site) -> Plan:
     count = values.shape[-1]
     zp_stored = zp - offset if isinstance(zp, int) else (zp - offset).astype(np.uint8)
     zp_note = "given" if site.input(3) else f"none (kernel default {zp})"
+    stored = "" if back is None else f", stored with axes {perm} (gathered first, blocked last)"
     return Plan(
         min_opset=kernel_opsets.FORMS["gather-block-unpack"],
         notes=(
             f"{storage} table {list(values.shape)}, block_size={block}, zero points: {zp_note}; "
-            f"kept packed: {packed.nbytes} bytes, unpacked per lookup",
+            f"kept packed: {packed.nbytes} bytes, unpacked per lookup{stored}",
         ),
-        data={"packed": packed, "bits": bits, "count": count, "block": block, "zp": zp_stored, "dtype": scales.dtype},
+        data={
+            "packed": packed,
+            "bits": bits,
+            "count": count,
+            "block": block,
+            "zp": zp_stored,
+            "dtype": scales.dtype,
+            "scales": None if back is None else np.ascontiguousarray(scales),
+            "back": back,
+        },
     )
+
+
+def _transpose_back(site: Site, perm: list[int]) -> list[int]:
+    """The Transpose that puts a lookup of the permuted table (the indices' axes, then the table's
+    axes in ``perm[1:]`` order) in the kernel's order (the table's axes before the gathered one, the
+    indices' axes, the table's axes after it)."""
+    shape = site.value_shape(site.input(1))
+    if shape is None:
+        raise NoMatch(
+            f"the rank of indices {site.input(1)!r} is not recorded: the packed form of a table gathered along "
+            f"axis {perm[0]} or blocked along another than the last transposes by it"
+        )
+    r = len(shape)
+    where = {axis: r + i for i, axis in enumerate(perm[1:])}  # table axis -> its place in the lookup
+    gather = perm[0]
+    return [where[a] for a in range(gather)] + list(range(r)) + [where[a] for a in range(gather + 1, len(perm))]
 
 
 def _build_packed(site: Site, emit: Emitter, data: Mapping[str, Any]) -> None:
@@ -241,15 +276,17 @@ def _build_packed(site: Site, emit: Emitter, data: Mapping[str, Any]) -> None:
     else:
         zp_rows = emit.op1("Gather", [emit.const(data["zp"]), indices], axis=0, hint="GatherZeroPoints")
         zp = emit.op1("Cast", [emit.op1("Gather", [zp_rows, of_block], axis=-1, hint="ZeroPoints")], to=_T.FLOAT)
-    scale = emit.op1(
-        "Gather", [emit.op1("Gather", [site.input(2), indices], axis=0, hint="GatherScales"), of_block], axis=-1
-    )
+    scales = site.input(2) if data["scales"] is None else emit.const(data["scales"])
+    scale = emit.op1("Gather", [emit.op1("Gather", [scales, indices], axis=0, hint="GatherScales"), of_block], axis=-1)
     if data["dtype"] == np.float16:
         scale = emit.op1("Cast", [scale], to=_T.FLOAT)
     out = site.node.output[0]
-    product = emit.op1("Mul", [emit.op1("Sub", [q, zp]), scale], None if data["dtype"] == np.float16 else out)
+    last = data["dtype"] != np.float16 and data["back"] is None
+    product = emit.op1("Mul", [emit.op1("Sub", [q, zp]), scale], out if last else None)
     if data["dtype"] == np.float16:
-        emit.op1("Cast", [product], out, to=_T.FLOAT16)
+        product = emit.op1("Cast", [product], None if data["back"] else out, to=_T.FLOAT16)
+    if data["back"] is not None:  # the permuted table's lookup, in the kernel's axis order
+        emit.op1("Transpose", [product], out, perm=data["back"])
 
 
 class GatherBlockQuantizedBuilder:
