@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import gc
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -479,13 +479,21 @@ class _Build:
     replaced_ops: collections.Counter[tuple[str, str]] = dataclasses.field(default_factory=collections.Counter)
     created_counts: collections.Counter[tuple[str, ...]] = dataclasses.field(default_factory=collections.Counter)
 
+    #: The initializer names of every scope, taken on the first :meth:`keep_read`: the one scope's
+    #: own (live) index, or the union of several once. A loop over the scopes per kept name cost
+    #: (kept names x scopes): 43 s instead of 2 s for 3000 Q/DQ pairs beside 3000 If subgraphs.
+    #: Names a build adds later are its own constants, never a replaced node's input (``dropped``).
+    initializer_names: Collection[str] | None = dataclasses.field(default=None, init=False, repr=False)
+
     def keep_read(self, name: str) -> None:
         """Note ``name`` as still read, if it names an initializer of any scope (see ``still_read``;
         any scope's, as ``dropped`` may hold an outer graph's)."""
-        for scope in self.scopes:
-            if scope.own_initializer(name) is not None:
-                self.still_read.add(name)
-                return
+        names = self.initializer_names
+        if names is None:
+            own = [scope.initializer_names() for scope in self.scopes]
+            names = self.initializer_names = own[0] if len(own) == 1 else set().union(*own)
+        if name in names:
+            self.still_read.add(name)
 
 
 def _build_scope(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -476,6 +476,11 @@ class Scope:
             if name in initializers:
                 return initializers[name]
         return None
+
+    def initializer_names(self) -> Collection[str]:
+        """The names of this scope's own graph's initializers: a view of its index, which
+        :meth:`add_initializer` keeps up to date (until :meth:`invalidate` starts a new one)."""
+        return self._own().initializers.keys()
 
     def own_initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` of this scope's own graph (not an outer one's), if any."""
