@@ -320,3 +320,39 @@ def test_a_block_larger_than_the_table_allocates_nothing_by_it():
         result = onnx_qrewrite.rewrite(original, keep_opset=True, skip=skip)
         assert result.report.by_rule() == {f"gather-block-quantized-{form}": 1}
         assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"block 2^40, {form}")
+
+
+@rule_marker("gather-block-quantized", "positive")
+@pytest.mark.parametrize("storage", ["uint8-4", "int4"])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_one_block_per_row_with_indices_of_any_rank(storage, rank):
+    """One block per row: a scalar index's lookup has a 1-element scale, which onnxruntime's
+    DequantizeLinear takes as per-tensor and refuses with a block_size ("block_size must be 0 for
+    per-tensor quantization"; the second review's finding); it is dequantized per tensor there,
+    blocked for other ranks. Bit for bit with the kernel, and the rewrite runs."""
+    original = _with_indices_rank(gbq_model(storage, True, 16, hidden=16), rank)
+    result = onnx_qrewrite.rewrite(original)
+    assert result.report.by_rule() == {"gather-block-quantized": 1}
+    ids = np.asarray(np.array([[3, -1, 0], [49, 7, -50]], np.int64)[(0,) * (2 - rank)])
+    assert_bitwise_equal(run(result.model, {"ids": ids})["emb"], run(original, {"ids": ids})["emb"], f"rank {rank}")
+
+
+@rule_marker("gather-block-quantized", "negative")
+def test_one_block_per_row_with_indices_of_unrecorded_rank_takes_the_packed_form():
+    """Whether a lookup's scale has one element cannot be told without the indices' rank: the
+    blocked form says so and the packed form (no DequantizeLinear) lowers the node."""
+    original = gbq_model("int4", False, 32, hidden=20)
+    graph = original.graph
+    graph.input.append(helper.make_tensor_value_info("ids_shape", TensorProto.INT64, [None]))
+    graph.node.insert(0, helper.make_node("Reshape", ["ids", "ids_shape"], ["ids_any"]))
+    graph.node[1].input[1] = "ids_any"
+    result = onnx_qrewrite.rewrite(original)
+    assert result.report.by_rule() == {"gather-block-quantized-packed": 1}
+    with pytest.raises(onnx_qrewrite.LoweringError, match="one block per row and indices 'ids_any' of unrecorded"):
+        onnx_qrewrite.rewrite(original, skip=["gather-block-quantized-packed", "gather-block-quantized-table"])
+    for ids in (np.array([5, -2, 0], np.int64), np.array(7, np.int64)):
+        feeds = {
+            "ids": ids.reshape(-1, 1) if ids.ndim else ids.reshape(1, 1),
+            "ids_shape": np.array(ids.shape, np.int64),
+        }
+        assert_bitwise_equal(run(result.model, feeds)["emb"], run(original, feeds)["emb"], f"indices {ids.shape}")

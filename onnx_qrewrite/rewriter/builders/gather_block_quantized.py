@@ -10,7 +10,8 @@ What onnxruntime 1.31.1's CPU kernel computes (measured, tests/test_lower_gather
 (negative indices count from the end); ``data`` is uint8 with ``bits`` 4 (two values per byte, low
 nibble first) or 8, or int4/uint4; a missing zero point means 8 / 128 for uint8 storage and 0 for
 int4/uint4. Gathering first and dequantizing only the gathered rows keeps the cost per lookup, not
-per table.
+per table. A rank-2 table with one block per row gathered by a scalar index is dequantized per
+tensor (onnxruntime takes the lookup's 1-element scale as per-tensor and refuses a block_size).
 
 onnxruntime's Gather takes no 4-bit tensors, so the table is stored with one byte per value (int8
 holding ``q - zp_default`` when there is no zero point): twice the packed size, still quantized.
@@ -227,6 +228,23 @@ def _check_packed(site: Site) -> Plan:
     )
 
 
+def _one_block_lookup(site: Site, n_blocks: int, rank: int) -> bool:
+    """Whether each lookup is one row of one block with a 1-element 1-D scale: a rank-2 table with
+    one block per row gathered by a scalar index. onnxruntime takes such a scale as per-tensor and
+    refuses a block_size with it ("block_size must be 0 for per-tensor quantization"), so that
+    lookup is dequantized per tensor, the same arithmetic. Where the indices' rank is not recorded
+    it cannot be told, and the packed form (no DequantizeLinear) is left to apply."""
+    if n_blocks != 1 or rank != 2:
+        return False
+    shape = site.value_shape(site.input(1))
+    if shape is None:
+        raise NoMatch(
+            f"one block per row and indices {site.input(1)!r} of unrecorded rank: a scalar index's lookup has a "
+            "1-element scale, which onnxruntime's blocked DequantizeLinear refuses as per-tensor"
+        )
+    return len(shape) == 0
+
+
 def _transpose_back(site: Site, perm: list[int]) -> list[int]:
     """The Transpose that puts a lookup of the permuted table (the indices' axes, then the table's
     axes in ``perm[1:]`` order) in the kernel's order (the table's axes before the gathered one, the
@@ -332,6 +350,7 @@ class GatherBlockQuantizedBuilder:
             zp = zp[..., :n_blocks]
             if zp_storage != storage or zp.shape != (*values.shape[:-1], n_blocks):
                 raise NoMatch(f"malformed node: zero points {site.input(3)!r} do not match data and block size")
+        one_block = _one_block_lookup(site, n_blocks, rank)
         signed = storage == "int4" or (zp is None and default != 0)
         if zp is None:
             values = values - default
@@ -340,7 +359,11 @@ class GatherBlockQuantizedBuilder:
         return Plan(
             min_opset=kernel_opsets.qdq_opset(False, "uint8", blocked=True) or kernel_opsets.BLOCKED,
             notes=(f"{storage} table {list(values.shape)}, block_size={block}, zero points: {zp_note}",),
-            data={"values": values.astype(dtype), "zp": None if zp is None else zp.astype(dtype), "block": block},
+            data={
+                "values": values.astype(dtype),
+                "zp": None if zp is None else zp.astype(dtype),
+                "block": 0 if one_block else block,
+            },
         )
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
@@ -356,7 +379,10 @@ class GatherBlockQuantizedBuilder:
         inputs = [rows, emit.op1("Gather", [site.input(2), indices], axis=0, hint="GatherScales")]
         if plan.data["zp"] is not None:
             inputs.append(emit.op1("Gather", [emit.const(plan.data["zp"]), indices], axis=0, hint="GatherZeroPoints"))
-        emit.op1("DequantizeLinear", inputs, site.node.output[0], axis=-1, block_size=plan.data["block"])
+        if plan.data["block"]:
+            emit.op1("DequantizeLinear", inputs, site.node.output[0], axis=-1, block_size=plan.data["block"])
+        else:  # one lookup of one block: its one scale applies to the whole row (_one_block_lookup)
+            emit.op1("DequantizeLinear", inputs, site.node.output[0])
 
 
 register(GatherBlockQuantizedBuilder())
