@@ -258,7 +258,7 @@ def _provenance_needs_ir(proto: onnx.ModelProto, mode: str) -> int:
     """The IR version the output must declare for provenance ``mode`` on ``proto``: node metadata is
     a field of IR 10 (rules/opsets/ir_versions.toml), so a model declared below it is declared at
     it; ``none`` writes no node metadata and needs nothing (0)."""
-    from onnx_qrewrite.targets.lower_ir import ir_with_field
+    from onnx_qrewrite.rewriter.ir_table import ir_with_field
 
     return ir_with_field(_PROVENANCE_FIELD) if mode != "none" else 0
 

@@ -82,6 +82,16 @@ def test_console_inspect_and_verify_of_a_plain_model_import_no_onnx(tmp_path):
     assert "onnxruntime" in loaded and "onnx" not in loaded and "onnx.onnx_cpp2py_export" not in loaded
 
 
+def test_a_plain_rewrite_loads_no_target_machinery(tmp_path):
+    """Without ``--target`` a rewrite needs of the targets' code only the IR table (the IR its
+    provenance needs, rewriter/ir_table.py): importing anything under onnx_qrewrite.targets would
+    load its profiles, planner and shape inference (~30 ms of CPU) on every rewrite."""
+    model = SAMPLES / "dynamic_mlp.onnx"
+    loaded = _console_modules(tmp_path, "-q", "rewrite", str(model), "-o", str(tmp_path / "out.onnx"))
+    assert "onnx_qrewrite.rewriter.ir_table" in loaded  # the provenance's IR was asked for
+    assert not any(m == "onnx_qrewrite.targets" or m.startswith("onnx_qrewrite.targets.") for m in loaded)
+
+
 def test_a_builder_module_is_imported_when_its_rule_is_applied():
     loaded = _modules_after(
         "from onnx_qrewrite.rewriter import builders\n"

@@ -12,16 +12,12 @@ declaration (measured), so the table is the check.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import tomllib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnx
 
-from onnx_qrewrite.errors import InternalError
+from onnx_qrewrite.rewriter.ir_table import IrAddition, ir_additions, ir_with_field
 
 if TYPE_CHECKING:
     from onnx_qrewrite.targets.profile import TargetProfile
@@ -32,53 +28,6 @@ _TABLE = "rules/opsets/ir_versions.toml"
 #: Integer attributes that name an element type (Cast's ``to``, QuantizeLinear's ``output_dtype``,
 #: EyeLike's and the Random ops' ``dtype``).
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "output_dtype"})
-
-
-@dataclasses.dataclass(frozen=True)
-class IrAddition:
-    """What one IR version added that a model can use."""
-
-    version: int
-    added: str
-    types: frozenset[str]
-    fields: tuple[str, ...]
-    cite: str
-
-
-def _table_path() -> Path:
-    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
-
-    return shipped_rules_dir() / "opsets" / "ir_versions.toml"
-
-
-@functools.cache
-def ir_additions() -> dict[int, IrAddition]:
-    """The shipped table, by IR version; checked so that a typo cannot make a feature invisible."""
-    path = _table_path()
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    sources = {s["id"] for s in data.get("source", [])}
-    known_types = {name.lower() for name, _ in onnx.TensorProto.DataType.items()}
-    out = {}
-    for raw in data.get("ir", []):
-        where = f"{path}: [[ir]] version {raw.get('version')}"
-        if raw.get("source") not in sources:
-            raise InternalError(f"{where} cites no [[source]]")
-        if unknown := sorted(set(raw["types"]) - known_types):
-            raise InternalError(f"{where}: unknown element type {unknown[0]!r}")
-        for field in raw["fields"]:
-            message, _, name = field.partition(".")
-            proto = getattr(onnx, message, None)
-            if proto is None or name not in proto.DESCRIPTOR.fields_by_name:
-                raise InternalError(f"{where}: no field {field!r} in onnx's protos")
-        out[raw["version"]] = IrAddition(
-            raw["version"], raw["added"], frozenset(raw["types"]), tuple(raw["fields"]), f"[opsets/{raw['source']}]"
-        )
-    return out
-
-
-def ir_with_field(field: str) -> int:
-    """The IR version that added ``field`` ("NodeProto.metadata_props": 10), from the table."""
-    return min(v for v, a in ir_additions().items() if field in a.fields)
 
 
 def _type_name(elem: int) -> str:

@@ -1,0 +1,68 @@
+"""What each ONNX IR version added (``rules/opsets/ir_versions.toml``): the table the target IR
+lowering (``targets/lower_ir.py``) checks a model against, and what a plain rewrite asks of it
+(the IR version its node provenance needs, ``api._provenance_needs_ir``).
+
+A module of its own, outside :mod:`onnx_qrewrite.targets`: importing anything under that package
+imports the package's ``__init__``, i.e. the target profiles, the planner and the shape inference
+(~30 ms of CPU), which a rewrite without ``--target`` does not use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tomllib
+from pathlib import Path
+
+import onnx
+
+from onnx_qrewrite.errors import InternalError
+
+__all__ = ["IrAddition", "ir_additions", "ir_with_field"]
+
+
+@dataclasses.dataclass(frozen=True)
+class IrAddition:
+    """What one IR version added that a model can use."""
+
+    version: int
+    added: str
+    types: frozenset[str]
+    fields: tuple[str, ...]
+    cite: str
+
+
+def _table_path() -> Path:
+    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
+
+    return shipped_rules_dir() / "opsets" / "ir_versions.toml"
+
+
+@functools.cache
+def ir_additions() -> dict[int, IrAddition]:
+    """The shipped table, by IR version; checked so that a typo cannot make a feature invisible."""
+    path = _table_path()
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    sources = {s["id"] for s in data.get("source", [])}
+    known_types = {name.lower() for name, _ in onnx.TensorProto.DataType.items()}
+    out = {}
+    for raw in data.get("ir", []):
+        where = f"{path}: [[ir]] version {raw.get('version')}"
+        if raw.get("source") not in sources:
+            raise InternalError(f"{where} cites no [[source]]")
+        if unknown := sorted(set(raw["types"]) - known_types):
+            raise InternalError(f"{where}: unknown element type {unknown[0]!r}")
+        for field in raw["fields"]:
+            message, _, name = field.partition(".")
+            proto = getattr(onnx, message, None)
+            if proto is None or name not in proto.DESCRIPTOR.fields_by_name:
+                raise InternalError(f"{where}: no field {field!r} in onnx's protos")
+        out[raw["version"]] = IrAddition(
+            raw["version"], raw["added"], frozenset(raw["types"]), tuple(raw["fields"]), f"[opsets/{raw['source']}]"
+        )
+    return out
+
+
+def ir_with_field(field: str) -> int:
+    """The IR version that added ``field`` ("NodeProto.metadata_props": 10), from the table."""
+    return min(v for v, a in ir_additions().items() if field in a.fields)
