@@ -34,6 +34,11 @@ def no_unknown_attributes(node: onnx.NodeProto, known: Collection[str]) -> None:
         raise NoMatch(f"attribute(s) {', '.join(unknown)} not supported ({read})")
 
 
+#: :func:`_qdq.value_shape`, once :meth:`Site.value_shape` first needs it (an import statement
+#: run per call costs a look-up in ``sys.modules`` and the fromlist, 60k times on a 20k-block chain).
+_VALUE_SHAPE: list[Callable[..., tuple[int | None, ...] | None]] = []
+
+
 class Site:
     """A node in its scope: everything a builder may look at.
 
@@ -132,9 +137,12 @@ class Site:
     def value_shape(self, value: str) -> tuple[int | None, ...] | None:
         """Static shape of ``value`` (see :func:`_qdq.value_shape`: records, Constants, seen
         through this catalogue's shape-preserving ops); None when unknown."""
-        from onnx_qrewrite.rewriter.builders._qdq import value_shape  # _qdq imports this module
+        shape_of = _VALUE_SHAPE
+        if not shape_of:  # _qdq imports this module: bound on first use, not imported per call
+            from onnx_qrewrite.rewriter.builders._qdq import value_shape
 
-        return value_shape(self.scope, value, self.same_shape_ops)
+            shape_of.append(value_shape)
+        return shape_of[0](self.scope, value, self.same_shape_ops)
 
     def producer_op(self, value: str) -> tuple[str, str] | None:
         """(domain, op_type) of the node of this scope writing ``value``; None when none does."""
