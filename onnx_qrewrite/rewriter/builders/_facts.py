@@ -196,6 +196,10 @@ def _compiled(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[tuple[int, 
 #: producers' ops: numbers and op names, never a value's name), by role (a name), or through
 #: :func:`_answer_key` (arrays, a scope's facts).
 _EQUAL, _NAME, _KEY = 0, 1, 2
+#: The arguments of a question about one of the node's own names and nothing else (most of them:
+#: an input's type, shape or producer): its replay calls the query with that name, not a tuple
+#: bound slot by slot. Compared by identity; equal to what :func:`_compiled` gives such a question.
+_ONE_NAME: tuple[Any, ...] = (None,)
 #: Each query's mode; ``scope_memo`` is looked up in the scope's memo (never computed on replay).
 _MODES = {
     "elem_type": _EQUAL,
@@ -269,6 +273,8 @@ class RecordingSite(Site):
             self._seen.add((query, base, slots))
             mode = _MODES[query]
             key = answer if mode == _EQUAL else _answer_key(answer, self._roles)
+            if method is not None and base == (None,) and len(slots) == 1:
+                base = _ONE_NAME  # marks the replay's fast path (_Trace.replays)
             self._entries.append((method, base, slots, mode, key, answer))
 
     def elem_type(self, value: str) -> int | None:
@@ -337,6 +343,12 @@ _Entry = tuple[Any, tuple[Any, ...], tuple[tuple[int, bool, int], ...], int, Has
 
 @dataclasses.dataclass(slots=True)
 class _Trace:
+    """One recorded check of a head: its questions and their answers, and the outcome.
+
+    A node replays at most one of its head's traces: the check is deterministic, so two traces
+    follow the same questions up to the first one whose answers differ, which no node answers
+    both ways. Their order is only how soon the one a node replays is found."""
+
     entries: list[_Entry]
     plan: Plan | None
     declined: NoMatch | None
@@ -346,6 +358,20 @@ class _Trace:
         roles, if they were needed)."""
         inputs, outputs = site.inputs, site.outputs
         for method, args, slots, mode, key, answer in self.entries:
+            if args is _ONE_NAME:  # the commonest question: about one of the node's own names
+                ((_, output, k),) = slots
+                found = method(site, outputs[k] if output else inputs[k])
+                if found is answer:
+                    continue
+                if mode == _EQUAL:
+                    if found != answer:
+                        return False, roles
+                    continue
+                if roles is None:
+                    roles = _roles(inputs, outputs)
+                if _answer_key(found, roles) != key:
+                    return False, roles
+                continue
             if slots:
                 bound = list(args)
                 for position, output, k in slots:
@@ -396,9 +422,11 @@ class CheckMemo:
             return check(site)
         traces = self._heads.setdefault(head, [])
         roles = None
-        for trace in traces:
+        for position, trace in enumerate(traces):
             replayed, roles = trace.replays(site, roles)
             if replayed:
+                if position:  # at most one trace replays (see _Trace): the last one to, first
+                    traces.insert(0, traces.pop(position))
                 if trace.plan is not None:
                     return trace.plan
                 assert trace.declined is not None
