@@ -237,7 +237,7 @@ class _Producers:
             hi += 1
         for k in range(hi - 1, lo - 1, -1):
             node = nodes[self.owners.item(k)]
-            outputs = node.output
+            outputs = node.output[:]  # a list: see _walk on iterating protobuf's containers
             if name in outputs:
                 if self.unique and len(outputs) > 1:
                     recent = self.recent
@@ -624,7 +624,11 @@ def _walk(scope: Scope, op_codes: bool = False) -> Iterator[Scope]:
             if code is None:
                 code = seen[key] = len(seen)
             codes.append(code)
-            written = node.output
+            # A slice, not the field: protobuf's repeated fields have no __iter__, so iterating
+            # one (extend, ``in``, a for loop) ends in an IndexError raised and caught, which costs
+            # more than the copy (timeit: extending a list by a slice of a node's outputs is a third
+            # faster than by the field).
+            written = node.output[:]
             add_outputs(written)
             add_count(len(written))
             add_name(node.name)
