@@ -148,23 +148,6 @@ def test_verifying_one_pair_starts_no_worker_machinery(tmp_path):
     assert "onnx_qrewrite.cli.batch" not in loaded and "multiprocessing" not in loaded
 
 
-def test_plain_rewrite_loads_no_target_planner(tmp_path):
-    """A rewrite without --target reads one table of targets/lower_ir.py (the IR version node
-    provenance needs); the profiles, checks and planner of the targets package are not loaded
-    with it (~0.1 s of CPU on every rewrite)."""
-    from pathlib import Path
-
-    model = Path(__file__).resolve().parent.parent / "sample_models" / "dynamic_mlp.onnx"
-    out = tmp_path / "mlp.portable.onnx"
-    loaded = _modules_after(
-        "from onnx_qrewrite.cli import main\n"
-        f"try:\n    main(['-q', 'rewrite', {str(model)!r}, '-o', {str(out)!r}])\n"
-        "except SystemExit as exit:\n    assert not exit.code, exit.code"
-    )
-    assert "onnx_qrewrite.targets.lower_ir" in loaded and out.exists()  # it did rewrite, with provenance
-    assert not {"onnx_qrewrite.targets.plan", "onnx_qrewrite.targets.check", "onnx_qrewrite.targets.profile"} & loaded
-
-
 def test_inspect_and_rewrite_start_no_process(tmp_path):
     """Neither command runs a helper program: giving memory back to the system looks
     ``malloc_trim`` up in the loaded symbols, where ``ctypes.util.find_library`` would run
