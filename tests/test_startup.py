@@ -5,6 +5,7 @@ subcommands is the one they carry."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -310,3 +311,35 @@ def test_the_console_script_ends_with_the_commands_status_without_tearing_down_m
     )
     done = subprocess.run([sys.executable, "-c", returning, "rules"], capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "returned\natexit ran" in done.stdout, done.stdout[-200:]
+
+
+def test_inspect_loads_numpy_protobuf_and_the_engine_without_collections_in_its_own_process():
+    """``inspect`` imports the catalogue, the model reader and the engine (and with them numpy,
+    protobuf and onnx's message classes) through ``cli.import_quietly`` once its options are read:
+    in the console script's process no collection runs while any of those modules loads (they
+    did: 60-odd collections of the sample MLP's ``inspect`` ran inside them; a builder's module,
+    loaded when its rule applies, is not among them). The output is unchanged."""
+    model = SAMPLES / "dynamic_mlp.onnx"
+    code = (
+        "import gc, sys\n"
+        "from onnx_qrewrite import cli\n"
+        "loading = []\n"
+        "def note(phase, info):\n"
+        "    frame = sys._getframe(1) if phase == 'start' else None\n"
+        "    while frame is not None:\n"
+        "        if frame.f_code.co_name == '<module>':\n"
+        "            loading.append(frame.f_code.co_filename)\n"
+        "        frame = frame.f_back\n"
+        "gc.callbacks.append(note)\n"
+        f"sys.argv = ['onnx-qrewrite', 'inspect', {str(model)!r}]\n"
+        "try:\n    cli.run()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
+        "print(repr(sorted(set(loading))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "quantization ops: 6 nodes" in done.stdout
+    loading = eval(done.stdout.strip().splitlines()[-1])  # a list of file names, printed by repr
+    heavy = ("numpy", "protobuf", "onnx_ml_pb2", "rewriter", "io")
+    builders = f"{os.sep}builders{os.sep}"  # each loads when its rule applies, in the engine's run
+    during = [n for n in loading if any(f"{os.sep}{part}" in n for part in heavy) and builders not in n]
+    assert during == [], during
