@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 
 from onnx_qrewrite import cli
 
@@ -343,3 +344,24 @@ def test_inspect_loads_numpy_protobuf_and_the_engine_without_collections_in_its_
     builders = f"{os.sep}builders{os.sep}"  # each loads when its rule applies, in the engine's run
     during = [n for n in loading if any(f"{os.sep}{part}" in n for part in heavy) and builders not in n]
     assert during == [], during
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_inspect_starts_no_blas_threads_unless_the_user_asks_for_them():
+    """In the console script's process ``inspect`` loads numpy with OpenBLAS told to start no
+    threads (it multiplies no matrices; the pool's threads spin for work that never comes), and
+    leaves the variable unset afterwards; a user's own OPENBLAS_NUM_THREADS wins."""
+    model = SAMPLES / "dynamic_mlp.onnx"
+    code = (
+        "import os, sys\n"
+        "from onnx_qrewrite import cli\n"
+        f"sys.argv = ['onnx-qrewrite', 'inspect', {str(model)!r}]\n"
+        "try:\n    cli.run()\nexcept SystemExit as exit:\n    assert not exit.code, exit.code\n"
+        "print(len(os.listdir('/proc/self/task')), os.environ.get('OPENBLAS_NUM_THREADS'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    for given, expected in ((None, "1 None"), ("2", "2 2")):
+        run_env = env if given is None else {**env, "OPENBLAS_NUM_THREADS": given}
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env=run_env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == expected

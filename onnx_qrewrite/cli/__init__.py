@@ -22,7 +22,7 @@ from onnx_qrewrite import __version__
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 from onnx_qrewrite.io import signals
 
-__all__ = ["console", "import_quietly", "main", "run"]
+__all__ = ["console", "import_numpy_without_blas_threads", "import_quietly", "main", "run"]
 
 #: name -> "module:attribute" of the click command
 SUBCOMMANDS = {
@@ -83,6 +83,29 @@ def import_quietly(module: str) -> Any:
         gc.freeze()
         if was_enabled:
             gc.enable()
+
+
+#: The variable OpenBLAS, numpy's BLAS in its wheels, reads its thread count from when it loads.
+_BLAS_THREADS = "OPENBLAS_NUM_THREADS"
+
+
+def import_numpy_without_blas_threads() -> None:
+    """``import numpy`` (through :func:`import_quietly`) in a command's own process, with OpenBLAS
+    told to start no threads of its own, unless the user set their number.
+
+    For a command that does no matrix product (``inspect``: numpy sums and compares small
+    constants, and no BLAS routine runs): OpenBLAS starts a thread per core when numpy loads, each
+    of which spins waiting for work for a while before it sleeps, 10-20 ms of CPU in an ``inspect``
+    of the sample MLP (its thread's time in /proc) for work that never comes. The variable is
+    removed once numpy is loaded, so that nothing the command starts inherits it; in-process
+    callers (tests, embedding) import numpy as they would."""
+    if not _PROCESS["own_process"] or "numpy" in sys.modules or _BLAS_THREADS in os.environ:
+        return
+    os.environ[_BLAS_THREADS] = "1"
+    try:
+        import_quietly("numpy")
+    finally:
+        del os.environ[_BLAS_THREADS]
 
 
 class _LazyGroup(click.Group):

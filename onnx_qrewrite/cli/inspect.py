@@ -279,9 +279,12 @@ def _import_engine(targets: bool) -> None:
     ``verify`` loads the verifier. Imported where first used instead (``inspect_model``), they
     loaded with the collector running: 60-odd collections in an ``inspect`` of the sample MLP,
     16 million instructions of its 844 million (callgrind); tests/test_startup.py checks that none
-    runs while they load. In-process callers get plain imports."""
-    from onnx_qrewrite.cli import import_quietly
+    runs while they load. In-process callers get plain imports. numpy loads first, with no
+    BLAS threads: ``inspect`` multiplies no matrices (:func:`~onnx_qrewrite.cli.
+    import_numpy_without_blas_threads`)."""
+    from onnx_qrewrite.cli import import_numpy_without_blas_threads, import_quietly
 
+    import_numpy_without_blas_threads()
     for module in (*_ENGINE_MODULES, "onnx_qrewrite.targets") if targets else _ENGINE_MODULES:
         import_quietly(module)
 
