@@ -9,7 +9,6 @@ opset would fail, that is reported and the plan shown is the one with the opset 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -261,6 +260,8 @@ def _inspect_target(
         input_shapes=target_input_shapes(input_shapes, target),
     )
     if as_json:
+        import json  # only for --json: the text answer does without it
+
         click.echo(json.dumps({**plan.to_dict(), "sources": _sources(profile)}, indent=2))
     else:
         print_plan(plan, profile, all_nodes)
@@ -354,6 +355,8 @@ def inspect_command(
     allow = ("exact", "bounded", "approximate") if allow_approximate else None
     report = inspect_model(model, catalogue, target_opset=target_opset, keep_opset=keep_opset, allow=allow)
     if as_json:
+        import json
+
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
         _print_text(report, all_nodes)
