@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -504,7 +505,7 @@ def _in_words(refused: Refused) -> str:
 def _naming(refused: Collection[Refused], most: int = 3) -> str:
     """ ": a (op), b (op)" for what a weighed choice leaves refused, the first ``most`` and how many
     more (``weighed_left`` lists every one, with why); "" for nothing."""
-    named = [f"{r.node} ({r.op_key})" for r in list(refused)[:most]]
+    named = [f"{r.node} ({r.op_key})" for r in itertools.islice(refused, most)]
     more = f", and {len(refused) - most} more" if len(refused) > most else ""
     return f": {', '.join(named)}{more}" if named else ""
 
@@ -1084,6 +1085,14 @@ class _Account:
     label_of: dict[str, str]
     #: profile_rule_options' account: a rule that declined a node under the profile's options says so.
     set_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: Per form listing, what its whole-model trial left (one tuple, :meth:`_trial_left`), and per
+    #: such tuple its refusals in words (:meth:`_words`): every node the form could rewrite names
+    #: the same trial, so building them per node made the account quadratic in the model's nodes
+    #: (chain_1000 for tensorrt: 5 million strings; chain_4000: 80 million, about 14 GB).
+    _trial_of: dict[str, tuple[Refused, ...]] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _words_of: dict[int, tuple[tuple[Refused, ...], tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def verdicts(self, before: list[Refused]) -> list[NodeVerdict]:
         """One verdict per refusal of the model as it was, in that order."""
@@ -1113,7 +1122,7 @@ class _Account:
         rule = chain[0].rule if chain else None
         weighed = self._considered(node, r.scope, site, rule) if node is not None else []
         considered = tuple(text for _, text, _ in weighed)
-        left = {rule_id: tuple(_in_words(x) for x in refused) for rule_id, _, refused in weighed if refused}
+        left = {rule_id: self._words(refused) for rule_id, _, refused in weighed if refused}
         level = max((rw.exactness for rw in chain), key=lambda e: _RANK[e]) if chain else None
         form = next((self.form_of[rw.rule] for rw in chain if rw.rule in self.form_of), None)
         then = tuple(f"{rw.rule} ({rw.exactness}) on {rw.node}" for rw in chain[1:])
@@ -1163,7 +1172,7 @@ class _Account:
                     f"{rule_id} ({its_level}, form {listed}): tried with the whole form, which leaves "
                     f"{len(with_it)} refused node(s) against {without} without it{_naming(with_it)}"
                 )
-                out.append((rule_id, text, tuple(with_it)))
+                out.append((rule_id, text, self._trial_left(listed)))
             elif rule_id not in node.outcome:
                 depth, why = self.top.why.get((scope, site), {}).get(rule_id, (0, ""))
                 why = why or node.declined.get(rule_id, "")
@@ -1182,6 +1191,20 @@ class _Account:
                 text = f"{rule_id} ({its_level}): leaves {n} refused node{'s' if n != 1 else ''}{_naming(left)}"
                 out.append((rule_id, text, left))
         return out
+
+    def _trial_left(self, listed: str) -> tuple[Refused, ...]:
+        """The refused nodes the form listing ``listed``'s trial left, one tuple for every node."""
+        if listed not in self._trial_of:
+            self._trial_of[listed] = tuple(self.top.trials[listed][0])
+        return self._trial_of[listed]
+
+    def _words(self, refused: tuple[Refused, ...]) -> tuple[str, ...]:
+        """``refused`` in words (:func:`_in_words`), made once per tuple: the nodes a form's trial
+        names share its tuple (:meth:`_trial_left`), and so the words."""
+        known = self._words_of.get(id(refused))
+        if known is None:  # the tuple is kept beside its words, so its id is not reused meanwhile
+            known = self._words_of[id(refused)] = (refused, tuple(_in_words(x) for x in refused))
+        return known[1]
 
     def _set_here(self, rule_id: str) -> str:
         """The options the profile set for the rule, as the weighed line adds them (", with
