@@ -127,6 +127,32 @@ def test_a_one_sided_nan_fails_whatever_the_thresholds():
     assert measure_drift("s", both, both.copy(), DriftThreshold(), 0.0).passed  # NaN in the same place
 
 
+def test_undefined_elements_take_no_part_in_the_statistics():
+    """Elements the original's kernel leaves undefined (verify sets them to 0 on both sides) are
+    measured nowhere: not in an argmax, where a filler 0 beat written negative scores and hid a
+    rewrite that swapped keys 0 and 1 (every row "agreed" at the first undefined key), and a row
+    with none defined is not compared; rel L2 and cosine are those of the defined elements."""
+    a = np.array([[-1.0, -2.0, 0.0, 0.0], [-3.0, -1.0, -2.0, 0.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    b = a[:, [1, 0, 2, 3]]  # keys 0 and 1 swapped
+    undefined = np.array([[False, False, True, True], [False, False, False, True], [True] * 4])
+    whole_rows = measure_drift("s", a, b, DriftThreshold(), 1.0)
+    assert (whole_rows.argmax_agree, whole_rows.argmax_rows) == (3, 3)  # the fault the mask fixes
+    d = measure_drift("s", a, b, DriftThreshold(), 1.0, undefined=undefined)
+    assert (d.argmax_agree, d.argmax_rows) == (0, 2) and not d.passed
+    defined_a, defined_b = a[~undefined].astype(np.float64), b[~undefined].astype(np.float64)
+    assert d.rel_l2 == pytest.approx(np.linalg.norm(defined_a - defined_b) / np.linalg.norm(defined_a))
+    cos = np.dot(defined_a, defined_b) / (np.linalg.norm(defined_a) * np.linalg.norm(defined_b))
+    assert d.cosine == pytest.approx(cos)
+    assert (d.rel_l2, d.cosine) == (whole_rows.rel_l2, whole_rows.cosine)  # zeros on both sides add nothing
+    # Whatever the undefined elements hold, they change nothing (verify passes them as 0s, but
+    # measure_drift does not rely on it).
+    garbage = np.where(undefined, np.float32(1e6), b)
+    assert measure_drift("s", a, garbage, DriftThreshold(), 1.0, undefined=undefined) == d
+    # A mask that broadcasts (one per key) and leaves nothing undefined: the whole-row answer.
+    none = measure_drift("s", a, b, DriftThreshold(), 1.0, undefined=np.zeros(4, bool))
+    assert none == whole_rows
+
+
 def test_over_samples_the_worst_rel_l2_and_cosine_count_and_argmax_rows_pool():
     a = np.array([[1.0, 0.0]], np.float32)
     good = measure_drift("good", a, np.array([[1.0, 0.01]], np.float32), DriftThreshold(), 0.01)

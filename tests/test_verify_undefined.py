@@ -28,6 +28,7 @@ from test_unfuse_gqa_qk import throwaway, with_qk, written
 import onnx_qrewrite
 from onnx_qrewrite.verify import SCHEMA_PATH, Sample, Tolerances
 from onnx_qrewrite.verify import verify as verify_models
+from onnx_qrewrite.verify.drift import DriftThresholds
 
 #: uneven lengths: entries 1 and 2 leave keys unwritten (3 entries, 4 heads, 1 query, 10 keys)
 SHAPE = CASES["token step, per-entry lengths"]
@@ -182,6 +183,40 @@ def test_a_wrong_value_at_a_written_key_is_still_caught():
     row = qk_row(report)
     assert row.mismatches == 2 and row.worst is not None and row.worst.index == (1, 0, 0, 0)
     assert report.localization is not None and report.localization.node == "wrong_qk"
+
+
+def keys_swapped(rewritten):
+    """Broken at written keys: output_qk with keys 0 and 1 swapped (a Gather after the rewrite's)."""
+    model = onnx.ModelProto()
+    model.CopyFrom(rewritten)
+    producer = next(n for n in model.graph.node if "qk" in n.output)
+    producer.output[list(producer.output).index("qk")] = "qk_raw"
+    order = np.arange(TOTAL)
+    order[[0, 1]] = [1, 0]
+    model.graph.initializer.append(numpy_helper.from_array(order.astype(np.int64), "keys_swapped"))
+    model.graph.node.append(helper.make_node("Gather", ["qk_raw", "keys_swapped"], ["qk"], axis=3, name="swap"))
+    return model
+
+
+def test_drift_argmax_compares_only_the_written_keys():
+    """Judged by drift, output_qk's argmax runs over the keys the kernel writes. Every written
+    score negative and key 0's the highest: the rewrite with keys 0 and 1 swapped disagrees in
+    every row. Over whole rows, the undefined keys' filler 0 won the argmax on both sides of each
+    entry with unwritten keys (2 of 3), and 8 of 12 rows "agreed": the check passed at 2/3."""
+    model = qk_model()
+    rewritten = keys_swapped(onnx_qrewrite.rewrite(model).model)
+    feeds = samples(1)[0].feeds
+    feeds["q"], feeds["k"], feeds["pk"] = np.abs(feeds["q"]), -np.abs(feeds["k"]), -np.abs(feeds["pk"])
+    feeds["pk"][:, :, 0] *= 1e-3  # key 0 scores closest to 0: each row's argmax
+    thresholds = DriftThresholds("always", per_output={"qk": {"rel_l2": 100.0, "cosine": 0.0, "argmax": 2 / 3}})
+    given = [Sample("negative", feeds)]
+    report = verify_models(model, rewritten, inputs=given, drift=thresholds, localize_failures=False)
+    drift = qk_row(report).drift
+    assert drift is not None and (drift.argmax_agree, drift.argmax_rows) == (0, BATCH * HEADS * SEQ)
+    assert not report.passed and "argmax 0/12 rows agree" in report.to_table()
+    honest = verify_models(model, onnx_qrewrite.rewrite(model).model, inputs=given, drift=thresholds)
+    assert honest.passed, honest.to_table()
+    assert (qk_row(honest).drift.argmax_agree, qk_row(honest).drift.argmax_rows) == (12, 12)
 
 
 def test_seqlens_k_computed_in_the_graph():

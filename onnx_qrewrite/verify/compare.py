@@ -364,7 +364,8 @@ def compare_values(
     max_abs_error = float(abs_error.max()) if original.size else 0.0
     measured = None
     if drift is not None:
-        measured = measure_drift(sample, original, rewritten, drift, max_abs_error)
+        mask = undefined.mask if undefined is not None and skipped else None
+        measured = measure_drift(sample, original, rewritten, drift, max_abs_error, undefined=mask)
     failed = not measured.passed if measured is not None else bool(mismatches)
     return ValueComparison(
         **base,

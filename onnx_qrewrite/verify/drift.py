@@ -217,11 +217,28 @@ class Drift:
 
 
 def measure_drift(
-    sample: str, original: np.ndarray, rewritten: np.ndarray, threshold: DriftThreshold, max_abs: float
+    sample: str,
+    original: np.ndarray,
+    rewritten: np.ndarray,
+    threshold: DriftThreshold,
+    max_abs: float,
+    *,
+    undefined: np.ndarray | None = None,
 ) -> Drift:
-    """The drift of one value on one sample (same shape and dtype: the caller checked)."""
-    a = np.asarray(original).astype(np.float64).ravel()
-    b = np.asarray(rewritten).astype(np.float64).ravel()
+    """The drift of one value on one sample (same shape and dtype: the caller checked).
+
+    ``undefined`` (broadcast to the value's shape): elements the original's kernel leaves
+    undefined (:mod:`.undefined`), measured nowhere. They count as 0 on both sides in rel L2 and
+    cosine (a 0 adds nothing to either norm, the difference or the dot product, so those are the
+    statistics of the defined elements alone), and as -inf in each argmax, so a filler value
+    cannot win a row; a row with no defined element is not compared (not among the rows)."""
+    shape = np.shape(original)
+    defined = None if undefined is None else ~np.broadcast_to(np.asarray(undefined, bool), shape)
+    a = np.asarray(original).astype(np.float64)
+    b = np.asarray(rewritten).astype(np.float64)
+    if defined is not None:
+        a, b = np.where(defined, a, 0.0), np.where(defined, b, 0.0)
+    a, b = a.ravel(), b.ravel()
     same = (a == b) | (np.isnan(a) & np.isnan(b))
     finite = np.isfinite(a) & np.isfinite(b)
     one_sided = int(np.count_nonzero(~same & ~finite))
@@ -233,13 +250,7 @@ def measure_drift(
         cosine = float(np.dot(a_f, b_f)) / (norm_a * norm_b)
     else:
         cosine = 1.0 if norm_a == norm_b else 0.0  # both all-zero: identical
-    rows = agree = 0
-    original = np.asarray(original)
-    if is_classifier_shaped(original.dtype, original.shape) and original.size:
-        scores_a = original.astype(np.float64).reshape(-1, original.shape[-1])
-        scores_b = np.asarray(rewritten).astype(np.float64).reshape(-1, original.shape[-1])
-        rows = scores_a.shape[0]
-        agree = int(np.count_nonzero(np.argmax(scores_a, axis=-1) == np.argmax(scores_b, axis=-1)))
+    rows, agree = _argmax_agreement(original, rewritten, defined)
     return Drift(
         threshold,
         rel_l2=rel_l2,
@@ -251,6 +262,24 @@ def measure_drift(
         one_sided_non_finite=one_sided,
         max_abs=max_abs,
     )
+
+
+def _argmax_agreement(original: np.ndarray, rewritten: np.ndarray, defined: np.ndarray | None) -> tuple[int, int]:
+    """(rows compared, rows whose argmax agrees) of a classifier-shaped value, over its defined
+    elements only (``defined``: None, all); (0, 0) for any other value."""
+    original = np.asarray(original)
+    if not is_classifier_shaped(original.dtype, original.shape) or not original.size:
+        return 0, 0
+    width = original.shape[-1]
+    scores_a = original.astype(np.float64).reshape(-1, width)
+    scores_b = np.asarray(rewritten).astype(np.float64).reshape(-1, width)
+    if defined is not None:
+        keep = defined.reshape(-1, width)
+        compared = keep.any(axis=-1)
+        scores_a = np.where(keep, scores_a, -np.inf)[compared]
+        scores_b = np.where(keep, scores_b, -np.inf)[compared]
+    agree = np.argmax(scores_a, axis=-1) == np.argmax(scores_b, axis=-1)
+    return int(scores_a.shape[0]), int(np.count_nonzero(agree))
 
 
 def merge_drifts(parts: Sequence[Drift]) -> Drift:
