@@ -1228,3 +1228,63 @@ def test_a_refusal_looks_through_a_where_only_where_its_condition_is_static(cond
     refused. Offline: the profile's data and check_model, no tract needed."""
     found = [r for r in check_model(_softmax_where_quantize(condition), load_target("tract")) if r.node == "ql"]
     assert bool(found) is refused, found
+
+
+def _qlinear_chain(links: int, residual: bool, x_shape: tuple[int, ...] = (4, 16)) -> onnx.ModelProto:
+    """x -> QuantizeLinear -> ``links`` QLinearAdds -> QLinearMatMul: each add reads the previous
+    value twice (QLinearAdd(a, a)), or it and a QLinearLeakyRelu of it (a + f(a)). onnx's
+    inference stops at the contrib ops, so the tflite check derives the MatMul input's rank back
+    through the whole chain, reaching every value by two paths."""
+    f = onnx.numpy_helper.from_array
+    w = np.random.default_rng(0).integers(0, 255, (16, 8)).astype(np.uint8)
+    inits = [f(np.array(0.05, np.float32), "s"), f(np.array(128, np.uint8), "z"), f(w, "W")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["a0"])]
+    for i in range(1, links + 1):
+        prev, other = f"a{i - 1}", f"a{i - 1}"
+        if residual:
+            other = f"r{i}"
+            leaky = helper.make_node("QLinearLeakyRelu", [prev, "s", "z", "s", "z"], [other], alpha=0.1)
+            nodes.append(leaky)
+        add = helper.make_node("QLinearAdd", [prev, "s", "z", other, "s", "z", "s", "z"], [f"a{i}"])
+        nodes.append(add)
+    nodes.append(helper.make_node("QLinearMatMul", [f"a{links}", "s", "z", "W", "s", "z", "s", "z"], ["m"], name="mm"))
+    nodes.append(helper.make_node("DequantizeLinear", ["m", "s", "z"], ["y"]))
+    for node in nodes:
+        node.domain = "com.microsoft" if node.op_type.startswith("QLinear") and node.op_type != "QLinearMatMul" else ""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(helper.make_graph(nodes, "g", [x], [y], inits), ir_version=9, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["a+a", "a+f(a)"])
+def test_tflite_rank_derivation_is_linear_in_a_chain_that_reaches_values_twice(monkeypatch, residual):
+    """The tflite check derives a QLinearMatMul input's rank back through com.microsoft ops
+    (targets.check._rank): without a memo, each QLinearAdd reached its input twice and the calls
+    doubled per link (a 20-link chain took 71 s). Counted, not timed: a 24-link chain's derivation
+    stays within a bound linear in the links (2**24 calls before), and the verdicts are those of
+    the unmemoized recursion on a chain short enough to run it."""
+    from onnx_qrewrite.targets import check as check_module
+
+    profile = load_target("tflite")
+    calls = []
+    counted = check_module.contrib_rank
+
+    def counting(node, rank_of):
+        calls.append(node.output[0])
+        if len(calls) > 40 * 24:
+            raise AssertionError(f"{len(calls)} rank derivations through a 24-link chain: not linear")
+        return counted(node, rank_of)
+
+    monkeypatch.setattr(check_module, "contrib_rank", counting)
+    check_model(_qlinear_chain(24, residual), profile)
+    assert 0 < len(calls) <= 40 * 24
+    monkeypatch.setattr(check_module, "contrib_rank", counted)
+    (beyond,) = check_model(_qlinear_chain(40, residual), profile)  # past _RANK_DEPTH: not derived
+    assert "of unrecorded shape" in beyond.reasons[0], beyond
+    shorts = [_qlinear_chain(8, residual, shape) for shape in ((4, 16), (2, 4, 16))]
+    memoized = [[(r.node, r.reasons) for r in check_model(m, profile)] for m in shorts]
+    assert memoized[0] == [] and "rank-3 input ('a8'" in memoized[1][0][1][0], memoized
+    unmemoized = lambda scope, name, depth=check_module._RANK_DEPTH: check_module._rank_uncached(scope, name, depth)  # noqa: E731
+    monkeypatch.setattr(check_module, "_rank", unmemoized)
+    assert [[(r.node, r.reasons) for r in check_model(m, profile)] for m in shorts] == memoized

@@ -240,6 +240,14 @@ _RANK_DEPTH = 32
 
 
 def _rank(scope: Scope, name: str, depth: int = _RANK_DEPTH) -> int | None:
+    """:func:`_rank_uncached` once per scope, name and depth: a chain of QLinearAdd(a, a), or of
+    residual adds a + f(a), reaches each value by two paths, and without the memo the calls
+    doubled per link (a 20-link chain took 71 s). The depth is in the key, so each answer is the
+    one the unmemoized recursion gave."""
+    return scope.memo(("target-rank", name, depth), lambda: _rank_uncached(scope, name, depth))
+
+
+def _rank_uncached(scope: Scope, name: str, depth: int) -> int | None:
     """The number of dimensions of ``name`` when shape inference or a constant tells it, or its
     producer fixes it whatever its input's shape (Flatten: 2, where onnx's inference gives no
     shape for an input of unknown shape, e.g. a QOperator CNN's pooled value), or it is the output
