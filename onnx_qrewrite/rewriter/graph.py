@@ -482,10 +482,6 @@ class Scope:
         :meth:`add_initializer` keeps up to date (until :meth:`invalidate` starts a new one)."""
         return self._own().initializers.keys()
 
-    def own_initializer(self, name: str) -> onnx.TensorProto | None:
-        """The initializer ``name`` of this scope's own graph (not an outer one's), if any."""
-        return self._own().initializers.get(name)
-
     def _definition(self, name: str) -> onnx.TensorProto | onnx.NodeProto | None:
         """What defines ``name`` here, in ONNX's resolution order: the innermost initializer or
         producing node; None when a graph input shadows outer names, or nothing defines it."""
