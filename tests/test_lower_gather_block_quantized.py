@@ -6,9 +6,12 @@ dequantized at rewrite time, on one battery."""
 
 from __future__ import annotations
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
+from _pairwise import pairwise
 from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
 
@@ -60,7 +63,9 @@ def gbq_model(storage: str, with_zp: bool, block: int, vocab: int = 50, hidden: 
     )
 
 
-CASES = [(s, z, b) for s in ("uint8-4", "uint8-8", "int4", "uint4") for z in (False, True) for b in (16, 32, 128)]
+# Every storage with every block size and with and without zero points (pairwise, tests/_pairwise.py:
+# each storage x block size once, each meeting both zero point settings).
+CASES = pairwise(("uint8-4", "uint8-8", "int4", "uint4"), (False, True), (16, 32, 128))
 
 
 @rule_marker("gather-block-quantized", "positive")
@@ -158,13 +163,25 @@ def table_model(storage, with_zp, block, scale_type, opset, shape=(40, 300), gat
     )
 
 
-TABLE_CASES = [
-    (s, z, b, t)
-    for s in ("uint8-2", "uint8-4", "uint8-8", "int4", "uint4")
-    for z in (False, True)
-    for b in (16, 64, 256)
-    for t in (np.float32, np.float16)
-]
+STORAGES = ("uint8-2", "uint8-4", "uint8-8", "int4", "uint4")
+
+
+def _table_cases() -> list[tuple]:
+    """(storage, with_zp, block, scale type, opset, form): every storage in both forms at both opsets
+    on the path those choose (float16 scales: never the blocked form; zero points and block sizes
+    taking turns), then rows until every value of each dimension has met every value of each other
+    (tests/_pairwise.py): float32 scales with each storage, opset and form (the blocked form at 21
+    but for bits 2; the blocked form's own battery is test_gathered_rows_dequantize_bit_for_bit).
+    The full product was 240 cases of one rewrite and two sessions each."""
+    zp_blocks = list(itertools.product((False, True), (16, 64, 256)))
+    triples = itertools.product(STORAGES, (13, 21), ("packed", "table"))
+    keep = [(s, *zp_blocks[i % 6], np.float16, o, f) for i, (s, o, f) in enumerate(triples)]
+    return pairwise(
+        STORAGES, (False, True), (16, 64, 256), (np.float32, np.float16), (13, 21), ("packed", "table"), keep=keep
+    )
+
+
+TABLE_CASES = _table_cases()
 
 
 def _ids(vocab: int) -> np.ndarray:
@@ -173,12 +190,10 @@ def _ids(vocab: int) -> np.ndarray:
 
 @rule_marker("gather-block-quantized-packed", "positive")
 @rule_marker("gather-block-quantized-table", "positive")
-@pytest.mark.parametrize("form", ["packed", "table"])
-@pytest.mark.parametrize("opset", [13, 21])
 @pytest.mark.parametrize(
-    "storage, with_zp, block, scale_type",
+    "storage, with_zp, block, scale_type, opset, form",
     TABLE_CASES,
-    ids=[f"{s}-zp{z}-bs{b}-{np.dtype(t).name}" for s, z, b, t in TABLE_CASES],
+    ids=[f"{s}-zp{z}-bs{b}-{np.dtype(t).name}-{o}-{f}" for s, z, b, t, o, f in TABLE_CASES],
 )
 def test_dequantized_table_gathers_bit_for_bit(storage, with_zp, block, scale_type, opset, form):
     """Where the blocked form does not apply, the packed table (the default: unpacked per lookup)
@@ -221,6 +236,9 @@ def test_the_packed_table_keeps_a_4_bit_table_at_its_packed_size():
 
 AXES = [((40, 48), 1, 0), ((40, 48), 0, 1), ((6, 5, 48), 1, 2), ((6, 40, 5), 2, 1), ((40, 6, 5), 2, 0)]
 AXES += [((5, 40, 6), 1, 0), ((48, 6, 5), 0, 1), ((3, 4, 5, 33), 2, 0)]
+# Every axis pair in both forms, with both storages, with and without zero points and with both
+# scale types; each of those with each other (pairwise, tests/_pairwise.py; the product was 128).
+AXIS_CASES = pairwise(AXES, ("int4", "uint4"), (True, False), (np.float16, np.float32), ("packed", "table"))
 
 
 def _with_indices_rank(model, rank):
@@ -239,15 +257,17 @@ def _with_indices_rank(model, rank):
 
 @rule_marker("gather-block-quantized-packed", "positive")
 @rule_marker("gather-block-quantized-table", "positive")
-@pytest.mark.parametrize("form", ["packed", "table"])
-@pytest.mark.parametrize("scale_type", [np.float16, np.float32])
-@pytest.mark.parametrize("storage, with_zp", [("int4", True), ("uint4", True), ("int4", False), ("uint4", False)])
-@pytest.mark.parametrize("shape, gather_axis, quantize_axis", AXES)
-def test_every_axis_pair_the_kernel_takes(storage, with_zp, scale_type, shape, gather_axis, quantize_axis, form):
+@pytest.mark.parametrize(
+    "axes, storage, with_zp, scale_type, form",
+    AXIS_CASES,
+    ids=[f"{a[0]}-{a[1]}-{a[2]}-{s}-zp{z}-{np.dtype(t).name}-{f}" for a, s, z, t, f in AXIS_CASES],
+)
+def test_every_axis_pair_the_kernel_takes(axes, storage, with_zp, scale_type, form):
     """Both forms on every axis pair onnxruntime's kernel takes for int4/uint4 (uint8 storage: along
     0, blocks along the last only): the packed table stored with its axes permuted (gathered first,
     blocked last) and each lookup transposed back; the dequantized table gathered where it is.
     Bit for bit with the kernel, the packed table at its packed size."""
+    shape, gather_axis, quantize_axis = axes
     original = table_model(storage, with_zp, 16, scale_type, 13, shape, gather_axis, quantize_axis)
     skip = ["gather-block-quantized-packed"] if form == "table" else []
     result = onnx_qrewrite.rewrite(original, keep_opset=True, skip=skip)
