@@ -13,8 +13,8 @@ import onnx
 import pytest
 
 from onnx_qrewrite.api import load_rules
+from onnx_qrewrite.targets import account as account_module
 from onnx_qrewrite.targets import load_target, plan_for_model
-from onnx_qrewrite.targets import plan as plan_module
 
 
 def _make_dql_chain(blocks: int, path: Path) -> onnx.ModelProto:
@@ -35,7 +35,7 @@ def _make_dql_chain(blocks: int, path: Path) -> onnx.ModelProto:
 def _account(blocks: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, list]:
     """Calls of ``_in_words`` while planning the chain for tensorrt, and the plan's verdicts."""
     calls = 0
-    words = plan_module._in_words
+    words = account_module._in_words
 
     def counted(refused):  # type: ignore[no-untyped-def]
         nonlocal calls
@@ -43,9 +43,9 @@ def _account(blocks: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tu
         return words(refused)
 
     model = _make_dql_chain(blocks, tmp_path / f"chain_{blocks}.onnx")
-    monkeypatch.setattr(plan_module, "_in_words", counted)
+    monkeypatch.setattr(account_module, "_in_words", counted)
     plan = plan_for_model(model, load_rules(), load_target("tensorrt"))
-    monkeypatch.setattr(plan_module, "_in_words", words)
+    monkeypatch.setattr(account_module, "_in_words", words)
     return calls, plan.nodes
 
 

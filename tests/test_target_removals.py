@@ -122,11 +122,11 @@ def test_every_rule_that_declares_its_outputs_unread_emits_nothing_and_the_rever
     """The plan finds removal rules by their contract (every output unread); the rule files say it
     as ``emits = ""``. The two agree for every rule of the catalogue and of every named form."""
     from onnx_qrewrite.rewriter.contract import UNREAD
-    from onnx_qrewrite.targets.plan import _removes
+    from onnx_qrewrite.targets.trials import removes
 
     forms = sorted(p.stem for p in named_form("qdq").parent.glob("*.toml"))
     rules = list(load_catalogue([named_form(name) for name in forms]))
-    removing = {r.id for r in rules if _removes(r)}
+    removing = {r.id for r in rules if removes(r)}
     assert removing == {r.id for r in rules if not r.emits}, removing
     assert "qdq-to-float-drop-q" in removing and "float-emulation-q-unread" in removing
     for rule in rules:

@@ -112,14 +112,14 @@ def test_the_bound_needs_the_later_stage_to_continue_the_provenance(target, monk
     """Without continuing it (the later stage's rule writing its own provenance, as before), the
     replacement ends before the value of the original node: nothing at the node is checked, and
     the broken rewrite is not caught there."""
-    import onnx_qrewrite.targets.plan as plan_mod
+    import onnx_qrewrite.targets.stages as stages
 
-    original = plan_mod.engine_options
+    original = stages.engine_options
 
     def without(*args, **kwargs):
         return original(*args, **{**kwargs, "later_stage": False})
 
-    monkeypatch.setattr(plan_mod, "engine_options", without)
+    monkeypatch.setattr(stages, "engine_options", without)
     model = _model(read_by_dq=False)
     result = rewrite(model, target=target)
     bad = verify(model, _dropped_zero_point(result.model), samples=3)

@@ -868,7 +868,7 @@ def test_a_plan_applies_rules_to_what_earlier_rules_emitted(tmp_path, monkeypatc
     got = ort.InferenceSession(result.model.SerializeToString()).run(None, feed)[0]
     assert np.array_equal(want, got)
     # with one stage only, the standard QuantizeLinear stays refused: ms-q-standard is not used
-    monkeypatch.setattr("onnx_qrewrite.targets.plan.MAX_STAGES", 1)
+    monkeypatch.setattr("onnx_qrewrite.targets.stages.MAX_STAGES", 1)
     one = plan_for_target_model(model, profile)
     assert one.refused_after == 1 and next(n for n in one.nodes if n.node == "q").rule is None
 

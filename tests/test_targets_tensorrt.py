@@ -101,7 +101,7 @@ def test_tensorrt_reaches_a_quantize_static_qoperator_cnn(tmp_path, monkeypatch)
     report = verify(model, result.model, samples=2)
     assert report.passed, report.to_table()
     # without the deferral the last DequantizeLinear is emulated alone and the Q before it stays uint8
-    monkeypatch.setattr("onnx_qrewrite.targets.plan._deferrable", lambda *a: [])
+    monkeypatch.setattr("onnx_qrewrite.targets.trials.deferrable", lambda *a: [])
     assert plan_for_model(model, catalogue, profile).refused_after == 1
     # without the form the Flatten stays on uint8
     monkeypatch.undo()

@@ -425,7 +425,7 @@ class Scope:
         the slot -1 for a read inside the node's subgraphs (once per node, at any depth).
 
         The one reader index of a scope: :meth:`readers`, :meth:`input_readers` and the target plan
-        (targets/plan.py) read theirs from it. It describes the node list as it was when first asked:
+        (targets/trials.py) read theirs from it. It describes the node list as it was when first asked:
         whatever edits the node list must call :meth:`invalidate` (as for the other indexes), which
         forgets it; an added initializer (:meth:`add_initializer`) reads nothing and keeps it."""
 
