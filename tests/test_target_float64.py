@@ -6,12 +6,11 @@ node and for the model; LiteRT's refusal is a refusal; a float64 target says not
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper
 
 from onnx_qrewrite import rewrite
@@ -52,12 +51,12 @@ def test_openvino_gets_the_rotary_rewrite_with_its_float64_named_as_float32_ther
     assert "unfuse-rotary-embedding" in summary and "declared exactness does not hold there" in summary
     source = tmp_path / "rotary.onnx"
     onnx.save(_rotary(), source)
-    run = [sys.executable, "-m", "onnx_qrewrite", "inspect", str(source), "--target", "openvino"]
-    text = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    run = ["inspect", source, "--target", "openvino"]  # in this process: tests/_cli_helpers.py
+    text = cli_in_process(*run)
     assert text.returncode == 0, text.stderr
     assert "caveat: unfuse-rotary-embedding computes in float64" in text.stdout
     assert "float64: unfuse-rotary-embedding (" in text.stdout
-    data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=120).stdout)
+    data = json.loads(cli_in_process(*run, "--json").stdout)
     assert data["float64"]["rules"] == plan.float64["rules"] and data["nodes"][0]["caveats"]
 
 
@@ -101,11 +100,10 @@ def test_openvino_runs_its_native_rotary_wrongly_and_the_rewrite_within_its_tole
 
 
 def test_targets_lists_each_profiles_ir_ceiling_and_float64_arithmetic():
-    run = [sys.executable, "-m", "onnx_qrewrite", "targets"]
-    data = {t["id"]: t for t in json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True).stdout)}
+    data = {t["id"]: t for t in json.loads(cli_in_process("targets", "--json").stdout)}
     assert (data["openvino"]["ir_max"], data["openvino"]["float64"]) == (14, "float32")
     assert (data["tensorrt"]["ir_max"], data["tensorrt"]["float64"]) == (10, None)
-    text = subprocess.run([*run, "--long", "qnn"], capture_output=True, text=True).stdout
+    text = cli_in_process("targets", "--long", "qnn").stdout
     assert (
         "IR versions up to 13 [qnn/ort-session]" in text and "float64 arithmetic: reduced [qnn/float64-probe]" in text
     )

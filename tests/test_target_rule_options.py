@@ -11,12 +11,10 @@ own.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_qrewrite import rewrite
@@ -130,12 +128,7 @@ def test_cli_bad_rule_option_in_a_profile_exits_2_with_one_line(tmp_path):
     path = _profile(tmp_path, PROFILE + _entry(options='{ reduction_lenght = "recorded" }'))
     model = tmp_path / "mm.onnx"
     onnx.save(_matmul(), model)
-    proc = subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", "inspect", str(model), "--target", path],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli_in_process("inspect", model, "--target", path)  # in this process: tests/_cli_helpers.py
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip()
     assert line.count("\n") == 0 and "Traceback" not in line
@@ -213,10 +206,7 @@ def test_inspect_and_targets_show_the_profiles_options(tmp_path):
     model = tmp_path / "mm.onnx"
     onnx.save(_matmul(), model)
 
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "onnx_qrewrite", *args], capture_output=True, text=True, timeout=120
-        )
+    run = cli_in_process  # in this process: tests/_cli_helpers.py
 
     proc = run("inspect", str(model), "--target", path)
     assert proc.returncode == 4, proc.stderr
