@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import onnx
 import pytest
 import test_lower_opset as lower_opset_tests
+from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_qrewrite import rewrite
@@ -66,9 +66,8 @@ def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
+    """The command line in this process (tests/_cli_helpers.py): what it prints, writes and exits with."""
+    return cli_in_process(*args)
 
 
 def test_the_table_describes_every_ir_version_from_9_to_the_installed_onnx_and_every_type_it_added():

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from onnx import TensorProto, defs, helper, numpy_helper
 
 from onnx_qrewrite import rewrite
@@ -280,9 +280,8 @@ def test_the_plan_refuses_a_model_whose_lowering_is_not_exact_and_names_the_node
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "onnx_qrewrite", *map(str, args)], capture_output=True, text=True, timeout=120
-    )
+    """The command line in this process (tests/_cli_helpers.py): what it prints, writes and exits with."""
+    return cli_in_process(*args)
 
 
 def test_inspect_and_rewrite_for_tensorrt_count_and_report_the_lowering(tmp_path):

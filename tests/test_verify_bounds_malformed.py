@@ -5,12 +5,10 @@ there. And inputs given through the API that hold no sample are a usage error, n
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper
 
 from onnx_qrewrite import rewrite
@@ -45,10 +43,9 @@ def test_an_original_node_missing_the_input_a_bound_formula_reads_is_exit_3_nami
     original.graph.node[0].input[0] = ""  # A, which the formula reads: absent
     del original.graph.input[0]
     onnx.save(original, bad)
-    run = [sys.executable, "-m", "onnx_qrewrite", "verify"]
-    done = subprocess.run([*run, good, rewritten], capture_output=True, text=True)
+    done = cli_in_process("verify", good, rewritten)  # in this process: tests/_cli_helpers.py
     assert done.returncode == 0 and "1 bounded replacement within its bound" in done.stdout, done.stderr
-    done = subprocess.run([*run, bad, rewritten], capture_output=True, text=True)
+    done = cli_in_process("verify", bad, rewritten)
     assert done.returncode == 3, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert "mm_bad.onnx" in line and "(mm)'s input 0 is marked single but has an empty string" in line
