@@ -9,6 +9,7 @@ from pathlib import Path
 import jsonschema
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from _verify_helpers import cli, invoke, one_error_line, save_toy_models
 from onnx import TensorProto, helper
 
@@ -73,7 +74,7 @@ def test_quiet_prints_nothing_but_keeps_the_exit_code(toy):
     ],
 )
 def test_bad_options_exit_2_with_one_line_naming_the_option(toy, args, expected):
-    proc = cli("verify", toy["original"], toy["good"], *args)
+    proc = cli_in_process("verify", toy["original"], toy["good"], *args)  # an option battery: in this process
     assert proc.returncode == 2
     assert one_error_line(proc) == f"onnx-qrewrite: error: {expected}"
 

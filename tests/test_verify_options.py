@@ -13,6 +13,7 @@ import jsonschema
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from _verify_helpers import cli, invoke, one_error_line, save_toy_models
 from onnx import TensorProto, helper, numpy_helper
 
@@ -306,7 +307,7 @@ def test_a_foreign_outputs_file_is_a_usage_error(toy, tmp_path, content, expecte
 )
 def test_options_that_would_exhaust_the_machine_are_refused_in_one_line(toy, tmp_path, args, expected):
     report = tmp_path / "r.json"
-    proc = cli("verify", toy["original"], toy["good"], *args, "--report", report)
+    proc = cli_in_process("verify", toy["original"], toy["good"], *args, "--report", report)  # in this process
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and expected in proc.stderr
     if args[0] != "--tolerance-rule":  # click's own usage errors come with its usage lines
@@ -414,7 +415,7 @@ def test_verify_never_writes_a_file_it_reads(toy, tmp_path, option):
     original = tmp_path / "o.onnx"
     original.write_bytes(toy["original"].read_bytes())
     before = original.read_bytes()
-    proc = cli("verify", original, toy["good"], option, original)
+    proc = cli_in_process("verify", original, toy["good"], option, original)  # an option battery: in this process
     assert proc.returncode == 2
     assert one_error_line(proc.stderr) == (
         f"onnx-qrewrite: error: {option} {original}: refusing to overwrite the input file {original} (the same "
