@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from _cli_helpers import cli_in_process
 from _safety_helpers import INTERRUPTIBLE, PY, cli, digest, dql_model, one_error_line
 from conftest import assert_bitwise_equal, run
 
@@ -103,7 +104,8 @@ def test_reports_onto_models_or_their_data_are_refused(tmp_path, option, victim)
         "output-data": tmp_path / "o.onnx.data",
     }[victim]
     before = digest(tmp_path)
-    proc = cli("rewrite", model, "-o", out, "--verify", option, path, "--samples", "1", "--no-battery")
+    # Refused before any work: in this process (tests/_cli_helpers.py), as the real program answers.
+    proc = cli_in_process("rewrite", model, "-o", out, "--verify", option, path, "--samples", "1", "--no-battery")
     assert proc.returncode == 2, proc.stderr
     assert option in one_error_line(proc)
     assert digest(tmp_path) == before
@@ -113,9 +115,9 @@ def test_verify_reports_onto_its_models_are_refused(tmp_path):
     model = dql_model(tmp_path / "m")
     before = digest(tmp_path)
     for option in ("--report", "--junit", "--save-inputs"):
-        proc = cli("verify", model, model, option, model.parent / "model.onnx.data")
+        proc = cli_in_process("verify", model, model, option, model.parent / "model.onnx.data")
         assert proc.returncode == 2 and "refusing to overwrite the input" in one_error_line(proc)
-    proc = cli("verify", model, model, "--report", tmp_path / "r", "--junit", tmp_path / "r")
+    proc = cli_in_process("verify", model, model, "--report", tmp_path / "r", "--junit", tmp_path / "r")
     assert proc.returncode == 2 and "is also given to" in one_error_line(proc)
     assert digest(tmp_path) == before
 
