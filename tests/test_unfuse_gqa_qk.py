@@ -7,11 +7,11 @@ keys the query does not attend: after its position, outside its local window), w
 the softmax's probabilities (0 at those keys). Both round as the output does (the kernel's products,
 tanh and softmax differ from MatMul/Tanh/Softmax by a few ulps): the rule's bound for them is
 2^-20·(1 + max|score|) (asserted, and shown to catch a rewrite whose scores are off by 0.1%).
-Where the past buffer is longer than total_sequence_length the kernel's output_qk changes from run to
-run (measured: it is not written in its own layout there), so nothing is compared there. An entry's
-row is written only over its own keys (< seqlens_k[b] + 1): with seqlens_k uneven across the batch the
-keys beyond are left unwritten (stale memory: -5.2e32 measured), so only the keys < seqlens_k[b] + 1
-are compared, after a throwaway run that leaves data in the arena (stale memory then shows).
+An entry's row is written only over its own keys (< seqlens_k[b] + 1): with seqlens_k uneven across
+the batch, or a padded first prompt, the keys beyond are left unwritten (stale memory: -5.2e32
+measured), so only the keys < seqlens_k[b] + 1 are compared, after a throwaway run that leaves data in
+the arena (stale memory then shows). A past buffer longer than total_sequence_length changes nothing
+there (measured in a fresh interpreter: tests/test_verify_undefined.py).
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def check_qk(model, feeds, shape, scale=0.0):
     return diff, want["qk"]
 
 
-#: CASES where output_qk is defined (past buffer no longer than total_sequence_length)
-DEFINED = [case for case in CASES if case != "token step, buffer longer than needed"]
+#: CASES and a padded first prompt (its rows past an entry's length attend the entry's keys)
+DEFINED = {**CASES, "padded first prompt": (3, 6, None, 4, 2, 8, [6, 3, 1], 6)}
 
 
 @rule_marker("unfuse-group-query-attention", "positive")
@@ -98,13 +98,14 @@ DEFINED = [case for case in CASES if case != "token step, buffer longer than nee
 @pytest.mark.parametrize("magnitude", [1.0, 30.0])
 @pytest.mark.parametrize("case", DEFINED)
 def test_output_qk_within_the_bound(case, magnitude, mode):
-    shape = CASES[case]
+    shape = DEFINED[case]
     batch, seq, past, heads, kv_heads, head, lengths, total = shape
     model = with_qk(gqa_model(batch, seq, past, heads, kv_heads, head), mode)
     feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total, magnitude)
     _, qk = check_qk(model, feeds, shape)
     keys = np.arange(total)
-    rows = (np.array(lengths)[:, None] - seq + np.arange(seq))[:, None, :, None]  # each query's position
+    first = seq == total  # a first prompt: position i (its padding rows attend keys below the length)
+    rows = (np.arange(seq) if first else np.array(lengths)[:, None] - seq + np.arange(seq))[..., None, :, None]
     unattended = np.broadcast_to(keys > rows, qk.shape) & written(qk, lengths)
     assert (qk[unattended] == 0).all()  # the keys not attended (and written): 0
 

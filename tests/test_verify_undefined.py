@@ -109,17 +109,25 @@ def qk_row(report):
     return next(o for o in report.outputs if o.name == "qk")
 
 
-def stale_keys(mode):
+#: a past buffer (12) longer than total_sequence_length (6), entry 1 shorter (3 keys of 6)
+LONG = CASES["token step, buffer longer than needed"]
+LONG_QK_SHAPE = (LONG[0], LONG[3], LONG[1], LONG[7])
+LONG_UNWRITTEN = ~written(np.zeros(LONG_QK_SHAPE), LONG[6])
+
+
+def stale_keys(mode, shape=SHAPE):
     """The keys of output_qk that change when runs before it leave different data in memory: one
     session per run, as ``run`` makes them, so the kernel's output lands in memory freed by the run
     before. Which memory that is depends on everything the process allocated before, so this is
     measured in a fresh interpreter (:func:`test_the_kernel_leaves_exactly_those_keys_unwritten`)."""
-    model, feeds = qk_model(mode), samples(1)[0].feeds
+    batch, seq, past, heads, kv_heads, head, lengths, total = shape
+    model = with_qk(gqa_model(batch, seq, past, heads, kv_heads, head), mode)
+    feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
     seen = []
-    for fill in (-1000.0, 3.0, 77.0):
+    for fill in (-1000.0, 3.0, 77.0, 0.5):
         run(model, {k: np.full_like(v, fill) if v.dtype.kind == "f" else v for k, v in feeds.items()})
         seen.append(run(model, feeds)["qk"])
-    moved = np.zeros(QK_SHAPE, bool)
+    moved = np.zeros(seen[0].shape, bool)
     for other in seen[1:]:
         moved |= other.view(np.uint32) != seen[0].view(np.uint32)
     return moved
@@ -127,20 +135,42 @@ def stale_keys(mode):
 
 def test_the_kernel_leaves_exactly_those_keys_unwritten():
     """The premise, measured: after runs that leave different data in memory, output_qk changes
-    only at keys >= seqlens_k[b] + 1 (and does change there), for both modes. Run in a fresh
-    interpreter: inside the test session the heap's state depends on the tests run before, and the
-    stale data may happen not to differ (seen in a full-suite order)."""
+    only at keys >= seqlens_k[b] + 1 (and does change there), for both modes, with a past buffer
+    that fits and one longer than total_sequence_length (the same keys: the kernel copies each row's
+    first total_sequence_length scores whatever the buffer). Run in a fresh interpreter: inside the
+    test session the heap's state depends on the tests run before, and the stale data may happen not
+    to differ (seen in a full-suite order)."""
     script = (
         "import sys, json; sys.path.insert(0, sys.argv[1]); import test_verify_undefined as t; "
-        "print(json.dumps([t.stale_keys(m).ravel().tolist() for m in (1, 2)]))"
+        "print(json.dumps([t.stale_keys(m, s).ravel().tolist() for s in (t.SHAPE, t.LONG) for m in (1, 2)]))"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, check=True
     )
-    for flat in json.loads(done.stdout.splitlines()[-1]):
-        moved = np.array(flat, bool).reshape(QK_SHAPE)
-        assert not (moved & ~UNWRITTEN).any()
+    expected = [UNWRITTEN, UNWRITTEN, LONG_UNWRITTEN, LONG_UNWRITTEN]
+    for flat, unwritten in zip(json.loads(done.stdout.splitlines()[-1]), expected, strict=True):
+        moved = np.array(flat, bool).reshape(unwritten.shape)
+        assert not (moved & ~unwritten).any()
         assert moved.any(), "no stale data showed: the test cannot tell written from unwritten keys"
+
+
+def test_a_past_buffer_longer_than_total_sequence_length():
+    """verify sets aside exactly the keys >= seqlens_k[b] + 1 there too (the rewrite's note said the
+    whole output_qk was undefined with such a buffer: it is not, measured above), and catches a wrong
+    value at a written key."""
+    batch, seq, past, heads, kv_heads, head, lengths, total = LONG
+    model = with_qk(gqa_model(batch, seq, past, heads, kv_heads, head), 1)
+    given = [Sample("long", gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total))]
+    rewritten = onnx_qrewrite.rewrite(model).model
+    garbage = changed(rewritten, "qk", np.where(LONG_UNWRITTEN, 12345.0, 0.0), "garbage")
+    bound = Tolerances(output_atol={"y": gqa_bound(given[0].feeds, heads, kv_heads, head, head**-0.5)})
+    report = verify_models(model, garbage, inputs=given, tolerances=bound)
+    assert report.passed, report.to_table()
+    assert (qk_row(report).undefined, qk_row(report).elements) == (LONG_UNWRITTEN.sum(), (~LONG_UNWRITTEN).sum())
+    delta = np.zeros(LONG_QK_SHAPE)
+    delta[1, 2, 0, 2] = 0.01  # entry 1's last written key
+    broken = verify_models(model, changed(garbage, "qk", delta, "wrong_qk"), inputs=given, tolerances=bound)
+    assert not broken.passed and qk_row(broken).mismatches == 1
 
 
 @pytest.mark.parametrize("mode", [1, 2])

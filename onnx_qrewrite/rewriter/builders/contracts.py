@@ -523,6 +523,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 | {"Tanh", "Div"}  # softcap
                 | {"Pad", "ReduceMax"}  # attention_bias
                 | {"Identity"}  # output_qk
+                | {"Min"}  # a padded first prompt's rows attend the entry's keys
             ),
             exactness=lambda options: BOUNDED,
             bound="the kernel's products and softmax round differently from MatMul/Softmax/MatMul (a few float32 "

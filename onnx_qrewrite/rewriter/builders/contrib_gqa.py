@@ -10,8 +10,9 @@ the ORT transformers optimizer write into LLM decoders: Llama, Mistral, Phi, Qwe
 in onnxruntime 1.31.1's CPU kernel order (``gqa_attention_base.h``): ``total_b = seqlens_k[b] + 1``;
 the first prompt (``S == total_sequence_length``) has no past (``past_b = 0``), every other call
 ``past_b = total_b - S``. The present buffers are built with GatherElements from
-``Concat(past, new, zeros)`` at each entry's own offset; the causal mask is ``Where(key < past_b + i + 1,
-score, -inf)``, which Softmax turns into the exact zeros the kernel writes.
+``Concat(past, new, zeros)`` at each entry's own offset; the causal mask is ``Where(key < min(past_b + i
++ 1, total_b), score, -inf)``, which Softmax turns into the exact zeros the kernel writes (total_b
+bounds the padding rows of a first prompt only).
 
 ``do_rotary``: Q and the new K are rotated at positions ``past_b + i`` with cos/sin cache rows, as
 RotaryEmbedding's kernel (the same MLAS routine; contrib_rotary.rotate, exact), before the cache.
@@ -39,20 +40,20 @@ bit), and so does the rewrite.
 
 ``qk_output`` 1 / 2 with the output_qk output (B, N, S, total_sequence_length): each score row as the
 kernel copies it before the softmax (scale·Q·Kᵀ, softcapped, plus attention_bias, 0 at the keys not
-attended) or after it (the probabilities); where the past buffer is longer than
-total_sequence_length the kernel's output_qk changes from run to run (measured), undefined there.
-An entry's row is written only over its own keys (< seqlens_k[b] + 1): where seqlens_k[b] + 1 is
-less than total_sequence_length (lengths uneven across the batch, a padded first prompt) the kernel
-leaves the keys at or beyond it unwritten (they hold whatever memory held before: -5.2e32
-measured), undefined there; the rewrite writes 0 there, and ``verify`` does not compare them
-(``verify/undefined.py``; the rewrite's note says so).
+attended) or after it (the probabilities). An entry's row is written only over its own keys (<
+seqlens_k[b] + 1): where seqlens_k[b] + 1 is less than total_sequence_length (lengths uneven across the
+batch, a padded first prompt) the kernel leaves the keys at or beyond it unwritten (they hold whatever
+memory held before: -5.2e32 measured), and only those, with a past buffer longer than
+total_sequence_length too (measured in a fresh interpreter), undefined there; the rewrite writes 0
+there, and ``verify`` does not compare them (``verify/undefined.py``; the rewrite's note says so).
 
 Not lowered (the node stays, with the reason): ``qk_output`` other than 0-2 or without output_qk (the
 kernel refuses both), output_qk with ``qk_output`` 0 (refused too), ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
-magnitude: measured), shapes that are not recorded. Where the kernel is
-undefined the rewrite is not claimed: query rows of a first prompt past an entry's length
-(``i >= seqlens_k[b] + 1``, padding) read scores the kernel never computed.
+magnitude: measured), shapes that are not recorded. Query rows of a first prompt at or past an
+entry's length (``i >= seqlens_k[b] + 1``, padding) attend the entry's keys (below its length; with a
+local window the last w of them), as the kernel does (measured, with stale memory before: not the
+padding keys up to i, which an earlier form attended and called undefined).
 """
 
 from __future__ import annotations
@@ -165,7 +166,9 @@ class GroupQueryAttentionBuilder:
         present_k, present_v = (
             _present(emit, pasts[i], new, source, outputs[1 + i]) for i, new in enumerate((new_k, new_v))
         )
-        allowed = _unsqueeze(emit, _allowed(emit, keys, rows, plan.data["window"]), [1, 2])  # (B, 1, 1, S, T)
+        # with output_qk the kernel takes a padded first prompt's window from the entry's last key
+        allowed = _allowed(emit, keys, rows, total, plan.data["window"], from_end=_window_from_end(site, plan))
+        allowed = _unsqueeze(emit, allowed, [1, 2])  # (B, 1, 1, S, T)
         qk = _QKOutput(site.node.output[3], requested, plan.data["qk_output"]) if plan.data["qk_output"] else None
         context = _attend(emit, site, plan, q, present_k, present_v, allowed, outputs[0], qk)
         if float16:
@@ -303,11 +306,30 @@ def _attend(
     probs = _softmax(emit, scores, sink or None)
     if bias and not sink and plan.data["softcap"] == 0:
         probs = _zero_dead_rows(emit, scores, probs)
+    if plan.data["window"] > 0 and not _window_from_end(site, plan):
+        probs = _zero_empty_rows(emit, allowed, probs)
     if qk is not None and qk.mode == 2:
         _write_qk(emit, plan, qk, probs)
     context = emit.op1("MatMul", [probs, _unsqueeze(emit, present_v, [2])])  # (B, Nkv, G, S, H)
     context = emit.op1("Transpose", [context], perm=[0, 3, 1, 2, 4])
     return emit.op1("Reshape", [context, _i64(emit, [0, 0, heads * head])], output or None)
+
+
+def _window_from_end(site: Site, plan: Plan) -> bool:
+    """Whether the kernel takes a padded first prompt's local window from the entry's last key
+    (measured: float16, or with output_qk, softcap, smooth_softmax or head_sink) or from the row's
+    position (its float32 path without those; attention_bias does not change it)."""
+    data = plan.data
+    return bool(data["float16"] or data["qk_output"] or data["softcap"] > 0 or data["smooth"] or site.input(11))
+
+
+def _zero_empty_rows(emit: Emitter, allowed: str, probs: str) -> str:
+    """``probs`` with zeros in the rows that attend no key (a padded first prompt's rows whose window
+    lies past the entry's length, without output_qk), whose output the kernel writes as zeros
+    (measured); the softmax of no key is NaN."""
+    attends = emit.reduce_last_axis("ReduceMax", emit.op1("Cast", [allowed], to=_T.FLOAT))
+    empty = emit.op1("Equal", [attends, emit.const(np.float32(0.0))], hint="NoKey")
+    return emit.op1("Where", [empty, emit.const(np.float32(0.0)), probs])
 
 
 def _zero_dead_rows(emit: Emitter, scores: str, probs: str) -> str:
@@ -339,13 +361,21 @@ def _bias(emit: Emitter, bias: str, scores: str, kv_heads: int, groups: int) -> 
     return emit.op1("Pad", [shaped, pads])
 
 
-def _allowed(emit: Emitter, keys: str, rows: str, window: int) -> str:
+def _allowed(emit: Emitter, keys: str, rows: str, total: str, window: int, from_end: bool) -> str:
     """Which keys (T,) each query at position ``rows`` (B, S) attends, (B, S, T): the keys up to its
-    position, and with a local window only the last ``window`` of them (onnxruntime 1.31.1's CPU
-    kernel, measured: window 2 attends the query's own key and the one before)."""
-    allowed = emit.op1("Less", [keys, _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(1))]), [2])])
+    position and below the entry's length ``total`` (B,) (seqlens_k + 1), and with a local window only
+    the last ``window`` of them (onnxruntime 1.31.1's CPU kernel, measured: window 2 attends the
+    query's own key and the one before). The length matters on a padded first prompt only (elsewhere
+    every position is below it): a query row at or past its entry's length attends the entry's keys
+    (measured: not the padding keys up to its position); with a window, the last ``window`` keys
+    before the entry's length when ``from_end`` (the kernel's path with output_qk), else those of the
+    window up to the row's position that are below the length (the path without it; a row may then
+    attend none: :func:`_zero_empty_rows`). Both measured, after runs leaving other data in memory."""
+    ends = emit.op1("Min", [emit.op1("Add", [rows, emit.const(np.int64(1))]), _unsqueeze(emit, total, [1])])
+    allowed = emit.op1("Less", [keys, _unsqueeze(emit, ends, [2])])
     if window > 0:
-        first = _unsqueeze(emit, emit.op1("Add", [rows, emit.const(np.int64(-window))]), [2])
+        last = ends if from_end else emit.op1("Add", [rows, emit.const(np.int64(1))])
+        first = _unsqueeze(emit, emit.op1("Add", [last, emit.const(np.int64(-window - 1))]), [2])
         allowed = emit.op1("And", [allowed, emit.op1("Greater", [keys, first])], hint="LocalWindow")
     return allowed
 
