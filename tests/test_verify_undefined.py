@@ -314,3 +314,54 @@ def test_against_the_re_anchored_original():
     assert row.reference == "re-anchored" and row.undefined == UNWRITTEN.sum() * 2
     broken = verify(model, wrong_at_a_written_key(garbage_where_undefined(rewritten)), inputs=given)
     assert not broken.passed and qk_row(broken).reference == "re-anchored" and not qk_row(broken).passed
+
+
+def with_consumers(model):
+    """Values computed from output_qk, as graph outputs: ``scaled`` element for element (Mul by 2,
+    then Add broadcast to (2, B, N, S, T)), ``top`` not (ReduceMax over the keys)."""
+    graph = model.graph
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+            numpy_helper.from_array(np.zeros((2, 1, 1, 1, 1), np.float32), "lift"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Mul", ["qk", "two"], ["doubled"]),
+            helper.make_node("Add", ["doubled", "lift"], ["scaled"]),
+            helper.make_node("ReduceMax", ["qk"], ["top"], name="keys_max", axes=[-1], keepdims=1),
+        ]
+    )
+    graph.output.extend(
+        [
+            helper.make_tensor_value_info("scaled", TensorProto.FLOAT, [2, *QK_SHAPE]),
+            helper.make_tensor_value_info("top", TensorProto.FLOAT, [*QK_SHAPE[:3], 1]),
+        ]
+    )
+    return model
+
+
+def row(report, name):
+    return next(o for o in report.outputs if o.name == name)
+
+
+def test_values_computed_from_output_qk():
+    """Element for element, the undefined keys follow (broadcast: twice as many in ``scaled``) and a
+    wrong written key is still caught; through ReduceMax the value is not comparable where keys are
+    unwritten (not compared, with why), and compared in full on a sample whose keys are all written.
+    Before, both were compared in full and the garbage at the unwritten keys failed them."""
+    model = with_consumers(qk_model())
+    rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
+    report = verify(model, rewritten, inputs=samples(1))
+    assert report.passed, report.to_table()
+    scaled, top = row(report, "scaled"), row(report, "top")
+    assert (scaled.undefined, scaled.elements) == (2 * UNWRITTEN.sum(), 2 * (~UNWRITTEN).sum())
+    assert (top.undefined, top.elements) == (BATCH * HEADS * SEQ, 0)
+    assert "ReduceMax 'keys_max', not element for element: not comparable" in top.undefined_why
+    broken = verify(model, wrong_at_a_written_key(rewritten), inputs=samples(1))
+    assert not broken.passed and row(broken, "scaled").mismatches == 2
+    full = Sample("all written", gqa_feeds(BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD, [TOTAL] * BATCH, TOTAL))
+    whole = verify(model, onnx_qrewrite.rewrite(model).model, inputs=[full])
+    assert whole.passed, whole.to_table()
+    assert (row(whole, "top").undefined, row(whole, "top").elements) == (0, BATCH * HEADS * SEQ)

@@ -11,13 +11,22 @@ only (``total_b = seqlens_k[b] + 1`` columns: ``gqa_attention_base.h``) and copi
 output_qk, so the keys at or beyond ``seqlens_k[b] + 1`` are never written: they hold whatever the
 memory held before (-5.2e32, or a previous run's values, measured). That happens wherever
 ``seqlens_k[b] + 1`` is less than total_sequence_length: uneven lengths across the batch, or a
-padded first prompt. The rewrite writes 0 there (``builders/contrib_gqa.py``). A value read from
-output_qk through Identity or Cast (element for element) is set aside at the same elements; values
-computed from it otherwise are compared in full.
+padded first prompt, whatever the past buffer's length (measured with one longer than
+total_sequence_length: the same keys, and only those). The rewrite writes 0 there
+(``builders/contrib_gqa.py``).
 
-The mask comes from the original's own seqlens_k on each sample: a graph input (the sample's
-feed), an initializer, or a value the original computes (one more run of the original, with it
-exposed, per sample; only for such models).
+Values computed from output_qk carry that garbage on. Through the standard ops that compute each
+output element from the elements at the same broadcast position (:data:`_ELEMENTWISE`: Identity,
+Cast, unary math, arithmetic and comparisons, Where, Clip), the undefined elements are those that read
+an undefined one: output_qk's mask broadcast to the value's shape. Every other consumer (Softmax,
+Reduce*, MatMul, Reshape, Transpose, Gather, ...) mixes or moves elements in ways this does not
+follow: where output_qk has undefined keys on a sample, its outputs, and all computed from them, are
+not comparable and not compared at all there (counted, with why; on samples where every key is
+written they are compared in full).
+
+The mask comes from the original's own seqlens_k and total_sequence_length on each sample: a graph
+input (the sample's feed), an initializer, or a value the original computes (one more run of the
+original, with it exposed, per sample; only for such models).
 """
 
 from __future__ import annotations
@@ -36,61 +45,115 @@ from onnx_qrewrite.verify.session import ModelRunner
 
 __all__ = ["UndefinedElements", "undefined_elements"]
 
-#: Ops through which a value keeps its elements' positions and definedness (one input, one output).
-_ELEMENTWISE_COPIES = frozenset({"Identity", "Cast"})
+#: Standard ops whose every output element is computed from the inputs' elements at the same
+#: (multidirectionally broadcast) position, and nothing else: undefinedness follows positions.
+_ELEMENTWISE = frozenset(
+    {"Identity", "Cast", "CastLike", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu", "Sigmoid", "Tanh"}
+    | {"Erf", "Sin", "Cos", "Floor", "Ceil", "Round", "Sign", "IsNaN", "IsInf", "Not", "Softplus", "Softsign"}
+    | {"Elu", "Selu", "LeakyRelu", "HardSigmoid", "HardSwish", "Gelu", "Mish", "ThresholdedRelu", "Celu"}
+    | {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Mean", "Sum", "PRelu", "Where", "Clip"}
+    | {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "BitShift"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
-    """A value read from a GroupQueryAttention node's output_qk: the node's seqlens_k and label."""
+    """A GroupQueryAttention node's output_qk: the names of its seqlens_k and total_sequence_length
+    inputs, and the node's label."""
 
     seqlens: str
+    total: str
     node: str
 
 
 @dataclasses.dataclass(frozen=True)
-class UndefinedElements:
-    """The values with undefined elements and, per sample name, the seqlens_k values that say
-    which; called as an :data:`~.compare.UndefinedLookup`."""
+class _Reach:
+    """How a value reads a source: element for element (``via`` None), or through ``via`` (an op
+    and node that does not compute element for element), which makes it not comparable."""
 
-    sources: dict[str, _Source]
+    source: _Source
+    via: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class UndefinedElements:
+    """The values with undefined elements and, per sample name, the seqlens_k and
+    total_sequence_length values that say which; called as an :data:`~.compare.UndefinedLookup`."""
+
+    sources: dict[str, tuple[_Reach, ...]]
     seqlens: dict[str, dict[str, np.ndarray]]
 
     def __call__(self, name: str, sample: str, shape: tuple[int, ...]) -> Undefined | None:
         """The undefined elements of ``name`` on ``sample`` (of that ``shape``), or None."""
-        source = self.sources.get(name)
         values = self.seqlens.get(sample)
-        if source is None or values is None or source.seqlens not in values or len(shape) != 4:
+        if values is None:
             return None
-        lengths = np.asarray(values[source.seqlens]).reshape(-1).astype(np.int64) + 1
-        if lengths.shape[0] != shape[0]:
-            return None  # not the layout the kernel writes: compared in full
-        mask = np.arange(shape[3]) >= lengths[:, None, None, None]
+        mask, whys = np.zeros((), bool), []
+        for reach in self.sources.get(name, ()):
+            keys = _unwritten(reach.source, values)
+            if keys is None:
+                continue
+            part = np.ones(shape, bool) if reach.via is not None else _broadcast(keys, shape)
+            if part is None:
+                continue  # not output_qk's layout broadcast: compared in full
+            mask = mask | part
+            whys.append(_why(reach))
         if not mask.any():
             return None
-        why = (
-            f"the keys at or beyond seqlens_k[b] + 1 of the output_qk of GroupQueryAttention {source.node}, "
-            "which onnxruntime's kernel leaves unwritten (undefined)"
-        )
-        return Undefined(mask, why)
+        return Undefined(np.broadcast_to(mask, shape), "; ".join(dict.fromkeys(whys)))
 
 
-def _gqa_sources(model: onnx.ModelProto) -> dict[str, _Source]:
+def _unwritten(source: _Source, values: dict[str, np.ndarray]) -> np.ndarray | None:
+    """(B, 1, 1, total_sequence_length): True at the keys >= seqlens_k[b] + 1, or None if none."""
+    if source.seqlens not in values or source.total not in values:
+        return None
+    lengths = np.asarray(values[source.seqlens]).reshape(-1).astype(np.int64) + 1
+    total = int(np.asarray(values[source.total]).reshape(-1)[0])
+    mask = np.arange(total) >= lengths[:, None, None, None]
+    return mask if mask.any() else None
+
+
+def _broadcast(mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``mask`` at the positions of a value of ``shape`` computed element for element from output_qk
+    (right-aligned broadcast), or None if output_qk does not broadcast to it."""
+    try:
+        return np.broadcast_to(mask, shape) if len(shape) >= 4 and shape[-4] == mask.shape[0] else None
+    except ValueError:
+        return None
+
+
+def _why(reach: _Reach) -> str:
+    written = (
+        f"the keys at or beyond seqlens_k[b] + 1 of the output_qk of GroupQueryAttention {reach.source.node}, "
+        "which onnxruntime's kernel leaves unwritten (undefined)"
+    )
+    if reach.via is None:
+        return written
+    return f"computed from {written} by {reach.via}, not element for element: not comparable"
+
+
+def _gqa_sources(model: onnx.ModelProto) -> dict[str, tuple[_Reach, ...]]:
     """output_qk of every GroupQueryAttention node of the main graph that writes it, and the values
-    read from it element for element (:data:`_ELEMENTWISE_COPIES`)."""
-    sources: dict[str, _Source] = {}
+    computed from it: element for element (:data:`_ELEMENTWISE`) or otherwise."""
+    sources: dict[str, tuple[_Reach, ...]] = {}
     for node in model.graph.node:
         if node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention":
             qk_output = next((a.i for a in node.attribute if a.name == "qk_output"), 0)
-            if qk_output in (1, 2) and len(node.output) > 3 and node.output[3] and len(node.input) > 5:
+            if qk_output in (1, 2) and len(node.output) > 3 and node.output[3] and len(node.input) > 6:
                 label = repr(node.name) if node.name else f"writing {node.output[0]!r}"
-                sources[node.output[3]] = _Source(node.input[5], label)
+                sources[node.output[3]] = (_Reach(_Source(node.input[5], node.input[6], label)),)
     if not sources:
         return sources
-    for node in model.graph.node:  # topological order: a copy's copy follows it
-        copies = node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE_COPIES and len(node.input) == 1
-        if copies and node.input[0] in sources and node.output and node.output[0]:
-            sources[node.output[0]] = sources[node.input[0]]
+    for node in model.graph.node:  # topological order: a value's consumers follow it
+        reached = [r for name in node.input if name in sources for r in sources[name]]
+        if not reached or (node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention"):
+            continue
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE:
+            label = f"{node.op_type} {node.name!r}" if node.name else f"{node.op_type} writing {node.output[0]!r}"
+            reached = [_Reach(r.source, r.via or label) for r in reached]
+        for out in node.output:
+            if out:
+                sources[out] = tuple(dict.fromkeys(reached))
     return sources
 
 
@@ -98,11 +161,12 @@ def undefined_elements(
     model: onnx.ModelProto, samples: Sequence[Sample], run_original: Callable[[onnx.ModelProto], ModelRunner]
 ) -> UndefinedElements | None:
     """The undefined elements of ``model``'s values on ``samples`` (None when it has none);
-    ``run_original(model)`` opens a runner of the original side (for a seqlens_k it computes)."""
+    ``run_original(model)`` opens a runner of the original side (for a value it computes)."""
     sources = _gqa_sources(model)
     if not sources:
         return None
-    names = list(dict.fromkeys(s.seqlens for s in sources.values()))
+    sources_read = {r.source for reaches in sources.values() for r in reaches}
+    names = list(dict.fromkeys(n for s in sources_read for n in (s.seqlens, s.total)))
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in names}
     inputs = {i.name for i in model.graph.input}
     computed = [n for n in names if n not in inputs and n not in constants]
