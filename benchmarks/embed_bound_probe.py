@@ -2,11 +2,18 @@
 bound, over many random draws of the tests' batteries (tests/test_unfuse_attention.py's models), at
 the battery's hidden size 48 and at BERT-base's 768.
 
-    python benchmarks/embed_bound_probe.py [DRAWS]     # default 60 draws x 4 cases x 2 sizes per op
+    python benchmarks/embed_bound_probe.py [DRAWS]         # default 60 draws x 4 cases x 2 sizes per op
+    python benchmarks/embed_bound_probe.py --fma [DRAWS]   # default 20 draws x 2 table types x 2 sizes
 
 Prints, per op, the worst max|rewrite - kernel| / (2^-24·(|γ·x̂| + |β| + 1)) found, x̂ the
 normalized embedding sum (float64), with the draw it came from, and how many cases were bit-exact:
 the figures the contract's bound (builders/contracts.py, unfuse_embed_layer_norm) quotes.
+
+``--fma``: the same ratio against QEmbedLayerNormalization's kernel as a build that contracts
+multiply-adds computes it (tests/_embed_kernel.py, emulated: the uncontracted emulation is checked to
+be the kernel bit for bit first), per contraction site, with how many elements the contraction
+changes; and, where the dequantization is contracted, the worst excess over the first term in units of
+2^-24·|γ|·(1 + |x̂|)·M/σ (M the row's largest |w| + |p| + |s| dequantized, σ its standard deviation).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import numpy as np
 from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _embed_kernel as K
 import test_unfuse_attention as T
 from conftest import run
 
@@ -77,7 +85,54 @@ def qembed(draws: int) -> tuple[float, object, int]:
     return (*worst, exact)
 
 
-if __name__ == "__main__":
+FUSED = (("out",), ("beta",), ("var",), ("out", "var"), ("deq",), ("deq", "var", "out"))
+
+
+def fma(draws: int) -> tuple[dict, dict, float]:
+    """Per contraction: the worst ratio and the elements changed; the worst dequantization term ratio."""
+    worst = dict.fromkeys(FUSED, 0.0)
+    changed = dict.fromkeys(FUSED, 0)
+    term_worst = 0.0
+    for seed in range(draws):
+        T.RNG = np.random.default_rng(5000 + seed)
+        for table_type in (np.uint8, np.int8):
+            model = T.qembed_model(table_type, True, True)
+            feeds = _feeds(model)
+            got = run(onnx_qrewrite.rewrite(model).model, feeds)["y"].astype(np.float64)
+            plain = K.qembed_kernel(model, feeds)
+            assert np.array_equal(plain.view(np.uint32), run(model, feeds)["y"].view(np.uint32)), "not the kernel"
+            total, gamma, beta = T._qembed_total(model, feeds, True)
+            term = T._dequantize_fma_term(model, feeds, total, gamma)
+            for fused in FUSED:
+                kernel = K.qembed_kernel(model, feeds, fused)
+                changed[fused] += int(np.count_nonzero(kernel.view(np.uint32) != plain.view(np.uint32)))
+                worst[fused] = max(worst[fused], _ratio(got, kernel, total, gamma, beta))
+                if "deq" in fused:
+                    excess = np.abs(got - kernel) - 4 * _unit(total, gamma, beta)
+                    with np.errstate(divide="ignore", invalid="ignore"):  # γ = 0: 0/0, no excess there
+                        ratios = np.where(term > 0, excess / term, 0.0)
+                    term_worst = max(term_worst, float(ratios.max()))
+    return worst, changed, term_worst
+
+
+def _unit(total: np.ndarray, gamma: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    centred = total - total.mean(-1, keepdims=True)
+    normalized = centred / np.sqrt((centred**2).mean(-1, keepdims=True) + 1e-12)
+    return 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
+
+
+def main_fma(n: int) -> None:
+    for hidden in (48, 768):
+        T.EMB["hidden"] = hidden
+        worst, changed, term = fma(n)
+        for fused in FUSED:
+            print(f"hidden {hidden}, {'+'.join(fused)}: worst {worst[fused]:.2f}, {changed[fused]} elements changed")
+        print(f"hidden {hidden}, dequantization contracted: worst excess {term:.2f} of 2^-24·|γ|·(1 + |x̂|)·M/σ")
+
+
+if __name__ == "__main__" and "--fma" in sys.argv:
+    main_fma(int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+elif __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 60
     for op, probe in (("EmbedLayerNormalization", embed), ("QEmbedLayerNormalization", qembed)):
         results = []

@@ -18,6 +18,7 @@ import platform
 import re
 from unittest import mock
 
+import _embed_kernel as embed_kernel
 import numpy as np
 import onnx
 import pytest
@@ -714,14 +715,15 @@ def embed_feeds(scale=1.0):
     }
 
 
-def _layer_norm_excess(got, want, total, gamma, beta, factor=4):
+def _layer_norm_excess(got, want, total, gamma, beta, factor=4, term=0.0):
     """max(|got - want| - bound), the stated bound factor·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂
     the normalized sum (float64): 4 for both forms (the margin of an onnxruntime build that contracts
-    x̂·γ + β into one fused multiply-add; bit-exact on x86-64, where it was measured)."""
+    multiply-adds in the normalization: test_qembed_layer_norm_bound_where_fma_contraction_changes_rounding;
+    bit-exact on x86-64, where it was measured), plus ``term`` (the dequantization's contraction)."""
     total = total.astype(np.float64)
     centred = total - total.mean(axis=-1, keepdims=True)
     normalized = centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + 1e-12)
-    bound = factor * 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1)
+    bound = factor * 2.0**-24 * (np.abs(gamma * normalized) + np.abs(beta) + 1) + term
     return float(np.max(np.abs(got.astype(np.float64) - want) - bound))
 
 
@@ -838,6 +840,62 @@ def _qembed_total(model, feeds, segment):
     if segment:
         total = total + dequantized("segments")[feeds["seg"]]
     return total, dequantized("gamma"), dequantized("beta")
+
+
+def _dequantize_fma_term(model, feeds, total, gamma):
+    """2^-24·|γ|·(1 + |x̂|)·M/σ per output, M the row's largest |w| + |p| + |s| dequantized and σ its
+    standard deviation: the unit of the bound's term for a build that contracts the dequantization's
+    multiply into the embedding sum (a rounding of the order of 2^-24·M moved in each x, which the
+    normalization divides by σ)."""
+    tables = {i.name: numpy_helper.to_array(i).astype(np.float64) for i in model.graph.initializer}
+
+    def magnitude(name, rows):
+        return np.abs((tables[f"{name}_q"][rows] - tables[f"{name}_zp"]) * tables[f"{name}_s"])
+
+    seq = feeds["ids"].shape[1]
+    largest = (
+        magnitude("words", feeds["ids"]) + magnitude("positions", slice(0, seq)) + magnitude("segments", feeds["seg"])
+    )
+    centred = total - total.mean(axis=-1, keepdims=True)
+    spread = np.sqrt((centred**2).mean(axis=-1, keepdims=True) + 1e-12)
+    normalized = centred / spread
+    return 2.0**-24 * np.abs(gamma) * (1 + np.abs(normalized)) * largest.max(axis=-1, keepdims=True) / spread
+
+
+def test_qembed_layer_norm_bound_where_fma_contraction_changes_rounding():
+    """The stated bound against the kernel as builds that contract multiply-adds compute it (emulated
+    exactly; the uncontracted emulation is the kernel bit for bit on x86-64, asserted): each
+    contraction changes rounding at some elements and stays within the bound, 2^-24·(4·(|γ·x̂| + |β|
+    + 1) + h·|γ·x̂|) + 12·2^-24·|γ|·(1 + |x̂|)·M/σ; fma(x̂, γ, β) and the fma into beta's dequantization
+    within its first term alone; the dequantization's multiply fused into the embedding sum beyond
+    its first two terms (a row's magnitude over its spread carries it: the third is needed)."""
+    rng = np.random.default_rng(21)
+    changed, first, two, full = {}, {}, {}, {}
+    for table_type in (np.uint8, np.int8):
+        with mock.patch(f"{__name__}.RNG", rng):
+            model = qembed_model(table_type, True, True)
+            feeds = {k: v for k, v in embed_feeds().items() if k in {i.name for i in model.graph.input}}
+        got = run(onnx_qrewrite.rewrite(model).model, feeds)["y"]
+        plain = embed_kernel.qembed_kernel(model, feeds)
+        if platform.machine().lower() in ("x86_64", "amd64"):
+            assert_bitwise_equal(plain, run(model, feeds)["y"], "the uncontracted emulation")
+        total, gamma, beta = _qembed_total(model, feeds, True)
+        centred = total - total.mean(axis=-1, keepdims=True)
+        normalized = centred / np.sqrt((centred**2).mean(axis=-1, keepdims=True) + 1e-12)
+        variance = total.shape[-1] * 2.0**-24 * np.abs(gamma * normalized)
+        dequantization = 12 * _dequantize_fma_term(model, feeds, total, gamma)
+        for fused in (("out",), ("beta",), ("var",), ("out", "var"), ("deq",), ("deq", "var", "out")):
+            kernel = embed_kernel.qembed_kernel(model, feeds, fused)
+            moved = int(np.count_nonzero(kernel.view(np.uint32) != plain.view(np.uint32)))
+            changed[fused] = changed.get(fused, 0) + moved
+            for worst, term in ((first, 0.0), (two, variance), (full, variance + dequantization)):
+                worst[fused] = max(
+                    worst.get(fused, -1.0), _layer_norm_excess(got, kernel, total, gamma, beta, term=term)
+                )
+    assert all(count > 0 for count in changed.values()), changed
+    assert first[("out",)] <= 0 and first[("beta",)] <= 0, first
+    assert two[("deq",)] > 0, two
+    assert all(excess <= 0 for excess in full.values()), full
 
 
 def _as_layer_normalization(rewritten):

@@ -579,9 +579,17 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "sequentially in float32 as the kernels do (CumSum), so bit-exact on x86-64: no difference in 480 cases "
             "per op (60 random draws of the tests' batteries x 4 forms x hidden 48 and 768, "
             "`python benchmarks/embed_bound_probe.py 60`); "
-            "stated as 4·2^-24·(|γ·x̂| + |β| + 1) at each output, x̂ the normalized sum, the margin of an "
-            "onnxruntime build that contracts x̂·γ + β into one fused multiply-add (one rounding fewer: not "
-            "measured here); the mask index and the embedding sum are bit-exact",
+            "stated as 2^-24·(4·(|γ·x̂| + |β| + 1) + h·|γ·x̂|) at each output, x̂ the normalized sum, h the "
+            "hidden size: the margin of an onnxruntime build that contracts multiply-adds (no FMA build was "
+            "available: its loop emulated exactly, tests/_embed_kernel.py, `python benchmarks/embed_bound_probe.py "
+            "--fma 20`): fma(x̂, γ, β) or into beta's dequantization within 1.78 of 2^-24·(|γ·x̂| + |β| + 1) "
+            "measured (3 analytically), the variance's a·a + sum moves x̂ by the sequential sum's rounding, "
+            "h·2^-24 relative at worst (3.70 measured, 4.09 with the output's fma too, at hidden 768); "
+            "QEmbedLayerNormalization, for a build that also fuses the dequantization's multiply into the "
+            "embedding sum (GCC's default where the target has FMA; 18.7 measured), plus "
+            "12·2^-24·|γ|·(1 + |x̂|)·M/σ, M the row's largest |w| + |p| + |s| dequantized, σ its standard "
+            "deviation (first-order worst case; 1.59 of 2^-24·|γ|·(1 + |x̂|)·M/σ measured); the mask index and "
+            "the embedding sum are bit-exact",
             outputs=2,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["embed-layer-norm"]),
         ),
