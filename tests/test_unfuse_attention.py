@@ -640,7 +640,10 @@ def _packed_kv():
 
 
 MHA_NOT_LOWERED = {
-    "past_sequence_length": (lambda: _mha_with(8, "psl", [1]), "input 8 (past_sequence_length) is given"),
+    "past_sequence_length without past": (
+        lambda: _mha_with(8, "psl", [1]),
+        "input 8 (past_sequence_length) without past_key/past_value",
+    ),
     "past_key alone": (lambda: _mha_with(6, "pk", [2, 4, 3, 8]), "past_key and past_value must both be given"),
     "packed kv": (
         _packed_kv,

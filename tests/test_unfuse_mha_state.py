@@ -301,3 +301,68 @@ def test_a_broken_rewrite_exceeds_the_stated_bound():
     init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.001), init.name))
     diff = np.abs(run_on(broken, feeds)["y"].astype(np.float64) - run_on(model, feeds)["y"]).max()
     assert diff > _stated_bound(feeds, shape, None)
+
+
+def shared_buffer_model(batch, seq, kv_seq, buffer, hidden, heads, extra=()):
+    """mha_model with past_sequence_length (input 8, int32 [1]): the past a buffer of ``buffer``
+    positions, the presents that buffer; ``extra``: (input index, name, elem type, shape) more."""
+    model = mha_model(batch, seq, kv_seq, buffer, hidden, heads)
+    node = model.graph.node[0]
+    for index, name, elem, shape in (*extra, (8, "psl", TensorProto.INT32, [1])):
+        while len(node.input) <= index:
+            node.input.append("")
+        node.input[index] = name
+        model.graph.input.append(helper.make_tensor_value_info(name, elem, shape))
+    for output in model.graph.output[1:]:
+        output.type.tensor_type.shape.dim[2].dim_value = buffer
+    return model
+
+
+#: (batch, query sequence, new keys, buffer, hidden, heads), past_sequence_length
+SHARED = [((2, 3, 3, 8, 32, 4), 2), ((1, 4, 4, 4, 32, 2), 0), ((2, 1, 1, 10, 64, 2), 9), ((3, 1, 1, 40, 128, 8), 17)]
+
+
+@rule_marker("unfuse-multi-head-attention", "positive")
+@pytest.mark.parametrize("shape, length", SHARED, ids=str)
+def test_past_sequence_length_shares_one_buffer(shape, length):
+    """past_sequence_length P: the kernel writes the new K/V into the buffer at P .. P + L - 1, keeps
+    the rest of it (measured), and attends its first P + L keys: presents bit for bit, the output bit
+    for bit at query sequence > 1 and within the stated bound at 1 (MLAS's GEMV, as without it)."""
+    model = shared_buffer_model(*shape)
+    feeds = mha_feeds(*shape)
+    feeds["psl"] = np.array([length], np.int32)
+    want, got = rewrite_and_run(model, feeds)
+    end = length + shape[2]
+    for name, past in (("present_key", "past_key"), ("present_value", "past_value")):
+        assert_bitwise_equal(got[name], want[name], name)
+        assert_bitwise_equal(want[name][:, :, end:], feeds[past][:, :, end:], f"{name} after the new keys")
+    if shape[1] > 1:
+        assert_bitwise_equal(got["y"], want["y"], "output")
+    else:
+        attended = {
+            **feeds,
+            "past_key": feeds["past_key"][:, :, :length],
+            "past_value": feeds["past_value"][:, :, :length],
+        }
+        bound = _stated_bound(attended, (*shape[:3], length, *shape[4:]), None)
+        assert np.abs(got["y"].astype(np.float64) - want["y"]).max() <= bound
+
+
+SHARED_NOT_LOWERED = {
+    "with cache_indirection": (
+        [(9, "ci", TensorProto.INT32, [2, 1, 8])],
+        "input 8 (past_sequence_length) with cache_indirection: the kernel's decoder-masked beam path",
+    ),
+    "with key_padding_mask": (
+        [(4, "m", TensorProto.INT32, [2, 5])],
+        "past_sequence_length with key_padding_mask: not measured; not lowered",
+    ),
+}
+
+
+@rule_marker("unfuse-multi-head-attention", "negative")
+@pytest.mark.parametrize("case", list(SHARED_NOT_LOWERED))
+def test_past_sequence_length_forms_not_lowered_say_why(case):
+    extra, reason = SHARED_NOT_LOWERED[case]
+    with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
+        onnx_qrewrite.rewrite(shared_buffer_model(2, 3, 3, 8, 32, 4, extra))

@@ -499,7 +499,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
         Contract(
             output_types=lambda options, op: ("input 0",) * 4,  # output, present K and V, qk
             options=(),
-            emits=ATTENTION_EMITS | {"Identity"},  # 4-D key/value's presents, the qk output
+            emits=ATTENTION_EMITS | {"Identity", "Sub"},  # 4-D key/value's presents, the qk output; shared buffer
             exactness=lambda options: BOUNDED,
             bound="without key_padding_mask, attention_bias, unidirectional, present outputs, the qk output, "
             "cache_indirection and 4-D key/value the kernel takes its blocked (flash) softmax path, and at query "

@@ -42,9 +42,11 @@ present outputs the kernel does not attend to past + new keys (measured): not lo
 value (B, N, L, H), as cross attention passes its cached keys, are used as they are: only Q's slice
 of the bias is added (the kernel reads no other), the presents are copies of them (after the past
 where past and both presents are given, as for 3-D). The qk output (B, N, S, T) is the scores the
-Softmax reads, attention_bias and mask included. cache_indirection is read only with
-past_sequence_length (the kernel's decoder-masked path, not lowered): without it, its rank is checked
-and no value read (measured). Packed QKV (query (B, L, N, 3, H), or query alone) and packed KV (key
+Softmax reads, attention_bias and mask included. past_sequence_length P with the past: past and
+present share one buffer of M positions, the new K/V written at P .. P + L - 1, the rest kept, the
+first P + L keys attended (measured; :func:`_shared_buffer`); with cache_indirection that is the
+kernel's decoder-masked beam path, not lowered. cache_indirection without past_sequence_length: its
+rank is checked and no value read (measured). Packed QKV (query (B, L, N, 3, H), or query alone) and packed KV (key
 (B, L, N, 2, H)) are refused by the CPU kernel itself ("not implemented for CPU"): nothing to
 measure, not lowered.
 
@@ -403,16 +405,15 @@ class MultiHeadAttentionBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes({"num_heads", "unidirectional", "mask_filter_value", "scale"})
         if site.input(8):
-            raise NoMatch(
-                "input 8 (past_sequence_length) is given; not lowered (past and present sharing one buffer, with "
-                "cache_indirection the decoder-masked beam path: onnxruntime's BeamSearch decoding subgraphs)"
-            )
+            _check_shared_buffer(site)
         _refuse_packed(site)
         _float32(site, *[site.input(i) for i in (0, 1, 2, 3, 5, 6, 7)])
         heads = int(site.attribute("num_heads", 0))
         if heads <= 0:
             raise NoMatch(f"num_heads={heads}")
         sizes, bnsh = _mha_sizes(site, heads)
+        if site.input(8) and bnsh:
+            raise NoMatch("past_sequence_length with 4-D key/value: not measured; not lowered")
         plan = _mask_plan(site, 4, "key_padding_mask", sizes, heads)
         state = _mha_state(site, sizes, heads)
         if site.input(5):
@@ -440,7 +441,7 @@ class MultiHeadAttentionBuilder:
             )
         kv, key_length, past_length = None, None, None
         if plan.data.get("state") or plan.data["bnsh"]:
-            kv = _emit_mha_state(emit, site, k, v, heads, sizes, plan.data["bnsh"])
+            kv = _emit_mha_state(emit, site, k, v, heads, sizes, plan.data["bnsh"], site.input(8))
             key_length = _dim(emit, kv[0], 2)
             past_length = _dim(emit, site.input(6), 2) if site.input(6) else None
         keep, causal = emit_masks(
@@ -624,10 +625,11 @@ def _mha_state(site: Site, sizes: list[int], heads: int) -> dict[str, Any]:
 
 
 def _emit_mha_state(
-    emit: Emitter, site: Site, k: str, v: str, heads: int, sizes: list[int], bnsh: bool = False
+    emit: Emitter, site: Site, k: str, v: str, heads: int, sizes: list[int], bnsh: bool = False, shared: str = ""
 ) -> tuple[str, str]:
     """K and V split into heads (B, N, T, H) (``bnsh``: given so), after past_key / past_value when
-    given (the kernel's ConcatStateChunk), written to present_key / present_value where those are used."""
+    given (the kernel's ConcatStateChunk), written to present_key / present_value where those are used.
+    ``shared``: past_sequence_length, the past being a buffer of max_sequence_length (:func:`_shared_buffer`)."""
     result = []
     for i, (t, size) in enumerate(((k, sizes[1]), (v, sizes[2]))):
         present = _output(site, 1 + i)
@@ -637,8 +639,50 @@ def _emit_mha_state(
         else:
             shaped = emit.op1("Reshape", [t, emit.const(np.array([0, 0, heads, size // heads], np.int64))])
             split = emit.op1("Transpose", [shaped], None if past else present, perm=[0, 2, 1, 3])
-        result.append(emit.op1("Concat", [past, split], present, axis=2) if past else split)
+        if shared:
+            result.append(_shared_buffer(emit, past, split, shared, present))
+        else:
+            result.append(emit.op1("Concat", [past, split], present, axis=2) if past else split)
     return result[0], result[1]
+
+
+def _shared_buffer(emit: Emitter, past: str, new: str, length: str, present: str) -> str:
+    """past_sequence_length's form (the kernel's past_present_share_buffer without cache_indirection,
+    measured with onnxruntime 1.31.1's CPU kernel): ``present`` is the past buffer (B, N, M, H) with the
+    new heads (B, N, L, H) written at positions ``length`` .. ``length`` + L - 1 (the other positions
+    kept), and the keys attended are the buffer's first ``length`` + L. Returns those keys."""
+    start = emit.op1("Cast", [emit.op1("Reshape", [length, emit.const(np.array([], np.int64))])], to=_T.INT64)
+    buffer, count = _dim(emit, past, 2), _dim(emit, new, 2)
+    end = emit.op1("Add", [start, count])
+    rows = emit.op1("Range", [emit.const(np.int64(0)), buffer, emit.const(np.int64(1))])
+    written = emit.op1("And", [emit.op1("Not", [emit.op1("Less", [rows, start])]), emit.op1("Less", [rows, end])])
+    source = emit.op1("Where", [written, emit.op1("Add", [rows, emit.op1("Sub", [buffer, start])]), rows])
+    stacked = emit.op1("Concat", [past, new], axis=2)
+    updated = emit.op1("Gather", [stacked, source], present or None, axis=2, hint="SharedBuffer")
+    zero, axis = emit.const(np.array([0], np.int64)), emit.const(np.array([2], np.int64))
+    return emit.op1("Slice", [updated, zero, _unsqueeze(emit, end, [0]), axis])
+
+
+def _check_shared_buffer(site: Site) -> None:
+    """past_sequence_length (input 8): lowered in the form measured, the past and present sharing
+    one max-length buffer, past_key/past_value and both presents given, 3-D key/value, none of the
+    options below; the decoder-masked beam path (with cache_indirection) is not."""
+    if site.input(9):
+        raise NoMatch(
+            "input 8 (past_sequence_length) with cache_indirection: the kernel's decoder-masked beam path (keys "
+            "read across beams); not lowered: it is written for onnxruntime's BeamSearch decoding subgraphs, "
+            "whose loop op stays onnxruntime's whatever this rule does"
+        )
+    if not site.input(6):
+        raise NoMatch("input 8 (past_sequence_length) without past_key/past_value: not lowered")
+    elem = site.elem_type(site.input(8))
+    if elem is not None and elem != _T.INT32:
+        raise NoMatch(f"past_sequence_length is {dtype_name(elem)}, not int32")
+    unmeasured = [name for index, name in ((4, "key_padding_mask"), (5, "attention_bias")) if site.input(index)]
+    unmeasured += ["unidirectional"] if int(site.attribute("unidirectional", 0)) else []
+    unmeasured += ["the qk output"] if _output(site, 3) else []
+    if unmeasured:
+        raise NoMatch(f"past_sequence_length with {', '.join(unmeasured)}: not measured; not lowered")
 
 
 register(MultiHeadAttentionBuilder())
