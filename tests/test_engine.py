@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx.numpy_helper
@@ -269,3 +271,18 @@ def test_plans_are_slotted_and_share_equal_notes():
     assert first.notes == second.notes == ("uint8 x uint8", "K=16")
     assert first.notes is second.notes and other.notes == ("uint8 x int8", "K=17")
     assert not hasattr(first, "__dict__")
+
+
+def test_applied_rewrite_factory_makes_the_dataclass_entry() -> None:
+    """The engine's fast constructor of report entries sets every field (one added to the
+    dataclass and not to the factory fails here) and makes the same frozen object."""
+    from onnx_qrewrite.rewriter.report import AppliedRewrite, applied_rewrite
+
+    values = ("r", "n", "Op", "d", "main", ("a", "b"), ("Mul",), ("note",), "bounded", 0.5, "f")
+    assert len(values) == len(dataclasses.fields(AppliedRewrite))
+    made = applied_rewrite(*values)
+    assert type(made) is AppliedRewrite
+    assert made == AppliedRewrite(*values)
+    assert [getattr(made, f.name) for f in dataclasses.fields(AppliedRewrite)] == list(values)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.rule = "other"  # type: ignore[misc]

@@ -84,6 +84,57 @@ class AppliedRewrite:
     bound_formula: str | None = None
 
 
+#: The member descriptors' setters of :class:`AppliedRewrite`'s fields, in field order (see
+#: :func:`applied_rewrite`).
+(
+    _SET_RULE,
+    _SET_NODE,
+    _SET_OP_TYPE,
+    _SET_DOMAIN,
+    _SET_SCOPE,
+    _SET_CREATED_NODES,
+    _SET_CREATED_OPS,
+    _SET_NOTES,
+    _SET_EXACTNESS,
+    _SET_BOUND,
+    _SET_BOUND_FORMULA,
+) = (AppliedRewrite.__dict__[f.name].__set__ for f in dataclasses.fields(AppliedRewrite))
+_NEW = object.__new__
+
+
+def applied_rewrite(
+    rule: str,
+    node: str,
+    op_type: str,
+    domain: str,
+    scope: str,
+    created_nodes: Sequence[str],
+    created_ops: tuple[str, ...],
+    notes: tuple[str, ...],
+    exactness: str,
+    bound: float | None,
+    bound_formula: str | None,
+) -> AppliedRewrite:
+    """``AppliedRewrite(...)`` with every field given, in field order: the same object, made at
+    about 60% of the cost. The engine makes one per rewrite (40k on a 100k-node chain), and a
+    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (a look-up of
+    the attribute's descriptor on the class per field); this calls each field's slot descriptor
+    directly. ``tests/test_report.py`` checks it against the dataclass's own ``__init__``."""
+    entry = _NEW(AppliedRewrite)
+    _SET_RULE(entry, rule)
+    _SET_NODE(entry, node)
+    _SET_OP_TYPE(entry, op_type)
+    _SET_DOMAIN(entry, domain)
+    _SET_SCOPE(entry, scope)
+    _SET_CREATED_NODES(entry, created_nodes)
+    _SET_CREATED_OPS(entry, created_ops)
+    _SET_NOTES(entry, notes)
+    _SET_EXACTNESS(entry, exactness)
+    _SET_BOUND(entry, bound)
+    _SET_BOUND_FORMULA(entry, bound_formula)
+    return entry
+
+
 @dataclasses.dataclass(frozen=True)
 class Unlowered:
     """A node some rule matched by op but none could rewrite; kept only with ``allow_unlowered``."""
