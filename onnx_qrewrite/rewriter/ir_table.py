@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import tomllib
-from pathlib import Path
 
 import onnx
 
 from onnx_qrewrite.errors import InternalError
+from onnx_qrewrite.rewriter.opset_tables import opset_table
 
 __all__ = ["IrAddition", "ir_additions", "ir_with_field"]
 
@@ -32,23 +31,15 @@ class IrAddition:
     cite: str
 
 
-def _table_path() -> Path:
-    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
-
-    return shipped_rules_dir() / "opsets" / "ir_versions.toml"
-
-
 @functools.cache
 def ir_additions() -> dict[int, IrAddition]:
     """The shipped table, by IR version; checked so that a typo cannot make a feature invisible."""
-    path = _table_path()
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    sources = {s["id"] for s in data.get("source", [])}
+    table = opset_table("ir_versions")
     known_types = {name.lower() for name, _ in onnx.TensorProto.DataType.items()}
     out = {}
-    for raw in data.get("ir", []):
-        where = f"{path}: [[ir]] version {raw.get('version')}"
-        if raw.get("source") not in sources:
+    for raw in table.rows("ir"):
+        where = f"{table.path}: [[ir]] version {raw.get('version')}"
+        if not table.cites(raw):
             raise InternalError(f"{where} cites no [[source]]")
         if unknown := sorted(set(raw["types"]) - known_types):
             raise InternalError(f"{where}: unknown element type {unknown[0]!r}")

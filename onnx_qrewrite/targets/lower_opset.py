@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from onnx import defs
 
 from onnx_qrewrite.errors import InternalError, LoweringError
 from onnx_qrewrite.rewriter.graph import Scope, iter_scopes
+from onnx_qrewrite.rewriter.opset_tables import opset_table
 from onnx_qrewrite.targets.check import Refused, _inferred, check_model
 
 if TYPE_CHECKING:
@@ -74,21 +74,14 @@ class LoweringStep:
     cite: str  # "[opsets/<source id>]"
 
 
-def _table_path() -> Path:
-    from onnx_qrewrite.rewriter.catalogue import shipped_rules_dir
-
-    return shipped_rules_dir() / "opsets" / "lowering.toml"
-
-
 @functools.cache
 def lowering_steps() -> dict[int, LoweringStep]:
     """The shipped lowering table, keyed by the opset each step lowers from."""
-    path = _table_path()
-    data = tomllib.loads(path.read_text(encoding="utf-8"))
-    sources = {s["id"] for s in data.get("source", [])}
+    table = opset_table("lowering")
+    path = table.path
     steps = {}
-    for raw in data.get("step", []):
-        if raw.get("source") not in sources or raw["to"] != raw["from"] - 1:
+    for raw in table.rows("step"):
+        if not table.cites(raw) or raw["to"] != raw["from"] - 1:
             step = f"step {raw.get('from')} -> {raw.get('to')}"
             raise InternalError(f"{path}: {step} cites no [[source]] or skips an opset")
         ops: dict[str, OpChange] = {}
