@@ -461,24 +461,27 @@ def test_inspect_target_names_rule_and_what_stays_refused():
 
 def test_inspect_target_names_the_nodes_a_weighed_choice_leaves_refused():
     """A weighed choice that leaves refused nodes names each (node, op) on its line, and says why
-    the target refuses each: in `--json` (`weighed_left`, per rule, in the words of `after`) and in
+    the target refuses each: in `--json` (`weighed_left`, per rule, an index into the plan's
+    `weighed_left_lists`, in the words of `after`) and in
     the text (`left:` under its `weighed:` line), not only how many."""
     dql = ("input_QuantizeLinear", "DynamicQuantizeLinear")
     mmi = ("fc0/MatMul_quant", "MatMulInteger")
     done = cli("inspect", SAMPLES / "dynamic_mlp.onnx", "--target", "tensorrt", "--json")
     assert done.returncode == 0, done.stderr
-    nodes = {(n["node"], n["op"]): n for n in json.loads(done.stdout)["nodes"]}
+    data = json.loads(done.stdout)
+    nodes = {(n["node"], n["op"]): n for n in data["nodes"]}
+    lists = data["weighed_left_lists"]  # each node's weighed_left indexes these (format 2)
     # Expanding the DynamicQuantizeLinear leaves its uint8 QuantizeLinears, which TensorRT refuses.
     names = "input_quantized/zp (QuantizeLinear), input_quantized/y (QuantizeLinear)"
     assert nodes[dql]["considered"][0] == f"dql-expand (exact): leaves 2 refused nodes: {names}"
-    left = nodes[dql]["weighed_left"]["dql-expand"]
+    left = lists[nodes[dql]["weighed_left"]["dql-expand"]]
     assert [line.partition("): ")[0] + ")" for line in left] == names.split(", ")
     assert all("QuantizeLinear of uint8: the target quantizes to" in line for line in left)
     assert (
         nodes[mmi]["considered"][2]
         == "int-matmul-int32 (exact): leaves 1 refused node: fc0/MatMul_quant/MatMul (MatMul)"
     )
-    assert nodes[mmi]["weighed_left"]["int-matmul-int32"] == [
+    assert lists[nodes[mmi]["weighed_left"]["int-matmul-int32"]] == [
         "fc0/MatMul_quant/MatMul (MatMul): MatMul on int32 ('fc0/MatMul_quant/Sub'): the target takes bfloat16, "
         "float16, float32 [tensorrt/operators-md]"
     ]

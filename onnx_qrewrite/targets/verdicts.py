@@ -12,6 +12,13 @@ import onnx
 from onnx_qrewrite.rewriter.catalogue import Catalogue
 from onnx_qrewrite.targets.check import Refused
 
+__all__ = ["PLAN_FORMAT", "NodeVerdict", "TargetPlan"]
+
+#: The shape of :meth:`TargetPlan.to_dict` (``inspect --target --json``, ``rewrite --report``'s
+#: ``target``), raised when it changes: 2, each node's ``weighed_left`` an index into the plan's
+#: ``weighed_left_lists`` (before, without this field: the lists themselves, per node).
+PLAN_FORMAT = 2
+
 
 @dataclasses.dataclass
 class NodeVerdict:
@@ -124,7 +131,15 @@ class TargetPlan:
         return not self.after
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON data (``inspect --target --json``, ``rewrite --report``'s ``target``),
+        format :data:`PLAN_FORMAT`: each node's ``weighed_left`` maps a weighed rule to an index
+        into ``weighed_left_lists``, where the refused nodes it left are listed once. A form's
+        whole-model trial leaves every refused node and every node the form could rewrite names
+        that trial, so listing it per node made the answer quadratic in the model's nodes (43 MB
+        for a 250-block chain on tensorrt)."""
+        lists = _SharedLists()
         return {
+            "format": PLAN_FORMAT,
             "model": self.model,
             "target": self.target,
             "target_version": self.target_version,
@@ -140,6 +155,39 @@ class TargetPlan:
             "ir_lowering": self.ir_lowering,
             "float64": self.float64,
             "input_shapes": self.input_shapes,
-            "nodes": [{**dataclasses.asdict(n), "status": n.status} for n in self.nodes],
+            "nodes": [_verdict_dict(n, lists) for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
+            "weighed_left_lists": lists.lists,
         }
+
+
+class _SharedLists:
+    """The distinct lists of ``weighed_left`` in a plan's JSON, each listed once, in the order first
+    met; a list is found again by the identity of its tuple (the nodes a form's trial names share
+    one, ``_Account._words``), else by its contents."""
+
+    def __init__(self) -> None:
+        self.lists: list[list[str]] = []
+        self._by_id: dict[int, int] = {}
+        self._by_words: dict[tuple[str, ...], int] = {}
+
+    def index(self, words: tuple[str, ...]) -> int:
+        at = self._by_id.get(id(words))  # the verdicts keep the tuples alive, so ids are not reused
+        if at is None:
+            at = self._by_words.setdefault(words, len(self.lists))
+            if at == len(self.lists):
+                self.lists.append(list(words))
+            self._by_id[id(words)] = at
+        return at
+
+
+def _verdict_dict(verdict: NodeVerdict, lists: _SharedLists) -> dict[str, Any]:
+    """One node's verdict as JSON data: its fields (tuples as lists), ``weighed_left`` as indexes
+    into ``lists``, and its status."""
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(verdict):
+        value = getattr(verdict, field.name)
+        out[field.name] = list(value) if isinstance(value, tuple) else value
+    out["weighed_left"] = {rule_id: lists.index(words) for rule_id, words in verdict.weighed_left.items()}
+    out["status"] = verdict.status
+    return out
