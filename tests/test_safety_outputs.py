@@ -408,3 +408,62 @@ def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[True, 'interrupted', True, 'body complete', 'interrupted', False, True]"
+
+
+def test_a_module_imported_inside_another_is_held_by_the_outer_import_alone(tmp_path):
+    """Modules a module's body imports run inside the outer hold: SIGINT landing in the inner body
+    waits for the outer body to complete, and only the outermost load blocks and restores the mask
+    (two calls of signal.pthread_sigmask for the two modules, not four: every nested load paid two
+    system calls and an enum per signal in the masks returned)."""
+    package = tmp_path / "outer_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import sys\nfrom outer_pkg import inner\nsys.seen.append('outer complete')\n")
+    (package / "inner.py").write_text(
+        textwrap.dedent(
+            """
+            import _signal, os, signal, sys
+            os.kill(os.getpid(), signal.SIGINT)  # lands while this body runs
+            sys.seen.append(signal.SIGINT in _signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            sys.seen.append("inner complete")
+            """
+        )
+    )
+    script = tmp_path / "nested.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, sys
+            from onnx_qrewrite.io import signals
+
+            sys.seen = seen = []
+            calls = []
+            mask = signal.pthread_sigmask
+
+            def counted(how, sigs):
+                calls.append(how)
+                return mask(how, sigs)
+
+            signals.install()
+            signal.pthread_sigmask = counted
+            try:
+                import outer_pkg
+            except KeyboardInterrupt:
+                seen.append("interrupted")
+            signal.pthread_sigmask = mask
+            seen.append(len(calls))
+            seen.append(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+            signals.uninstall()
+            print(seen)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [PY, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
+        **INTERRUPTIBLE,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[True, 'inner complete', 'outer complete', 'interrupted', 2, False]"
