@@ -21,7 +21,6 @@ __all__ = [
     "Refusal",
     "Source",
     "TargetProfile",
-    "norm_domain",
 ]
 
 
