@@ -42,7 +42,7 @@ from onnx_qrewrite.rewriter.builders._stamp import Template
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.rewriter.graph import NameAllocator, Scope, iter_scopes, subgraphs
-from onnx_qrewrite.rewriter.report import RewriteReport, Unlowered, applied_rewrite, count_ops, op_key
+from onnx_qrewrite.rewriter.report import RewriteReport, Unlowered, applied_rewrite, count_ops, op_key, rewrite_kinds
 
 __all__ = ["DEFAULT_ALLOW", "EngineOptions", "run"]
 
@@ -1102,5 +1102,5 @@ def _pass(
     report.ops_after = collections.Counter({k: n for k, n in counts.items() if n > 0})
     if rewrote:
         used = {key.split("::")[0] if "::" in key else "" for key in report.ops_after}
-        opset_mod.drop_unused_vendor_imports(model, {r.domain for r in report.rewrites}, used, report)
+        opset_mod.drop_unused_vendor_imports(model, {r.domain for r in rewrite_kinds(report.rewrites)}, used, report)
     return result
