@@ -8,8 +8,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError, InvalidModelError, UsageError
 from onnx_qrewrite.io import model_io
 from onnx_qrewrite.io.encoded import EncodedModel, to_proto

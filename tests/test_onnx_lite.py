@@ -239,3 +239,31 @@ def test_onnx_imported_after_inspect_works(tmp_path):
     out = _console([["inspect", str(model)]], str(model), str(tmp_path / "out.onnx"))
     assert not out["onnx imported"] and out["unpackaged"]
     assert out["same classes"] and out["same checker"] and out["rewritten"]
+
+
+def test_console_rewrite_without_onnx_writes_what_onnx_writes(tmp_path):
+    """``rewrite`` in the console script's process loads no ``onnx`` for the sample models' rules
+    it needs none for (the package's modules on its path use this module), and writes the bytes
+    an in-process rewrite, made with onnx, writes."""
+    from onnx_qrewrite.cli import main
+
+    for model in sorted(SAMPLES.glob("*.onnx")):
+        console = tmp_path / f"console_{model.name}"
+        runs = [["rewrite", str(model), "-o", str(console), "-q"]]
+        out = _console(runs)
+        assert out[" ".join(runs[0])][0] == 0, out
+        inside = tmp_path / f"inside_{model.name}"
+        with pytest.raises(SystemExit) as done:
+            main(["rewrite", str(model), "-o", str(inside), "-q"])
+        assert not done.value.code
+        assert console.read_bytes() == inside.read_bytes(), model.name
+    # The benchmark's chain: its rules build from templates, without onnx's helpers.
+    chain = _bench_models().make_dql_chain(4, tmp_path / "chain.onnx")
+    assert not _console([["rewrite", str(chain), "-o", str(tmp_path / "c.onnx")]])["onnx imported"]
+
+
+def _bench_models():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import models
+
+    return models

@@ -12,8 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import onnx
-
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.rewriter.opset_tables import opset_table
 
@@ -45,8 +44,10 @@ def ir_additions() -> dict[int, IrAddition]:
             raise InternalError(f"{where}: unknown element type {unknown[0]!r}")
         for field in raw["fields"]:
             message, _, name = field.partition(".")
-            proto = getattr(onnx, message, None)
-            if proto is None or name not in proto.DESCRIPTOR.fields_by_name:
+            # From the descriptor of onnx.proto's file: a name the package's message classes do not
+            # list would import onnx in a process that needs none of it (onnx_qrewrite/_onnx.py).
+            proto = onnx.ModelProto.DESCRIPTOR.file.message_types_by_name.get(message)
+            if proto is None or name not in proto.fields_by_name:
                 raise InternalError(f"{where}: no field {field!r} in onnx's protos")
         out[raw["version"]] = IrAddition(
             raw["version"], raw["added"], frozenset(raw["types"]), tuple(raw["fields"]), f"[opsets/{raw['source']}]"

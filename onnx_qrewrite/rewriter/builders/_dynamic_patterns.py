@@ -27,8 +27,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnx
 
+from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.rewriter.builders import NotApplicable
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name
 
