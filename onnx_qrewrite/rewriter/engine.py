@@ -421,7 +421,7 @@ def _apply(
         scopes=scopes,
     )
     pools: dict[int, ConstantPool] = {}
-    built: dict[int, dict[int, bytes]] = {}
+    built: dict[int, Mapping[int, bytes]] = {}
     #: The main graph's new node list, written out as its replacements are built instead of held
     #: (io/spool.py: they were ~40 MB of a 100k-node chain's peak), when the nodes left as they are
     #: can be encoded as they are reached: no scope is a subgraph (a node holding one is encoded
@@ -510,11 +510,13 @@ def _build_scope(
     pending: list[_Match],
     spool: Spool | None,
     made: Sequence[Any] | None = None,
-) -> dict[int, bytes]:
+) -> Mapping[int, bytes]:
     """The replacements of one scope's matches (consumed), by node index; with a ``spool``, the
-    scope's whole new node list is written to it as they are built (each replacement kept empty).
+    scope's whole new node list is written to it as they are built (each replacement kept empty,
+    as one bit: :class:`_Spooled`).
     ``made``: per node, the earlier run's replacement that made it, if any (``build.earlier``)."""
     replacements: dict[int, bytes] = {}
+    spooled = _Spooled(len(scope.container.node)) if spool is not None else None
     pending.reverse()
     # Each replaced node's op, from the codes the scope walk noted: one shared string per op
     # in the report entries, not a new one read out of protobuf per rewrite (~2 MB at 100k).
@@ -550,8 +552,9 @@ def _build_scope(
                 _spool_unchanged(spool, container, cursor, m.index)
             spool.write(piece)
             cursor = m.index + 1
-            piece = b""  # replaced: its replacement is in the spool
-        replacements[m.index] = piece
+            spooled.add(m.index)  # type: ignore[union-attr]  # (made with the spool)
+        else:
+            replacements[m.index] = piece
         if plan.reads is not None or plan.remove_if_dead or build.guard:
             _note_reads(build, site, plan, root_id, reads)
         build.done += 1
@@ -580,7 +583,40 @@ def _build_scope(
         )
     if spool is not None:
         _spool_unchanged(spool, container, cursor, len(container.node))
-    return replacements
+    return replacements if spooled is None else spooled
+
+
+class _Spooled(Mapping[int, bytes]):
+    """Which nodes of a scope whose new node list is in a spool were replaced, one bit each (their
+    replacements are in the spool: each reads as empty). A dict of them was ~1.3 MB of a 100k-node
+    chain's peak memory, for the ``index in replaced`` the checks before the splice ask."""
+
+    __slots__ = ("_bits", "_count")
+
+    def __init__(self, nodes: int) -> None:
+        self._bits = bytearray((nodes + 7) // 8)
+        self._count = 0
+
+    def add(self, index: int) -> None:
+        if index not in self:
+            self._bits[index >> 3] |= 1 << (index & 7)
+            self._count += 1
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, int) or not 0 <= index < 8 * len(self._bits):
+            return False
+        return bool(self._bits[index >> 3] & (1 << (index & 7)))
+
+    def __getitem__(self, index: int) -> bytes:
+        if index not in self:
+            raise KeyError(index)
+        return b""
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in range(8 * len(self._bits)) if i in self)
+
+    def __len__(self) -> int:
+        return self._count
 
 
 def _bounded_owners(nodes: Sequence[Any], made: Sequence[Any]) -> frozenset[tuple[str, str]]:
@@ -709,7 +745,7 @@ def _assemble(
     model: onnx.ModelProto,
     scopes: list[Scope],
     build: _Build,
-    built: dict[int, dict[int, bytes]],
+    built: dict[int, Mapping[int, bytes]],
     pools: dict[int, ConstantPool],
     keep_main_encoded: bool,
     spool: Spool | None,
@@ -768,7 +804,7 @@ def _inherited_metadata(node: onnx.NodeProto, mode: str) -> tuple[bytes, bytes]:
 
 def _check_removed_are_unread(
     scopes: list[Scope],
-    built: dict[int, dict[int, bytes]],
+    built: dict[int, Mapping[int, bytes]],
     removed: dict[int, set[str]],
     read_by_rewrites: dict[int, set[str]],
 ) -> None:
@@ -817,7 +853,7 @@ def _spool_reads_none(spool: Spool, names: set[str]) -> bool:
 
 def _remove_unread_initializers(
     scopes: list[Scope],
-    built: dict[int, dict[int, bytes]],
+    built: dict[int, Mapping[int, bytes]],
     candidates: set[str],
     report: RewriteReport,
     spool: Spool | None = None,
@@ -859,7 +895,7 @@ def _remove_unread_initializers(
 def _splice(
     model: onnx.ModelProto,
     scopes: list[Scope],
-    built: dict[int, dict[int, bytes]],
+    built: dict[int, Mapping[int, bytes]],
     pools: dict[int, ConstantPool],
     keep_main_encoded: bool,
     spool: Spool | None = None,
