@@ -100,13 +100,14 @@ def _hash_in(hashes: np.ndarray, value: int) -> bool:
 _SLOT_MASK = (1 << 20) - 1
 
 
-def _slots_of(hashes: np.ndarray) -> bytes:
-    """A byte per slot, 1 where some hash of ``hashes`` has that slot's low bits: a 0 there says
+def _slots_of(arrays: Sequence[np.ndarray]) -> bytes:
+    """A byte per slot, 1 where some hash of ``arrays`` has that slot's low bits: a 0 there says
     a hash is not among them at the cost of an index, where :func:`_hash_in` costs a numpy search
     (~1.5 us; once per stamped replacement, it was 3% of a chain's rewrite). A 1 says nothing:
     the array is searched."""
     table = np.zeros(_SLOT_MASK + 1, np.uint8)
-    table[hashes & _SLOT_MASK] = 1
+    for hashes in arrays:
+        table[hashes & _SLOT_MASK] = 1
     return table.tobytes()
 
 
@@ -197,11 +198,11 @@ class _Producers:
         #: each of its outputs, which :meth:`find` remembers at once (a DynamicQuantizeLinear's
         #: quantized value and zero point are looked up by the same reader).
         self.unique: bool = not bool((found[1:] == found[:-1]).any())
-        #: Hashes of the outputs' and node names' parts before their last ``/``, sorted, and of the
-        #: (non-empty) node names, unsorted (for :class:`NameAllocator`: computed here, where the
-        #: nodes are read anyway).
+        #: Hashes of the outputs' and node names' parts before their last ``/``, and of the
+        #: (non-empty) node names, each sorted (for :class:`NameAllocator`: computed here, where
+        #: the nodes are read anyway).
         self.heads: np.ndarray = np.sort(np.concatenate(heads)) if heads else _NO_HASHES
-        self.node_names: np.ndarray = np.concatenate(own) if own else _NO_HASHES
+        self.node_names: np.ndarray = np.sort(np.concatenate(own)) if own else _NO_HASHES
         #: The last names looked up and the node found writing each (see :data:`_RECENT`): the
         #: node object itself, since each read of ``nodes[i]`` makes a new wrapper.
         self.recent: dict[str, onnx.NodeProto | None] = {}
@@ -688,7 +689,9 @@ class NameAllocator:
         self._used_heads: set[str] = set()
         #: Every name of the model, once read (None: only their hashes are kept).
         self._exact: set[str] | None = None
-        self._hashes = self._heads = _NO_HASHES
+        #: Sorted arrays of the hashes of the model's names and of their heads (see _index_hashes).
+        self._hashes: tuple[np.ndarray, ...] = ()
+        self._heads: tuple[np.ndarray, ...] = ()
         #: :func:`_slots_of` the heads (empty: not made, the heads are searched).
         self._head_slots = b""
         if frozen:
@@ -726,22 +729,27 @@ class NameAllocator:
         (its *head*: no name is ``<prefix>/<tail>`` unless its head is ``prefix``). The outputs'
         and node names' come from the scopes' producer indexes, which matching has usually built
         already."""
-        hashes, heads = [], []
+        hashes: list[np.ndarray] = []
+        heads: list[np.ndarray] = []
+        declared, declared_heads = [], []
         for scope in self._scopes:
             producers = scope._producer_index()
-            hashes.append(producers.hashes)
-            hashes.append(producers.node_names)
+            hashes += (producers.hashes, producers.node_names)
             heads.append(producers.heads)
             names = self._declared_names(scope)
             while batch := list(itertools.islice(names, _CHUNK)):  # in chunks, as _Producers reads
                 named = [name for name in batch if name]
-                hashes.append(np.fromiter(map(hash, named), np.int64, len(named)))
-                heads.append(np.fromiter((hash(n.rpartition("/")[0]) for n in named if "/" in n), np.int64))
-        self._hashes = np.concatenate(hashes)
-        self._hashes.sort()
-        self._heads = np.concatenate(heads)
-        self._heads.sort()
-        if len(self._heads) >= _CHUNK:  # a small model's few stamps search the array
+                declared.append(np.fromiter(map(hash, named), np.int64, len(named)))
+                declared_heads.append(np.fromiter((hash(n.rpartition("/")[0]) for n in named if "/" in n), np.int64))
+        if len(self._scopes) == 1:
+            # The producer index's sorted arrays themselves, searched one after the other: a copy of
+            # them merged into one was ~3.6 MB of a 100k-node chain's peak memory.
+            merged_hashes, merged_heads = [np.sort(np.concatenate(declared))], [np.sort(np.concatenate(declared_heads))]
+            self._hashes, self._heads = (*hashes, *merged_hashes), (*heads, *merged_heads)
+        else:  # one array each: a search per scope would cost a search per subgraph per name
+            self._hashes = (np.sort(np.concatenate(hashes + declared)),)
+            self._heads = (np.sort(np.concatenate(heads + declared_heads)),)
+        if sum(map(len, self._heads)) >= _CHUNK:  # a small model's few stamps search the arrays
             self._head_slots = _slots_of(self._heads)
 
     def release(self) -> None:
@@ -751,14 +759,15 @@ class NameAllocator:
         self._families = {}
         self._exact = None
         self._scopes = []
-        self._hashes = self._heads = _NO_HASHES
+        self._hashes = self._heads = ()
         self._head_slots = b""
 
     def _in_model(self, name: str) -> bool:
         """Whether the model had ``name`` (exactly: a hash found makes the names be read)."""
         exact = self._exact
         if exact is None:
-            if not _hash_in(self._hashes, hash(name)):
+            value = hash(name)
+            if not any(_hash_in(hashes, value) for hashes in self._hashes):
                 return False
             exact = self._exact = self._model_names()
         return name in exact
@@ -768,7 +777,7 @@ class NameAllocator:
         if self._exact is None:
             value = hash(prefix)
             slots = self._head_slots
-            if (slots and not slots[value & _SLOT_MASK]) or not _hash_in(self._heads, value):
+            if (slots and not slots[value & _SLOT_MASK]) or not any(_hash_in(h, value) for h in self._heads):
                 return False  # no name of the model has that head
         return any(self._in_model(prefix + hint) for hint in hints)
 
