@@ -168,14 +168,20 @@ STORAGES = ("uint8-2", "uint8-4", "uint8-8", "int4", "uint4")
 
 def _table_cases() -> list[tuple]:
     """(storage, with_zp, block, scale type, opset, form): every storage in both forms at both opsets
-    on the path those choose (float16 scales: never the blocked form; zero points and block sizes
-    taking turns), then rows until every value of each dimension has met every value of each other
-    (tests/_pairwise.py): float32 scales with each storage, opset and form (the blocked form at 21
-    but for bits 2; the blocked form's own battery is test_gathered_rows_dequantize_bit_for_bit).
-    The full product was 240 cases of one rewrite and two sessions each."""
+    with float16 scales (never the blocked form), and again with float32 scales at opset 13 (never
+    blocked either), zero points and block sizes taking turns; bits 2 with float32 scales at opset
+    21 in both forms (the one float32 storage that opset does not send to the blocked form); then
+    rows until every value of each dimension has met every value of each other (tests/_pairwise.py).
+    The kept rows carry the pairs on the path the packed/table builders run: a float32 row at 21
+    takes the blocked form, where ``form`` is not read, so the pairs it meets do not count for
+    them (the blocked form's own battery is test_gathered_rows_dequantize_bit_for_bit). The full
+    product was 240 cases of one rewrite and two sessions each."""
     zp_blocks = list(itertools.product((False, True), (16, 64, 256)))
     triples = itertools.product(STORAGES, (13, 21), ("packed", "table"))
     keep = [(s, *zp_blocks[i % 6], np.float16, o, f) for i, (s, o, f) in enumerate(triples)]
+    pairs = itertools.product(STORAGES, ("packed", "table"))
+    keep += [(s, *zp_blocks[i % 6], np.float32, 13, f) for i, (s, f) in enumerate(pairs)]
+    keep += [("uint8-2", True, 64, np.float32, 21, "packed"), ("uint8-2", False, 16, np.float32, 21, "table")]
     return pairwise(
         STORAGES, (False, True), (16, 64, 256), (np.float32, np.float16), (13, 21), ("packed", "table"), keep=keep
     )

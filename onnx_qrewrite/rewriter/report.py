@@ -131,7 +131,7 @@ def applied_rewrite(
     about 60% of the cost. The engine makes one per rewrite (40k on a 100k-node chain), and a
     frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (a look-up of
     the attribute's descriptor on the class per field); this calls each field's slot descriptor
-    directly. ``tests/test_report.py`` checks it against the dataclass's own ``__init__``."""
+    directly. ``tests/test_engine.py`` checks it against the dataclass's own ``__init__``."""
     entry = _NEW(AppliedRewrite)
     _SET_RULE(entry, rule)
     _SET_NODE(entry, node)
