@@ -13,7 +13,8 @@ code  meaning
 4     a rule matched a node but could not be applied
 5     internal error (a bug in onnx-qrewrite)
 6     ``verify`` ran but compared nothing (zero-size outputs, no outputs, or the
-      same file given as both models): nothing was proven
+      same file given as both models), or compared no element of some value on any
+      sample (not verified: set aside as not comparable): not everything was proven
 ====  ==========================================================
 
 Exit 6 follows pytest's "no tests were collected" (its exit 5, which is taken here): a run that

@@ -350,18 +350,87 @@ def test_values_computed_from_output_qk():
     """Element for element, the undefined keys follow (broadcast: twice as many in ``scaled``) and a
     wrong written key is still caught; through ReduceMax the value is not comparable where keys are
     unwritten (not compared, with why), and compared in full on a sample whose keys are all written.
-    Before, both were compared in full and the garbage at the unwritten keys failed them."""
+    Compared on no sample, it is not verified: never a pass (INCONCLUSIVE, exit 6, JUnit skipped).
+    Before, ``top`` passed with 0 elements compared."""
     model = with_consumers(qk_model())
     rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
     report = verify(model, rewritten, inputs=samples(1))
-    assert report.passed, report.to_table()
+    assert not report.passed and report.verdict == "INCONCLUSIVE" and report.exit_code == 6, report.to_table()
     scaled, top = row(report, "scaled"), row(report, "top")
+    assert scaled.verdict == "passed" and top.verdict == "not-verified"
     assert (scaled.undefined, scaled.elements) == (2 * UNWRITTEN.sum(), 2 * (~UNWRITTEN).sum())
     assert (top.undefined, top.elements) == (BATCH * HEADS * SEQ, 0)
     assert "ReduceMax 'keys_max', not element for element: not comparable" in top.undefined_why
+    assert "seqlens_k ('sl') is total_sequence_length ('tl') - 1" in top.undefined_why
+    assert report.summary.startswith("INCONCLUSIVE | 1 value not verified (top): computed from")
+    assert "NOT-VERIFIED" in report.to_table()
+    body = report.to_dict()
+    jsonschema.validate(body, json.loads(SCHEMA_PATH.read_text()))
+    assert body["verdict"] == "inconclusive" and row_json(body, "top")["verdict"] == "not-verified"
+    suite = report.to_junit().find("testsuite")
+    assert suite.get("skipped") == "1" and suite.get("failures") == "0"
     broken = verify(model, wrong_at_a_written_key(rewritten), inputs=samples(1))
-    assert not broken.passed and row(broken, "scaled").mismatches == 2
+    assert not broken.passed and broken.verdict == "FAILED" and row(broken, "scaled").mismatches == 2
     full = Sample("all written", gqa_feeds(BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD, [TOTAL] * BATCH, TOTAL))
     whole = verify(model, onnx_qrewrite.rewrite(model).model, inputs=[full])
     assert whole.passed, whole.to_table()
     assert (row(whole, "top").undefined, row(whole, "top").elements) == (0, BATCH * HEADS * SEQ)
+    both = verify(model, onnx_qrewrite.rewrite(model).model, inputs=[*samples(1), full])
+    assert both.passed and row(both, "top").verdict == "passed", both.to_table()
+
+
+def row_json(body, name):
+    return next(o for o in body["outputs"] if o["name"] == name)
+
+
+def test_a_wrong_value_computed_otherwise_is_never_passed():
+    """A wrong rewrite of a value computed from output_qk by ReduceMax, on samples whose lengths are
+    all uneven: not comparable on any of them, so not verified (exit 6), never passed; and caught
+    as a disagreement on a sample whose keys are all written. Before, it passed."""
+    model = with_consumers(qk_model())
+    wrong = changed(onnx_qrewrite.rewrite(model).model, "top", np.full((*QK_SHAPE[:3], 1), 0.5), "wrong_top")
+    uneven = verify(model, wrong, inputs=samples(2))
+    assert not uneven.passed and uneven.exit_code == 6 and row(uneven, "top").verdict == "not-verified"
+    full = Sample("all written", gqa_feeds(BATCH, SEQ, PAST, HEADS, KV_HEADS, HEAD, [TOTAL] * BATCH, TOTAL))
+    caught = verify(model, wrong, inputs=[*samples(1), full])
+    assert caught.verdict == "FAILED" and row(caught, "top").failed_samples == ("all written",)
+
+
+def with_qdq(model, domain):
+    """output_qk through QuantizeLinear and DequantizeLinear (per-tensor, ``domain``), as output
+    ``qk_dq``: element for element, as the ops of :data:`_ELEMENTWISE` are."""
+    graph = model.graph
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(0.05, np.float32), "qs"),
+            numpy_helper.from_array(np.array(128, np.uint8), "qz"),
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("QuantizeLinear", ["qk", "qs", "qz"], ["qk_q"], domain=domain, name="quant_qk"),
+            helper.make_node("DequantizeLinear", ["qk_q", "qs", "qz"], ["qk_dq"], domain=domain, name="dequant_qk"),
+        ]
+    )
+    graph.output.append(helper.make_tensor_value_info("qk_dq", TensorProto.FLOAT, list(QK_SHAPE)))
+    return model
+
+
+@pytest.mark.parametrize("domain", ["", "com.microsoft"])
+def test_through_quantize_dequantize(domain):
+    """Q/DQ (not blocked) map position to position: the unwritten keys are set aside there and the
+    written ones compared, so a wrong lowered QuantizeLinear (its scale 4x too big) is caught on
+    samples with uneven lengths. Before, ``qk_dq`` was not comparable on them and the wrong
+    rewrite passed with 0 elements compared."""
+    model = with_qdq(qk_model(), domain)
+    rewritten = garbage_where_undefined(onnx_qrewrite.rewrite(model).model)
+    report = verify(model, rewritten, inputs=samples(1))
+    assert report.passed, report.to_table()
+    qdq = row(report, "qk_dq")
+    assert (qdq.undefined, qdq.elements) == (UNWRITTEN.sum(), (~UNWRITTEN).sum())
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(rewritten)
+    wrong.graph.initializer.append(numpy_helper.from_array(np.array(0.2, np.float32), "wrong_scale"))
+    next(n for n in wrong.graph.node if n.op_type == "QuantizeLinear").input[1] = "wrong_scale"
+    broken = verify(model, wrong, inputs=samples(1))
+    assert broken.verdict == "FAILED" and row(broken, "qk_dq").mismatches > 0, broken.to_table()

@@ -249,10 +249,14 @@ class ValueComparison:
 
     @property
     def verdict(self) -> str:
-        """``failed``, ``empty`` (nothing to compare: zero-size in every sample) or ``passed``."""
+        """``failed``, ``empty`` (nothing to compare: zero-size in every sample), ``not-verified``
+        (no element compared because every one was set aside as undefined or not comparable on
+        every sample: the report is then never a pass) or ``passed``."""
         if not self.passed:
             return "failed"
-        return "passed" if self.elements else "empty"
+        if self.elements:
+            return "passed"
+        return "not-verified" if self.undefined else "empty"
 
     @property
     def exact_match_rate(self) -> float:

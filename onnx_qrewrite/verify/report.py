@@ -119,6 +119,11 @@ class VerifyReport:
             return None
         if self.not_compared:
             return self.not_compared
+        unverified = [o for o in self.outputs if o.verdict == "not-verified"]
+        if unverified and sum(o.elements for o in self.outputs):
+            names = ", ".join(o.name for o in unverified)
+            what = _plural(len(unverified), ("value", "values"))
+            return f"{what} not verified ({names}): {unverified[0].undefined_why}"
         if not self.outputs:
             return "the models have no outputs"
         if sum(o.elements for o in self.outputs) == 0:
@@ -166,6 +171,8 @@ class VerifyReport:
         if undefined:
             excluded += f"; {_plural(undefined, ('element', 'elements'))} the original leaves undefined not compared"
         reason = self.inconclusive_reason
+        if reason is not None and any(o.elements for o in self.outputs):
+            return f"INCONCLUSIVE | {reason}"
         if reason is not None:
             return f"INCONCLUSIVE | nothing was compared: {reason}"
         judged = self.settings.drift_decision is not None and self.settings.drift_decision.judged
@@ -307,7 +314,7 @@ class VerifyReport:
             tests=str(len(self.outputs)),
             failures=str(failures),
             errors="0",
-            skipped="0",
+            skipped=str(sum(o.verdict == "not-verified" for o in self.outputs)),
             time=f"{self.duration_seconds:.3f}",
         )
         properties = ET.SubElement(suite, "properties")
@@ -326,6 +333,8 @@ class VerifyReport:
             if not output.passed:
                 failure = ET.SubElement(case, "failure", message=_failure_message(output), type="mismatch")
                 failure.text = "\n".join(_stats_lines(output) + _localization_lines(self.localization))
+            elif output.verdict == "not-verified":
+                ET.SubElement(case, "skipped", message=f"not verified: {output.undefined_why}")
         return suites
 
     def junit_xml(self) -> str:

@@ -17,12 +17,15 @@ total_sequence_length: the same keys, and only those). The rewrite writes 0 ther
 
 Values computed from output_qk carry that garbage on. Through the standard ops that compute each
 output element from the elements at the same broadcast position (:data:`_ELEMENTWISE`: Identity,
-Cast, unary math, arithmetic and comparisons, Where, Clip), the undefined elements are those that read
-an undefined one: output_qk's mask broadcast to the value's shape. Every other consumer (Softmax,
+Cast, unary math, arithmetic and comparisons, Where, Clip; and :data:`_QDQ`, standard or
+com.microsoft, per-tensor or per-axis, not blocked, reading it as input 0), the undefined elements
+are those that read an undefined one: output_qk's mask broadcast to the value's shape. Every other consumer (Softmax,
 Reduce*, MatMul, Reshape, Transpose, Gather, ...) mixes or moves elements in ways this does not
 follow: where output_qk has undefined keys on a sample, its outputs, and all computed from them, are
 not comparable and not compared at all there (counted, with why; on samples where every key is
-written they are compared in full).
+written they are compared in full). A value compared on no sample at all is reported not verified
+(row ``NOT-VERIFIED``, verdict ``INCONCLUSIVE``, exit 6), never passed, and its why names the
+sample that would compare it: seqlens_k[b] = total_sequence_length - 1 in every entry.
 
 The mask comes from the original's own seqlens_k and total_sequence_length on each sample: a graph
 input (the sample's feed), an initializer, or a value the original computes (one more run of the
@@ -54,6 +57,22 @@ _ELEMENTWISE = frozenset(
     | {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Mean", "Sum", "PRelu", "Where", "Clip"}
     | {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "BitShift"}
 )
+
+#: QuantizeLinear / DequantizeLinear (standard or com.microsoft): element for element in their
+#: input 0 when not blocked (no ``block_size``, or 0): per-tensor or per-axis, each output element
+#: reads the input's element at its own position and a scale / zero point chosen by position only.
+_QDQ = frozenset({"QuantizeLinear", "DequantizeLinear"})
+
+
+def _element_for_element(node: onnx.NodeProto, reached: Iterable[str]) -> bool:
+    """Whether ``node`` computes each output element from the ``reached`` inputs' elements at the
+    same (broadcast) position only: :data:`_ELEMENTWISE`, or unblocked Q/DQ reached at input 0."""
+    if node.domain in ("", "ai.onnx") and node.op_type in _ELEMENTWISE:
+        return True
+    if node.domain not in ("", "ai.onnx", "com.microsoft") or node.op_type not in _QDQ:
+        return False
+    blocked = any(a.name == "block_size" and a.i != 0 for a in node.attribute)
+    return not blocked and set(reached) == {node.input[0]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +148,11 @@ def _why(reach: _Reach) -> str:
     )
     if reach.via is None:
         return written
-    return f"computed from {written} by {reach.via}, not element for element: not comparable"
+    return (
+        f"computed from {written} by {reach.via}, not element for element: not comparable; compared on a sample "
+        f"whose seqlens_k ({reach.source.seqlens!r}) is total_sequence_length ({reach.source.total!r}) - 1 "
+        "in every batch entry (every key written)"
+    )
 
 
 def _gqa_sources(model: onnx.ModelProto) -> dict[str, tuple[_Reach, ...]]:
@@ -148,7 +171,7 @@ def _gqa_sources(model: onnx.ModelProto) -> dict[str, tuple[_Reach, ...]]:
         reached = [r for name in node.input if name in sources for r in sources[name]]
         if not reached or (node.domain == "com.microsoft" and node.op_type == "GroupQueryAttention"):
             continue
-        if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE:
+        if not _element_for_element(node, (name for name in node.input if name in sources)):
             label = f"{node.op_type} {node.name!r}" if node.name else f"{node.op_type} writing {node.output[0]!r}"
             reached = [_Reach(r.source, r.via or label) for r in reached]
         for out in node.output:
