@@ -331,6 +331,7 @@ NOT_LOWERED = {
         "position_ids 'pos' is float32; the kernel takes int64",
     ),
     "uneven groups": (lambda: gqa_model(2, 1, 5, 6, 4, 8), "num_heads=6 is not a multiple of kv_num_heads=4"),
+    "head size 4": (lambda: gqa_model(2, 1, 5, 4, 2, 4), "head_size 4 is not a multiple of 8: onnxruntime's kernel"),
 }
 
 

@@ -50,7 +50,8 @@ there, and ``verify`` does not compare them (``verify/undefined.py``; the rewrit
 Not lowered (the node stays, with the reason): ``qk_output`` other than 0-2 or without output_qk (the
 kernel refuses both), output_qk with ``qk_output`` 0 (refused too), ``local_window_size`` 0 (no key
 attended), a negative ``softcap`` (the kernel's output is then neither uncapped nor capped at its
-magnitude: measured), shapes that are not recorded. Query rows of a first prompt at or past an
+magnitude: measured), a head size not a multiple of 8 (the kernel refuses it: "head_size must be a
+multiple of 8", measured), shapes that are not recorded. Query rows of a first prompt at or past an
 entry's length (``i >= seqlens_k[b] + 1``, padding) attend the entry's keys (below its length; with a
 local window the last w of them), as the kernel does (measured, with stale memory before: not the
 padding keys up to i, which an earlier form attended and called undefined).
@@ -122,6 +123,8 @@ class GroupQueryAttentionBuilder:
         parts = heads + 2 * kv_heads if packed else heads  # packed: Q, K, V heads side by side
         if shape[2] % parts:
             raise NoMatch(f"query hidden size {shape[2]} does not split into {parts} heads")
+        if (shape[2] // parts) % 8:
+            raise NoMatch(f"head_size {shape[2] // parts} is not a multiple of 8: onnxruntime's kernel refuses it")
         data: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head": shape[2] // parts, "packed": packed}
         data["rotary"] = _rotary_dim(site, shape[2] // parts, _T.FLOAT16 if float16 else _T.FLOAT)
         position_type = site.elem_type(site.input(9)) if site.input(9) else None
