@@ -139,19 +139,25 @@ def test_the_kernel_leaves_exactly_those_keys_unwritten():
     that fits and one longer than total_sequence_length (the same keys: the kernel copies each row's
     first total_sequence_length scores whatever the buffer). Run in a fresh interpreter: inside the
     test session the heap's state depends on the tests run before, and the stale data may happen not
-    to differ (seen in a full-suite order)."""
+    to differ (seen in a full-suite order). Even there it happened once in a full suite that one case
+    showed no stale data: that case is measured again, in a new interpreter, up to four times."""
     script = (
         "import sys, json; sys.path.insert(0, sys.argv[1]); import test_verify_undefined as t; "
         "print(json.dumps([t.stale_keys(m, s).ravel().tolist() for s in (t.SHAPE, t.LONG) for m in (1, 2)]))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, check=True
-    )
     expected = [UNWRITTEN, UNWRITTEN, LONG_UNWRITTEN, LONG_UNWRITTEN]
-    for flat, unwritten in zip(json.loads(done.stdout.splitlines()[-1]), expected, strict=True):
-        moved = np.array(flat, bool).reshape(unwritten.shape)
-        assert not (moved & ~unwritten).any()
-        assert moved.any(), "no stale data showed: the test cannot tell written from unwritten keys"
+    showed = [np.zeros(unwritten.shape, bool) for unwritten in expected]
+    for _ in range(4):  # stale data that happens to repeat shows nothing: measure again, fresh
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True, text=True, check=True
+        )
+        for flat, unwritten, seen in zip(json.loads(done.stdout.splitlines()[-1]), expected, showed, strict=True):
+            moved = np.array(flat, bool).reshape(unwritten.shape)
+            assert not (moved & ~unwritten).any()
+            np.logical_or(seen, moved, out=seen)
+        if all(seen.any() for seen in showed):
+            break
+    assert all(seen.any() for seen in showed), "no stale data showed: the test cannot tell written from unwritten keys"
 
 
 def test_a_past_buffer_longer_than_total_sequence_length():
