@@ -243,7 +243,7 @@ class RewriteLog(Sequence[AppliedRewrite]):
         node = text[start : ends[2 * i]].decode("utf-8", "surrogatepass")
         prefix = text[ends[2 * i] : ends[2 * i + 1]].decode("utf-8", "surrogatepass")
         bound = None if no_bound else self._bounds[i]
-        return AppliedRewrite(
+        return applied_rewrite(
             rule,
             node,
             op_type,
