@@ -351,6 +351,19 @@ def test_a_trailing_slash_names_a_new_output_folder(tmp_path):
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["model.onnx", "model.onnx.data"]
 
 
+def _run_beside(script: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` with its own folder on the path (the modules it imports are written there)."""
+    path = os.pathsep.join(filter(None, [str(script.parent), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [PY, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": path},
+        **INTERRUPTIBLE,
+    )
+
+
 def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
     """SIGINT landing while a module's body runs, or a native module initialises, is held until
     the import is complete (half-made modules broke: exit 5, and a SIGSEGV in onnx's C++ module),
@@ -398,14 +411,7 @@ def test_an_interrupt_waits_for_the_module_being_imported(tmp_path):
             """
         )
     )
-    proc = subprocess.run(
-        [PY, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
-        **INTERRUPTIBLE,
-    )
+    proc = _run_beside(script)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[True, 'interrupted', True, 'body complete', 'interrupted', False, True]"
 
@@ -457,13 +463,6 @@ def test_a_module_imported_inside_another_is_held_by_the_outer_import_alone(tmp_
             """
         )
     )
-    proc = subprocess.run(
-        [PY, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))},
-        **INTERRUPTIBLE,
-    )
+    proc = _run_beside(script)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[True, 'inner complete', 'outer complete', 'interrupted', 2, False]"
