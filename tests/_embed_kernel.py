@@ -24,8 +24,12 @@ F32, F64 = np.float32, np.float64
 
 
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """float32 fma(a, b, c) correctly rounded: float32 products are exact in float64, TwoSum gives
-    the float64 sum's error, which decides a sum that falls on a float32 midpoint."""
+    """float32 fma(a, b, c) correctly rounded. The float32 product is exact in float64 and TwoSum
+    gives the float64 sum's rounding error, so the exact result is ``s + err``. Rounding ``s`` to
+    float32 is right unless ``s`` fell exactly on the midpoint between two float32 neighbours
+    while the exact result was not there (``err`` != 0): then the neighbour on ``err``'s side is.
+    The midpoint is found from that neighbour itself, not from the spacing above ``r``: below a
+    power of two the spacing is half (``np.spacing`` of the power is the spacing above it)."""
     p = np.asarray(a, F64) * np.asarray(b, F64)
     c = np.asarray(c, F64)
     s = p + c
@@ -33,8 +37,9 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     err = (p - (s - bb)) + (c - bb)
     r = s.astype(F32)
     d = s - r.astype(F64)
-    tie = (d != 0) & (np.abs(d) * 2 == np.spacing(np.abs(r)).astype(F64)) & (err != 0)
-    return np.where(tie & (np.sign(err) == np.sign(d)), (r.astype(F64) + 2 * d).astype(F32), r)
+    other = np.nextafter(r, np.where(d > 0, F32(np.inf), F32(-np.inf)).astype(F32))
+    tie = (d != 0) & (2 * d == other.astype(F64) - r.astype(F64)) & (err != 0)
+    return np.where(tie & (np.sign(err) == np.sign(d)), other, r)
 
 
 def qembed_kernel(model: ModelProto, feeds: dict, fused: Collection[str] = ()) -> np.ndarray:
