@@ -38,7 +38,7 @@ import onnx
 import pytest
 from _cli_helpers import cli_in_process
 from conftest import REAL_MODELS, SAMPLES
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_qrewrite import rewrite, verify
 from onnx_qrewrite.api import load_rules
@@ -322,8 +322,45 @@ def test_openvino_wrong_numbers_on_uint16_qdq_are_an_obvious_failure(tmp_path):
     assert "FAILED" in proc.stdout
     report = tmp_path / "r.json"
     cli("verify", SAMPLES / "qdq_contrib_u16.onnx", out, "--runtime", "openvino", "--report", report)
-    (output,) = __import__("json").loads(report.read_text())["outputs"]
+    body = __import__("json").loads(report.read_text())
+    (output,) = body["outputs"]
     assert output["max_abs_error"] > 100, output  # far outside any tolerance: an obvious failure
+    # The original itself on OpenVINO is as wrong: the report says whose bug it is, and still fails.
+    baseline = body["runtime_baseline"]
+    assert baseline["finding"] == "runtime" and baseline["original_vs_onnxruntime"][0]["max_abs_error"] > 100
+    assert "the original itself on openvino is as far" in body["summary"]
+
+
+def test_verify_on_qnn_says_when_the_original_itself_is_as_far(tmp_path):
+    """QNN's HTP runs quantize_dynamic's DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group
+    on the float activation, without its 8-bit quantization: on verify's wide-range sample the model
+    compared with a copy of itself is beyond QNN's tolerance (max abs 21 measured). verify still
+    fails, and says the original on QNN is as far and the rewrite computes there what it does."""
+    _runtime("qnn")
+    copy = tmp_path / "copy.onnx"
+    copy.write_bytes((SAMPLES / "dynamic_mlp.onnx").read_bytes())
+    report = verify(SAMPLES / "dynamic_mlp.onnx", copy, runtime="qnn", input_dims={"batch": 4}, localize_failures=False)
+    assert not report.passed and report.exit_code == 1
+    baseline = report.runtime_baseline
+    assert baseline.finding == "runtime" and "wide-range" in baseline.samples
+    ((original,), (rewrite,)) = baseline.original, baseline.rewrite
+    assert original.max_abs_error > 1 and not original.passed  # QNN's own numbers, not the rewrite's
+    assert rewrite.max_abs_error == 0
+    assert "qnn's own arithmetic on this model, not the rewrite" in report.to_table()
+
+
+def test_verify_on_openvino_says_when_the_difference_is_the_rewrites(tmp_path):
+    """A broken rewrite (a weight scale doubled) fails on OpenVINO while the original there agrees
+    with onnxruntime: the report puts the difference on the rewrite."""
+    _runtime("openvino")
+    broken = onnx.load(SAMPLES / "dynamic_cnn.onnx")
+    scale = next(t for t in broken.graph.initializer if t.name.endswith("weight_scale"))
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 2, scale.name))
+    report = verify(SAMPLES / "dynamic_cnn.onnx", broken, runtime="openvino", localize_failures=False)
+    assert not report.passed
+    assert report.runtime_baseline.finding == "rewrite"
+    assert all(c.passed for c in report.runtime_baseline.original)
+    assert "the rewrite's difference" in report.summary
 
 
 def _qdq_pair(dtype: int) -> onnx.ModelProto:

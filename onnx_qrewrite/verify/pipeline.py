@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from onnx_qrewrite.verify.versions import versions
 
 if TYPE_CHECKING:
     from onnx_qrewrite.verify.localize import Localization
+    from onnx_qrewrite.verify.runtime_baseline import RuntimeBaseline
 
 
 logger = logging.getLogger(__name__)
@@ -54,12 +55,36 @@ def run_comparison(
         from onnx_qrewrite.verify.stored import save_outputs as save_stored_outputs
 
         save_stored_outputs(options.save_outputs, given.samples, kept, models.original.label)
+    baseline = _runtime_baseline(models, original_runner, rewritten_runner, given, judgement, options, decision)
     localization = None
     if options.localize_failures and not all(o.passed for o in judgement.outputs):
         from onnx_qrewrite.verify.failure import localize_failure
 
         localization = localize_failure(models, judgement, given.samples, options, make_runner, decision)
-    return _report(models, judgement, given, decision, localization, options)
+    return _report(models, judgement, given, decision, localization, options, baseline)
+
+
+def _runtime_baseline(
+    models: Models,
+    original_runner: Any,
+    rewritten_runner: Any,
+    given: GivenSamples,
+    judgement: Judgement,
+    options: Options,
+    decision: DriftDecision,
+) -> RuntimeBaseline | None:
+    """On another runtime, when an output fails: the original itself run there on the failing
+    samples (verify/runtime_baseline.py), so the report says whose difference it is."""
+    excluded = {h.sample for h in judgement.hazards}
+    failed = [s for o in judgement.outputs if o.role == "output" for s in o.failed_samples if s not in excluded]
+    if options.runtime == "onnxruntime" or not failed:
+        return None
+    from onnx_qrewrite.verify.runtime_baseline import runtime_baseline
+
+    drift = options.drift if decision.judged else None
+    return runtime_baseline(
+        models.original.proto, original_runner, rewritten_runner, given.samples, failed, options, drift
+    )
 
 
 def _report(
@@ -69,6 +94,7 @@ def _report(
     decision: DriftDecision,
     localization: Localization | None,
     options: Options,
+    baseline: RuntimeBaseline | None = None,
 ) -> VerifyReport:
     """The report: the verdict's evidence and every setting that decided it."""
     return VerifyReport(
@@ -96,4 +122,5 @@ def _report(
         excluded=tuple(judgement.hazards),
         not_compared=judgement.not_compared,
         unchecked_bounds=judgement.unchecked,
+        runtime_baseline=baseline,
     )

@@ -111,6 +111,9 @@ class VerifyReport:
     #: UncheckedBound: a target plan's later stage computes through what they wrote, or rewrote part
     #: of it with a rule that is not exact); the model's outputs are still compared.
     unchecked_bounds: tuple[Any, ...] = ()
+    #: On another runtime, when an output failed: the original itself run there on the failing
+    #: samples, saying whose difference it is (verify/runtime_baseline.py).
+    runtime_baseline: Any = None
 
     @property
     def inconclusive_reason(self) -> str | None:
@@ -200,7 +203,7 @@ class VerifyReport:
             bad = [o.name for o in rows if not o.passed]
             if bad:
                 text += f"; {len(bad)} of {_plural(len(rows), _FAILED[role])}: {', '.join(bad)}"
-        text += excluded + drift + self._unchecked_note()
+        text += excluded + drift + self._unchecked_note() + self._baseline_note()
         loc = self.localization
         if loc is not None and loc.found:
             text += f"; first differing node {loc.node!r}"
@@ -215,6 +218,18 @@ class VerifyReport:
             return ""
         what = _plural(n, ("bounded replacement's bound", "bounded replacements' bounds"))
         return f"; {what} NOT checked at the node (a later rewrite computes through or rewrote what they wrote)"
+
+    def _baseline_note(self) -> str:
+        """ "; the original on R is as far: R's own arithmetic" and the like ("" when not run)."""
+        b = self.runtime_baseline
+        if b is None:
+            return ""
+        return {
+            "runtime": f"; the original itself on {b.runtime} is as far: {b.runtime}'s own arithmetic, not the rewrite",
+            "rewrite": f"; the original on {b.runtime} agrees with onnxruntime: the rewrite's difference",
+            "both": f"; the original on {b.runtime} is off too, and the rewrite adds to it",
+            "not-run": f"; the original does not run on {b.runtime}",
+        }[b.finding]
 
     def rows(self, role: str) -> list[ValueComparison]:
         """The comparison rows of ``role`` (``output``, ``bound`` or ``value-read``; see
@@ -281,6 +296,9 @@ class VerifyReport:
             "inconclusive_reason": self.inconclusive_reason,
             "excluded_samples": [_hazard_dict(h) for h in self.excluded],
             "unchecked_bounds": [{"node": u.origin, "rule": u.rule, "why": u.why} for u in self.unchecked_bounds],
+            "runtime_baseline": None
+            if self.runtime_baseline is None
+            else self.runtime_baseline.to_dict(_comparison_dict),
             "summary": self.summary,
             "localization": None if self.localization is None else _localization_dict(self.localization),
             "duration_seconds": round(self.duration_seconds, 6),
@@ -368,6 +386,8 @@ class VerifyReport:
         loc_lines = _localization_lines(self.localization)
         if loc_lines:
             lines += ["", *loc_lines]
+        if self.runtime_baseline is not None:
+            lines += ["", *self.runtime_baseline.lines()]
         if self.excluded:
             lines += [""] + [f"excluded sample {h.sample!r}: {h.describe()}" for h in self.excluded]
         if self.unchecked_bounds:
