@@ -23,11 +23,23 @@ benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
   or the network amplifies each op's one-step rounding differences (beside the network cut at the
   same value); and onnxruntime at its default optimization level (its QDQ fusions into integer
   kernels) on the original against the reference (optimizations off), beside QNN.
+- ``qnn-dynamic``: the quantize_dynamic models QNN runs as given (sample_models' dynamic_mlp and
+  dynamic_cnn, the battery's ortdyn_cnn and ortdyn_cnn_s8), on verify's wide-range sample (the
+  one ``verify --runtime qnn`` fails them on): QNN against onnxruntime running the model, and
+  against onnxruntime running its weight-only form (the float activation, weights dequantized), to
+  tell whether QNN quantizes the activation to 8 bits as the model says.
+- ``verify-default RUNTIME``: each battery model rewritten ``--target RUNTIME`` (QNN with its
+  recorded input shapes) and verified on that runtime with verify's default samples (two random
+  ones, then zeros, constant, wide-range and negative), as ``rewrite --target T --verify`` does;
+  benchmarks/targets.py runs the recorded inputs only. A failing model's line says whose difference
+  it is (verify/runtime_baseline.py).
 
     python benchmarks/target_experiments.py tflite-recorded-shapes [--cut NAME ...] [--skip RULE] [-o DIR]
     python benchmarks/target_experiments.py qnn-by-hand [-o DIR]
     python benchmarks/target_experiments.py qnn-gelu [-o DIR]
     python benchmarks/target_experiments.py qnn-drift [-o DIR]
+    python benchmarks/target_experiments.py qnn-dynamic [-o DIR]
+    python benchmarks/target_experiments.py verify-default openvino|tract|qnn|tflite [-o DIR]
 
 TFLite needs $ONNX_QREWRITE_TFLITE_PYTHON (verify/runtimes.py), QNN the [qnn] extra.
 """
@@ -441,6 +453,81 @@ def _default_level(name: str, path: Path, fused: onnx.ModelProto, feeds) -> None
         )
 
 
+def qnn_dynamic(folder: str | None) -> None:
+    """Each quantize_dynamic model QNN runs as given, on verify's wide-range sample: QNN's outputs
+    against onnxruntime's for the model and for its weight-only form (float activation)."""
+    folder = folder or tempfile.mkdtemp(prefix="target-experiments-")
+    paths = [REPO / "sample_models" / "dynamic_mlp.onnx", REPO / "sample_models" / "dynamic_cnn.onnx"]
+    paths += [b.path for b in make_battery(folder, {"ortdyn_cnn", "ortdyn_cnn_s8"})]
+    for path in paths:
+        _dynamic_on_qnn(path, Path(folder))
+
+
+def _dynamic_on_qnn(path: Path, folder: Path) -> None:
+    from onnx_qrewrite import rewrite
+    from onnx_qrewrite.rewriter.catalogue import named_form
+    from onnx_qrewrite.verify import verify
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    model = onnx.load(path)
+    inputs = dict(np.load(str(path)[: -len(".onnx")] + ".inputs.npz"))
+    shapes = {k: v.shape for k, v in inputs.items()}
+    samples = folder / f"{path.stem}.samples.npz"
+    verify(path, model, input_shapes=shapes, save_inputs=samples, localize_failures=False)
+    with np.load(samples) as saved:
+        feeds = {k.split("::", 1)[1]: saved[k] for k in saved.files if k.startswith("wide-range::")}
+    weight_only = rewrite(model, rules=[named_form("weight-only")], allow=("exact", "bounded", "approximate")).model
+    (name,) = [o.name for o in model.graph.output]
+    want = _session(model).run([name], feeds)[0]
+    float_activation = _session(weight_only).run([name], feeds)[0]
+    got = make_runner("qnn", model, label=path.stem, shapes=shapes).run(feeds)[name]
+    (x,) = feeds.values()
+    step = (max(float(x.max()), 0.0) - min(float(x.min()), 0.0)) / 255  # DynamicQuantizeLinear's scale
+    print(
+        f"{path.stem} (wide-range, input step {step:.3g}): QNN vs onnxruntime {np.abs(got - want).max():.3g} "
+        f"({_beyond(np.abs(got - want), want)} beyond 5e-2); QNN vs weight-only in onnxruntime "
+        f"{np.abs(got - float_activation).max():.3g}; onnxruntime vs weight-only "
+        f"{np.abs(want - float_activation).max():.3g}; largest |output| {np.abs(want).max():.3g}"
+    )
+
+
+def verify_default(folder: str | None, runtime: str) -> None:
+    """Every battery model's rewrite for ``runtime`` verified there on verify's default samples."""
+    from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.targets import load_target, plan_for_target
+    from onnx_qrewrite.targets.shapes import InputShapes
+
+    folder = folder or tempfile.mkdtemp(prefix="target-experiments-")
+    profile = load_target(runtime)
+    passed = reached = 0
+    for battery in make_battery(folder):
+        inputs = dict(np.load(str(battery.path)[: -len(".onnx")] + ".inputs.npz"))
+        shapes = {k: v.shape for k, v in inputs.items()}
+        static = InputShapes(dict(shapes)) if profile.static_shapes else None
+        plan = plan_for_target(battery.path, load_rules(), profile, input_shapes=static)
+        if plan.refused_after:
+            print(f"{battery.name}: not reached ({plan.refused_after} refused)")
+            continue
+        reached += 1
+        passed += _verify_on(battery.name, battery.path, plan.rewritten, runtime, shapes)
+    print(f"{runtime}: verify passes on {passed} of the {reached} models reached")
+
+
+def _verify_on(name: str, path: Path, rewritten: onnx.ModelProto, runtime: str, shapes) -> bool:
+    from onnx_qrewrite.errors import QRewriteError
+    from onnx_qrewrite.verify import verify
+
+    try:
+        report = verify(path, rewritten, runtime=runtime, input_shapes=shapes, localize_failures=False)
+    except QRewriteError as exc:
+        print(f"{name}: {exc}")
+        return False
+    print(f"{name}: {report.summary}")
+    if report.runtime_baseline is not None:
+        print("\n".join(f"    {line}" for line in report.runtime_baseline.lines()))
+    return report.passed
+
+
 def _beyond(err: np.ndarray, want: np.ndarray) -> int:
     """How many elements are beyond QNN's verify tolerance (atol = rtol = 5e-2)."""
     return int((err > 5e-2 + 5e-2 * np.abs(want)).sum())
@@ -448,7 +535,11 @@ def _beyond(err: np.ndarray, want: np.ndarray) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("experiment", choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu", "qnn-drift"])
+    parser.add_argument(
+        "experiment",
+        choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu", "qnn-drift", "qnn-dynamic", "verify-default"],
+    )
+    parser.add_argument("runtime", nargs="?", default="qnn", help="verify-default: the target and runtime")
     parser.add_argument("--cut", action="append", default=[], help="tflite: a value also compared (recorded inputs)")
     parser.add_argument("--skip", action="append", default=[], help="tflite: a rule left out of the catalogue")
     parser.add_argument("-o", "--output", help="folder for the battery's models (default: a temporary one)")
@@ -459,6 +550,10 @@ def main(argv: list[str] | None = None) -> None:
         qnn_by_hand(args.output)
     elif args.experiment == "qnn-drift":
         qnn_drift(args.output)
+    elif args.experiment == "qnn-dynamic":
+        qnn_dynamic(args.output)
+    elif args.experiment == "verify-default":
+        verify_default(args.output, args.runtime)
     else:
         qnn_gelu(args.output)
 

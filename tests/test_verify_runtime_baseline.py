@@ -22,9 +22,9 @@ def _row(a: np.ndarray, b: np.ndarray):
 @pytest.mark.parametrize(
     ("original_on_runtime", "rewrite_on_runtime", "finding", "says"),
     [
-        (OFF, OFF, "runtime", "qnn's own arithmetic on this model, not the rewrite"),
+        (OFF, OFF, "runtime", "qnn's own computation of this model (its arithmetic, or a bug), not the rewrite"),
         (WANT, OFF, "rewrite", "the difference comes with the rewrite"),
-        (OFF, OFF + 10, "both", "part is qnn's own arithmetic, part the rewrite"),
+        (OFF, OFF + 10, "both", "part is qnn's own computation, part the rewrite"),
     ],
 )
 def test_the_finding_says_whose_difference_it_is(original_on_runtime, rewrite_on_runtime, finding, says):

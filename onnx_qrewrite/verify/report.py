@@ -220,12 +220,13 @@ class VerifyReport:
         return f"; {what} NOT checked at the node (a later rewrite computes through or rewrote what they wrote)"
 
     def _baseline_note(self) -> str:
-        """ "; the original on R is as far: R's own arithmetic" and the like ("" when not run)."""
+        """ "; the original on R is as far: R's own computation" and the like ("" when not run)."""
         b = self.runtime_baseline
         if b is None:
             return ""
         return {
-            "runtime": f"; the original itself on {b.runtime} is as far: {b.runtime}'s own arithmetic, not the rewrite",
+            "runtime": f"; the original itself on {b.runtime} is as far: {b.runtime}'s own computation, "
+            "not the rewrite",
             "rewrite": f"; the original on {b.runtime} agrees with onnxruntime: the rewrite's difference",
             "both": f"; the original on {b.runtime} is off too, and the rewrite adds to it",
             "not-run": f"; the original does not run on {b.runtime}",

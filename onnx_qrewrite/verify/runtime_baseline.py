@@ -1,14 +1,15 @@
 """The original model on the rewrite's runtime: whether a disagreement is the rewrite's or the runtime's.
 
 ``verify --runtime R`` runs the rewritten model on R and compares it with the original in
-onnxruntime. When that fails, the difference can be R's own arithmetic on the model, rewritten or
-not. Measured on onnxruntime-qnn 2.7.0's HTP simulator: it runs quantize_dynamic's
-DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group on the float activation, without its
-8-bit quantization (on verify's wide-range sample of ``sample_models/dynamic_mlp.onnx`` its first
-layer is within 2.4 of the float network, where onnxruntime's activation step of 71 puts the model
-45.8 from it), so a model compared with a copy of itself fails there (max abs 21). OpenVINO
-2026.4.1 computes uint16 Q/DQ models wrongly, as given and rewritten. Neither is the rewrite's doing,
-and a failing verdict alone does not say so.
+onnxruntime. When that fails, the difference can be R's own computation of the model (its
+arithmetic, or a bug), rewritten or not. Measured on onnxruntime-qnn 2.7.0's HTP simulator: it runs
+quantize_dynamic's DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul group on the float
+activation, without its 8-bit quantization; on verify's wide-range sample of
+``sample_models/dynamic_mlp.onnx`` (an input step of 71) its outputs are 2.6 from the model's
+weight-only form (float activation) in onnxruntime and 21 from the model, so the model compared
+with a copy of itself fails (``python benchmarks/target_experiments.py qnn-dynamic``). OpenVINO
+2026.4.1 computes uint16 Q/DQ models wrongly, as given and rewritten. Neither is the rewrite's
+doing, and a failing verdict alone does not say so.
 
 So when an output fails on another runtime, verify also runs the original itself on R, on the
 failing samples, and reports how far it is from onnxruntime and how far the rewrite on R is from
@@ -73,10 +74,11 @@ class RuntimeBaseline:
             return [f"the original on {rt}: not run ({self.not_run}); whose difference this is stays open"]
         head = {
             "runtime": f"the original itself on {rt} differs from onnxruntime too, and the rewrite on {rt} "
-            f"computes what the original does there: {rt}'s own arithmetic on this model, not the rewrite",
+            f"computes what the original does there: {rt}'s own computation of this model (its arithmetic, "
+            "or a bug), not the rewrite",
             "rewrite": f"the original on {rt} agrees with onnxruntime: the difference comes with the rewrite",
             "both": f"the original on {rt} differs from onnxruntime, and the rewrite on {rt} differs from it "
-            f"as well: part is {rt}'s own arithmetic, part the rewrite",
+            f"as well: part is {rt}'s own computation, part the rewrite",
         }[self.finding]
         lines = [f"the original on {rt} ({where}): {head}"]
         for a, b in zip(self.original, self.rewrite, strict=True):
