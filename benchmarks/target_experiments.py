@@ -28,6 +28,13 @@ benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
   one ``verify --runtime qnn`` fails them on): QNN against onnxruntime running the model, and
   against onnxruntime running its weight-only form (the float activation, weights dequantized), to
   tell whether QNN quantizes the activation to 8 bits as the model says.
+- ``tflite-add-ties``: a com.microsoft QLinearAdd (QuantizeLinear -> QLinearAdd -> DequantizeLinear;
+  its second operand a uint8 constant, which onnx2tf converts to TFLite's quantized ADD, or a second
+  quantized input, which it converts to DEQUANTIZE -> ADD -> its own requantization) on LiteRT
+  against onnxruntime, with scales whose ratios are short binary fractions (0.02, 0.03 -> 0.04: the
+  exact result is often k + 1/2) and with calibrated-looking ones; per element off, the exact
+  value from the float32 scales as fractions and how each side rounded it. Then the same models
+  after qop-add (DequantizeLinear -> Add -> QuantizeLinear).
 - ``verify-default RUNTIME``: each battery model rewritten ``--target RUNTIME`` (QNN with its
   recorded input shapes) and verified on that runtime with verify's default samples (two random
   ones, then zeros, constant, wide-range and negative), as ``rewrite --target T --verify`` does;
@@ -39,6 +46,7 @@ benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
     python benchmarks/target_experiments.py qnn-gelu [-o DIR]
     python benchmarks/target_experiments.py qnn-drift [-o DIR]
     python benchmarks/target_experiments.py qnn-dynamic [-o DIR]
+    python benchmarks/target_experiments.py tflite-add-ties
     python benchmarks/target_experiments.py verify-default openvino|tract|qnn|tflite [-o DIR]
 
 TFLite needs $ONNX_QREWRITE_TFLITE_PYTHON (verify/runtimes.py), QNN the [qnn] extra.
@@ -491,6 +499,74 @@ def _dynamic_on_qnn(path: Path, folder: Path) -> None:
     )
 
 
+def _qlinear_add(scales: tuple[float, float, float], constant: bool) -> onnx.ModelProto:
+    """x -> QuantizeLinear -> QLinearAdd (with a uint8 constant, or with y quantized) -> DequantizeLinear."""
+    rng = np.random.default_rng(0)
+    xs, bs, cs = scales
+    consts = [
+        *(nh.from_array(np.float32(v), n) for n, v in (("xs", xs), ("bs", bs), ("cs", cs))),
+        *(nh.from_array(np.uint8(v), n) for n, v in (("xz", 128), ("bz", 120), ("cz", 125))),
+    ]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"])]
+    inputs = [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 8])]
+    if constant:
+        consts.append(nh.from_array(rng.integers(0, 256, (4, 8)).astype(np.uint8), "b"))
+    else:
+        nodes.append(helper.make_node("QuantizeLinear", ["y", "bs", "bz"], ["b"]))
+        inputs.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8]))
+    args = ["xq", "xs", "xz", "b", "bs", "bz", "cs", "cz"]
+    nodes.append(helper.make_node("QLinearAdd", args, ["c"], name="add", domain="com.microsoft"))
+    nodes.append(helper.make_node("DequantizeLinear", ["c", "cs", "cz"], ["out"]))
+    output = helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [4, 8])
+    graph = helper.make_graph(nodes, "qlinear_add", inputs, [output], consts)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def tflite_add_ties() -> None:
+    """QLinearAdd on LiteRT against onnxruntime at exact ties and away from them."""
+    from onnx_qrewrite import rewrite
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((4, 8)).astype(np.float32), "y": rng.standard_normal((4, 8)).astype(np.float32)}
+    for scales in ((0.02, 0.03, 0.04), (0.0123, 0.0371, 0.0297)):
+        for constant in (True, False):
+            model = _qlinear_add(scales, constant)
+            lowered = rewrite(model, only=["qop-add"]).model
+            inputs = {k: v for k, v in feeds.items() if k in {i.name for i in model.graph.input}}
+            want = _session(model).run(["out"], inputs)[0]
+            kind = "constant operand (quantized ADD)" if constant else "two run-time operands (float ADD)"
+            ties = _exact_ties(model, inputs, scales)
+            for form, candidate in (("as given", model), ("qop-add", lowered)):
+                got = make_runner("tflite", candidate, label=form).run(inputs)["out"]
+                same = _session(candidate).run(["out"], inputs)[0]
+                off = np.argwhere(got != want)
+                print(
+                    f"scales {scales}, {kind}, {form}: {len(off)} of {want.size} elements off onnxruntime "
+                    f"running the model ({ties} exact ties); LiteRT vs onnxruntime running this form: "
+                    f"{int((got != same).sum())} off"
+                )
+                for index in map(tuple, off):
+                    print(
+                        f"    {index}: onnxruntime {want[index] / np.float32(scales[2]) + 125:.0f}, "
+                        f"LiteRT {got[index] / np.float32(scales[2]) + 125:.0f}"
+                    )
+
+
+def _exact_ties(model: onnx.ModelProto, inputs, scales: tuple[float, float, float]) -> int:
+    """Elements whose exact result, from the float32 scales as fractions, is k + 1/2."""
+    from fractions import Fraction
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    probe.graph.output.extend([helper.make_empty_tensor_value_info(n) for n in ("xq", "b")])
+    xq, b = _session(probe).run(["xq", "b"], inputs)
+    sx, sb, sc = (Fraction(float(np.float32(v))) for v in scales)
+    exact = [((int(p) - 128) * sx + (int(q) - 120) * sb) / sc for p, q in zip(xq.ravel(), b.ravel(), strict=True)]
+    return sum(v.denominator == 2 for v in exact)
+
+
 def verify_default(folder: str | None, runtime: str) -> None:
     """Every battery model's rewrite for ``runtime`` verified there on verify's default samples."""
     from onnx_qrewrite.api import load_rules
@@ -537,7 +613,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "experiment",
-        choices=["tflite-recorded-shapes", "qnn-by-hand", "qnn-gelu", "qnn-drift", "qnn-dynamic", "verify-default"],
+        choices=[
+            "tflite-recorded-shapes",
+            "tflite-add-ties",
+            "qnn-by-hand",
+            "qnn-gelu",
+            "qnn-drift",
+            "qnn-dynamic",
+            "verify-default",
+        ],
     )
     parser.add_argument("runtime", nargs="?", default="qnn", help="verify-default: the target and runtime")
     parser.add_argument("--cut", action="append", default=[], help="tflite: a value also compared (recorded inputs)")
@@ -552,6 +636,8 @@ def main(argv: list[str] | None = None) -> None:
         qnn_drift(args.output)
     elif args.experiment == "qnn-dynamic":
         qnn_dynamic(args.output)
+    elif args.experiment == "tflite-add-ties":
+        tflite_add_ties()
     elif args.experiment == "verify-default":
         verify_default(args.output, args.runtime)
     else:

@@ -68,6 +68,10 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
             f"  float64: {rules} compute in float64, which {plan.float64['loss']}: their declared exactness holds "
             f"where float64 is computed as float64 (onnxruntime), not on {profile.id}"
         )
+    for r in plan.differs:
+        click.echo(f"  {r.node} ({r.op_key}): runs, computed otherwise than in onnxruntime (no rewrite changes it)")
+        for reason in r.reasons:
+            click.echo(f"      differs: {reason}")
     if plan.ok:
         click.echo(f"{profile.id} would run the rewritten model: nothing refused after the rewrite")
     else:

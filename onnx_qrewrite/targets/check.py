@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
+from fractions import Fraction
+from math import gcd
 
 import numpy as np
 import onnx
@@ -583,8 +585,79 @@ def _quantized_type(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str
 
 
 #: profile.REFUSE_WHEN -> whether such a refusal holds for a node (None) and what it saw.
+def _exact_ties(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
+    """A com.microsoft QLinearAdd whose exact result, ((a - a_zp)·a_scale + (b - b_zp)·b_scale) /
+    c_scale with its constant float32 scales taken exactly, is k + 1/2 for some operands (the
+    constant ones' own values, a run-time one's whole type range): scale ratios that are short
+    binary fractions (0.02 and 0.03 over 0.04). Runtimes round such ties differently (onnxruntime to
+    even). None when no operands give one, or a scale or zero point is not a per-tensor constant."""
+    if node.domain != "com.microsoft" or node.op_type != "QLinearAdd" or len(node.input) < 7:
+        return None
+    operands = [_tie_operand(scope, node, 0), _tie_operand(scope, node, 3)]
+    c_scale = _scalar_constant(scope, node.input[6])
+    if None in operands or c_scale is None or c_scale == 0:
+        return None
+    (a_ratio, a_values), (b_ratio, b_values) = ((r / c_scale, v) for r, v in operands)  # type: ignore[misc]
+    if not _tie_reachable(a_ratio, a_values, b_ratio, b_values):
+        return None
+    return " (its scale ratios make exact ties k + 1/2 reachable)"
+
+
+def _scalar_constant(scope: Scope, name: str | None) -> Fraction | None:
+    """A per-tensor constant scale or zero point, exactly (an absent zero point is 0)."""
+    if not name:
+        return Fraction(0)
+    value = scope.constant(name)
+    if value is None or value.size != 1:
+        return None
+    return Fraction(float(value.reshape(()).item()))
+
+
+def _tie_operand(scope: Scope, node: onnx.NodeProto, at: int) -> tuple[Fraction, list[int]] | None:
+    """Operand ``at`` of a QLinearAdd: its scale, and the values of (operand - zero point) it can
+    take (a constant's own, else its type's range)."""
+    scale = _scalar_constant(scope, node.input[at + 1])
+    zero = _scalar_constant(scope, node.input[at + 2] if len(node.input) > at + 2 else "")
+    if scale is None or zero is None:
+        return None
+    value = scope.constant(node.input[at])
+    if value is not None:
+        return scale, sorted({int(v) - int(zero) for v in value.ravel().tolist()})
+    low, high = (0, 255) if scope.elem_type(node.input[at]) == onnx.TensorProto.UINT8 else (-128, 127)
+    return scale, list(range(low - int(zero), high - int(zero) + 1))
+
+
+def _tie_reachable(a_ratio: Fraction, a_values: list[int], b_ratio: Fraction, b_values: list[int]) -> bool:
+    """Whether i·a_ratio + j·b_ratio has denominator 2 for some i of ``a_values`` and j of
+    ``b_values``: with both ratios over a common denominator L, i·P_a + j·P_b ≡ L/2 (mod L), solved
+    for i per j (a linear congruence), so a run-time operand's 256 values cost 256 steps."""
+    common = a_ratio.denominator * b_ratio.denominator // gcd(a_ratio.denominator, b_ratio.denominator)
+    if common % 2:
+        return False
+    pa = a_ratio.numerator * (common // a_ratio.denominator) % common
+    pb = b_ratio.numerator * (common // b_ratio.denominator) % common
+    g = gcd(pa, common)
+    modulus = common // g
+    inverse = pow(pa // g, -1, modulus) if modulus > 1 else 0
+    low, high = a_values[0], a_values[-1]
+    dense = len(a_values) == high - low + 1
+    for j in b_values:
+        target = (common // 2 - j * pb) % common
+        if target % g:
+            continue
+        first = target // g * inverse % modulus if modulus > 1 else 0
+        if dense:
+            i = low + (first - low) % modulus
+            if i <= high:
+                return True
+        elif any((i - first) % modulus == 0 for i in a_values):
+            return True
+    return False
+
+
 _WHEN: dict[str, Callable[[Refusal, onnx.NodeProto, Scope], str | None]] = {
     "always": _always,
+    "exact-ties": _exact_ties,
     "input-from": _input_from,
     "per-channel": _per_channel,
     "computed-scale": _computed_scale,
@@ -660,6 +733,30 @@ def _network_reasons(node: onnx.NodeProto, scope: Scope, profile: TargetProfile,
         if t in profile.io_only_types and name not in graph_io:
             return [f"produces {t} inside the network ({name!r}): {t} only as a model input or output {src}"]
     return []
+
+
+def computed_differently(model: onnx.ModelProto, profile: TargetProfile) -> list[Refused]:
+    """Every node of ``model`` that ``profile``'s ``[[differs]]`` entries say the target runs but
+    computes otherwise than onnxruntime (observed): not refused, since no rewrite changes what the
+    runtime does with it, but named, so ``inspect --target`` says it before the runtime shows it."""
+    names = {entry.op for entry in profile.differences}
+    # Shape inference (what the conditions read) only when a node could match: most models have none.
+    if not any(node.op_type in names for _, node, _ in _iter_nodes(model)):
+        return []
+    out: list[Refused] = []
+    for scope, node, provenance in _iter_nodes(_inferred(model)):
+        domain = "" if node.domain in _STANDARD else node.domain
+        reasons = [
+            f"{node.op_type}{why}: {entry.reason} {profile.cite(entry.source)}"
+            for entry in profile.differences
+            if entry.op == node.op_type and entry.domain == domain
+            for why in [_refusal_applies(entry, node, scope)]
+            if why is not None
+        ]
+        if reasons:
+            rule, origin = provenance or (None, None)
+            out.append(Refused(scope.path, node_label(node), node.op_type, node.domain, tuple(reasons), rule, origin))
+    return out
 
 
 def check_model(

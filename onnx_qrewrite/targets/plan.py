@@ -51,7 +51,7 @@ import onnx
 from onnx_qrewrite.rewriter.catalogue import Catalogue
 from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.account import assemble
-from onnx_qrewrite.targets.check import check_model
+from onnx_qrewrite.targets.check import check_model, computed_differently
 from onnx_qrewrite.targets.lower_opset import lowering_for_target
 from onnx_qrewrite.targets.profile import TargetProfile
 from onnx_qrewrite.targets.shapes import InputShapes, apply_input_shapes
@@ -146,6 +146,7 @@ def plan_for_model(
     plan = assemble(label, profile, before, top, rules, form_of, skipped, chosen_rules, label_of, set_options)
     _lower_opset(plan, profile, ctx.may_lower)
     _float64_note(plan, profile)
+    plan.differs = computed_differently(plan.rewritten if plan.rewritten is not None else model, profile)
     plan.input_shapes = applied.to_dict() if applied is not None else None
     waiting = withheld_forms(profile, allow)
     if plan.after and waiting:

@@ -83,6 +83,14 @@ Format (every table except ``[target]`` and ``[[source]]`` needs ``source = "<so
     reason = "y_scale must be a const"
     source = "observed"
 
+    [[differs]]                      # a node the target runs but computes otherwise than
+    op = "DynamicQuantizeLinear"     # onnxruntime (observed): not refused (no rule changes what
+    when = "always"                  # the runtime does with it), but `inspect --target` names
+    reason = "..."                   # each such node left in the rewrite and why; the keys and
+    source = "observed"              # conditions of [[refuse]], and when = "exact-ties" (a
+                                     # com.microsoft QLinearAdd whose constant scales let the
+                                     # exact result fall on k + 1/2 for some operands)
+
     [quantization]                   # QuantizeLinear / DequantizeLinear (the standard ops)
     types = ["int8", "uint8"]        # quantized element types accepted
     constant_scale = true            # scales must be initializers or Constants
@@ -189,6 +197,7 @@ __all__ = [
 PROOFS = ("runtime", "vendor-checker", "published-table", "spec")
 REFUSE_WHEN = (
     "always",
+    "exact-ties",
     "computed-scale",
     "computed-zero-point",
     "nonzero-zero-point",
@@ -243,6 +252,7 @@ _TOP_KEYS = {
     "arithmetic",
     "ops",
     "refuse",
+    "differs",
     "quantization",
     "network",
     "rewrites",
@@ -459,6 +469,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
     arithmetic = _arithmetic(path, data, sources)
     ops = _ops(path, data, sources)
     refusals = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "refuse"))
+    differences = tuple(_refusal(path, where, raw, sources) for where, raw in _tables(path, data, "differs"))
     quantization = _quantization(path, data, sources)
     network = _network(path, data, sources)
     rewrites = _rewrites(path, data, sources, ops, target_id)
@@ -472,6 +483,7 @@ def parse_target(text: str, path: str) -> TargetProfile:
         sources=sources,
         ops=ops,
         refusals=refusals,
+        differences=differences,
         quantization=quantization,
         **opset,
         **ir,

@@ -134,6 +134,9 @@ class TargetProfile:
     sources: Mapping[str, Source]
     ops: Mapping[tuple[str, str], tuple[OpSupport, ...]]
     refusals: tuple[Refusal, ...] = ()
+    #: ``[[differs]]``: nodes the target runs but computes otherwise than onnxruntime (observed),
+    #: in the form of a refusal: inspect --target names each such node left in the rewrite.
+    differences: tuple[Refusal, ...] = ()
     opset_min: int | None = None
     opset_max: int | None = None
     opset_source: str | None = None

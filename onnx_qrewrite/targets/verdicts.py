@@ -87,6 +87,9 @@ class TargetPlan:
     #: Rules of the rewrite that compute in float64, on a target that computes float64 otherwise
     #: ({"loss": in words, "rules": {rule: nodes with float64 outputs}}); None when none do.
     float64: dict[str, Any] | None = None
+    #: Nodes of the rewrite the target runs but computes otherwise than onnxruntime (profile
+    #: ``[[differs]]``, observed): no rewrite changes them; named so the user knows before deploying.
+    differs: list[Refused] = dataclasses.field(default_factory=list)
     #: The input shapes given (--input-shape) and the dimensions they fixed before planning, if any.
     input_shapes: dict[str, Any] | None = None
     #: Per catalogue rule the profile sets options of (``[[rewrites.options]]``): the profile's
@@ -154,6 +157,7 @@ class TargetPlan:
             "opset_lowering": self.opset_lowering,
             "ir_lowering": self.ir_lowering,
             "float64": self.float64,
+            "computed_differently": [dataclasses.asdict(r) for r in self.differs],
             "input_shapes": self.input_shapes,
             "nodes": [_verdict_dict(n, lists) for n in self.nodes],
             "after": [dataclasses.asdict(r) for r in self.after],
