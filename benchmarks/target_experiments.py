@@ -27,7 +27,11 @@ benchmarks/targets.py cannot show them (docs/targets-notes.md cites them):
   dynamic_cnn, the battery's ortdyn_cnn and ortdyn_cnn_s8), on verify's wide-range sample (the
   one ``verify --runtime qnn`` fails them on): QNN against onnxruntime running the model, and
   against onnxruntime running its weight-only form (the float activation, weights dequantized), to
-  tell whether QNN quantizes the activation to 8 bits as the model says.
+  tell whether QNN quantizes the activation to 8 bits as the model says. Then the battery's
+  ortdyn_bert, whose Q/K/V DynamicQuantizeLinear three MatMulIntegers share (QNN refuses that, and
+  ``rewrite --target qnn`` writes those projections in the approximate weight-only form): with that
+  DynamicQuantizeLinear copied per reader by hand (exact), every group is QNN's again; both on QNN,
+  on the recorded inputs and two seeded ones, against onnxruntime running the original.
 - ``tflite-add-ties``: a com.microsoft QLinearAdd (QuantizeLinear -> QLinearAdd -> DequantizeLinear;
   its second operand a uint8 constant, which onnx2tf converts to TFLite's quantized ADD, or a second
   quantized input, which it converts to DEQUANTIZE -> ADD -> its own requantization) on LiteRT
@@ -469,6 +473,59 @@ def qnn_dynamic(folder: str | None) -> None:
     paths += [b.path for b in make_battery(folder, {"ortdyn_cnn", "ortdyn_cnn_s8"})]
     for path in paths:
         _dynamic_on_qnn(path, Path(folder))
+    _shared_dql_on_qnn(make_battery(folder, {"ortdyn_bert"})[0].path)
+
+
+def _split_shared_dql(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Each DynamicQuantizeLinear that several MatMulIntegers read, copied once per reader, each copy
+    read by one MatMulInteger and by the Mul of its scale (quantize_dynamic names it
+    ``<matmul>_scales_mul``): the same values, so exact."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    by_name = {n.name: n for n in out.graph.node}
+    nodes = []
+    for node in out.graph.node:
+        users = [n for n in out.graph.node if n.op_type == "MatMulInteger" and node.output[0] in n.input]
+        if node.op_type != "DynamicQuantizeLinear" or len(users) < 2:
+            nodes.append(node)
+            continue
+        for k, user in enumerate(users):
+            outs = [f"{o}__{k}" for o in node.output]
+            nodes.append(helper.make_node("DynamicQuantizeLinear", list(node.input), outs, name=f"{node.name}__{k}"))
+            for reader in (user, by_name[user.name + "_scales_mul"]):
+                reader.input[:] = [outs[list(node.output).index(i)] if i in node.output else i for i in reader.input]
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
+
+
+def _shared_dql_on_qnn(path: Path) -> None:
+    from onnx_qrewrite.api import load_rules
+    from onnx_qrewrite.targets import load_target, plan_for_model
+    from onnx_qrewrite.targets.shapes import InputShapes
+    from onnx_qrewrite.verify.runtimes import make_runner
+
+    model = onnx.load(path)
+    inputs = dict(np.load(str(path)[: -len(".onnx")] + ".inputs.npz"))
+    shapes = {k: v.shape for k, v in inputs.items()}
+    plans = {
+        form: plan_for_model(candidate, load_rules(), load_target("qnn"), input_shapes=InputShapes(dict(shapes)))
+        for form, candidate in (("as planned", model), ("shared DQL copied", _split_shared_dql(model)))
+    }
+    for form, plan in plans.items():
+        rules = sorted({f"{v.rule} ({v.exactness})" for v in plan.nodes if v.rule})
+        print(f"ortdyn_bert for qnn, {form}: refused after {plan.refused_after}; rules {', '.join(rules)}")
+    runners = {form: make_runner("qnn", p.rewritten, label=form, shapes=shapes) for form, p in plans.items()}
+    for seed in (None, *CONFIRM_SEEDS):
+        feeds = inputs if seed is None else seeded_like(inputs, seed)
+        want = _session(model).run(None, feeds)[0]
+        got = {form: next(iter(r.run(feeds).values())) for form, r in runners.items()}
+        a, b = got.values()
+        print(
+            f"  {'recorded' if seed is None else f'seed {seed}'}: on QNN vs onnxruntime running the original "
+            f"{np.abs(a - want).max():.3g} (as planned), {np.abs(b - want).max():.3g} (copied); "
+            f"the two on QNN {np.abs(a - b).max():.3g} apart"
+        )
 
 
 def _dynamic_on_qnn(path: Path, folder: Path) -> None:
