@@ -56,6 +56,20 @@ def test_exact_ties_are_solved_not_sampled():
     assert not _tie_reachable(f32[0] / f32[2], full, f32[1] / f32[2], full)
 
 
+def test_exact_ties_agree_with_trying_every_pair():
+    """The congruence against the plain search over every operand pair, on ratios with small
+    denominators (where ties come and go) and constant operands' value sets."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ratios = [Fraction(int(rng.integers(-40, 40)), int(rng.integers(1, 13))) for _ in range(2)]
+        a_values = sorted({int(v) for v in rng.integers(-20, 20, int(rng.integers(1, 12)))})
+        b_values = sorted({int(v) for v in rng.integers(-20, 20, int(rng.integers(1, 12)))})
+        if rng.random() < 0.5:
+            a_values = list(range(a_values[0], a_values[0] + 30))
+        brute = any((i * ratios[0] + j * ratios[1]).denominator == 2 for i in a_values for j in b_values)
+        assert _tie_reachable(ratios[0], a_values, ratios[1], b_values) == brute, (ratios, a_values, b_values)
+
+
 def test_inspect_names_each_dynamic_quantize_linear_qnn_computes_in_float(tmp_path):
     """QNN's HTP runs quantize_dynamic's groups on the float activation (qnn-dynamic): inspect says
     so at each DynamicQuantizeLinear it keeps, in its text and its JSON, and still exits 0."""

@@ -584,7 +584,6 @@ def _quantized_type(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str
     return f" on {t}" if t in refusal.types else None
 
 
-#: profile.REFUSE_WHEN -> whether such a refusal holds for a node (None) and what it saw.
 def _exact_ties(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | None:
     """A com.microsoft QLinearAdd whose exact result, ((a - a_zp)·a_scale + (b - b_zp)·b_scale) /
     c_scale with its constant float32 scales taken exactly, is k + 1/2 for some operands (the
@@ -593,12 +592,11 @@ def _exact_ties(refusal: Refusal, node: onnx.NodeProto, scope: Scope) -> str | N
     even). None when no operands give one, or a scale or zero point is not a per-tensor constant."""
     if node.domain != "com.microsoft" or node.op_type != "QLinearAdd" or len(node.input) < 7:
         return None
-    operands = [_tie_operand(scope, node, 0), _tie_operand(scope, node, 3)]
+    a, b = _tie_operand(scope, node, 0), _tie_operand(scope, node, 3)
     c_scale = _scalar_constant(scope, node.input[6])
-    if None in operands or c_scale is None or c_scale == 0:
+    if a is None or b is None or c_scale is None or c_scale == 0:
         return None
-    (a_ratio, a_values), (b_ratio, b_values) = ((r / c_scale, v) for r, v in operands)  # type: ignore[misc]
-    if not _tie_reachable(a_ratio, a_values, b_ratio, b_values):
+    if not _tie_reachable(a[0] / c_scale, a[1], b[0] / c_scale, b[1]):
         return None
     return " (its scale ratios make exact ties k + 1/2 reachable)"
 
@@ -631,6 +629,8 @@ def _tie_reachable(a_ratio: Fraction, a_values: list[int], b_ratio: Fraction, b_
     """Whether i·a_ratio + j·b_ratio has denominator 2 for some i of ``a_values`` and j of
     ``b_values``: with both ratios over a common denominator L, i·P_a + j·P_b ≡ L/2 (mod L), solved
     for i per j (a linear congruence), so a run-time operand's 256 values cost 256 steps."""
+    if not a_values or not b_values:
+        return False
     common = a_ratio.denominator * b_ratio.denominator // gcd(a_ratio.denominator, b_ratio.denominator)
     if common % 2:
         return False
@@ -655,6 +655,7 @@ def _tie_reachable(a_ratio: Fraction, a_values: list[int], b_ratio: Fraction, b_
     return False
 
 
+#: profile.REFUSE_WHEN -> whether such a refusal holds for a node (None) and what it saw.
 _WHEN: dict[str, Callable[[Refusal, onnx.NodeProto, Scope], str | None]] = {
     "always": _always,
     "exact-ties": _exact_ties,
