@@ -471,41 +471,19 @@ class QnnRunner(_Runner):
 
 class TFLiteRunner(_Runner):
     """onnx2tf converts a private copy (it rewrites its input in place), ai-edge-litert runs the
-    float32 .tflite; both in :func:`tflite_python`'s interpreter, through _tflite_child.py."""
-
-    _CHILD = str(Path(__file__).with_name("_tflite_child.py"))
+    float32 .tflite; both in :func:`tflite_python`'s interpreter, through _tflite_child.py, in the
+    one process that serves every runner of this one (verify/tflite_host.py)."""
 
     def __init__(self, model: onnx.ModelProto, *, label: str) -> None:
+        from onnx_qrewrite.verify.tflite_host import tflite_child
+
         super().__init__(model, label, "tflite")
-        self._python = tflite_python()
+        self._child = tflite_child(tflite_python())
         copy = self._write(model)
-        out = self._call("convert", str(copy), str(Path(self._tmp.name) / "tflite"), what="(onnx2tf) cannot convert")
-        self._tflite = out.strip().splitlines()[-1]
+        out = str(Path(self._tmp.name) / "tflite")
+        what = "(onnx2tf) cannot convert"
+        self._tflite = self._child.request(label, what, op="convert", model=str(copy), out_dir=out)["path"]
         self._runs = 0
-
-    def _call(self, *args: str, what: str) -> str:
-        import subprocess
-
-        # In the private folder: onnx2tf leaves temporary files (sym_shape_infer_temp.onnx,
-        # <uuid>.data) in its working directory, which would otherwise be the user's.
-        done = subprocess.run(
-            [self._python, self._CHILD, *args],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-            check=False,
-            cwd=self._tmp.name,
-        )
-        if done.returncode < 0:
-            raise InvalidModelError(f"{self.label}: tflite {what} the model: it crashed (signal {-done.returncode})")
-        if done.returncode != 0:
-            lines = [
-                line
-                for line in done.stderr.splitlines()
-                if line.strip() and "it/s" not in line and not line.startswith("INFO:")
-            ]
-            raise InvalidModelError(f"{self.label}: tflite {what} the model: {lines[-1] if lines else done.returncode}")
-        return done.stdout
 
     def run(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         self._runs += 1
@@ -516,7 +494,8 @@ class TFLiteRunner(_Runner):
             np.savez(inputs, **arrays)
         except KeyError as exc:
             raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
-        self._call("run", self._tflite, str(inputs), str(result), what="(ai-edge-litert) cannot run")
+        what = "(ai-edge-litert) cannot run"
+        self._child.request(self.label, what, op="run", tflite=self._tflite, inputs=str(inputs), outputs=str(result))
         with np.load(result) as values:
             got = {k: values[k] for k in values.files}
         wanted = list(outputs) if outputs is not None else list(self.output_types)

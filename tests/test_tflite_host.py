@@ -1,0 +1,171 @@
+"""The process that converts and runs for ``--runtime tflite`` (verify/tflite_host.py): one per
+interpreter, serving every runner; its failures are the one-line errors one process per request
+gave, and it is reaped whatever happens. Most of these run stand-in children in this interpreter
+(no onnx2tf needed): what is checked is the parent's side."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from conftest import SAMPLES
+
+from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.verify import tflite_host
+from onnx_qrewrite.verify.tflite_host import TFLiteChild
+
+
+def _reaped(pid: int) -> bool:
+    """No process ``pid`` left to wait for: neither running nor a zombie of this process."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def _stand_in(tmp_path: Path, body: str) -> TFLiteChild:
+    """A child whose request loop is ``body`` (after reading one request line)."""
+    script = tmp_path / "child.py"
+    script.write_text(f"import os, signal, sys, time\nfor line in sys.stdin:\n    {body}\n")
+    return TFLiteChild(sys.executable, str(script))
+
+
+def test_an_exception_in_the_child_is_its_last_line_and_the_child_serves_on(tmp_path):
+    """The real child script, in this interpreter: an exception of a request is quoted by its last
+    traceback line (what one process per request printed last), and the same process serves on."""
+    child = TFLiteChild(sys.executable)
+    missing = tmp_path / "missing.tflite"
+    pids = set()
+    request = {"op": "run", "tflite": str(missing), "inputs": "in.npz", "outputs": "out.npz"}
+    try:
+        for _ in range(2):
+            with pytest.raises(InvalidModelError) as caught:
+                child.request("m.onnx", "(ai-edge-litert) cannot run", **request)
+            assert str(caught.value) == (
+                "m.onnx: tflite (ai-edge-litert) cannot run the model: "
+                f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
+            )
+            pids.add(child.pid)
+    finally:
+        child.close()
+    (pid,) = pids
+    assert pid is not None and _reaped(pid)
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ("os.kill(os.getpid(), signal.SIGSEGV)", "it crashed (signal 11)"),
+        ("print('boom: the last line', file=sys.stderr); sys.stderr.flush(); os._exit(3)", "boom: the last line"),
+        ("os._exit(4)", "4"),
+    ],
+)
+def test_a_child_that_dies_is_one_line_then_reaped_and_replaced(tmp_path, body, said):
+    child = _stand_in(tmp_path, body)
+    try:
+        with pytest.raises(InvalidModelError) as caught:
+            child.request("m.onnx", "(onnx2tf) cannot convert", op="convert", model="m.onnx", out_dir="out")
+        assert str(caught.value) == f"m.onnx: tflite (onnx2tf) cannot convert the model: {said}"
+        first = caught.value
+        assert child.pid is None  # reaped with the failure
+        with pytest.raises(InvalidModelError) as again:  # a new child takes the next request
+            child.request("m.onnx", "(onnx2tf) cannot convert", op="convert", model="m.onnx", out_dir="out")
+        assert str(again.value) == str(first)
+    finally:
+        child.close()
+
+
+def test_an_interrupt_while_the_child_works_kills_and_reaps_it(tmp_path):
+    """KeyboardInterrupt (Ctrl-C) in the parent while it waits for an answer: the child is killed
+    and reaped before the interrupt goes on; the next request starts another child."""
+    child = _stand_in(tmp_path, "print('{\"ok\": true}', flush=True) if 'quick' in line else time.sleep(600)")
+    main = threading.get_ident()
+    try:
+        child.request("m", "x", op="quick")
+        pid = child.pid
+        assert pid is not None
+        timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            child.request("m", "x", op="slow")
+        timer.join()
+        assert child.pid is None and _reaped(pid)
+        assert child.request("m", "x", op="quick") == {"ok": True}
+        assert child.pid not in (None, pid)
+    finally:
+        child.close()
+
+
+def test_close_at_exit_ends_the_child_by_closing_its_input(tmp_path):
+    """The child ends when its stdin does (it is not killed: it would not remove its folder's files
+    otherwise): close() waits for it and removes its private folder."""
+    child = _stand_in(tmp_path, "print('{\"ok\": true}', flush=True)")
+    child.request("m", "x", op="any")
+    pid, home = child.pid, child._home
+    assert pid is not None and home is not None and Path(home).is_dir()
+    child.close()
+    assert child.pid is None and _reaped(pid) and not Path(home).exists()
+
+
+def test_a_forked_process_starts_its_own_child(tmp_path):
+    """A fork of a process holding a child does not write into that child's pipes: it starts its own,
+    and closing it there leaves the parent's child running."""
+    child = _stand_in(tmp_path, 'print(\'{"ok": true, "pid": %d}\' % os.getpid(), flush=True)')
+    try:
+        mine = child.request("m", "x", op="any")["pid"]
+        read, write = os.pipe()
+        with warnings.catch_warnings():  # Python 3.12+: fork of a process with threads (none touched here)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            forked = os.fork()
+        if forked == 0:  # pragma: no cover - the fork reports through the pipe
+            try:
+                theirs = child.request("m", "x", op="any")["pid"]
+                child.close()
+                os.write(write, str(theirs).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        theirs = int(os.read(read, 100) or b"0")
+        os.close(read)
+        os.waitpid(forked, 0)
+        assert theirs not in (0, mine)
+        assert child.request("m", "x", op="any")["pid"] == mine
+    finally:
+        child.close()
+
+
+def test_every_tflite_runner_of_a_process_is_served_by_one_child():
+    """Two runners, two conversions, runs of both: one process, and the same numbers as a runner
+    whose child converted nothing before (a conversion does not depend on the ones before it)."""
+    from onnx_qrewrite.errors import MissingDependencyError
+    from onnx_qrewrite.verify.runtimes import TFLITE_PYTHON_ENV, make_runner, tflite_python
+
+    try:
+        python = tflite_python()
+    except MissingDependencyError:
+        pytest.skip(f"needs onnx2tf and ai-edge-litert on Python 3.12+ (${TFLITE_PYTHON_ENV})")
+    model = onnx.load(SAMPLES / "dynamic_mlp.onnx")
+    feeds = {"input": np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)}
+    first = make_runner("tflite", model, label="first")
+    second = make_runner("tflite", model, label="second")
+    assert first._child is second._child is tflite_host.tflite_child(python)
+    pid = first._child.pid
+    got = [first.run(feeds), second.run(feeds), first.run(feeds)]
+    assert first._child.pid == pid
+    assert Path(first._tflite).read_bytes() == Path(second._tflite).read_bytes()
+    for other in got[1:]:
+        assert all(np.array_equal(other[k], got[0][k]) for k in got[0])
+    folder = Path(first._tmp.name)  # a process of its own runs the first runner's inputs
+    alone = [python, tflite_host.CHILD, "run", first._tflite, folder / "in1.npz", folder / "fresh.npz"]
+    subprocess.run(alone, check=True, capture_output=True)
+    with np.load(folder / "fresh.npz") as values:
+        assert all(np.array_equal(values[k], got[0][k]) for k in got[0])
