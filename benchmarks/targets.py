@@ -19,8 +19,9 @@ Targets without a runtime here (tensorrt, nnapi, coreml, webgpu) get the counts,
 errors in onnxruntime (CPU): what an approximate form costs, measured. Latency: the fastest of
 ``--repeat`` runs after one warm-up (the least disturbed by other work on a shared machine), one
 thread where the runtime takes a thread count, the recorded inputs (batch 1). QNN runs on the HTP
-simulator: its latency says nothing about a device. TFLite runs in its own interpreter process per
-call (verify/runtimes.py), so its latency is mostly that process starting, not the model.
+simulator: its latency says nothing about a device. TFLite runs in its own interpreter process
+(verify/tflite_host.py; one process per call before 2026-11-28, docs generated before then include
+its start), so its latency includes passing the inputs and outputs there as .npz files.
 ``--default`` adds today's default rewrite (every rule, no target) on each runtime, for contrast.
 A target that needs static input shapes (QNN: its profile's ``[shapes]``) is planned with each
 model's symbolic dimensions fixed to its recorded inputs' shapes (``--input-shape``), as its runtime
@@ -601,7 +602,7 @@ def _doc_header(
         f"{platform.machine()} ({cpu}) shared with other work: load average (1 min) {min(loads):.1f} to "
         f"{max(loads):.1f} while it ran. Latencies are the fastest of {repeat} runs after a warm-up, one "
         "thread, and noisy under that load; QNN's are the HTP simulator's (nothing about a device), "
-        "TFLite's include starting its interpreter process.",
+        "TFLite's include passing inputs and outputs to its interpreter process as .npz files.",
         "",
         f"Runtimes: {versions}.",
         "",

@@ -2,7 +2,7 @@
 onnx-qrewrite's: onnx2tf pins its own onnx and onnxruntime, so it cannot share an environment with
 the verifier. Imports nothing from onnx_qrewrite.
 
-    python _tflite_child.py                                # serve requests (verify/tflite.py)
+    python _tflite_child.py                                # serve requests (verify/tflite_host.py)
     python _tflite_child.py convert MODEL.onnx OUT_DIR    # once, by hand: prints the .tflite path
     python _tflite_child.py run MODEL.tflite IN.npz OUT.npz
 
