@@ -27,6 +27,11 @@ any, with a bare ``--val-range [LO,HI]``  that range
 integer, with ``--int-range LO,HI``     that range (inclusive)
 integer, feeding ``Gather`` as indices  ``[0, N-1]``, N the table's size on the gathered
                                         axis (through Cast/Reshape/Unsqueeze/... too)
+attention lengths                       consistent with the sample's shapes, by
+                                        :mod:`.attention_inputs`: GroupQueryAttention's
+                                        seqlens_k and total_sequence_length (or the
+                                        mask they are computed from), MultiHeadAttention's
+                                        past_sequence_length
 other integers                          ``{0, 1}`` (masks, token types, flags)
 float                                   standard normal, plus the quantization battery
 bool                                    random
@@ -61,6 +66,8 @@ from onnx_qrewrite.io.input_shape import parse_input_shape
 if TYPE_CHECKING:
     import onnx
 
+    from onnx_qrewrite.verify.attention_inputs import LengthInputs
+
 __all__ = [
     "BATTERY",
     "DEFAULT_DIM",
@@ -78,6 +85,7 @@ __all__ = [
     "parse_int_range",
     "parse_val_range",
     "read_npz",
+    "resolve_shape",
     "resolve_value_ranges",
     "save_samples",
 ]
@@ -356,7 +364,7 @@ def _check_input_bytes(total: int, what: str) -> None:
         )
 
 
-def _resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> tuple[int, ...]:
+def resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> tuple[int, ...]:
     if spec.name in shapes:
         shape = shapes[spec.name]
         if spec.dims is not None:
@@ -457,18 +465,22 @@ def generate_samples(
     specs: Sequence[InputSpec],
     options: GenerationOptions,
     ranges: Mapping[str, ValueRange] | None = None,
+    lengths: LengthInputs | None = None,
 ) -> list[Sample]:
     """``options.samples`` random samples, then the battery when any input is floating point.
 
     ``ranges``: from :func:`resolve_value_ranges` (default: resolved here, without Gather limits).
-    The total size is checked against :data:`MAX_INPUT_BYTES` before anything is allocated."""
+    ``lengths``: attention length inputs (:mod:`.attention_inputs`), their shapes and values in
+    place of the generated ones, sample by sample. The total size is checked against
+    :data:`MAX_INPUT_BYTES` before anything is allocated."""
     unknown = set(options.shapes) - {s.name for s in specs}
     if unknown:
         raise UsageError(f"--input-shape: the model has no input named {sorted(unknown)[0]!r}")
     _check_dims(specs, options.dims)
     if ranges is None:
         ranges = resolve_value_ranges(specs, options)
-    shapes = {spec.name: _resolve_shape(spec, options.shapes, options.dims) for spec in specs}
+    shapes = {spec.name: resolve_shape(spec, options.shapes, options.dims) for spec in specs}
+    shapes |= lengths.shapes if lengths is not None else {}
     battery = options.battery and any(s.elem_type in _FLOAT_TYPES for s in specs)
     count = options.samples + (len(BATTERY) if battery else 0)
     if count == 0:
@@ -481,20 +493,20 @@ def generate_samples(
     per_sample = sum(_nbytes(shapes[s.name], s.dtype) for s in specs)
     _check_input_bytes(per_sample * count, f"{count} samples of {_human(per_sample)} each (--samples)")
     rng = np.random.default_rng(options.seed)
-    samples = [
-        Sample(f"random-{i}", {s.name: _random(s, shapes[s.name], rng, ranges[s.name]) for s in specs})
+    drawn = [
+        (f"random-{i}", {s.name: _random(s, shapes[s.name], rng, ranges[s.name]) for s in specs})
         for i in range(options.samples)
     ]
-    if battery:
-        for kind in BATTERY:
-            feeds = {
-                s.name: _battery(kind, s, shapes[s.name], rng)
-                if s.elem_type in _FLOAT_TYPES
-                else _random(s, shapes[s.name], rng, ranges[s.name])
-                for s in specs
-            }
-            samples.append(Sample(kind, feeds))
-    return samples
+    for kind in BATTERY if battery else ():
+        feeds = {
+            s.name: _battery(kind, s, shapes[s.name], rng)
+            if s.elem_type in _FLOAT_TYPES
+            else _random(s, shapes[s.name], rng, ranges[s.name])
+            for s in specs
+        }
+        drawn.append((kind, feeds))
+    # The attention lengths (consistent with the shapes) replace the generated values, from their own stream.
+    return [Sample(name, feeds | (lengths.feeds(i) if lengths else {})) for i, (name, feeds) in enumerate(drawn)]
 
 
 def _decode(array: np.ndarray, spec: InputSpec, where: str) -> np.ndarray:

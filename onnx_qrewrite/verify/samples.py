@@ -1,5 +1,6 @@
 """The samples both models run on: the caller's (a ``.npz`` file, a mapping, a list) or
-generated from the original's input specs (:mod:`.inputs`), and how they came to be (for the report)."""
+generated from the original's input specs (:mod:`.inputs`; attention lengths consistent with
+the shapes, :mod:`.attention_inputs`), and how they came to be (for the report)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from onnx_qrewrite.errors import UsageError
+from onnx_qrewrite.verify.attention_inputs import length_inputs
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
@@ -39,7 +41,9 @@ def resolve_samples(inputs: InputsLike, model: onnx.ModelProto, generation: Gene
     specs = input_specs(model)
     if inputs is None:
         ranges = resolve_value_ranges(specs, generation, gather_index_limits(model))
-        return GivenSamples(generate_samples(specs, generation, ranges), generation, None, ranges)
+        lengths = length_inputs(model, specs, generation)
+        ranges |= lengths.ranges if lengths is not None else {}
+        return GivenSamples(generate_samples(specs, generation, ranges, lengths), generation, None, ranges)
     if isinstance(inputs, (str, os.PathLike)):
         return GivenSamples(load_samples(inputs, specs), None, str(inputs), {})
     if isinstance(inputs, Mapping):

@@ -1,0 +1,338 @@
+"""Generated values for the inputs that give onnxruntime's attention kernels their lengths.
+
+Random integers cannot feed these: com.microsoft GroupQueryAttention refuses a
+total_sequence_length of 0 and reads a seqlens_k that disagrees with the past and present
+buffers out of bounds, and MultiHeadAttention's past_sequence_length must leave room for the new
+keys in its buffer. Each such input is found in the graph and generated consistent with the
+shapes of the sample, from its own random stream of ``--seed`` (deterministic):
+
+GroupQueryAttention(query (B, S, .), past_key (B, Nkv, P, H), seqlens_k, total_sequence_length),
+P = 0 without a past: the call is a token step or a subsequent prompt when P > 0 and S = 1 or
+B = 1 (total_sequence_length T = P + S, every entry's length ``total_b`` in [S, T]: its past
+``total_b - S`` fits the buffer), else a first prompt (T = S, ``total_b`` in [1, S]: padded
+entries). ``seqlens_k[b] = total_b - 1``. The first sample has every entry at T (every key
+written, so values verify cannot compare where keys are unwritten are compared there); every
+other sample has uneven lengths: the first entry at T (T is the longest, as onnxruntime-genai
+sets it) and the second below T (a single entry: below T), the rest drawn in the range. Found:
+
+- seqlens_k and total_sequence_length as graph inputs, or reached from one through Cast,
+  Identity, Reshape, Squeeze, Unsqueeze or Flatten;
+- computed from a 2-D attention mask graph input as onnxruntime-genai's and optimum's decoders
+  compute them: seqlens_k = ReduceSum(mask, axis 1) - 1 and total_sequence_length =
+  Shape(mask)[1] (each through the ops above): the mask is generated as each entry's ``total_b``
+  ones then zeros, and its second dimension is T unless ``--input-shape`` fixes it (then T is
+  that, and the lengths are kept within what the buffers allow).
+
+Not found (those inputs keep the defaults, and a note in the log says which node): other
+computations, a query whose sequence dimension is not recorded (``onnx.shape_inference``), and
+attention_bias or rotary caches, whose shapes must agree with T (give them with
+``--input-shape``).
+
+MultiHeadAttention's past_sequence_length (input 8, the past and present sharing a buffer of M
+positions, L new keys), a graph input or reached through the ops above: the first sample M - L
+(the buffer's end), the others drawn in [0, M - L].
+
+An input named by ``--val-range NAME:[LO,HI]`` keeps that range; a bare ``--val-range`` or
+``--int-range`` does not apply to these inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnx_qrewrite.verify.inputs import GenerationOptions, InputSpec, ValueRange, resolve_shape
+
+__all__ = ["LengthInputs", "length_inputs"]
+
+logger = logging.getLogger(__name__)
+
+#: Ops that pass an integer tensor's values through unchanged, reshaped or retyped.
+_PASS_THROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+#: Seeds the lengths' own generator beside ``--seed`` (the other inputs' draws stay as they were).
+_STREAM = 0x6C656E73
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lengths:
+    """One attention node's lengths: batch, the longest length T, the range of the others."""
+
+    batch: int
+    total: int  # total_sequence_length (MultiHeadAttention: the buffer's room, M - L)
+    high: int  # the longest length (T, or less where the buffers allow less)
+    low: int
+    what: str = dataclasses.field(compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Feed:
+    """A graph input and how its value follows from the node's lengths."""
+
+    name: str
+    form: str  # "seqlens" (total_b - 1), "total" (T), "mask" (total_b ones, then zeros), "past" (MHA)
+    lengths: _Lengths
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthInputs:
+    """The inputs generated from attention lengths: their shapes (a mask's T), ranges (for the
+    report) and values, sample by sample (:meth:`feeds`)."""
+
+    feeds_of: tuple[_Feed, ...]
+    seed: int
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {f.name: f.shape for f in self.feeds_of}
+
+    @property
+    def ranges(self) -> dict[str, ValueRange]:
+        ranges = {}
+        for f in self.feeds_of:
+            lo, hi = (0, 1) if f.form == "mask" else (f.lengths.low, f.lengths.high)
+            lo, hi = (f.lengths.total, f.lengths.total) if f.form == "total" else (lo, hi)
+            shift = 1 if f.form == "seqlens" else 0
+            ranges[f.name] = ValueRange(lo - shift, hi - shift, f"{_WHY[f.form]} of {f.lengths.what}")
+        return ranges
+
+    def feeds(self, index: int) -> dict[str, np.ndarray]:
+        """The values of sample ``index`` (0: every length T; else uneven)."""
+        rng = np.random.default_rng([self.seed, _STREAM, index])
+        drawn: dict[_Lengths, np.ndarray] = {}
+        out = {}
+        for f in self.feeds_of:
+            if f.lengths not in drawn:
+                drawn[f.lengths] = _draw(f.lengths, index, rng)
+            out[f.name] = _value(f, drawn[f.lengths])
+        return out
+
+
+_WHY = {
+    "seqlens": "seqlens_k (each entry's length - 1)",
+    "total": "total_sequence_length",
+    "mask": "attention mask (each entry's length in ones, then zeros)",
+    "past": "past_sequence_length (room for the new keys in the buffer)",
+}
+
+
+def _draw(lengths: _Lengths, index: int, rng: np.random.Generator) -> np.ndarray:
+    """Each entry's length: all T on sample 0; else uneven (see the module docstring)."""
+    top, low = lengths.high, lengths.low
+    values = np.full(lengths.batch, top, np.int64)
+    if index == 0 or low >= top:
+        return values
+    values[:] = rng.integers(low, top, size=lengths.batch, endpoint=True)
+    first_short = 1 if lengths.batch > 1 else 0
+    values[0] = top if lengths.batch > 1 else values[0]
+    values[first_short] = rng.integers(low, top - 1, endpoint=True)
+    return values
+
+
+def _value(feed: _Feed, lengths: np.ndarray) -> np.ndarray:
+    if feed.form == "total":
+        return np.full(feed.shape, feed.lengths.total, feed.dtype)
+    if feed.form == "past":
+        return np.full(feed.shape, lengths[0], feed.dtype)
+    if feed.form == "seqlens":
+        return (lengths - 1).reshape(feed.shape).astype(feed.dtype)
+    return (np.arange(feed.shape[1]) < lengths[:, None]).astype(feed.dtype)
+
+
+class _Graph:
+    """The main graph's producers, constants and inputs, for walking back from a node's input."""
+
+    def __init__(self, model: onnx.ModelProto, specs: Sequence[InputSpec], shapes: Mapping[str, tuple[int, ...]]):
+        self.producer = {o: n for n in model.graph.node for o in n.output if o}
+        self.constants = {t.name: t for t in model.graph.initializer}
+        self.specs = {s.name: s for s in specs}
+        self.shapes = shapes
+        self.symbols = {
+            d: n for s in specs for d, n in zip(s.dims or (), shapes[s.name], strict=False) if isinstance(d, str)
+        }
+        self.recorded = {
+            v.name: v.type.tensor_type.shape
+            for v in [*model.graph.value_info, *model.graph.output]
+            if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+        }
+
+    def back(self, name: str) -> str:
+        """``name`` walked back through :data:`_PASS_THROUGH` to the value they start from."""
+        while (node := self.producer.get(name)) is not None and node.domain in ("", "ai.onnx"):
+            if node.op_type not in _PASS_THROUGH:
+                break
+            name = node.input[0]
+        return name
+
+    def constant(self, name: str) -> np.ndarray | None:
+        if name in self.constants:
+            return numpy_helper.to_array(self.constants[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            return next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
+        return None
+
+    def dims(self, name: str) -> tuple[int, ...] | None:
+        """The sample's shape of ``name``: a graph input's as generated, else as recorded with its
+        symbols at the inputs' values; None when a dimension is not known."""
+        if name in self.shapes:
+            return self.shapes[name]
+        shape = self.recorded.get(name)
+        if shape is None:
+            return None
+        dims = []
+        for d in shape.dim:
+            value = d.dim_value if d.HasField("dim_value") else self.symbols.get(d.dim_param)
+            if not value:
+                return None
+            dims.append(value)
+        return tuple(dims)
+
+    def op(self, name: str, op_type: str) -> onnx.NodeProto | None:
+        node = self.producer.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _mask_of_seqlens(graph: _Graph, name: str) -> str | None:
+    """The 2-D mask input of ``seqlens_k = ReduceSum(mask, axis 1) - 1`` (through :data:`_PASS_THROUGH`)."""
+    sub = graph.op(graph.back(name), "Sub")
+    one = graph.constant(sub.input[1]) if sub is not None else None
+    if sub is None or one is None or one.size != 1 or one.reshape(-1)[0] != 1:
+        return None
+    reduce = graph.op(graph.back(sub.input[0]), "ReduceSum")
+    if reduce is None:
+        return None
+    axes = graph.constant(reduce.input[1]) if len(reduce.input) > 1 and reduce.input[1] else None
+    if axes is None:
+        axes = next((np.array(a.ints) for a in reduce.attribute if a.name == "axes"), None)
+    mask = graph.back(reduce.input[0])
+    if axes is None or axes.reshape(-1).tolist() not in ([1], [-1]) or len(graph.shapes.get(mask, ())) != 2:
+        return None
+    return mask
+
+
+def _mask_of_total(graph: _Graph, name: str) -> str | None:
+    """The input whose dimension 1 is ``total_sequence_length = Shape(mask)[1]`` (through :data:`_PASS_THROUGH`)."""
+    gather = graph.op(graph.back(name), "Gather")
+    at = graph.constant(gather.input[1]) if gather is not None else None
+    shape = graph.op(gather.input[0], "Shape") if gather is not None else None
+    if at is None or shape is None or at.size != 1 or at.reshape(-1)[0] != 1 or len(shape.attribute):
+        return None
+    mask = graph.back(shape.input[0])
+    return mask if len(graph.shapes.get(mask, ())) == 2 else None
+
+
+def _fixed_width(graph: _Graph, mask: str, options: GenerationOptions) -> bool:
+    """Whether the mask's dimension 1 is fixed: declared, or given by ``--input-shape``."""
+    declared = (graph.specs[mask].dims or (None, None))[1]
+    return mask in options.shapes or (isinstance(declared, int) and declared > 0) or declared in options.dims
+
+
+def _gqa_lengths(graph: _Graph, node: onnx.NodeProto, width: int | None) -> _Lengths | str:
+    """The node's lengths, T fixed at ``width`` when given (a mask's fixed width), or why none."""
+    query = graph.dims(node.input[0])
+    if query is None or len(query) != 3:
+        return f"the shape of its query {node.input[0]!r} is not recorded"
+    batch, seq = query[0], query[1]
+    past = 0
+    if len(node.input) > 3 and node.input[3]:
+        past_dims = graph.dims(node.input[3])
+        if past_dims is None or len(past_dims) != 4:
+            return f"the shape of its past_key {node.input[3]!r} is not recorded"
+        past = past_dims[2]
+    what = f"GroupQueryAttention {node.name or node.output[0]!r}"
+    steps = past > 0 and (seq == 1 or batch == 1)  # a token step or a subsequent prompt
+    total = width if width is not None else past + seq if steps else seq
+    if total == seq:
+        return _Lengths(batch, total, total, 1, what)  # a first prompt: padded entries down to 1
+    if (seq == 1 or batch == 1) and seq < total:
+        return _Lengths(batch, total, min(total, past + seq), seq, what)
+    return f"a total_sequence_length of {total} fits neither a first prompt nor a step of {seq} queries"
+
+
+def _gqa_feeds(graph: _Graph, node: onnx.NodeProto, options: GenerationOptions) -> list[_Feed] | str:
+    """The inputs of a GroupQueryAttention node's seqlens_k and total_sequence_length, or why none."""
+    if len(node.input) < 7 or not node.input[5] or not node.input[6]:
+        return "it has no seqlens_k or total_sequence_length"
+    seqlens, total = graph.back(node.input[5]), graph.back(node.input[6])
+    masks = [m for m in (_mask_of_seqlens(graph, node.input[5]), _mask_of_total(graph, node.input[6])) if m]
+    if len(set(masks)) > 1:
+        return "its seqlens_k and total_sequence_length come from different masks"
+    mask = masks[0] if masks else None
+    if mask is None and not (seqlens in graph.shapes and total in graph.shapes):
+        return "its seqlens_k or total_sequence_length is computed otherwise than from a mask or an input"
+    width = graph.shapes[mask][1] if mask and _fixed_width(graph, mask, options) else None
+    lengths = _gqa_lengths(graph, node, width)
+    if isinstance(lengths, str):
+        return lengths
+    feeds = []
+    if mask is not None:
+        shape = (graph.shapes[mask][0], lengths.total)
+        if shape[0] != lengths.batch:
+            return f"its mask {mask!r} has {shape[0]} entries for a batch of {lengths.batch}"
+        feeds.append(_Feed(mask, "mask", lengths, graph.specs[mask].dtype, shape))
+    for name, form, size in ((seqlens, "seqlens", lengths.batch), (total, "total", 1)):
+        if name in graph.shapes and name != mask:
+            if int(np.prod(graph.shapes[name])) != size:
+                return f"its input {name!r} has shape {list(graph.shapes[name])}, not {size} value(s)"
+            feeds.append(_Feed(name, form, lengths, graph.specs[name].dtype, graph.shapes[name]))
+    return feeds
+
+
+def _mha_feeds(graph: _Graph, node: onnx.NodeProto) -> list[_Feed] | str:
+    """MultiHeadAttention's past_sequence_length input (input 8), or why none."""
+    length = graph.back(node.input[8])
+    if length not in graph.shapes:
+        return "its past_sequence_length is computed"
+    past = graph.dims(node.input[6]) if len(node.input) > 6 and node.input[6] else None
+    key = graph.dims(node.input[1]) if node.input[1] else None
+    if past is None or key is None or len(past) != 4 or len(key) != 3:
+        return "the shapes of its past_key and 3-D key are not recorded"
+    room = past[2] - key[1]
+    if room < 0:
+        return f"its buffer of {past[2]} positions has no room for {key[1]} new keys"
+    what = f"MultiHeadAttention {node.name or node.output[0]!r}"
+    lengths = _Lengths(1, room, room, 0, what)
+    return [_Feed(length, "past", lengths, graph.specs[length].dtype, graph.shapes[length])]
+
+
+def length_inputs(
+    model: onnx.ModelProto, specs: Sequence[InputSpec], options: GenerationOptions
+) -> LengthInputs | None:
+    """The attention length inputs of ``model`` and how to generate them (None: it has none).
+
+    A node whose lengths cannot be found is logged (its inputs keep the default ranges); inputs
+    named by ``--val-range NAME:`` are left to that range."""
+    shapes = {}
+    for spec in specs:
+        if spec.dims is not None or spec.name in options.shapes:
+            shapes[spec.name] = resolve_shape(spec, options.shapes, options.dims)
+    graph = _Graph(model, specs, shapes)
+    found: dict[str, _Feed] = {}
+    for node in model.graph.node:
+        if node.domain != "com.microsoft":
+            continue
+        if node.op_type == "GroupQueryAttention":
+            feeds = _gqa_feeds(graph, node, options)
+        elif node.op_type == "MultiHeadAttention" and len(node.input) > 8 and node.input[8]:
+            feeds = _mha_feeds(graph, node)
+        else:
+            continue
+        if isinstance(feeds, str):
+            logger.warning(
+                "verify: %s %r: %s; its length inputs are generated as other inputs (pass --inputs if it fails)",
+                node.op_type,
+                node.name or node.output[0],
+                feeds,
+            )
+            continue
+        for feed in feeds:
+            if feed.name not in options.value_ranges:
+                found.setdefault(feed.name, feed)
+    return LengthInputs(tuple(found.values()), options.seed) if found else None
