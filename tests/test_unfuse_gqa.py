@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 import pytest
+from _pairwise import pairwise
 from conftest import assert_bitwise_equal, rule_marker, run
 from onnx import TensorProto, helper
 
@@ -140,25 +141,54 @@ def test_group_query_attention_scale_attribute():
     check_within_bound(model, gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total), shape, 0.3)
 
 
-@rule_marker("unfuse-group-query-attention", "positive")
-@pytest.mark.parametrize(
-    "attrs",
-    [{}, {"local_window_size": 2}, {"local_window_size": 2, "softcap": 5.0}],
-    ids=["causal", "window 2", "window 2, softcap"],
+PADDED_OPTIONS = {
+    "causal": {},
+    "window 2": {"local_window_size": 2},
+    "window 2, softcap": {"local_window_size": 2, "softcap": 5.0},
+}
+#: Each option with each dtype and with and without a head sink (pairwise, tests/_pairwise.py); kept
+#: first: the float32 rows measured first, and a window in float16 and with a sink each alone (each
+#: makes the kernel take the window from the entry's last key, as softcap does: a row with both
+#: would not show one of them being lost).
+PADDED = pairwise(
+    tuple(PADDED_OPTIONS),
+    ("float32", "float16"),
+    (False, True),
+    keep=[
+        ("causal", "float32", False),
+        ("window 2", "float32", False),
+        ("window 2, softcap", "float32", False),
+        ("window 2", "float16", False),
+        ("window 2", "float32", True),
+    ],
 )
-def test_group_query_attention_padded_first_prompt(attrs):
+
+
+@rule_marker("unfuse-group-query-attention", "positive")
+@pytest.mark.parametrize("option, dtype, sink", PADDED, ids=[f"{o}-{d}{'-sink' if s else ''}" for o, d, s in PADDED])
+def test_group_query_attention_padded_first_prompt(option, dtype, sink):
     """A first prompt with entries shorter than the sequence: their rows at or past their length
     attend the entry's keys, as the kernel does (measured; after a run that leaves other data in
-    memory): every row within the bound. With the window the kernel's plain path takes the window's
-    keys up to the row's position that are below the length (rows attending none are zeros), its
-    other paths (softcap here) the last 2 keys below the length. Attending the padding keys up to
-    the row's position, as before, was 0.5 to 2.8 away there; either window for the other, 2.4."""
+    memory): every row within the bound. With the window the kernel's plain path (float32 without
+    softcap, smooth_softmax, head_sink or output_qk) takes the window's keys up to the row's
+    position that are below the length (rows attending none are zeros), its other paths (softcap,
+    float16, a head sink) the last 2 keys below the length. Attending the padding keys up to the
+    row's position, as before, was 0.5 to 2.8 away there; either window for the other, 2.4."""
     shape = (3, 6, None, 4, 2, 8, [6, 3, 1], 6)
     batch, seq, past, heads, kv_heads, head, lengths, total = shape
-    model = gqa_model(batch, seq, past, heads, kv_heads, head, attrs)
+    model = gqa_model(batch, seq, past, heads, kv_heads, head, PADDED_OPTIONS[option])
     feeds = gqa_feeds(batch, seq, past, heads, kv_heads, head, lengths, total)
+    if sink:
+        model = _with_head_sink(model, heads)
+        feeds["sink"] = RNG.standard_normal(heads).astype(np.float32)
+    if dtype == "float16":
+        model = to_float16(model)
+        feeds = {k: v.astype(np.float16) if v.dtype.kind == "f" else v for k, v in feeds.items()}
     run(model, {k: np.full_like(v, 7.0) if v.dtype.kind == "f" else v for k, v in feeds.items()})
-    check_within_bound(model, feeds, shape, 0.0)
+    if dtype == "float16":
+        check_float16(model, feeds, heads, kv_heads, head)
+    else:
+        check_within_bound(model, feeds, shape, 0.0)
 
 
 ROTARY_CASES = {
