@@ -15,9 +15,10 @@ import numpy as np
 import onnx
 from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper, numpy_helper
+from test_unfuse_attention import attention_model
 from test_unfuse_gqa import CASES, gqa_model
 from test_unfuse_gqa_qk import with_qk
-from test_unfuse_mha_state import shared_buffer_model
+from test_unfuse_mha_state import mha_model, shared_buffer_model
 
 import onnx_qrewrite
 from onnx_qrewrite.verify import verify
@@ -173,3 +174,21 @@ def test_lengths_computed_otherwise_are_named_in_the_log(caplog):
         given = resolve_samples(None, model, GenerationOptions()).samples
     assert "its seqlens_k or total_sequence_length is computed otherwise" in caplog.text
     assert all(int(s.feeds["tl_in"]) in (0, 1) for s in given)
+
+
+def test_one_dimensional_masks_hold_key_lengths():
+    """A 1-D mask holds key lengths, which {0, 1} kept at most one key long: MultiHeadAttention's
+    (B) over past 3 + 4 new keys and Attention's (2B: ends, then starts) over 8 keys take lengths in
+    [1, T], all T on the first sample, starts below the ends; both rewrites pass."""
+    mha = mha_model(2, 4, 4, 3, 32, 4, mask="lengths")
+    attention = attention_model(3, 8, 32, [32, 32, 32], 4, (6,), {"unidirectional": 1})
+    for model, total in ((mha, 7), (attention, 8)):
+        given = resolve_samples(None, model, GenerationOptions()).samples
+        masks = [s.feeds["m"] for s in given]
+        batch = model.graph.input[0].type.tensor_type.shape.dim[0].dim_value
+        ends, starts = [m[:batch] for m in masks], [m[batch:] for m in masks]
+        assert (ends[0] == total).all() and all(((e >= 1) & (e <= total)).all() for e in ends)
+        assert any((e < total).any() for e in ends[1:])
+        assert all((s < e).all() for s, e in zip(starts, ends, strict=True) if s.size)
+        report = verify(model, onnx_qrewrite.rewrite(model).model)
+        assert report.passed, report.to_table()

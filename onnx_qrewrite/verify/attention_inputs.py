@@ -23,14 +23,21 @@ sets it) and the second below T (a single entry: below T), the rest drawn in the
   ones then zeros, and its second dimension is T unless ``--input-shape`` fixes it (then T is
   that, and the lengths are kept within what the buffers allow).
 
-Not found (those inputs keep the defaults, and a note in the log says which node): other
-computations, a query whose sequence dimension is not recorded (``onnx.shape_inference``), and
-attention_bias or rotary caches, whose shapes must agree with T (give them with
+Not found (those inputs keep the defaults, and a warning names the node): other computations,
+and a query whose sequence dimension is not recorded (``onnx.shape_inference`` records it). Not
+adjusted: attention_bias and rotary caches, whose shapes must agree with T (give them with
 ``--input-shape``).
 
 MultiHeadAttention's past_sequence_length (input 8, the past and present sharing a buffer of M
 positions, L new keys), a graph input or reached through the ops above: the first sample M - L
 (the buffer's end), the others drawn in [0, M - L].
+
+A 1-D key_padding_mask of MultiHeadAttention or mask_index of Attention (a graph input, or through
+the ops above) holds key lengths, which the integer default {0, 1} would keep at most one key
+long: each entry's length in [1, T], T = past + new keys (all T on the first sample); of 2B values
+(Attention) the second B are start positions (0 on the first sample, half the length on the
+others); of 3B + 2 (MultiHeadAttention reads the first B) the rest are 0. 2-D and 3-D masks keep
+the default {0, 1}: any such mask is valid.
 
 An input named by ``--val-range NAME:[LO,HI]`` keeps that range; a bare ``--val-range`` or
 ``--int-range`` does not apply to these inputs.
@@ -74,7 +81,7 @@ class _Feed:
     """A graph input and how its value follows from the node's lengths."""
 
     name: str
-    form: str  # "seqlens" (total_b - 1), "total" (T), "mask" (total_b ones, then zeros), "past" (MHA)
+    form: str  # "seqlens" (total_b - 1), "total" (T), "mask" (total_b ones, then zeros), "past", "keys"
     lengths: _Lengths
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -110,7 +117,7 @@ class LengthInputs:
         for f in self.feeds_of:
             if f.lengths not in drawn:
                 drawn[f.lengths] = _draw(f.lengths, index, rng)
-            out[f.name] = _value(f, drawn[f.lengths])
+            out[f.name] = _value(f, drawn[f.lengths], index)
         return out
 
 
@@ -119,6 +126,7 @@ _WHY = {
     "total": "total_sequence_length",
     "mask": "attention mask (each entry's length in ones, then zeros)",
     "past": "past_sequence_length (room for the new keys in the buffer)",
+    "keys": "key lengths (1-D mask)",
 }
 
 
@@ -135,7 +143,11 @@ def _draw(lengths: _Lengths, index: int, rng: np.random.Generator) -> np.ndarray
     return values
 
 
-def _value(feed: _Feed, lengths: np.ndarray) -> np.ndarray:
+def _value(feed: _Feed, lengths: np.ndarray, index: int) -> np.ndarray:
+    if feed.form == "keys":
+        rest = feed.shape[0] - lengths.size  # 2B: start positions; 3B + 2: not read
+        starts = lengths // 2 if index and rest == lengths.size else np.zeros(rest, np.int64)
+        return np.concatenate([lengths, starts]).astype(feed.dtype)
     if feed.form == "total":
         return np.full(feed.shape, feed.lengths.total, feed.dtype)
     if feed.form == "past":
@@ -302,6 +314,46 @@ def _mha_feeds(graph: _Graph, node: onnx.NodeProto) -> list[_Feed] | str:
     return [_Feed(length, "past", lengths, graph.specs[length].dtype, graph.shapes[length])]
 
 
+def _key_lengths(graph: _Graph, node: onnx.NodeProto) -> list[_Feed] | str | None:
+    """A 1-D key_padding_mask (MultiHeadAttention) or mask_index (Attention) input as key lengths,
+    or why not (None: the node has no 1-D mask)."""
+    index = 4 if node.op_type == "MultiHeadAttention" else 3
+    mask = graph.back(node.input[index]) if len(node.input) > index and node.input[index] else ""
+    if len(graph.shapes.get(mask, ())) != 1:
+        return None
+    query = graph.dims(node.input[0])
+    if node.op_type == "MultiHeadAttention":
+        key = graph.dims(node.input[1]) if node.input[1] else None
+        past = graph.dims(node.input[6]) if len(node.input) > 6 and node.input[6] else ()
+        new = key[-2] if key is not None and len(key) == 4 else key[1] if key is not None and len(key) == 3 else None
+        before = past[2] if past and len(past) == 4 and not (len(node.input) > 8 and node.input[8]) else 0
+    else:
+        past = graph.dims(node.input[4]) if len(node.input) > 4 and node.input[4] else ()
+        new = query[1] if query is not None and len(query) == 3 else None
+        before = past[3] if past and len(past) == 5 else 0
+    if query is None or new is None or past is None:
+        return "the shapes of its query and keys are not recorded"
+    size, batch = graph.shapes[mask][0], query[0]
+    if size not in (batch, 2 * batch, 3 * batch + 2):
+        return f"its 1-D mask {mask!r} has {size} values for a batch of {batch}"
+    what = f"{node.op_type} {node.name or node.output[0]!r}"
+    lengths = _Lengths(batch, before + new, before + new, 1, what)
+    return [_Feed(mask, "keys", lengths, graph.specs[mask].dtype, graph.shapes[mask])]
+
+
+def _node_feeds(graph: _Graph, node: onnx.NodeProto, options: GenerationOptions) -> list[list[_Feed] | str]:
+    """The length inputs of one com.microsoft node, or why not, for each kind it has."""
+    if node.op_type == "GroupQueryAttention":
+        return [_gqa_feeds(graph, node, options)]
+    found: list[list[_Feed] | str] = []
+    keys = _key_lengths(graph, node) if node.op_type in ("MultiHeadAttention", "Attention") else None
+    if keys is not None:
+        found.append(keys)
+    if node.op_type == "MultiHeadAttention" and len(node.input) > 8 and node.input[8]:
+        found.append(_mha_feeds(graph, node))
+    return found
+
+
 def length_inputs(
     model: onnx.ModelProto, specs: Sequence[InputSpec], options: GenerationOptions
 ) -> LengthInputs | None:
@@ -316,23 +368,16 @@ def length_inputs(
     graph = _Graph(model, specs, shapes)
     found: dict[str, _Feed] = {}
     for node in model.graph.node:
-        if node.domain != "com.microsoft":
-            continue
-        if node.op_type == "GroupQueryAttention":
-            feeds = _gqa_feeds(graph, node, options)
-        elif node.op_type == "MultiHeadAttention" and len(node.input) > 8 and node.input[8]:
-            feeds = _mha_feeds(graph, node)
-        else:
-            continue
-        if isinstance(feeds, str):
-            logger.warning(
-                "verify: %s %r: %s; its length inputs are generated as other inputs (pass --inputs if it fails)",
-                node.op_type,
-                node.name or node.output[0],
-                feeds,
-            )
-            continue
-        for feed in feeds:
-            if feed.name not in options.value_ranges:
-                found.setdefault(feed.name, feed)
+        for feeds in _node_feeds(graph, node, options) if node.domain == "com.microsoft" else ():
+            if isinstance(feeds, str):
+                logger.warning(
+                    "verify: %s %r: %s; its length inputs are generated as other inputs (pass --inputs if it fails)",
+                    node.op_type,
+                    node.name or node.output[0],
+                    feeds,
+                )
+                continue
+            for feed in feeds:
+                if feed.name not in options.value_ranges:
+                    found.setdefault(feed.name, feed)
     return LengthInputs(tuple(found.values()), options.seed) if found else None

@@ -31,7 +31,7 @@ attention lengths                       consistent with the sample's shapes, by
                                         :mod:`.attention_inputs`: GroupQueryAttention's
                                         seqlens_k and total_sequence_length (or the
                                         mask they are computed from), MultiHeadAttention's
-                                        past_sequence_length
+                                        past_sequence_length, 1-D key-length masks
 other integers                          ``{0, 1}`` (masks, token types, flags)
 float                                   standard normal, plus the quantization battery
 bool                                    random
