@@ -166,7 +166,10 @@ class _Graph:
         self.specs = {s.name: s for s in specs}
         self.shapes = shapes
         self.symbols = {
-            d: n for s in specs for d, n in zip(s.dims or (), shapes[s.name], strict=False) if isinstance(d, str)
+            d: n
+            for s in specs
+            for d, n in zip(s.dims or (), shapes.get(s.name, ()), strict=False)
+            if isinstance(d, str)
         }
         self.recorded = {
             v.name: v.type.tensor_type.shape
