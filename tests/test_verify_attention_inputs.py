@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 import onnx
+import pytest
 from _cli_helpers import cli_in_process
 from onnx import TensorProto, helper, numpy_helper
 from test_unfuse_attention import attention_model
@@ -21,6 +22,7 @@ from test_unfuse_gqa_qk import with_qk
 from test_unfuse_mha_state import mha_model, shared_buffer_model
 
 import onnx_qrewrite
+from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.verify import verify
 from onnx_qrewrite.verify.inputs import GenerationOptions
 from onnx_qrewrite.verify.samples import resolve_samples
@@ -192,3 +194,16 @@ def test_one_dimensional_masks_hold_key_lengths():
         assert all((s < e).all() for s, e in zip(starts, ends, strict=True) if s.size)
         report = verify(model, onnx_qrewrite.rewrite(model).model)
         assert report.passed, report.to_table()
+
+
+def test_a_named_range_wins_and_an_input_without_a_shape_is_named():
+    """--val-range NAME:[LO,HI] keeps its range for a length input (the user's call), --int-range
+    does not reach them; a query that declares no shape is named by the usual UsageError (the
+    lengths' reader steps aside for it, with a warning)."""
+    ranged = resolve_samples(None, token_model(), GenerationOptions(value_ranges={"tl": (3, 3)}, int_range=(0, 1)))
+    assert all(int(s.feeds["tl"]) == 3 for s in ranged.samples)
+    assert ranged.ranges["sl"].why.startswith("seqlens_k") and ranged.ranges["tl"].why == "--val-range tl"
+    model = token_model()
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(UsageError, match="input 'q' declares no shape"):
+        resolve_samples(None, model, GenerationOptions())
