@@ -48,12 +48,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
+from onnx_qrewrite import _onnx  # verify's console path does not import onnx (tests/test_startup.py)
 from onnx_qrewrite.verify.inputs import GenerationOptions, InputSpec, ValueRange, resolve_shape
+
+if TYPE_CHECKING:
+    import onnx
 
 __all__ = ["LengthInputs", "length_inputs"]
 
@@ -187,10 +190,10 @@ class _Graph:
 
     def constant(self, name: str) -> np.ndarray | None:
         if name in self.constants:
-            return numpy_helper.to_array(self.constants[name])
+            return _onnx.numpy_helper.to_array(self.constants[name])
         node = self.producer.get(name)
         if node is not None and node.op_type == "Constant":
-            return next((numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
+            return next((_onnx.numpy_helper.to_array(a.t) for a in node.attribute if a.name == "value"), None)
         return None
 
     def dims(self, name: str) -> tuple[int, ...] | None:

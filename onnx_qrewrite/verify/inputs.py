@@ -365,6 +365,9 @@ def _check_input_bytes(total: int, what: str) -> None:
 
 
 def resolve_shape(spec: InputSpec, shapes: Mapping[str, tuple[int, ...]], dims: Mapping[str, int]) -> tuple[int, ...]:
+    """The shape ``spec`` is generated in: its own ``--input-shape`` (checked against the declared
+    rank and fixed dimensions), else the declared one with each symbolic dimension from ``dims``
+    (``--input-shape DIM=N``) or :data:`DEFAULT_DIM`; a UsageError when it declares none."""
     if spec.name in shapes:
         shape = shapes[spec.name]
         if spec.dims is not None:
