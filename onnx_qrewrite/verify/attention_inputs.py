@@ -17,8 +17,8 @@ sets it) and the second below T (a single entry: below T), the rest drawn in the
 
 - seqlens_k and total_sequence_length as graph inputs, or reached from one through Cast,
   Identity, Reshape, Squeeze, Unsqueeze or Flatten;
-- computed from a 2-D attention mask graph input as onnxruntime-genai's and optimum's decoders
-  compute them: seqlens_k = ReduceSum(mask, axis 1) - 1 and total_sequence_length =
+- computed from a 2-D attention mask graph input as onnxruntime-genai's model builder and
+  onnxscript's GQA fusion write them: seqlens_k = ReduceSum(mask, axis 1) - 1 and total_sequence_length =
   Shape(mask)[1] (each through the ops above): the mask is generated as each entry's ``total_b``
   ones then zeros, and its second dimension is T unless ``--input-shape`` fixes it (then T is
   that, and the lengths are kept within what the buffers allow).
