@@ -6,7 +6,9 @@ where the runtime is not installed (as tests/test_targets_runtime.py does)."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 from _verify_helpers import toy_quark_model, toy_rewrite
 from conftest import SAMPLES
@@ -79,3 +81,23 @@ def test_tflite_localises_too():
     assert loc is not None and loc.found, report.to_table()
     assert (loc.node, loc.rule, loc.comparison.name) == ("fc/Add", None, "logits")
     assert "values of the rewritten model from tflite" in loc.note and "not made by the rewrite" in loc.note
+
+
+def test_a_rewrites_difference_within_the_runtimes_tolerance_upstream_is_not_blamed_on_the_runtime():
+    # A bias 5% off at fc0 stays within OpenVINO's drift tolerance at fc0 and fc1, so the first value
+    # beyond it is the logits (fc2/Add, not the rewrite's node): the note must not conclude that
+    # OpenVINO computes fc2/Add differently, and must point to the onnxruntime localization, which
+    # names fc0/Add.
+    _runtime("openvino")
+    original = onnx.load(SAMPLES / "dynamic_mlp.onnx")
+    rewritten = rewrite(original, target="openvino").model
+    (bias,) = [i for i in rewritten.graph.initializer if i.name == "fc0.bias"]
+    bias.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(bias) * np.float32(1.05), bias.name))
+    report = verify(original, rewritten, runtime="openvino", samples=3)
+    loc = report.localization
+    assert report.exit_code == EXIT_DISAGREE and loc is not None and loc.found, report.to_table()
+    assert (loc.node, loc.rule) == ("fc2/Add", None)
+    assert "so openvino computes it differently" not in loc.note
+    assert "a difference that stayed within openvino's tolerance" in loc.note
+    assert "verify without --runtime localizes" in loc.note
+    assert verify(original, rewritten, samples=3).localization.node == "fc0/Add"
