@@ -90,6 +90,32 @@ def test_valid_models_are_proven_in_slices():
     assert _verdicts(model) == (True, True)
 
 
+def test_declared_names_are_confirmed_by_the_chunks_their_hash_is_in():
+    """The second read of names (_declared_were_written) reads only the chunks whose written
+    hashes hold a declared name's: a name whose hash an earlier chunk holds without writing it (a
+    collision, made here by adding its hash) is still not proven written, nor is one written by
+    a later slice only, while the names a chain really declares are."""
+    import numpy as np
+
+    data = _chain().SerializeToString()
+    layout = sliced_check._Layout(data, SLICE)
+    earlier, declared, hashes = np.empty(0, np.int64), [], []
+    for k, chunks in enumerate(layout.slices):
+        outputs = layout.outputs if k == len(layout.slices) - 1 else None
+        maybe, per_chunk = sliced_check._slice_names(data, chunks, earlier, outputs)
+        declared.append(maybe)
+        hashes.append(per_chunk)
+        earlier = np.sort(np.concatenate((earlier, *per_chunk)))
+    assert declared[1] == ["t1"]  # each slice reads the last output of the one before
+    assert sliced_check._declared_were_written(data, layout, declared, hashes)
+    collided = [list(per_chunk) for per_chunk in hashes]
+    collided[0][0] = np.sort(np.append(collided[0][0], hash("nowhere")))
+    unwritten = [[*names, "nowhere"] if k == 2 else names for k, names in enumerate(declared)]
+    assert not sliced_check._declared_were_written(data, layout, unwritten, collided)
+    later = [[*names, "t6"] if k == 1 else names for k, names in enumerate(declared)]
+    assert not sliced_check._declared_were_written(data, layout, later, hashes)
+
+
 def _mutated(edit) -> onnx.ModelProto:
     model = _chain()
     edit(model)

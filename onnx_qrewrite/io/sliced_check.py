@@ -117,13 +117,16 @@ def proven_valid(data: bytes, check: Callable[[bytes], None], slice_nodes: int =
     rest = _joined(data, layout.rest)
     earlier = np.empty(0, np.int64)  # the hashes of every name earlier slices' nodes write, sorted
     declared: list[list[str]] = []
+    chunk_hashes: list[list[Any]] = []  # per slice, per chunk: the names its nodes write, hashes sorted
     for k, chunks in enumerate(layout.slices):
         last = k == len(layout.slices) - 1
         found = _slice_names(data, chunks, earlier, layout.outputs if last else None)
         if found is None:
             return False
-        maybe, written = found
+        maybe, per_chunk = found
         declared.append(maybe)
+        chunk_hashes.append(per_chunk)
+        written = np.concatenate(per_chunk)
         graph = [rest, _declared_inputs(maybe), *(_joined(data, runs) for runs in chunks)]
         if k == 0:
             graph.append(_joined(data, layout.value_info))
@@ -137,17 +140,20 @@ def proven_valid(data: bytes, check: Callable[[bytes], None], slice_nodes: int =
             return False
         del model
         earlier = np.concatenate((earlier, written))
-        earlier.sort()
+        # Sorted runs (the earlier slices', each chunk's): a stable sort (timsort) merges them in
+        # linear time, where the default sort was O(n log n) per slice, so O(slices x n log n) in
+        # all: 0.45 s of CPU at 500k nodes (61 slices), against 0.02 s at 100k.
+        earlier.sort(kind="stable")
         if len(earlier) > 1 and bool((earlier[1:] == earlier[:-1]).any()):
             return False  # a name written twice (or two names of one hash): not proven
-    return _declared_were_written(data, layout, declared)
+    return _declared_were_written(data, layout, declared, chunk_hashes)
 
 
 def _slice_names(data: bytes, chunks: list[list[Span]], earlier: Any, outputs: list[Span] | None) -> Any:
     """For one slice: the names its nodes read (and ``outputs``' names, for the last) that may
     be written by earlier slices' nodes, whose sorted hashes are ``earlier`` (by hash: confirmed
-    by :func:`_declared_were_written`), and the hashes of the names its nodes write; None when a
-    node holds a subgraph or the bytes do not parse.
+    by :func:`_declared_were_written`), and per chunk the hashes of the names its nodes write,
+    sorted; None when a node holds a subgraph or the bytes do not parse.
 
     A chunk of nodes at a time, so that few of its names are strings at once: they were the most
     of the sliced check's memory left behind (the allocator's pages that held them). A name read
@@ -164,14 +170,14 @@ def _slice_names(data: bytes, chunks: list[list[Span]], earlier: Any, outputs: l
         reads, writes = names
         wanted = set(reads).difference(writes)
         writes = [w for w in writes if w]
-        written.append(np.fromiter(map(hash, writes), np.int64, len(writes)))
+        written.append(np.sort(np.fromiter(map(hash, writes), np.int64, len(writes))))
         del reads, writes
         if outputs is not None and runs is chunks[-1]:
             wanted.update(_output_names(data, outputs))
         wanted.discard("")
         hashes = np.fromiter(map(hash, wanted), np.int64, len(wanted))
         maybe.update(w for w, hit in zip(wanted, _among(hashes, earlier), strict=True) if hit)
-    return sorted(maybe), np.concatenate(written)
+    return sorted(maybe), written
 
 
 def _among(values: Any, sorted_values: Any) -> Any:
@@ -182,15 +188,26 @@ def _among(values: Any, sorted_values: Any) -> Any:
     return sorted_values[np.minimum(at, len(sorted_values) - 1)] == values if len(sorted_values) else at < 0
 
 
-def _declared_were_written(data: bytes, layout: _Layout, declared: list[list[str]]) -> bool:
+def _declared_were_written(
+    data: bytes, layout: _Layout, declared: list[list[str]], chunk_hashes: list[list[Any]]
+) -> bool:
     """Whether each name a slice declared (its hash was among earlier slices' outputs) is exactly
-    the output of a node of an earlier slice (a second read of the slices' names, when any was)."""
+    the output of a node of an earlier slice: a second read of the names of the chunks whose
+    written hashes (``chunk_hashes``, per slice and chunk, sorted) hold a declared name's hash.
+    A chunk without that hash writes no such name, so it is not read again: a chain declares a
+    name or two per slice, and reading every chunk again was a tenth of the whole check's CPU
+    time on the 100k-node benchmark chain."""
     asked = set().union(*declared)
     if not asked:
         return True
+    import numpy as np
+
+    wanted = np.unique(np.fromiter(map(hash, asked), np.int64, len(asked)))
     first: dict[str, int] = {}
     for k, chunks in enumerate(layout.slices):
-        for runs in chunks:
+        for runs, hashes in zip(chunks, chunk_hashes[k], strict=True):
+            if not _among(hashes, wanted).any():
+                continue
             names = _names_of(_joined(data, runs))
             if names is None:
                 return False
