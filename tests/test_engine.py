@@ -274,8 +274,9 @@ def test_plans_are_slotted_and_share_equal_notes():
 
 
 def test_applied_rewrite_factory_makes_the_dataclass_entry() -> None:
-    """The engine's fast constructor of report entries sets every field (one added to the
-    dataclass and not to the factory fails here) and makes the same frozen object."""
+    """The fast constructor of report entries (RewriteLog reads its rewrites back through it, and
+    makes its whole rows with it) sets every field (one added to the dataclass and not to the
+    factory fails here) and makes the same frozen object."""
     from onnx_qrewrite.rewriter.report import AppliedRewrite, applied_rewrite
 
     values = ("r", "n", "Op", "d", "main", ("a", "b"), ("Mul",), ("note",), "bounded", 0.5, "f")

@@ -74,3 +74,24 @@ def test_the_walk_for_matching_builds_the_same_index_as_a_look_up_does():
     for field in ("hashes", "owners", "heads", "node_names"):
         assert getattr(walked, field).tolist() == getattr(alone, field).tolist(), field
     assert walked.unique == alone.unique
+
+
+def test_a_noted_writer_is_the_answer_only_where_the_index_would_give_it():
+    """Scope.note_producer (matching notes each candidate as it reads it) answers later look-ups
+    of its outputs without the index, in an SSA list; where a name is written twice it is not
+    remembered (the last writer, which the index gives, may be another node)."""
+    model = _ssa_model(3000)
+    scope = iter_scopes(model, op_codes=True)[0]
+    nodes = model.graph.node
+    for k in range(0, 3000, 7):
+        node = nodes[k]
+        scope.note_producer(node, node.output[:])
+        for out in node.output:
+            if out:
+                assert out in scope._producers.recent and scope.producer(out) == node
+    graph = model.graph
+    graph.node.append(helper.make_node("Relu", ["x"], [graph.node[5].output[0]], name="again"))
+    scope = iter_scopes(model, op_codes=True)[0]
+    assert not scope._producers.unique
+    scope.note_producer(graph.node[5], graph.node[5].output[:])
+    assert scope._producers.recent == {} and scope.producer(graph.node[5].output[0]) == graph.node[-1]

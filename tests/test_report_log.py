@@ -90,3 +90,20 @@ def test_kinds_read_as_the_rewrites_do():
         got = [tuple(getattr(k, f) for f in fields) for k in rewrite_kinds(log)]
         assert got == [tuple(getattr(r, f) for f in fields) for r in log]
     assert list(rewrite_kinds(rows)) == rows
+
+
+def test_add_of_the_fields_is_append_of_the_rewrite():
+    """The engine appends fields (RewriteLog.add), not objects: the same rows, field for field
+    and type for type, whole rows made from the fields included."""
+    import dataclasses
+
+    rows = _rows()
+    added = RewriteLog()
+    for r in rows:
+        added.add(*(getattr(r, f.name) for f in dataclasses.fields(AppliedRewrite)))
+    assert added == RewriteLog(rows) == rows
+    for got, want in zip(added, rows, strict=True):
+        assert type(got) is AppliedRewrite
+        for field in AppliedRewrite.__dataclass_fields__:
+            a, b = getattr(got, field), getattr(want, field)
+            assert a == b and type(a) is type(b), field

@@ -42,7 +42,7 @@ from onnx_qrewrite.rewriter.builders._stamp import Template
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT, EXACTNESS
 from onnx_qrewrite.rewriter.graph import NameAllocator, Scope, iter_scopes, subgraphs
-from onnx_qrewrite.rewriter.report import RewriteReport, Unlowered, applied_rewrite, count_ops, op_key, rewrite_kinds
+from onnx_qrewrite.rewriter.report import RewriteReport, Unlowered, count_ops, op_key, rewrite_kinds
 
 __all__ = ["DEFAULT_ALLOW", "EngineOptions", "run"]
 
@@ -270,6 +270,8 @@ def _match(
             if not candidates:
                 continue
             site = Site(node, scope, same_shape_ops)
+            # The next candidates may read its outputs: they find it without the index.
+            scope.note_producer(node, site.outputs)
             reasons: list[str] = []
             # A standard-domain node every candidate declines as "not applicable" is fine as it is.
             quiet = key[0] in ("", "ai.onnx")
@@ -525,7 +527,8 @@ def _build_scope(
     bounded = _bounded_owners(container.node, made) if made is not None else frozenset()
     nodes = container.node
     cursor = 0  # the first node of the spooled list not yet written
-    builders, report, applied, progress = build.builders, build.report, build.applied, build.progress
+    builders, applied, progress = build.builders, build.applied, build.progress
+    add_rewrite = build.report.rewrites.add
     root_id = id(scope.root)
     # A named node's label (Site.label) in the main graph is its name, read here once for the
     # label, the provenance origin and the name prefix (each read out of protobuf is a new string).
@@ -565,21 +568,19 @@ def _build_scope(
         build.created_counts[created_ops] += 1
         if applied is not None:
             applied.append(_Applied(scope.path, name, rule.id, tuple(created_nodes), created_ops))
-        # In field order, without the frozen dataclass's __init__ (report.applied_rewrite).
-        report.rewrites.append(
-            applied_rewrite(
-                rule.id,
-                name if name and main else site.label,
-                op_type,
-                domain,
-                scope.path,
-                created_nodes,
-                created_ops,
-                plan.notes,
-                rule.exactness,
-                plan.bound,
-                plan.bound_formula,
-            )
+        # The fields, in order, without an AppliedRewrite (RewriteLog.add keeps most as a kind).
+        add_rewrite(
+            rule.id,
+            name if name and main else site.label,
+            op_type,
+            domain,
+            scope.path,
+            created_nodes,
+            created_ops,
+            plan.notes,
+            rule.exactness,
+            plan.bound,
+            plan.bound_formula,
         )
     if spool is not None:
         _spool_unchanged(spool, container, cursor, len(container.node))
@@ -598,8 +599,11 @@ class _Spooled(Mapping[int, bytes]):
         self._count = 0
 
     def add(self, index: int) -> None:
-        if index not in self:
-            self._bits[index >> 3] |= 1 << (index & 7)
+        """Note node ``index`` (one of the scope's: no type or range check, once per rewrite)."""
+        bit = 1 << (index & 7)
+        bits = self._bits
+        if not bits[index >> 3] & bit:
+            bits[index >> 3] |= bit
             self._count += 1
 
     def __contains__(self, index: object) -> bool:

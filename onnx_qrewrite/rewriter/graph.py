@@ -226,6 +226,22 @@ class _Producers:
         found = recent[name] = self._find(name, nodes)
         return found
 
+    def note(self, node: onnx.NodeProto, outputs: Sequence[str]) -> None:
+        """Remember ``node`` (of the list indexed) as the writer of each of its ``outputs``, when
+        no name is written twice (then it is the only writer: what :meth:`find` would confirm).
+        Matching reads its candidates in node order, and a candidate's inputs are often the
+        outputs of the candidate before it (a chain's MatMulInteger reads its quantizer's): so
+        they are found here instead of through the index, which makes the node's wrapper and
+        reads its outputs out of protobuf again."""
+        if not self.unique:
+            return
+        recent = self.recent
+        if len(recent) + len(outputs) > _RECENT:
+            recent.clear()
+        for out in outputs:
+            if out:
+                recent[out] = node
+
     def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
         if not name:  # an absent optional value is not indexed; without this, the confirm below
             return None  # finds a node with an absent output among the names sharing hash("")
@@ -467,6 +483,13 @@ class Scope:
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers
         return (producers if producers is not None else self._producer_index()).find(name, self.container.node)
+
+    def note_producer(self, node: onnx.NodeProto, outputs: Sequence[str]) -> None:
+        """``node``, one of this scope's nodes, writes ``outputs`` (its output names): remembered
+        for :meth:`producer` when the index is made already (:meth:`_Producers.note`)."""
+        producers = self._producers
+        if producers is not None:
+            producers.note(node, outputs)
 
     def initializer(self, name: str) -> onnx.TensorProto | None:
         """The initializer ``name`` visible here (own graph or an outer one), if any."""

@@ -128,10 +128,11 @@ def applied_rewrite(
     bound_formula: str | None,
 ) -> AppliedRewrite:
     """``AppliedRewrite(...)`` with every field given, in field order: the same object, made at
-    about 60% of the cost. The engine makes one per rewrite (40k on a 100k-node chain), and a
-    frozen dataclass's ``__init__`` sets each field through ``object.__setattr__`` (a look-up of
-    the attribute's descriptor on the class per field); this calls each field's slot descriptor
-    directly. ``tests/test_engine.py`` checks it against the dataclass's own ``__init__``."""
+    about 60% of the cost. :class:`RewriteLog` makes one per rewrite it reads back (40k on a
+    100k-node chain's report), and a frozen dataclass's ``__init__`` sets each field through
+    ``object.__setattr__`` (a look-up of the attribute's descriptor on the class per field); this
+    calls each field's slot descriptor directly. ``tests/test_engine.py`` checks it against the
+    dataclass's own ``__init__``."""
     entry = _NEW(AppliedRewrite)
     _SET_RULE(entry, rule)
     _SET_NODE(entry, node)
@@ -180,23 +181,59 @@ class RewriteLog(Sequence[AppliedRewrite]):
 
     def append(self, rewrite: AppliedRewrite) -> None:
         r = rewrite
-        created = r.created_nodes
-        bound = r.bound
+        self.add(
+            r.rule,
+            r.node,
+            r.op_type,
+            r.domain,
+            r.scope,
+            r.created_nodes,
+            r.created_ops,
+            r.notes,
+            r.exactness,
+            r.bound,
+            r.bound_formula,
+            r,
+        )
+
+    def add(
+        self,
+        rule: str,
+        node: str,
+        op_type: str,
+        domain: str,
+        scope: str,
+        created_nodes: Sequence[str],
+        created_ops: tuple[str, ...],
+        notes: tuple[str, ...],
+        exactness: str,
+        bound: float | None,
+        bound_formula: str | None,
+        rewrite: AppliedRewrite | None = None,
+    ) -> None:
+        """Append the rewrite with these fields (:class:`AppliedRewrite`'s, in order; ``rewrite``:
+        that object, when the caller has one). The engine appends its 40k rewrites of a 100k-node
+        chain this way: most are kept as a kind and two names, so no object is made for them."""
+        created = created_nodes
         if type(created) is not CreatedNames or created._exceptions or type(bound) not in (float, type(None)):
-            self._whole[len(self._kind_ids)] = r
+            if rewrite is None:
+                rewrite = applied_rewrite(
+                    rule, node, op_type, domain, scope, created, created_ops, notes, exactness, bound, bound_formula
+                )
+            self._whole[len(self._kind_ids)] = rewrite
             self._kind_ids.append(self._WHOLE)
             self._ends.extend((len(self._text), len(self._text)))
             self._bounds.append(0.0)
             return
-        key: tuple[Any, ...] = (r.rule, r.op_type, r.domain, r.scope, created._hints, r.created_ops, r.notes)
-        key += (r.exactness, r.bound_formula, bound is None)
+        key: tuple[Any, ...] = (rule, op_type, domain, scope, created._hints, created_ops, notes)
+        key += (exactness, bound_formula, bound is None)
         kind = self._kinds_of.get(key)
         if kind is None:
             kind = self._kinds_of[key] = len(self._kinds)
             self._kinds.append(key)
-            self._kind_views.append(RewriteKind(r.rule, r.op_type, r.domain, r.scope, r.exactness, r.bound_formula))
+            self._kind_views.append(RewriteKind(rule, op_type, domain, scope, exactness, bound_formula))
         text = self._text
-        text += r.node.encode("utf-8", "surrogatepass")
+        text += node.encode("utf-8", "surrogatepass")
         self._ends.append(len(text))
         text += created._prefix.encode("utf-8", "surrogatepass")
         self._ends.append(len(text))

@@ -75,7 +75,8 @@ def value_shape(
     current: Scope | None = scope
     while current is not None:
         producer = current.producer(name)
-        if producer is not None and producer.op_type == "Constant" and producer.domain in ("", "ai.onnx"):
+        op = producer.op_type if producer is not None else ""  # read once: each read is a new string
+        if op == "Constant" and producer is not None and producer.domain in ("", "ai.onnx"):
             for attr in producer.attribute:
                 if attr.name == "value":
                     return tuple(attr.t.dims)
@@ -87,7 +88,7 @@ def value_shape(
         if recorded.get(name) is not None:
             return recorded[name]
         if producer is not None:
-            same_shape = producer.op_type in STANDARD_SAME_SHAPE_OPS or producer.op_type in same_shape_ops
+            same_shape = op in STANDARD_SAME_SHAPE_OPS or op in same_shape_ops
             if same_shape and producer.input and _depth < 16:
                 return value_shape(current, producer.input[0], same_shape_ops, _depth + 1)
             return None
