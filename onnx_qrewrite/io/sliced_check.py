@@ -40,6 +40,7 @@ onnx's checker on the whole model.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -110,7 +111,7 @@ def proven_valid(data: bytes, check: Callable[[bytes], None], slice_nodes: int =
         return False  # one slice would be the whole graph
     if (len(layout.head) + _size(layout.rest)) * len(layout.slices) > max(len(data) // 4, SHARED_BYTES):
         return False  # what every slice copies (initializers above all) would cost more than it saves
-    if any(_op_field(op) in data for op in EXPERIMENTAL_OPS):
+    if _experimental_fields().search(data) is not None:
         return False  # a warning onnx prints per check
     import numpy as np
 
@@ -224,6 +225,14 @@ def _size(spans: Sequence[Span]) -> int:
 def _joined(data: bytes, spans: Sequence[Span]) -> bytes:
     """The bytes of ``spans`` of ``data``, in order."""
     return b"".join(data[a:b] for a, b in spans)
+
+
+@functools.lru_cache(maxsize=1)
+def _experimental_fields() -> re.Pattern[bytes]:
+    """A search for the op_type field of any of :data:`EXPERIMENTAL_OPS`: one pass over the bytes,
+    where a substring search per op was 13 (their fields all start with the same tag byte, which
+    the regex engine scans for; 4x less CPU on the 100k-node chain)."""
+    return re.compile(b"|".join(re.escape(_op_field(op)) for op in EXPERIMENTAL_OPS))
 
 
 def _op_field(op_type: str) -> bytes:
