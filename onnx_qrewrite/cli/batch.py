@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import EXIT_INTERNAL, QRewriteError
 
 __all__ = ["Outcome", "guarded", "how_it_died", "run_tasks"]
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 _STOP_GRACE = 10.0
 
 
-@dataclasses.dataclass
+@dataclass
 class Outcome:
     """What one model's task produced."""
 
@@ -131,7 +132,7 @@ def _worker_main(conn: multiprocessing.connection.Connection, task: Callable[[An
         os._exit(143)
 
 
-@dataclasses.dataclass
+@dataclass
 class _Worker:
     process: Any
     conn: multiprocessing.connection.Connection

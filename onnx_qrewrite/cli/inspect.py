@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.cli.options import (
     expand_forms,
     float16_semantics_option,
@@ -44,7 +45,7 @@ def _is_quantization_op(node: onnx.NodeProto) -> bool:
     return node.op_type in OTHER_QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
 
 
-@dataclasses.dataclass
+@dataclass
 class QuantNode:
     """One quantization-related node and what a rewrite does with it."""
 
@@ -64,7 +65,7 @@ class QuantNode:
         return "CANNOT LOWER" if self.reasons else "-"
 
 
-@dataclasses.dataclass
+@dataclass
 class InspectReport:
     model: str
     ir_version: int

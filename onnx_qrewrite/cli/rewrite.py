@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.cli.batch import Outcome, run_tasks
 from onnx_qrewrite.cli.options import (
     check_report_paths,
@@ -32,7 +32,7 @@ from onnx_qrewrite.rewriter.report import write_report_file
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Task:
     """Everything a worker needs for one model (picklable)."""
 

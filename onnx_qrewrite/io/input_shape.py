@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 
 __all__ = ["InputShapes", "parse_input_shape", "parse_input_shapes"]
@@ -27,7 +28,7 @@ def parse_input_shape(text: str) -> tuple[str, tuple[int, ...]]:
     return name, shape
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class InputShapes:
     """What ``--input-shape`` gives: shapes by input name, and values by symbolic dimension name."""
 

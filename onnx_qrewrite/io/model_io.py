@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import BinaryIO
 from google.protobuf.message import DecodeError
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InvalidModelError, QRewriteError, UsageError, first_line
 from onnx_qrewrite.io import outputs
 from onnx_qrewrite.io.encoded import EncodedModel, skeleton_of, to_bytes, to_chunks
@@ -58,7 +58,7 @@ _ALIGN = 64
 _CHUNK = 64 * 2**20
 
 
-@dataclasses.dataclass
+@dataclass
 class LoadedModel:
     """A model parsed from the bytes of one read, with its external data opened and checked."""
 
@@ -348,7 +348,7 @@ def _copy_range(src_fd: int, dst, offset: int, length: int) -> None:
         remaining -= len(chunk)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class SaveInfo:
     path: Path
     data_path: Path | None  # the external data file written, if any
@@ -427,7 +427,7 @@ def save_model(
     return SaveInfo(out, data_path, tuple(sorted(referenced)), written)
 
 
-@dataclasses.dataclass
+@dataclass
 class _SaveFiles:
     """What an unfinished save has made (removed by :meth:`discard` unless committed)."""
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.rewriter.builders import Builder, builder_names, contract_of, get_builder
 from onnx_qrewrite.rewriter.contract import EXACTNESS, Contract, closest
@@ -69,7 +70,7 @@ ANY_DOMAIN = "*"
 _STANDARD_DOMAINS = ("", "ai.onnx")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class OpRef:
     domain: str
     op: str
@@ -85,7 +86,7 @@ class OpRef:
         return f"{self.domain or 'ai.onnx'}::{self.op}" if self.domain != ANY_DOMAIN else f"*::{self.op}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Rule:
     id: str
     summary: str

@@ -28,9 +28,10 @@ Exactness levels, each rule declares one and it must be the builder's:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
+
+from onnx_qrewrite._dataclass import dataclass
 
 __all__ = [
     "APPROXIMATE",
@@ -76,7 +77,7 @@ REQUIRED: Any = type("Required", (), {"__repr__": lambda self: "REQUIRED"})()
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Option:
     """One option a builder takes from its rules."""
 
@@ -158,7 +159,7 @@ input 2 else uint8'.
 """
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Alternative:
     kind: str  # "type", "input", "attribute" or "option"
     value: str | int
@@ -233,7 +234,7 @@ def resolve_output_type(
     return None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Contract:
     """What a builder promises; see the module docstring."""
 

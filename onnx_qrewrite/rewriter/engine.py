@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InternalError, InvalidModelError, LoweringError, UsageError
 from onnx_qrewrite.io._protowire import NODE_INPUT, encode_metadata, encode_node_chunks, frame_nodes, replace_nodes
 from onnx_qrewrite.io._wire import length_prefixed
@@ -55,7 +56,7 @@ DEFAULT_ALLOW: frozenset[str] = frozenset({EXACT, BOUNDED})
 _CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class EngineOptions:
     #: Raise the model's default-domain opset to this before rewriting (never lowers it).
     target_opset: int | None = None
@@ -103,7 +104,7 @@ _PLAN_MIN_OPSET = operator.attrgetter("plan.min_opset")
 _PLAN_REMOVES = operator.attrgetter("plan.remove_if_dead")
 
 
-@dataclasses.dataclass(slots=True)
+@dataclass(slots=True)
 class _Match:
     """Which rule rewrites the node at ``index`` of a scope, and its plan. Not the node's Site: the
     matches wait for their builds all together, and 40k Sites with the node's wrapper and its
@@ -167,7 +168,7 @@ def _check(rule: Rule, builder: Any, site: Site) -> Plan:
     return plan
 
 
-@dataclasses.dataclass
+@dataclass
 class _Pending:
     """A node whose first applicable rule removes it if it is dead (``Plan.remove_if_dead``): decided
     once the whole scope is matched; if something still reads it, its remaining rules are tried."""
@@ -449,7 +450,7 @@ def _apply(
         return delta, _assemble(model, scopes, build, built, pools, keep_main_encoded, spool)
 
 
-@dataclasses.dataclass(slots=True)
+@dataclass(slots=True)
 class _Build:
     """What building the replacements shares across scopes (see :func:`_apply`)."""
 
@@ -780,7 +781,7 @@ def _spool_unchanged(spool: Spool, container: onnx.GraphProto | onnx.FunctionPro
         spool.write(frame_nodes(container, [n.SerializeToString() for n in run]))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Applied:
     """One rewrite of a pass: what a later pass needs to know of it."""
 

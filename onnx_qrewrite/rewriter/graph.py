@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InvalidModelError
 
 if TYPE_CHECKING:
@@ -270,7 +271,7 @@ class _Producers:
 _RECENT = 64
 
 
-@dataclasses.dataclass(eq=False)
+@dataclass(eq=False)
 class Scope:
     """One node list and the values visible from it.
 

@@ -9,17 +9,17 @@ imports the package's ``__init__``, i.e. the target profiles, the planner and th
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InternalError
 from onnx_qrewrite.rewriter.opset_tables import opset_table
 
 __all__ = ["IrAddition", "ir_additions", "ir_with_field"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class IrAddition:
     """What one IR version added that a model can use."""
 

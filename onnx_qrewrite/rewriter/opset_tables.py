@@ -9,15 +9,16 @@ a plain rewrite reads the IR table through it (``rewriter/ir_table.py`` says why
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from onnx_qrewrite._dataclass import dataclass
+
 __all__ = ["OpsetTable", "opset_table"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class OpsetTable:
     """One table as read: where it is (for messages), its rows by table name, its sources' ids."""
 

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.io.outputs import write_report_file
 from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 
@@ -75,7 +76,7 @@ class CreatedNames(Sequence[str]):
         return repr(tuple(self))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class AppliedRewrite:
     """One node replaced by one rule (slotted: a large model's report holds one per rewrite)."""
 
@@ -308,7 +309,7 @@ class RewriteLog(Sequence[AppliedRewrite]):
         return (RewriteLog, (list(self),))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class RewriteKind:
     """The fields :meth:`RewriteLog.kinds` reads: those of an :class:`AppliedRewrite` its kind shares."""
 
@@ -325,7 +326,7 @@ def rewrite_kinds(rewrites: Sequence[AppliedRewrite]) -> Iterator[RewriteKind | 
     return rewrites.kinds() if isinstance(rewrites, RewriteLog) else iter(rewrites)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Unlowered:
     """A node some rule matched by op but none could rewrite; kept only with ``allow_unlowered``."""
 
@@ -336,7 +337,7 @@ class Unlowered:
     reasons: tuple[str, ...]  # "rule-id: why it did not apply", one per candidate rule
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class OpsetChange:
     domain: str
     before: int | None
@@ -360,7 +361,7 @@ def count_ops(model: onnx.ModelProto) -> collections.Counter[str]:
     return counts
 
 
-@dataclasses.dataclass
+@dataclass
 class RewriteReport:
     rewrites: RewriteLog = dataclasses.field(default_factory=RewriteLog)
     unlowered: list[Unlowered] = dataclasses.field(default_factory=list)

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Collection
 from typing import Any
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
 from onnx_qrewrite.targets.check import Refused
 from onnx_qrewrite.targets.profile import TargetProfile
@@ -66,7 +67,7 @@ def assemble(
     return plan
 
 
-@dataclasses.dataclass
+@dataclass
 class _Account:
     """What the account of each node the target refuses reads: the plan's first stage (its chosen
     state, the nodes it weighed, its form trials and the reasons rules gave), the rules, and per

@@ -11,7 +11,6 @@ provenance metadata (:mod:`onnx_qrewrite.rewriter.provenance`, compact or full);
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from fractions import Fraction
 from math import gcd
@@ -19,6 +18,7 @@ from math import gcd
 import numpy as np
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, iter_scopes, known_shape
 from onnx_qrewrite.targets.profile import Refusal, TargetProfile
 from onnx_qrewrite.targets.shapes import contrib_rank
@@ -29,7 +29,7 @@ _STANDARD = ("", "ai.onnx")
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Refused:
     """One node the target refuses (``node == "(model)"`` for a model-wide reason)."""
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import onnx
 from onnx import defs
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InternalError, LoweringError
 from onnx_qrewrite.rewriter.graph import Scope, iter_scopes
 from onnx_qrewrite.rewriter.opset_tables import opset_table
@@ -52,7 +53,7 @@ __all__ = [
 _EXACT = ("when-valid", "never", "absent")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class OpChange:
     """What changed in one op between a step's two opsets, and whether a node of it lowers exactly."""
 
@@ -64,7 +65,7 @@ class OpChange:
     differs_if_type: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class LoweringStep:
     """One opset step down (``source`` -> ``target``), with every op that changed at ``source``."""
 

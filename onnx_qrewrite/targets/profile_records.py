@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from onnx_qrewrite._dataclass import dataclass
+
 __all__ = [
     "FormRequest",
     "OpSupport",
@@ -24,14 +26,14 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Source:
     id: str
     document: str
     version: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class OpSupport:
     """The target runs ``domain::op`` (at model opsets ``min_opset..max_opset``, on ``types``)."""
 
@@ -44,7 +46,7 @@ class OpSupport:
     note: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Refusal:
     """A node the target refuses although an ``[[ops]]`` table lists its op."""
 
@@ -63,7 +65,7 @@ class Refusal:
     through_static: tuple[tuple[str, int], ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Quantization:
     source: str
     types: frozenset[str] | None = None
@@ -74,7 +76,7 @@ class Quantization:
     blocked: bool = True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class FormRequest:
     """A named form (``rules/forms/<name>.toml``) the target may need, and its consent: rules of
     the form less exact than ``allow`` are not used for the target."""
@@ -108,7 +110,7 @@ class FormRequest:
         return rules
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ProfileRuleOptions:
     """Options of one catalogue rule for this target (``[[rewrites.options]]``): the rule still
     applies, with these options, e.g. qop-matmul declining where its reduction length is not
@@ -124,7 +126,7 @@ class ProfileRuleOptions:
         return ", ".join(f"{key} = {value!r}" for key, value in self.options.items())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class TargetProfile:
     id: str
     title: str

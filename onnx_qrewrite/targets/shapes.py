@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import numpy as np
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.io.input_shape import InputShapes, parse_input_shapes  # verify's parser too
 
@@ -299,7 +300,7 @@ _FOLDED_OPS = frozenset(
 )
 
 
-@dataclasses.dataclass
+@dataclass
 class _State:
     added: list[str] = dataclasses.field(default_factory=list)
     folded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -511,7 +512,7 @@ def record_shapes(model: onnx.ModelProto) -> list[str]:
     return state.added
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Applied:
     """What :func:`apply_input_shapes` did: the dimensions fixed, in words, and the value_info
     entries it added (names), which a writer drops again: the output keeps only the fixed dims."""

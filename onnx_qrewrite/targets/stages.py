@@ -12,6 +12,7 @@ from typing import Any
 
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule
 from onnx_qrewrite.rewriter.graph import iter_scopes
 from onnx_qrewrite.targets.check import Refused, node_label
@@ -39,7 +40,7 @@ def _rewrite(model: onnx.ModelProto, catalogue: Catalogue, external: Any, option
     return to_proto(out), report, options
 
 
-@dataclasses.dataclass
+@dataclass
 class Node:
     """One node of the input model, as the engine (``key``, ``site``) and the check (``label``)
     name it, with the choices the plan weighs for it."""
@@ -110,7 +111,7 @@ def _refused_outputs(scope: Any, refused: set[tuple[str, str]]) -> set[str]:
 MAX_STAGES = 3
 
 
-@dataclasses.dataclass
+@dataclass
 class State:
     """One rewrite tried: the model after its last stage, each stage's report and engine options
     (the first stage's node choice, then the later stages the plan chose on top of it), and what
@@ -175,7 +176,7 @@ def _preference(choice: str | None, left: int, rank: int, order: int) -> tuple[i
     return (1, left, 0 if choice is None else 1, rank, order)
 
 
-@dataclasses.dataclass
+@dataclass
 class Context:
     """What every stage of one plan shares."""
 
@@ -205,7 +206,7 @@ class Context:
     follows: dict[tuple[int, bytes], State] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass
+@dataclass
 class Stage:
     state: State
     nodes: list[Node]

@@ -9,6 +9,7 @@ from typing import Any
 
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.catalogue import Catalogue
 from onnx_qrewrite.targets.check import Refused
 
@@ -20,7 +21,7 @@ __all__ = ["PLAN_FORMAT", "NodeVerdict", "TargetPlan"]
 PLAN_FORMAT = 2
 
 
-@dataclasses.dataclass
+@dataclass
 class NodeVerdict:
     """One node of the original model that the target refuses, or that a rewrite would change
     into something the target refuses."""
@@ -58,7 +59,7 @@ class NodeVerdict:
         return "fixed by the rewrite" if self.rule or self.reasons else "accepted"
 
 
-@dataclasses.dataclass
+@dataclass
 class TargetPlan:
     model: str
     target: str

@@ -30,6 +30,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.rewriter.builders import Emitter
 from onnx_qrewrite.verify import element_bounds, probe, reanchor
@@ -42,7 +43,7 @@ from onnx_qrewrite.verify.session import ModelRunner
 __all__ = ["BoundedRewrite", "UncheckedBound", "bounded_rewrites", "check_bounds", "unchecked_bounds"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class BoundedRewrite:
     """The nodes that replaced one original node under a bounded rule."""
 
@@ -91,7 +92,7 @@ class BoundedRewrite:
         return self.bound + self.per_unit * largest
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class UncheckedBound:
     """A bounded replacement whose bound is recorded but cannot be checked at its node: a later
     rewrite (a target plan's later stage, which continues the replacement's provenance) left it
@@ -249,7 +250,7 @@ def _constants(original: onnx.ModelProto, names: set[str]) -> dict[str, np.ndarr
 _Judge = Callable[[Any], ValueComparison]
 
 
-@dataclasses.dataclass
+@dataclass
 class _Reads:
     """What the per-element bounds read: each formula rewrite's original node, the names of that
     node's inputs its formula reads, and those of them that are constants of the original."""
@@ -445,7 +446,7 @@ def _original_runs(original: onnx.ModelProto, samples: Sequence[Sample], anchore
     return runs
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Case:
     """One output of one bounded replacement on one sample: what judging it needs besides the values."""
 

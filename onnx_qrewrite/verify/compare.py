@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.io.elem_types import ml_dtypes_named
 from onnx_qrewrite.verify.drift import Drift, DriftThreshold, measure_drift, merge_drifts
@@ -82,7 +83,7 @@ def is_integer_dtype(dtype: np.dtype) -> bool:
     return dtype.kind in "iub" or dtype in ml_dtypes_named(_INTEGER_EXTRA)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Tolerance:
     """The tolerance applied to one value; ``atol``/``rtol`` for floats, ``lsb`` for integers."""
 
@@ -103,7 +104,7 @@ class Tolerance:
         return f"atol {self.atol:g}{joiner}rtol {self.rtol:g}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Tolerances:
     """What the user asked for: defaults (``None``: by dtype) and per-output overrides."""
 
@@ -186,7 +187,7 @@ class Undefined(NamedTuple):
 UndefinedLookup = Callable[[str, str, tuple[int, ...]], Undefined | None]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Worst:
     """The element with the largest absolute error."""
 
@@ -198,7 +199,7 @@ class Worst:
     rel_error: float
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ValueComparison:
     """How one value (an output, or an intermediate during localisation) compares, over samples."""
 

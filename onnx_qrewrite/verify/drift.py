@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 
 #: ``onnx.AttributeProto.GRAPH`` (this module does not import onnx).
@@ -65,7 +66,7 @@ DEFAULT_ARGMAX = 0.8
 DRIFT_MODES = ("auto", "always", "never")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class DriftThreshold:
     """The thresholds applied to one value."""
 
@@ -88,7 +89,7 @@ def _check(value: float, option: str, text: str, at_most_one: bool) -> float:
     return value
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class DriftThresholds:
     """What the user asked for: when to judge by drift, defaults and per-output overrides."""
 
@@ -161,7 +162,7 @@ def is_classifier_shaped(dtype: np.dtype, shape: Sequence[int]) -> bool:
     return floating and len(shape) >= 2 and shape[-1] > 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Drift:
     """Drift of one value over one or more samples."""
 
@@ -299,7 +300,7 @@ def merge_drifts(parts: Sequence[Drift]) -> Drift:
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class DriftDecision:
     """Whether the outputs are judged by drift, and why (as the report states it)."""
 

@@ -15,11 +15,12 @@ main-graph nodes are checked (what a session can expose as outputs).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from onnx_qrewrite._dataclass import dataclass
 
 if TYPE_CHECKING:
     import onnx
@@ -45,7 +46,7 @@ NAN_DETERMINISTIC_BELOW: Mapping[tuple[str, str], tuple[int, str]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Hazard:
     """A NaN that reached a node whose kernel is not deterministic on it, on one sample."""
 

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.io.elem_types import ml_dtypes_named, np_dtype, type_name
 from onnx_qrewrite.io.input_shape import parse_input_shape
@@ -126,7 +127,7 @@ _INT_TYPES = (
 _BIT_PATTERN_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class InputSpec:
     """A model input as declared: element type and dimensions (int, symbol name or None)."""
 
@@ -143,7 +144,7 @@ class InputSpec:
         return type_name(self.elem_type).lower()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Sample:
     """One set of input values, named so reports can say which one failed."""
 
@@ -151,7 +152,7 @@ class Sample:
     feeds: Mapping[str, np.ndarray]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ValueRange:
     """The values one input is generated in, and why (shown in the report)."""
 
@@ -160,7 +161,7 @@ class ValueRange:
     why: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class GenerationOptions:
     """How inputs are generated when none are given.
 

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InvalidModelError, first_line
 from onnx_qrewrite.rewriter import provenance
 from onnx_qrewrite.verify.compare import Tolerances, UndefinedLookup, ValueComparison, compare_values
@@ -46,7 +47,7 @@ RULE_KEY = provenance.RULE_KEY
 ORIGIN_KEY = provenance.ORIGIN_KEY
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Localization:
     """Where the rewritten model first departs from the original, on one sample."""
 
@@ -200,7 +201,7 @@ def _run_exposed(
     return expected, actual
 
 
-@dataclasses.dataclass
+@dataclass
 class _Walk:
     """The walk over the shared values so far: how many were compared (and which), and the values
     another runtime did not return as onnxruntime types them (skipped, not compared)."""

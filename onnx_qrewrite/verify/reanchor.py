@@ -40,6 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.verify.compare import (
     Tolerances,
     UndefinedLookup,
@@ -96,7 +97,7 @@ def cut_at(original: onnx.ModelProto, anchors: Mapping[str, np.dtype]) -> onnx.M
     return copy
 
 
-@dataclasses.dataclass
+@dataclass
 class Anchored:
     """Per sample: the rewritten model's values at the anchors and its comparisons with the cut
     original (output name -> one comparison per sample, as :func:`.judge.run_samples`)."""

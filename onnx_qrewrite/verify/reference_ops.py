@@ -28,7 +28,6 @@ was run):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import VERIFY_EXTRA, InvalidModelError, MissingDependencyError
 from onnx_qrewrite.rewriter.graph import NameAllocator, iter_scopes, subgraphs
 from onnx_qrewrite.verify import _kernel_errors, kernels
@@ -92,7 +92,7 @@ def _boundary_type(elem_type: int) -> int:
     return TensorProto.FLOAT if elem_type in _NARROW_FLOATS else elem_type
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Variant:
     """One registered Python op: a numpy kernel at fixed input and output dtypes."""
 

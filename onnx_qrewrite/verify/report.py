@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.io.outputs import write_report_file
 from onnx_qrewrite.verify.compare import DEFAULT_FLOAT_TOLERANCES, ROLES, Tolerances, ValueComparison
 from onnx_qrewrite.verify.drift import Drift, DriftDecision, DriftThresholds
@@ -69,7 +70,7 @@ _U8S8_LINE = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class VerifySettings:
     """Everything that decided the verdict besides the models themselves."""
 
@@ -91,7 +92,7 @@ class VerifySettings:
     anchors: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class VerifyReport:
     """The verdict, per-output statistics, the inputs used and, on failure, the first bad node."""
 

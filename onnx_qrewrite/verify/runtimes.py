@@ -28,7 +28,6 @@ fail, not hide. ``--atol``/``--rtol`` override them.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from onnx_qrewrite._dataclass import dataclass
 
 if TYPE_CHECKING:
     import onnx
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class RuntimeSpec:
     module: str  # what must import
     distribution: str  # what pip installs
@@ -105,7 +106,7 @@ def tflite_python() -> str:
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class RuntimeInfo:
     """What ran the rewritten model, as the report states it."""
 

@@ -12,7 +12,6 @@ passed as OrtValues built from bit patterns and read back from raw memory.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import logging
 import os
 import sys
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InvalidModelError, UsageError, first_line
 from onnx_qrewrite.io.elem_types import np_dtype, type_name
 from onnx_qrewrite.verify import _kernel_errors
@@ -57,7 +57,7 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class SessionSettings:
     """What both sessions share (``custom_op_library`` is registered for the original only).
 

@@ -34,13 +34,13 @@ original, with it exposed, per sample; only for such models).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.verify.compare import Undefined
 from onnx_qrewrite.verify.inputs import Sample
 from onnx_qrewrite.verify.localize import with_outputs
@@ -75,7 +75,7 @@ def _element_for_element(node: onnx.NodeProto, reached: Iterable[str]) -> bool:
     return not blocked and set(reached) == {node.input[0]}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Source:
     """A GroupQueryAttention node's output_qk: the names of its seqlens_k and total_sequence_length
     inputs, and the node's label."""
@@ -85,7 +85,7 @@ class _Source:
     node: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Reach:
     """How a value reads a source: element for element (``via`` None), or through ``via`` (an op
     and node that does not compute element for element), which makes it not comparable."""
@@ -94,7 +94,7 @@ class _Reach:
     via: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class UndefinedElements:
     """The values with undefined elements and, per sample name, the seqlens_k and
     total_sequence_length values that say which; called as an :data:`~.compare.UndefinedLookup`."""

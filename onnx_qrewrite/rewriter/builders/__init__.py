@@ -38,6 +38,7 @@ import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, MODULES
 from onnx_qrewrite.rewriter.contract import Contract
 
@@ -74,7 +75,7 @@ _NOTES_MAX = 4096
 _NOTES: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class Plan:
     """What a builder needs to rewrite one node.
 

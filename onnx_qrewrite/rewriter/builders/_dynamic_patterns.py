@@ -22,13 +22,13 @@ broadcast is not per tensor or per output column/channel.
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.builders import NotApplicable
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name
 
@@ -55,7 +55,7 @@ _WEIGHT_TYPES: dict[int, str] = {_T.UINT8: "uint8", _T.INT8: "int8"}
 CHAIN_OPS = frozenset({"DynamicQuantizeLinear", "MatMulInteger", "ConvInteger", "Cast", "Mul", "Gather"})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Weights:
     """A constant quantized weight and how DequantizeLinear reads it."""
 
@@ -70,7 +70,7 @@ class Weights:
     zero_point_name: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class Anchor:
     """The last node of a matched pattern and what its rewrite needs."""
 
@@ -87,7 +87,7 @@ class Anchor:
     activation: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass
+@dataclass
 class Analysis:
     """One scope's patterns: anchors by their first output (or why a candidate is not one), and
     the first outputs of every node some anchor's pattern contains."""

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.builders import NoMatch, Plan
 from onnx_qrewrite.rewriter.builders._emit import Site, no_unknown_attributes
 
@@ -152,7 +153,7 @@ def _roles(inputs: tuple[str, ...], outputs: tuple[str, ...]) -> dict[str, Role]
     return roles
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True)
 class _Slot:
     """A name in a recorded argument, by role."""
 
@@ -341,7 +342,7 @@ def structure_of(site: Site) -> Hashable:
 _Entry = tuple[Any, tuple[Any, ...], tuple[tuple[int, bool, int], ...], int, Hashable, Any]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclass(slots=True)
 class _Trace:
     """One recorded check of a head: its questions and their answers, and the outcome.
 

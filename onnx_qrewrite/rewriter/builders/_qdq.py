@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Site
 from onnx_qrewrite.rewriter.builders._emit import no_unknown_attributes
 from onnx_qrewrite.rewriter.graph import Scope, dtype_name, known_shape
@@ -104,7 +105,7 @@ def normalized_axis(axis: int, rank: int, site: Site) -> int:
     return axis % rank
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class QDQNode:
     """A vendor quantize or dequantize node as its kernel sees it."""
 

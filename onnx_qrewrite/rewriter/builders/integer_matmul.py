@@ -44,7 +44,6 @@ excess.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import INTEGER_RANGES
@@ -88,7 +88,7 @@ def float32_sum_bound(k: int, total: float) -> float:
 _COMPUTED = -1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Operand:
     """One integer operand of the product: where its value and zero point are among the node's
     inputs, and what is known about them. Positions, not names: a plan holds no name of its node,
@@ -137,7 +137,7 @@ class _Operand:
         return int(max(np.max(np.abs(lo - zps)), np.max(np.abs(hi - zps))))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Read:
     conv: bool
     a: _Operand

@@ -36,7 +36,6 @@ A ``bias`` becomes an ``Add`` after the MatMul. The weights stay quantized in th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +43,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
@@ -78,7 +78,7 @@ def pack(values: np.ndarray, bits: int) -> np.ndarray:
     return np.bitwise_or.reduce(grouped << (bits * np.arange(per_byte, dtype=np.uint8)), axis=-1).astype(np.uint8)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Read:
     """One MatMulNBits node as its kernel sees it (the constants unpacked)."""
 

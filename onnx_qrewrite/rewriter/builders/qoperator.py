@@ -50,7 +50,6 @@ parameters are computed at run time is left to the next rule with the reason.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,6 +57,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
@@ -90,7 +90,7 @@ def summation_error_bound(terms: int) -> float:
     return n / (1 - n) if n < 1 else math.inf
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Operand:
     """One quantized input (x, scale, zero point), by input index."""
 
@@ -99,7 +99,7 @@ class _Operand:
     zero_point: int
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Spec:
     """How one QOperator op is laid out and what it becomes."""
 
@@ -167,7 +167,7 @@ _ATTRIBUTES: dict[str, dict[str, Any]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Param:
     """A constant scale or zero point, with its name and value."""
 
