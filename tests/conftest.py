@@ -3,9 +3,13 @@ README in each folder for where they came from)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,12 @@ REAL_MODEL_NAMES = (
     "quark_cnn_op17_fp16",
 )
 SAMPLES = REPO / "sample_models"
+
+# The rule cache (onnx_qrewrite/rewriter/rule_cache.py) of this test run, in a folder of its own: the
+# tests, and the console scripts they start, read and write none of the user's cache.
+_RULE_CACHE = tempfile.mkdtemp(prefix="onnx-qrewrite-tests-cache-")
+os.environ["ONNX_QREWRITE_CACHE_DIR"] = _RULE_CACHE
+atexit.register(shutil.rmtree, _RULE_CACHE, True)
 
 
 def session(model: onnx.ModelProto | str | Path, *, opt: str = "disable", threads: int = 1) -> ort.InferenceSession:

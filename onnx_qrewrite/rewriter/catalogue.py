@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -335,8 +334,10 @@ def checked(rule: Rule) -> Rule:
     )
 
 
-def parse_rules(text: str, source: str) -> list[Rule]:
-    """Rules from TOML text; ``source`` names the file in error messages.
+def parse_rules(text: str, source: str, *, cache: bool = False) -> list[Rule]:
+    """Rules from TOML text; ``source`` names the file in error messages. ``cache``: the TOML's
+    values may come from, and go to, :mod:`~onnx_qrewrite.rewriter.rule_cache` (the shipped
+    files: the rules are the same either way, checked the same way).
 
     Remembered per text and source: one ``rewrite --target openvino`` of the sample MLP parsed 81
     rule files, 17 distinct (each target profile checks its rule ids against the named forms, each
@@ -349,7 +350,7 @@ def parse_rules(text: str, source: str) -> list[Rule]:
     remembered = _PARSED.get(key)
     if remembered is not None and all(contract_of(r.builder) is c for r, c in remembered):
         return [r for r, _ in remembered]
-    rules = _parse_rules(text, source)
+    rules = _parse_rules(text, source, cache)
     if len(_PARSED) >= _PARSED_MAX:
         _PARSED.clear()
     _PARSED[key] = [(r, contract_of(r.builder)) for r in rules]
@@ -361,13 +362,8 @@ _PARSED: dict[tuple[str, str], list[tuple[Rule, Contract | None]]] = {}
 _PARSED_MAX = 256  # distinct rule files: the shipped ones are about 30
 
 
-def _parse_rules(text: str, source: str) -> list[Rule]:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{source}: not valid TOML: {exc}") from None
-    except RecursionError:  # tomllib recurses once per nesting level
-        raise UsageError(f"{source}: not a rule file: arrays or tables nested too deeply") from None
+def _parse_rules(text: str, source: str, cache: bool) -> list[Rule]:
+    data = _toml(text, source, cache)
     problem = _unknown_keys(data, _FILE_KEYS, "top-level key")
     if problem:
         raise UsageError(f"{source}: {problem}")
@@ -378,6 +374,27 @@ def _parse_rules(text: str, source: str) -> list[Rule]:
     if not isinstance(raw_rules, list):
         raise UsageError(f"{source}: 'rule' must be an array of tables ([[rule]])")
     return [checked(_parse_rule(r, source, i)) for i, r in enumerate(raw_rules)]
+
+
+def _toml(text: str, source: str, cache: bool) -> dict[str, Any]:
+    """``tomllib.loads(text)``, from the rule cache when ``cache`` and it holds this very text
+    (imported only when parsing: the cache spares ``inspect`` both, see rule_cache.py)."""
+    from onnx_qrewrite.rewriter import rule_cache
+
+    data = rule_cache.load(text) if cache else None
+    if data is not None:
+        return data
+    import tomllib
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per nesting level
+        raise UsageError(f"{source}: not a rule file: arrays or tables nested too deeply") from None
+    if cache:
+        rule_cache.store(text, data)
+    return data
 
 
 def with_precedence(rules: list[Rule]) -> list[Rule]:
@@ -505,10 +522,12 @@ def named_form(name: str) -> Path:
 
 
 def load_catalogue(paths: Iterable[str | os.PathLike[str]] = (), *, include_shipped: bool = True) -> Catalogue:
-    """Shipped rules (sorted by file name) followed by the user's files, in the order given."""
+    """Shipped rules (sorted by file name) followed by the user's files, in the order given.
+    The shipped files' TOML (named forms included) is read through the rule cache."""
     files: list[Path] = []
     if include_shipped:
         files.extend(sorted(shipped_rules_dir().glob("*.toml")))
+    shipped = _shipped_or_none()
     rules: list[Rule] = []
     for path in files + [Path(p) for p in paths]:
         try:
@@ -517,8 +536,15 @@ def load_catalogue(paths: Iterable[str | os.PathLike[str]] = (), *, include_ship
             raise UsageError(f"{path}: rule file not found") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{path}: cannot read rule file: {exc}") from None
-        rules.extend(parse_rules(text, str(path)))
+        rules.extend(parse_rules(text, str(path), cache=shipped is not None and path.is_relative_to(shipped)))
     return Catalogue(rules)
+
+
+def _shipped_or_none() -> Path | None:
+    try:
+        return shipped_rules_dir()
+    except UsageError:  # user rule files only: they load without it
+        return None
 
 
 def load_rules(
