@@ -67,6 +67,9 @@ class QuantNode:
 
 @dataclass
 class InspectReport:
+    """What ``inspect`` found in one model: its quantization nodes and what a rewrite does with
+    each, and the opset changes it needs (the ``--json`` answer is :meth:`to_dict`)."""
+
     model: str
     ir_version: int
     opsets: dict[str, int]

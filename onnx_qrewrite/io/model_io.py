@@ -350,6 +350,8 @@ def _copy_range(src_fd: int, dst, offset: int, length: int) -> None:
 
 @dataclass(frozen=True)
 class SaveInfo:
+    """What a save wrote: the model file, its external data file and the input data it references."""
+
     path: Path
     data_path: Path | None  # the external data file written, if any
     referenced: tuple[str, ...]  # input data files referenced in place (zero copy)

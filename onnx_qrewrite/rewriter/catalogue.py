@@ -71,6 +71,8 @@ _STANDARD_DOMAINS = ("", "ai.onnx")
 
 @dataclass(frozen=True)
 class OpRef:
+    """One op a rule matches: domain (``*``: any non-standard one) and op type."""
+
     domain: str
     op: str
 
@@ -87,6 +89,8 @@ class OpRef:
 
 @dataclass(frozen=True)
 class Rule:
+    """One rule of the catalogue, as its file states it, checked against its builder's contract."""
+
     id: str
     summary: str
     emits: str

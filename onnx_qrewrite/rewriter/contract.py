@@ -161,6 +161,8 @@ input 2 else uint8'.
 
 @dataclass(frozen=True)
 class _Alternative:
+    """One alternative of a declared output type (``A else B``): where the type comes from."""
+
     kind: str  # "type", "input", "attribute" or "option"
     value: str | int
     if_input: int | None

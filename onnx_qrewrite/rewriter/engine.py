@@ -58,6 +58,8 @@ _CONTROL_FLOW = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
 @dataclass(frozen=True)
 class EngineOptions:
+    """How :func:`run` rewrites: opset policy, unlowered nodes, the exactness levels allowed."""
+
     #: Raise the model's default-domain opset to this before rewriting (never lowers it).
     target_opset: int | None = None
     #: Never change the model's opset; rules that would need it give way to the next rule.

@@ -339,6 +339,8 @@ class Unlowered:
 
 @dataclass(frozen=True)
 class OpsetChange:
+    """A change to one domain's opset import that a rewrite made (``None``: no import), and why."""
+
     domain: str
     before: int | None
     after: int | None
@@ -363,6 +365,9 @@ def count_ops(model: onnx.ModelProto) -> collections.Counter[str]:
 
 @dataclass
 class RewriteReport:
+    """What a rewrite did: each rewrite, the nodes left unlowered, opset changes, op counts before
+    and after, warnings."""
+
     rewrites: RewriteLog = dataclasses.field(default_factory=RewriteLog)
     unlowered: list[Unlowered] = dataclasses.field(default_factory=list)
     opset_changes: list[OpsetChange] = dataclasses.field(default_factory=list)

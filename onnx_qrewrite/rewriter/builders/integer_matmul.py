@@ -139,6 +139,9 @@ class _Operand:
 
 @dataclass(frozen=True)
 class _Read:
+    """An integer matmul or convolution node as the builder reads it: its two operands, the terms
+    summed per output element and the operands' ranks."""
+
     conv: bool
     a: _Operand
     b: _Operand
