@@ -36,7 +36,10 @@ STEPS = [
     ("protobuf", "cli.import_quietly('google.protobuf.descriptor_pool')"),
     ("onnx's messages, extension", "_onnx._resolve()"),
     ("catalogue module", "cli.import_quietly('onnx_qrewrite.rewriter.catalogue')"),
-    ("parse the rule files", "from onnx_qrewrite.rewriter.catalogue import load_rules\ncatalogue = load_rules()"),
+    (
+        "read the rule files (TOML, or its cached values)",
+        "from onnx_qrewrite.rewriter.catalogue import load_rules\ncatalogue = load_rules()",
+    ),
     (
         "model reader, engine modules",
         "cli.import_quietly('onnx_qrewrite.io.model_io')\ncli.import_quietly('onnx_qrewrite.rewriter.engine')",
