@@ -1,5 +1,6 @@
 """``onnx-qrewrite inspect``: the quantization ops of a model, which rule would rewrite each, and
-which opset changes a rewrite needs, without writing anything.
+which opset changes a rewrite needs, without writing a model or report (the shipped rule files'
+parsed TOML may be cached, rewriter/rule_cache.py).
 
 The answer comes from the engine itself (a rewrite in memory, with ``allow_unlowered`` so that
 every node is accounted for), so ``inspect`` and ``rewrite`` cannot disagree. When raising the
@@ -339,7 +340,7 @@ def inspect_command(
     input_shapes,
 ) -> None:
     """List the quantization ops in MODEL (dtypes, counts, where), the rule that would rewrite each,
-    and the opset changes a rewrite needs. Writes nothing."""
+    and the opset changes a rewrite needs. Writes no model or report."""
     if keep_opset and target_opset is not None:
         raise UsageError("--keep-opset and --target-opset contradict each other; give one")
     _import_engine(target is not None)
