@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from onnx_qrewrite import _onnx  # verify's console path does not import onnx (tests/test_startup.py)
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.verify.inputs import GenerationOptions, InputSpec, ValueRange, resolve_shape
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ _PASS_THROUGH = frozenset({"Cast", "Identity", "Reshape", "Squeeze", "Unsqueeze"
 _STREAM = 0x6C656E73
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Lengths:
     """One attention node's lengths: batch, the longest length T, the range of the others."""
 
@@ -79,7 +80,7 @@ class _Lengths:
     what: str = dataclasses.field(compare=False)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class _Feed:
     """A graph input and how its value follows from the node's lengths."""
 
@@ -90,7 +91,7 @@ class _Feed:
     shape: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class LengthInputs:
     """The inputs generated from attention lengths: their shapes (a mask's T), ranges (for the
     report) and values, sample by sample (:meth:`feeds`)."""

@@ -23,12 +23,12 @@ says that instead.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import QRewriteError
 from onnx_qrewrite.verify.compare import ValueComparison, compare_values, merge_comparisons
 
@@ -43,7 +43,7 @@ __all__ = ["FINDINGS", "RuntimeBaseline", "runtime_baseline"]
 FINDINGS = ("runtime", "rewrite", "both", "not-run")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class RuntimeBaseline:
     """The original run on the rewrite's runtime, on the samples where an output failed."""
 
