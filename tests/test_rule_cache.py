@@ -64,6 +64,49 @@ def test_an_entry_others_may_write_is_ignored(cache):
     assert rule_cache.load(text) is None
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX FIFOs")
+def test_a_fifo_a_link_or_an_oversized_file_at_an_entrys_name_is_not_read(cache):
+    """Opening a FIFO waits for a writer: an entry's name taken by one (a shared cache folder, a
+    stray mkfifo) hung every command. Links and files too large for their text are not read either."""
+    import threading
+
+    text = 'title = "t"\n'
+    cache.mkdir(parents=True)
+    name = rule_cache._entry(cache, text)
+    os.mkfifo(name, 0o600)
+    answer = []
+    reader = threading.Thread(target=lambda: answer.append(rule_cache.load(text)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive() and answer == [None]
+    os.unlink(name)
+    rule_cache.store(text, tomllib.loads(text))
+    assert rule_cache.load(text) == {"title": "t"}
+    real = name.with_suffix(".real")
+    name.rename(real)
+    name.symlink_to(real)
+    assert rule_cache.load(text) is None
+    name.unlink()
+    stored = json.loads(real.read_text(encoding="utf-8"))
+    name.write_text(json.dumps(stored) + " " * rule_cache._limit(text), encoding="utf-8")
+    name.chmod(0o600)
+    assert rule_cache.load(text) is None
+
+
+def test_no_home_folder_means_no_cache_not_an_error(monkeypatch):
+    """Containers run as a uid without a passwd entry and no HOME: Path.home() raises there."""
+    monkeypatch.delenv("ONNX_QREWRITE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(catalogue, "_PARSED", {})
+
+    def no_home() -> None:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(rule_cache.Path, "home", staticmethod(no_home))
+    assert rule_cache.cache_dir() is None
+    assert len(load_catalogue()) > 0
+
+
 def test_values_json_would_change_are_not_kept_and_a_cache_off_or_unwritable_is_skipped(cache, monkeypatch):
     dated = "when = 2026-11-28\n"
     rule_cache.store(dated, tomllib.loads(dated))

@@ -10,21 +10,24 @@ is the file's text as read now, character for character (its name, a checksum of
 finds it). Its values are what ``tomllib.loads`` returned for that text: the TOML stays the only
 source of truth, and the catalogue checks every rule read from an entry against its builder's
 contract exactly as it checks one just parsed. Entries are data (JSON), never code; an entry is
-used only when it belongs to the user and nobody else may write it (POSIX), and anything wrong
-with one (unreadable, not JSON, another text) means the file is parsed as if there were none.
+used only when it is a regular file (not a link, FIFO or device) of a size its text explains,
+belongs to the user and nobody else may write it (POSIX), and anything wrong with one
+(unreadable, not JSON, another text) means the file is parsed as if there were none.
 
 Where: ``$ONNX_QREWRITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/onnx-qrewrite``, else
 ``~/.cache/onnx-qrewrite``, in a folder per Python version (``rules-py3.11``); an empty
-``ONNX_QREWRITE_CACHE_DIR`` turns the cache off. An entry is written only where none is (never
-over a file this process read), atomically (a temporary file in the same folder, then renamed),
-and only for values JSON gives back as they were (strings, integers, floats, booleans, arrays,
-tables: TOML dates are left uncached); a cache that cannot be written is skipped silently.
+``ONNX_QREWRITE_CACHE_DIR``, or no home folder to be found, turns the cache off. An entry is
+written only where none is (never over a file this process read), atomically (a temporary file
+in the same folder, then renamed), and only for values JSON gives back as they were (strings,
+integers, floats, booleans, arrays, tables: TOML dates are left uncached); a cache that cannot be
+written is skipped silently.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import zlib
 from pathlib import Path
@@ -42,7 +45,13 @@ def cache_dir() -> Path | None:
         base = Path(chosen) if chosen else None
     else:
         xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg) / "onnx-qrewrite" if xdg else Path.home() / ".cache" / "onnx-qrewrite"
+        if xdg:
+            base = Path(xdg) / "onnx-qrewrite"
+        else:
+            try:  # no HOME and a uid without a passwd entry (containers run as any uid): no cache
+                base = Path.home() / ".cache" / "onnx-qrewrite"
+            except (RuntimeError, KeyError, OSError):
+                return None
     if base is None:
         return None
     return base / f"rules-py{sys.version_info[0]}.{sys.version_info[1]}"
@@ -59,8 +68,13 @@ def load(text: str) -> dict[str, Any] | None:
     if folder is None:
         return None
     try:
-        with open(_entry(folder, text), "rb") as f:
-            if not _trusted(os.fstat(f.fileno())):
+        # Opened without blocking and without following a link: a FIFO or device at an entry's
+        # name would otherwise hang or feed every command; only the user's own regular file of a
+        # size its text can explain is read (bounded memory).
+        fd = os.open(_entry(folder, text), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            status = os.fstat(f.fileno())
+            if not stat.S_ISREG(status.st_mode) or not _trusted(status) or status.st_size > _limit(text):
                 return None
             raw = f.read()
         import json
@@ -97,6 +111,12 @@ def store(text: str, parsed: dict[str, Any]) -> None:
     except (OSError, ValueError):
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+
+
+def _limit(text: str) -> int:
+    """The largest entry ``text`` can explain: the text itself and its parsed values, each JSON
+    escaped (at most 6 bytes a character, ``\\uXXXX``), and the keys around them."""
+    return 12 * len(text.encode("utf-8")) + 4096
 
 
 def _trusted(status: os.stat_result) -> bool:
