@@ -84,6 +84,31 @@ def test_a_child_that_dies_is_one_line_then_reaped_and_replaced(tmp_path, body, 
         child.close()
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "os.write(1, b'{\"ok\": tr'); os._exit(9)",  # cut short: it died writing its answer
+        "print('not json', flush=True)",
+        "print('{\"ok\": false}', flush=True)",  # no code
+        'print(\'{"ok": true, "path": 3}\', flush=True)',  # a convert's path that is no path
+    ],
+)
+def test_a_garbled_answer_is_one_line_and_the_child_is_killed_and_replaced(tmp_path, answer):
+    """An answer line without its newline (the child died mid-write) or that is not a well-formed
+    answer: the child is taken for dead (killed, reaped), the error is one line, and the next
+    request starts another child."""
+    child = _stand_in(tmp_path, answer)
+    try:
+        for _ in range(2):  # the second request starts another child
+            with pytest.raises(InvalidModelError) as caught:
+                child.request("m.onnx", "(onnx2tf) cannot convert", op="convert", model="m.onnx", out_dir="out")
+            said = "m.onnx: tflite (onnx2tf) cannot convert the model: the child's answer was garbled"
+            assert str(caught.value) == said
+            assert child.pid is None and child._home is None  # killed, reaped, its folder removed
+    finally:
+        child.close()
+
+
 def test_an_interrupt_while_the_child_works_kills_and_reaps_it(tmp_path):
     """KeyboardInterrupt (Ctrl-C) in the parent while it waits for an answer: the child is killed
     and reaped before the interrupt goes on; the next request starts another child."""

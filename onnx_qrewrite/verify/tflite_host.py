@@ -10,8 +10,10 @@ died, and stopped at exit (stdin closed: it ends; killed after 10 s).
 What a failure says is what it said with one process per request: the last line the request
 printed on stderr (the exception), or how the process died ("it crashed (signal N)"), in one line
 naming the model. An interrupt (KeyboardInterrupt, a signal turned into an exception) while a
-request runs kills and reaps the process, then goes on: the next request starts another. A
-process this one forked does not share it (the pipes are this process's): it starts its own.
+request runs kills and reaps the process, then goes on: the next request starts another. So does
+an answer line cut short (the process died writing it) or not a well-formed answer: the process
+is killed and reaped, and the error says "the child's answer was garbled". A process this one
+forked does not share it (the pipes are this process's): it starts its own.
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ class TFLiteChild:
                 failure = self._failure(label, what, proc.wait())
                 self._stop(kill=False)
                 raise failure
-            answer: dict[str, Any] = json.loads(line)
+            answer = _parsed(line, fields.get("op", ""))
+            if answer is None:  # cut short (it died writing it) or not an answer: as dead
+                self._stop(kill=True)
+                raise InvalidModelError(f"{label}: tflite {what} the model: the child's answer was garbled")
             if not answer["ok"]:
-                raise self._failure(label, what, int(answer["code"]))
+                raise self._failure(label, what, answer["code"])
             return answer
 
     def close(self) -> None:
@@ -150,6 +155,26 @@ class TFLiteChild:
         _close(self._stderr)
         self._proc, self._stderr, self._home = None, None, None
         self._owner = os.getpid()
+
+
+#: What an answer to each request carries besides "ok" (the child's module docstring).
+_ANSWERS = {"convert": ("path",)}
+
+
+def _parsed(line: bytes, op: str) -> dict[str, Any] | None:
+    """The answer ``line`` holds, or None unless it is a whole line (a child dying mid-write leaves
+    it without its newline) of a well-formed answer to ``op``."""
+    try:
+        answer = json.loads(line) if line.endswith(b"\n") else None
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
+        return None
+    wanted = _ANSWERS.get(op, ()) if answer["ok"] else ("code",)
+    kinds = {"path": str, "code": int}
+    if all(type(answer.get(key)) is kinds[key] for key in wanted):  # bool is no code
+        return answer
+    return None
 
 
 def _close(*streams: IO[bytes] | None) -> None:
