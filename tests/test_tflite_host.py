@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import types
 import warnings
 from pathlib import Path
 
@@ -194,3 +196,31 @@ def test_every_tflite_runner_of_a_process_is_served_by_one_child():
     subprocess.run(alone, check=True, capture_output=True)
     with np.load(folder / "fresh.npz") as values:
         assert all(np.array_equal(values[k], got[0][k]) for k in got[0])
+
+
+def test_converting_by_hand_adds_the_tflite_and_touches_nothing_else(tmp_path, monkeypatch):
+    """``_tflite_child.py convert MODEL OUT_DIR`` (by hand): onnx2tf works in a private folder, removed
+    afterwards, and only the .tflite lands in OUT_DIR; the user's files there stay (they were all
+    deleted). A stand-in onnx2tf writes what the real one does."""
+    from onnx_qrewrite.verify import _tflite_child
+
+    def fake_convert(input_onnx_file_path: str, output_folder_path: str, **_: object) -> None:
+        for name in ("m_float32.tflite", "m_float16.tflite", "schema.fbs"):
+            Path(output_folder_path, name).write_text(name)
+
+    monkeypatch.setitem(sys.modules, "onnx2tf", types.SimpleNamespace(convert=fake_convert))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "mine"
+    (out / "keep").mkdir(parents=True)
+    (out / "notes.txt").write_text("my notes")
+    (out / "keep" / "data.bin").write_text("x")
+    path = _tflite_child.convert(str(SAMPLES / "dynamic_mlp.onnx"), str(out))
+    assert path == str(out / "m_float32.tflite") and Path(path).read_text() == "m_float32.tflite"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "keep",
+        "keep/data.bin",
+        "m_float32.tflite",
+        "notes.txt",
+    ]
+    assert (out / "notes.txt").read_text() == "my notes" and not list((tmp_path / "tmp").iterdir())

@@ -4,6 +4,7 @@ the verifier. Imports nothing from onnx_qrewrite.
 
     python _tflite_child.py                                # serve requests (verify/tflite_host.py)
     python _tflite_child.py convert MODEL.onnx OUT_DIR    # once, by hand: prints the .tflite path
+                                                           # (adds it to OUT_DIR, touches nothing else)
     python _tflite_child.py run MODEL.tflite IN.npz OUT.npz
 
 Served, it reads one JSON request a line on stdin (``{"op": "convert", "model", "out_dir"}`` or
@@ -44,12 +45,25 @@ _interpreters: collections.OrderedDict[tuple[Any, ...], Any] = collections.Order
 
 
 def convert(model: str, out_dir: str, work: str | None = None) -> str:
-    """The float32 .tflite of ``model``, moved into ``out_dir``; ``work`` is onnx2tf's output folder
-    (emptied first but for the schema copies), ``out_dir`` when not given."""
+    """The float32 .tflite of ``model``, moved into ``out_dir``. ``work`` is onnx2tf's output folder,
+    one this process owns (emptied first but for the schema copies); without it (by hand), a new
+    private folder, removed afterwards: nothing already in ``out_dir`` is touched but a file of
+    the .tflite's name."""
+    if work is None:
+        import tempfile
+
+        work = tempfile.mkdtemp(prefix="onnx-qrewrite-tflite-")
+        try:
+            return convert(model, out_dir, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return _converted(model, out_dir, work)
+
+
+def _converted(model: str, out_dir: str, work: str) -> str:
     import onnx
     import onnx2tf
 
-    work = work or out_dir
     _empty(work)
     graph = onnx.load(model).graph
     keep = [i.name for i in graph.input if len(i.type.tensor_type.shape.dim) >= 3]
@@ -62,8 +76,6 @@ def convert(model: str, out_dir: str, work: str | None = None) -> str:
     found = sorted(glob.glob(os.path.join(work, "*float32.tflite")))
     if not found:
         raise SystemExit("onnx2tf wrote no float32 .tflite model")
-    if work == out_dir:
-        return found[0]
     os.makedirs(out_dir, exist_ok=True)
     return shutil.move(found[0], os.path.join(out_dir, os.path.basename(found[0])))
 
