@@ -224,3 +224,26 @@ def test_converting_by_hand_adds_the_tflite_and_touches_nothing_else(tmp_path, m
         "notes.txt",
     ]
     assert (out / "notes.txt").read_text() == "my notes" and not list((tmp_path / "tmp").iterdir())
+
+
+def test_the_folders_a_stopped_batch_worker_leaves_are_removed_with_its_temporaries(tmp_path, monkeypatch):
+    """A batch worker stopped by SIGTERM exits through os._exit (no atexit, no finalizers) after
+    outputs.remove_registered_temps(): that removes the child's private folder and a runner's own
+    (both were left in $TMPDIR)."""
+    from onnx_qrewrite.io import outputs
+    from onnx_qrewrite.verify.runtimes import _Runner
+
+    monkeypatch.setattr(outputs, "_folders", {})  # only this test's: others' live folders stay
+    monkeypatch.setattr(outputs, "_registry", set())
+    child = _stand_in(tmp_path, "print('{\"ok\": true}', flush=True)")
+    try:
+        child.request("m", "x", op="any")
+        runner = _Runner(onnx.load(SAMPLES / "dynamic_mlp.onnx"), "m", "tflite")
+        folders = [Path(child._home or ""), Path(runner._tmp.name)]
+        assert all(folder.is_dir() for folder in folders)
+        outputs.remove_registered_temps()
+        assert not any(folder.exists() for folder in folders)
+    finally:
+        child.close()
+    assert child.request("m", "x", op="any") == {"ok": True}  # closed, then a new child with a new folder
+    child.close()

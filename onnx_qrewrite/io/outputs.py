@@ -21,6 +21,11 @@ dead journal's data files are removed too when the model now at ``<out>`` does n
 them (the new data of a commit that did not happen, or the old data of one that did).
 SIGTERM and SIGINT are turned into exceptions (:mod:`onnx_qrewrite.io.signals`), so ``finally``
 blocks remove the temporaries; steps 3-5 run with those signals blocked.
+
+Private folders under $TMPDIR (a runner's copies, the TFLite child's home) are registered too
+(:func:`private_folder`, :func:`register_folder`): a batch worker stopped by SIGTERM leaves
+through ``os._exit``, skipping the finalizers and atexit hooks that would remove them, and calls
+:func:`remove_registered_temps` first.
 """
 
 from __future__ import annotations
@@ -33,8 +38,12 @@ import stat
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from onnx_qrewrite.errors import UsageError
+
+if TYPE_CHECKING:
+    import tempfile
 
 __all__ = [
     "TEMP_MARK",
@@ -42,9 +51,12 @@ __all__ = [
     "check_target",
     "clean_leftovers",
     "data_file_candidates",
+    "forget_folder",
     "new_temp",
+    "private_folder",
     "references",
     "refuse_clash",
+    "register_folder",
     "remove_registered_temps",
     "rename_new",
     "write_atomic",
@@ -58,6 +70,7 @@ FileId = tuple[int, int]
 
 _registry_lock = threading.Lock()
 _registry: set[str] = set()
+_folders: dict[str, int] = {}  # private folder -> the pid that made it (a fork's are not its own)
 
 
 def _umask() -> int:
@@ -100,14 +113,44 @@ def discard(path: Path | None) -> None:
     forget(path)
 
 
+def register_folder(path: str) -> None:
+    """A private folder of this process that :func:`remove_registered_temps` removes."""
+    with _registry_lock:
+        _folders[path] = os.getpid()
+
+
+def forget_folder(path: str) -> None:
+    with _registry_lock:
+        _folders.pop(path, None)
+
+
+def private_folder(prefix: str) -> tempfile.TemporaryDirectory[str]:
+    """A TemporaryDirectory that is also registered (forgotten when it is collected)."""
+    import tempfile
+    import weakref
+
+    folder = tempfile.TemporaryDirectory(prefix=prefix)
+    register_folder(folder.name)
+    weakref.finalize(folder, forget_folder, folder.name)
+    return folder
+
+
 def remove_registered_temps() -> None:
-    """Remove every temporary this process created and has not renamed (on SIGTERM/SIGINT)."""
+    """Remove every temporary this process created and has not renamed, and its registered private
+    folders (on SIGTERM/SIGINT)."""
     with _registry_lock:
         paths = list(_registry)
         _registry.clear()
+        folders = [path for path, pid in _folders.items() if pid == os.getpid()]
+        _folders.clear()
     for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
+    if folders:
+        import shutil
+
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -244,9 +244,9 @@ class _Runner:
         self.input_types = _input_types(model)
         self.input_names = list(self.input_types)
         self.output_types = _output_types(model)
-        import tempfile  # other runtimes only: onnxruntime runs need no temporary copy
+        from onnx_qrewrite.io import outputs  # registered: a stopped batch worker removes it too
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="onnx-qrewrite-")
+        self._tmp = outputs.private_folder("onnx-qrewrite-")
 
     def _write(self, model: onnx.ModelProto) -> Path:
         path = Path(self._tmp.name) / "model.onnx"

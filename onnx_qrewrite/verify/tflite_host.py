@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.io import outputs
 
 __all__ = ["TFLiteChild", "tflite_child"]
 
@@ -98,6 +99,7 @@ class TFLiteChild:
             return self._proc
         self._stop(kill=False)  # it exited between requests: reap it, remove its folder
         self._home = tempfile.mkdtemp(prefix="onnx-qrewrite-tflite-")
+        outputs.register_folder(self._home)  # a batch worker stopped by SIGTERM removes it too
         self._stderr = open(Path(self._home) / "stderr", "ab+")  # noqa: SIM115 - closed by _stop
         # In its private folder: onnx2tf leaves temporary files (sym_shape_infer_temp.onnx,
         # <uuid>.data) in its working directory, which would otherwise be the user's.
@@ -145,6 +147,7 @@ class TFLiteChild:
         self._stderr = None
         if self._home is not None:
             shutil.rmtree(self._home, ignore_errors=True)
+            outputs.forget_folder(self._home)
             self._home = None
 
     def _forget(self) -> None:
