@@ -120,6 +120,7 @@ def register_folder(path: str) -> None:
 
 
 def forget_folder(path: str) -> None:
+    """``path`` is removed (or no longer this process's to remove): no longer registered."""
     with _registry_lock:
         _folders.pop(path, None)
 
