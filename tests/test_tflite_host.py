@@ -143,6 +143,27 @@ def test_close_at_exit_ends_the_child_by_closing_its_input(tmp_path):
     assert child.pid is None and _reaped(pid) and not Path(home).exists()
 
 
+def test_an_interrupt_while_closing_still_reaps_the_child_and_removes_its_folder(tmp_path):
+    """SIGTERM while close() waits for the child to end (a batch worker stopped as it exits): the
+    interrupt goes on, but the child is killed and reaped and its folder removed first (both
+    were left behind, with the atexit callback's traceback)."""
+    child = _stand_in(tmp_path, "print('{\"ok\": true}', flush=True)")
+    child.request("m", "x", op="any")
+    proc, home = child._proc, child._home
+    assert proc is not None and home is not None
+    waited = proc.wait
+
+    def interrupted(timeout: float | None = None) -> int:
+        if timeout is not None:
+            raise KeyboardInterrupt
+        return waited()
+
+    proc.wait = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        child.close()
+    assert child.pid is None and _reaped(proc.pid) and not Path(home).exists()
+
+
 def test_a_forked_process_starts_its_own_child(tmp_path):
     """A fork of a process holding a child does not write into that child's pipes: it starts its own,
     and closing it there leaves the parent's child running."""

@@ -122,14 +122,18 @@ def _worker_main(conn: multiprocessing.connection.Connection, task: Callable[[An
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                return
+                break
             if message is None:
-                return
+                break
             index, label, arg = message
             conn.send(guarded(task, index, label, arg))
     except KeyboardInterrupt:  # signals.Terminated: the parent is stopping us
         outputs.remove_registered_temps()
         os._exit(143)
+    # Every task answered: the outcome is decided. A SIGTERM from here (the parent stopping while
+    # this worker exits) would interrupt the exit's own clean-up (the TFLite child's folder, in an
+    # atexit callback) and print its traceback; it is ignored, as the CLI's own exit does.
+    signals.settle()
 
 
 @dataclass

@@ -134,21 +134,27 @@ class TFLiteChild:
     def _stop(self, kill: bool) -> None:
         """End (or kill) and reap the process, and remove its folder."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            if kill:
-                proc.kill()
-            _close(proc.stdin, proc.stdout)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        _close(self._stderr)
-        self._stderr = None
-        if self._home is not None:
-            shutil.rmtree(self._home, ignore_errors=True)
-            outputs.forget_folder(self._home)
-            self._home = None
+        try:
+            if proc is not None:
+                if kill:
+                    proc.kill()
+                _close(proc.stdin, proc.stdout)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                except BaseException:  # an interrupt (SIGTERM) while waiting: still killed and reaped
+                    proc.kill()
+                    proc.wait()
+                    raise
+        finally:  # its folder goes whatever happened above
+            _close(self._stderr)
+            self._stderr = None
+            if self._home is not None:
+                shutil.rmtree(self._home, ignore_errors=True)
+                outputs.forget_folder(self._home)
+                self._home = None
 
     def _forget(self) -> None:
         """In a forked copy of the process that started it: drop this process's copies of its pipes,
