@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
 from onnx_qrewrite.io.encoded import to_bytes
-from onnx_qrewrite.rewriter import engine
+from onnx_qrewrite.rewriter import engine, matching
 from onnx_qrewrite.rewriter.builders import NoMatch, Plan, Site
 from onnx_qrewrite.rewriter.builders._facts import CheckMemo, Name, Unrecorded
 from onnx_qrewrite.rewriter.graph import iter_scopes
@@ -68,7 +68,7 @@ def _dqls(shapes):
 def _decisions(model: onnx.ModelProto, memo: bool) -> dict[str, tuple[str, Plan]]:
     """Node name -> (rule, plan) as matching decides them."""
     catalogue = onnx_qrewrite.load_rules()
-    scopes, matches, unlowered, _ = engine._match(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
+    scopes, matches, unlowered, _ = matching.match_nodes(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
     assert not unlowered
     return {scopes[s].container.node[m.index].name: (m.rule.id, m.plan) for s, ms in matches.items() for m in ms}
 

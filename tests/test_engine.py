@@ -77,7 +77,7 @@ def test_initializers_only_replaced_nodes_read_are_removed_others_kept():
 
 def test_initializers_no_node_left_reads_are_all_removed():
     # As above, but the Mul left in place reads another initializer: the main graph's written
-    # nodes name neither candidate (engine._spool_reads_none), so both go without reading them.
+    # nodes name neither candidate (splice._spool_reads_none), so both go without reading them.
     text = """
     <ir_version: 8, opset_import: ["" : 17, "com.amd.quark" : 1]>
     g (float[4] x) => (float16[4] y, float[4] scaled)
