@@ -207,6 +207,7 @@ i = 0
 while True:
     results[i % 2].save(out)
     i += 1
+    print("saved", flush=True)
 """
 
 
@@ -227,6 +228,11 @@ def test_sigkill_at_any_moment_leaves_the_old_pair_or_the_new_one(tmp_path):
     for _ in range(kills):
         child = subprocess.Popen([PY, "-c", _CHILD, str(a), str(b), str(out)], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"
+        # Wait for one or two completed saves (a, then b) before the random delay: the kill then
+        # lands while the other model is being saved, so both can be seen however slow a save is
+        # (with a bare delay, a loaded machine killed every child inside its first save).
+        for _ in range(rng.randint(1, 2)):
+            assert child.stdout.readline().strip() == "saved"
         time.sleep(rng.uniform(0.0, 0.4))
         child.send_signal(signal.SIGKILL)
         child.wait()
