@@ -267,8 +267,14 @@ NOT_LOWERED = {
         lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"past_present_share_buffer": 1}),
         "past_present_share_buffer=1",
     ),
-    "4-D mask": (lambda: attention_model(2, 8, 32, [32] * 3, 4, (2, 1, 8, 8)), "a 4-D mask_index is not lowered"),
-    "rotary": (lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"do_rotary": 1}), "do_rotary=1"),
+    "4-D mask": (
+        lambda: attention_model(2, 8, 32, [32] * 3, 4, (2, 1, 8, 8)),
+        "a 4-D mask_index (Megatron's (B, 1, max, max)): onnxruntime's CPU kernel refuses it",
+    ),
+    "rotary": (
+        lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"do_rotary": 1}),
+        "do_rotary=1: onnxruntime's CPU kernel refuses it",
+    ),
     "no bias": (
         _without_bias,
         "no bias: onnxruntime 1.31's CPU kernel crashes",
@@ -283,6 +289,49 @@ def test_attention_forms_not_lowered_say_why(case):
     make, reason = NOT_LOWERED[case]
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
         onnx_qrewrite.rewrite(make())
+
+
+#: The forms the rules refuse because onnxruntime's CPU kernel does: what it says when run.
+KERNEL_REFUSES = {
+    "Attention, Megatron 4-D mask": (
+        lambda: attention_model(2, 5, 16, [16] * 3, 2, (2, 1, 8, 8)),
+        "4D mask in attention cpu kernel is not supported",
+    ),
+    "Attention, 4-D mask of another shape": (
+        lambda: attention_model(2, 5, 16, [16] * 3, 2, (2, 2, 5, 5)),
+        "with 4D data shall have shape batch_size x 1 x max_sequence_length x max_sequence_length",
+    ),
+    "Attention, do_rotary": (
+        lambda: attention_model(2, 5, 16, [16] * 3, 2, attrs={"do_rotary": 1}),
+        "Rotary embedding is not supported in Attention CPU kernel",
+    ),
+    "QAttention, Megatron 4-D mask": (
+        lambda: qattention_model(2, 5, 32, 2, mask_shape=(2, 1, 8, 8)),
+        "4D mask in attention cpu kernel is not supported",
+    ),
+}
+
+
+@rule_marker("unfuse-attention", "negative")
+@rule_marker("unfuse-qattention", "negative")
+@pytest.mark.parametrize("case", list(KERNEL_REFUSES))
+def test_forms_the_cpu_kernel_refuses_are_refused_and_still_refused_by_the_kernel(case):
+    """Nothing to measure a rewrite against: the rules refuse what onnxruntime's CPU kernel refuses
+    (4-D masks, Attention's do_rotary), and this shows when a new onnxruntime starts running them."""
+    make, says = KERNEL_REFUSES[case]
+    model = make()
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    init = {t.name for t in model.graph.initializer}
+    feeds = {}
+    for value in model.graph.input:
+        if value.name in init:
+            continue
+        kind = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        feeds[value.name] = RNG.integers(0, 2, shapes[value.name]).astype(kind)
+    with pytest.raises(Exception, match=re.escape(says)):
+        run(model, feeds)
+    with pytest.raises(onnx_qrewrite.LoweringError, match="CPU kernel refuses it"):
+        onnx_qrewrite.rewrite(model)
 
 
 def _with_attention_bias(model, shape):
@@ -1367,6 +1416,58 @@ def test_qattention_with_past_and_present(shape, mask, unidirectional):
         state = {"x": x, "w": w, "b": values["b"], "past": feeds["past"]}
         diff = np.abs(got["y"].astype(np.float64) - want["y"]).max()
         assert diff <= _past_attention_bound(state, hidden, heads)
+
+
+def _with_rotary(model):
+    model.graph.node[0].attribute.append(helper.make_attribute("do_rotary", 1))
+    return model
+
+
+@rule_marker("unfuse-qattention", "positive")
+@pytest.mark.parametrize("past", [None, 3], ids=["no-past", "past"])
+def test_qattention_with_do_rotary_is_what_the_cpu_kernel_computes(past):
+    """onnxruntime's CPU QAttention reads do_rotary and rotates nothing (measured: outputs equal
+    do_rotary=0's): lowered as the kernel computes, bit for bit, with a note saying so. A rewrite
+    that rotates (RotaryEmbedding's form at positions 0..S-1, half-split) is caught."""
+    batch, seq, hidden, heads = 2, 5, 32, 2
+    model = qattention_with_past(batch, seq, past, hidden, heads) if past else qattention_model(batch, seq, 32, 2)
+    model = _with_rotary(model)
+    feeds = qattention_feeds(batch, seq, hidden)
+    if past:
+        feeds["past"] = RNG.standard_normal((2, batch, heads, past, hidden // heads)).astype(np.float32)
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-qattention": 1}
+    (applied,) = result.report.rewrites
+    assert "onnxruntime's CPU kernel does not rotate" in " ".join(applied.notes)
+    want, got = run(model, feeds), run(result.model, feeds)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], f"QAttention do_rotary {name}")
+    if not past:
+        rotated = _rotated_qattention(model, feeds, heads)
+        assert np.abs(rotated - want["y"]).max() > 1e-3
+
+
+def _rotated_qattention(model, feeds, heads):
+    """QAttention with Q and K rotated (half-split, positions 0..S-1, base 10000) in float64: what a
+    rewrite that applied do_rotary would compute."""
+    values = {**{t.name: numpy_helper.to_array(t) for t in model.graph.initializer}, **feeds}
+    x = (values["x"].astype(np.float64) - float(values["xzp"])) * float(values["xs"])
+    w = (values["w"].astype(np.float64) - values["wzp"].astype(np.float64)) * values["ws"].astype(np.float64)
+    q, k, v = np.split(x @ w + values["b"], 3, axis=-1)
+    batch, seq, hidden = q.shape
+    head = hidden // heads
+    q, k, v = (t.reshape(batch, seq, heads, head).transpose(0, 2, 1, 3) for t in (q, k, v))
+    angles = np.arange(seq)[:, None] * 10000.0 ** (-np.arange(0, head, 2) / head)
+    cos, sin = np.cos(angles), np.sin(angles)
+
+    def rotate(t):
+        a, b = t[..., : head // 2], t[..., head // 2 :]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+    scores = rotate(q) @ rotate(k).transpose(0, 1, 3, 2) / math.sqrt(head)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return (probs @ v).transpose(0, 2, 1, 3).reshape(batch, seq, hidden)
 
 
 @rule_marker("unfuse-qattention", "negative")

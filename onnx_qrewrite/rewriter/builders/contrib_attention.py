@@ -28,8 +28,12 @@ ConcatStateChunk; T = P + S, masks over T), query i sits at position P + i (the 
 keys after it), and ``present`` is (2, B, N, T, H). ``attention_bias`` (B or 1, N or 1, S, T) as
 MultiHeadAttention's (the same kernel code). Not lowered (the node stays, with the reason): past
 without present and past with attention_bias (the kernel refuses both),
-``past_present_share_buffer`` / ``past_sequence_length``, rotary embeddings, 4-D (Megatron) masks,
-float16, a missing bias (the CPU kernel crashes without one).
+``past_present_share_buffer`` / ``past_sequence_length``, float16. Refused by onnxruntime
+1.31.1's CPU kernel itself, so nothing to measure a rewrite against (measured): 4-D (Megatron) masks
+(B, 1, M, M) ("4D mask in attention cpu kernel is not supported"; other 4-D shapes fail its shape
+check), ``do_rotary`` ("Rotary embedding is not supported in Attention CPU kernel"), a missing bias
+(the kernel crashes). QAttention refuses 4-D masks alike, but runs ``do_rotary`` without rotating
+anything (outputs equal ``do_rotary=0``'s bit for bit): lowered as the kernel computes it, with a note.
 
 MultiHeadAttention (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_mha_state.py and
 tests/test_unfuse_mha_forms.py): past_key/past_value (B, N, P, H) go before the new keys and values
@@ -98,6 +102,13 @@ def _dim(emit: Emitter, x: str, axis: int) -> str:
     return emit.op1("Gather", [emit.op1("Shape", [x]), emit.const(np.int64(axis))], axis=0)
 
 
+#: QAttention's do_rotary: onnxruntime's CPU kernel reads the attribute and rotates nothing (1.31.1,
+#: measured: outputs and present equal do_rotary=0's bit for bit, with and without past, causal or not).
+_ROTARY_IGNORED = (
+    "do_rotary is set, and onnxruntime's CPU kernel does not rotate Q and K (measured: its outputs equal "
+    "do_rotary=0's); the rewrite computes what the kernel does, without rotation",
+)
+
 #: Sums of integer products stay exact in float32 up to this magnitude.
 _EXACT_FLOAT_INTEGERS = 2**24
 
@@ -120,9 +131,8 @@ class QAttentionBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         known = {"num_heads", "unidirectional", "mask_filter_value", "scale", "do_rotary", "past_present_share_buffer"}
         site.no_unknown_attributes(known)
-        for attr in ("do_rotary", "past_present_share_buffer"):
-            if site.attribute(attr, 0):
-                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        if site.attribute("past_present_share_buffer", 0):
+            raise NoMatch(f"past_present_share_buffer={site.attribute('past_present_share_buffer')} is not lowered")
         for index in range(5):
             if not site.input(index):
                 raise NoMatch(f"malformed node: input {index} is required")
@@ -141,7 +151,7 @@ class QAttentionBuilder:
             raise NoMatch(
                 f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
             )
-        notes: tuple[str, ...] = ()
+        notes: tuple[str, ...] = _ROTARY_IGNORED if site.attribute("do_rotary", 0) else ()
         formula = None
         # onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) pairs products into int16 with
         # saturation: the policy of rules/50-integer-matmul.toml (u8s8.py), per projection column.
@@ -152,7 +162,7 @@ class QAttentionBuilder:
                     "uint8 input x int8 weights: onnxruntime's kernel on x86 CPUs without AVX-VNNI saturates pairs "
                     f"of products to int16 and can here (up to {int(excess.max())} per projection element)"
                 )
-            notes = (
+            notes += (
                 f"onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) may differ by up to {int(excess.max())} "
                 "per projection element before x_scale * W_scale (int16 pair saturation); the rewrite computes "
                 "the ONNX definition",
@@ -215,6 +225,11 @@ def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int,
                 "(onnx.shape_inference.infer_shapes)"
             )
         mask_rank = len(shape)
+        if mask_rank == 4 and label == "mask_index":
+            raise NoMatch(
+                "a 4-D mask_index (Megatron's (B, 1, max, max)): onnxruntime's CPU kernel refuses it ('4D mask in "
+                "attention cpu kernel is not supported', 1.31.1), nothing to measure against; not lowered"
+            )
         if mask_rank not in (1, 2, 3):
             raise NoMatch(f"a {mask_rank}-D {label} is not lowered (1-D, 2-D and 3-D are)")
     causal = bool(site.attribute("unidirectional", 0))
@@ -267,9 +282,13 @@ class AttentionBuilder:
         known = {"num_heads", "unidirectional", "qkv_hidden_sizes", "mask_filter_value", "scale"}
         known |= {"do_rotary", "rotary_embedding_dim", "past_present_share_buffer"}
         site.no_unknown_attributes(known)
-        for attr in ("do_rotary", "past_present_share_buffer"):
-            if site.attribute(attr, 0):
-                raise NoMatch(f"{attr}={site.attribute(attr)} is not lowered")
+        if site.attribute("do_rotary", 0):
+            raise NoMatch(
+                f"do_rotary={site.attribute('do_rotary')}: onnxruntime's CPU kernel refuses it ('Rotary embedding is "
+                "not supported in Attention CPU kernel', 1.31.1), nothing to measure against; not lowered"
+            )
+        if site.attribute("past_present_share_buffer", 0):
+            raise NoMatch(f"past_present_share_buffer={site.attribute('past_present_share_buffer')} is not lowered")
         if site.input(6):
             raise NoMatch("input 6 (past_sequence_length) is given; not lowered")
         if site.input(5):
