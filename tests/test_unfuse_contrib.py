@@ -208,6 +208,22 @@ def test_fused_conv_is_conv_and_the_activation(activation, params, with_sum):
     assert_bitwise_equal(got["y"], want["y"], f"FusedConv {activation}, sum input {with_sum}")
 
 
+@rule_marker("unfuse-fused-conv", "positive")
+@pytest.mark.parametrize("activation, params", [CONV_ACTIVATIONS[0], CONV_ACTIVATIONS[4]], ids=["Relu", "Clip"])
+def test_fused_conv_with_a_sum_input_and_no_bias(activation, params):
+    # The kernel runs it (measured): the convolution, plus Z, then the activation.
+    x = edge_input((2, 8, 10, 10), scale=1.0)
+    w = RNG.standard_normal((16, 4, 3, 3)).astype(np.float32)
+    attrs = {"activation": activation, "group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    if params:
+        attrs["activation_params"] = params
+    inputs = [("x", x.shape), ("w", w.shape), ("", None), ("z", (2, 16, 5, 5))]
+    original = one_node("FusedConv", inputs, attrs, [const("w", w)])
+    result, want, got = rewrite_and_run(original, {"x": x, "z": edge_input((2, 16, 5, 5))})
+    assert op_types(result.model) == ["Conv", "Add", activation]
+    assert_bitwise_equal(got["y"], want["y"], f"FusedConv {activation}, sum input, no bias")
+
+
 @rule_marker("unfuse-fused-gemm", "negative")
 @rule_marker("unfuse-fused-conv", "negative")
 def test_unknown_activations_are_not_lowered():
@@ -257,6 +273,69 @@ def test_fused_matmul_with_alpha_or_trans_a_is_bounded(k, alpha, trans_a, trans_
         exact
     )
     assert np.all(np.abs(got["y"] - want["y"].astype(np.float64)) <= bound)
+
+
+# transBatchA/B: the kernel reads A (M, b0..bn, K) as the stack (b0..bn, M, K) (matmul_helper.h),
+# with transA A (K, b0..bn, M); B likewise. Shapes (A, B, attributes); a batch axis of 1 broadcasts.
+TRANS_BATCH_CASES = [
+    ((12, 2, 3, 300), (2, 3, 300, 20), {"transBatchA": 1}),
+    ((2, 3, 12, 300), (300, 2, 3, 20), {"transBatchB": 1}),
+    ((12, 1, 3, 300), (20, 2, 1, 300), {"transBatchA": 1, "transBatchB": 1, "transB": 1}),
+    ((3, 3, 16), (3, 16, 3), {"transBatchA": 1}),
+]
+
+
+def _trans_batch_matmul(sa, sb, attrs):
+    original = one_node("FusedMatMul", [("a", sa), ("b", sb)], attrs)
+    return original, {"a": edge_input(sa, scale=1.0), "b": RNG.standard_normal(sb).astype(np.float32)}
+
+
+@rule_marker("unfuse-fused-matmul", "positive")
+@pytest.mark.parametrize("sa, sb, attrs", TRANS_BATCH_CASES, ids=range(len(TRANS_BATCH_CASES)))
+def test_fused_matmul_trans_batch_is_a_transpose_then_matmul(sa, sb, attrs):
+    original, feeds = _trans_batch_matmul(sa, sb, attrs)
+    result, want, got = rewrite_and_run(original, feeds)
+    assert result.report.by_rule() == {"unfuse-fused-matmul": 1}
+    assert op_types(result.model).count("Transpose") == attrs.get("transBatchA", 0) + attrs.get("transBatchB", 0)
+    assert_bitwise_equal(got["y"], want["y"], f"{sa} x {sb}, {attrs}")
+
+
+def test_a_broken_trans_batch_rewrite_is_caught():
+    # (3, 3, 16) read as (3, 3, 16) with axis 0 behind the batch axis: a Transpose that keeps the
+    # input as it is has the same shape, and other values.
+    original, feeds = _trans_batch_matmul(*TRANS_BATCH_CASES[3])
+    rewritten = onnx_qrewrite.rewrite(original).model
+    broken = copy.deepcopy(rewritten)
+    transpose = next(n for n in broken.graph.node if n.op_type == "Transpose")
+    next(a for a in transpose.attribute if a.name == "perm").ints[:] = [0, 1, 2]
+    assert verify(original, rewritten, inputs=feeds).passed
+    report = verify(original, broken, inputs=feeds)
+    assert not report.passed and report.localization.rule == "unfuse-fused-matmul"
+
+
+@rule_marker("unfuse-fused-matmul-scaled", "positive")
+@pytest.mark.parametrize("k", [16, 300])
+def test_fused_matmul_trans_batch_with_trans_a_and_alpha_is_bounded(k):
+    attrs = {"transBatchA": 1, "transBatchB": 1, "transA": 1, "alpha": 0.3}
+    original, feeds = _trans_batch_matmul((k, 2, 3, 12), (k, 2, 3, 20), attrs)
+    result, want, got = rewrite_and_run(original, feeds)
+    assert result.report.by_rule() == {"unfuse-fused-matmul-scaled": 1}
+    a = np.swapaxes(np.transpose(feeds["a"], (1, 2, 0, 3)), -1, -2).astype(np.float64)
+    b = np.transpose(feeds["b"], (1, 2, 0, 3)).astype(np.float64)
+    u = 2.0**-24
+    finite = np.isfinite(want["y"])
+    bound = 2 * (k * u / (1 - k * u)) * 0.3 * (np.abs(a) @ np.abs(b)) + 2 * u * np.abs(0.3 * (a @ b))
+    assert np.array_equal(finite, np.isfinite(got["y"]))
+    assert np.all(np.abs(got["y"][finite] - want["y"][finite].astype(np.float64)) <= bound[finite])
+
+
+@rule_marker("unfuse-fused-matmul", "negative")
+@rule_marker("unfuse-fused-matmul-scaled", "negative")
+def test_fused_matmul_trans_batch_needs_equal_ranks_of_at_least_3():
+    for sa, sb in [((12, 3, 16), (16, 20)), ((12, 16), (16, 20))]:
+        original = one_node("FusedMatMul", [("a", sa), ("b", sb)], {"transBatchA": 1})
+        with pytest.raises(onnx_qrewrite.LoweringError, match="the kernel needs equal ranks >= 3"):
+            onnx_qrewrite.rewrite(original)
 
 
 LN_H = 64

@@ -8,8 +8,9 @@ neural-compressor models run elsewhere. Each form was measured bit for bit again
     FastGelu(x[, b])   -> Gelu(Add(x, b), approximate="tanh")            (opset 20)         exact
                        -> Mul(Mul(x, 0.5), Add(Tanh(Mul(x, x*x*kC + kB)), 1))  (below 20)   bounded
     FusedGemm          -> Gemm + the activation op                                          exact
-    FusedConv(x, w, b[, z]) -> Conv(x, w[, b]) [+ z + b] + the activation op                exact
+    FusedConv(x, w[, b][, z]) -> Conv(x, w[, b]) [+ z [+ b]] + the activation op            exact
     FusedMatMul        -> [Transpose] + MatMul [+ Mul(alpha)]            exact when alpha = 1 and not transA
+                          (transBatchA/B: a Transpose moving axis 0 behind the batch axes)
     SkipLayerNormalization(x, s, g[, beta, bias]) -> Add(Add(x, s), bias) + LayerNormalization   bounded
     SkipSimplifiedLayerNormalization -> Add + RMSNormalization (opset 23)                   bounded
     SimplifiedLayerNormalization     -> RMSNormalization (opset 23)                         exact
@@ -236,9 +237,7 @@ class FusedGemmConvBuilder:
         _float_only(site, *site.node.input)
         op, attrs, clip = self._activation(site, conv)
         data: dict[str, Any] = {"activation": (op, attrs, clip)}
-        if conv and site.input(3):
-            if not site.input(2):
-                raise NoMatch("a sum input Z without a bias is not lowered")
+        if conv and site.input(3) and site.input(2):
             rank = None
             shape = site.value_shape(site.input(1))
             if shape is not None:
@@ -259,10 +258,11 @@ class FusedGemmConvBuilder:
             # The kernel accumulates Z into the convolution, then adds the bias: (conv + z) + b.
             value = emit.op1("Conv", inputs[:2], **node_attrs)
             value = emit.op1("Add", [value, inputs[3]], hint="AddSum")
-            bias = emit.op1(
-                "Reshape", [inputs[2], emit.const(np.array([-1] + [1] * (plan.data["rank"] - 2), np.int64))]
-            )
-            value = emit.op1("Add", [value, bias], hint="AddBias")
+            if inputs[2]:
+                bias = emit.op1(
+                    "Reshape", [inputs[2], emit.const(np.array([-1] + [1] * (plan.data["rank"] - 2), np.int64))]
+                )
+                value = emit.op1("Add", [value, bias], hint="AddBias")
         else:
             value = emit.op1("Conv", inputs[:3], **node_attrs)
         extra = [emit.const(np.float32(v)) for v in clip]
@@ -273,6 +273,16 @@ register(FusedGemmConvBuilder())
 
 
 # --- FusedMatMul ---------------------------------------------------------------------------------
+
+
+def _matmul_operand_perm(rank: int, trans: bool, trans_batch: bool) -> list[int]:
+    """The Transpose that gives MatMul the operand the kernel reads. ``trans_batch``: the kernel reads
+    (d0, b0..bn, d_last) as the stack of matrices (b0..bn, d0, d_last), d0 moved behind the batch
+    dimensions (matmul_helper.h); ``trans`` then swaps the matrix's two axes."""
+    perm = [*range(1, rank - 1), 0, rank - 1] if trans_batch else list(range(rank))
+    if trans:
+        perm[-2], perm[-1] = perm[-1], perm[-2]
+    return perm
 
 
 class FusedMatMulBuilder:
@@ -287,31 +297,35 @@ class FusedMatMulBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         site.no_unknown_attributes({"alpha", "transA", "transB", "transBatchA", "transBatchB"})
         _float_only(site, *site.node.input)
-        if site.attribute("transBatchA", 0) or site.attribute("transBatchB", 0):
-            raise NoMatch("transBatchA/transBatchB are not lowered")
         alpha = float(site.attribute("alpha", 1.0))
         trans = [bool(site.attribute("transA", 0)), bool(site.attribute("transB", 0))]
+        batch = [bool(site.attribute("transBatchA", 0)), bool(site.attribute("transBatchB", 0))]
         if not options["any_alpha"] and (alpha != 1.0 or trans[0]):
             raise NoMatch(
                 f"alpha={alpha:g}, transA={int(trans[0])}: not bit-exact as MatMul (the bounded rule applies)"
             )
-        ranks = []
+        shapes = [site.value_shape(site.input(i)) for i in range(2)]
+        ranks = [len(shape) if shape is not None else 0 for shape in shapes]
         for i, t in enumerate(trans):
-            shape = site.value_shape(site.input(i))
-            if t and (shape is None or len(shape) < 2):
+            if (t or any(batch)) and ranks[i] < 2:
                 raise NoMatch(
                     f"the rank of input {site.input(i)!r} is not recorded (needed to transpose it); run onnx "
                     "shape inference on the model first (onnx.shape_inference.infer_shapes)"
                 )
-            ranks.append(len(shape) if shape is not None else 0)
-        return Plan(data={"alpha": alpha, "trans": trans, "ranks": ranks})
+        if any(batch) and (ranks[0] != ranks[1] or ranks[0] < 3):
+            # matmul_helper.h: "Two inputs should have same rank and rank >= 3 if transBatchA or
+            # transBatchB is true" (measured: the kernel fails the run).
+            raise NoMatch(
+                f"transBatchA/transBatchB with ranks {ranks[0]} and {ranks[1]}: the kernel needs equal ranks >= 3"
+            )
+        return Plan(data={"alpha": alpha, "trans": trans, "batch": batch, "ranks": ranks})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         operands = []
-        for i, (t, rank) in enumerate(zip(plan.data["trans"], plan.data["ranks"], strict=True)):
+        for i, rank in enumerate(plan.data["ranks"]):
+            perm = _matmul_operand_perm(rank, plan.data["trans"][i], plan.data["batch"][i])
             name = site.input(i)
-            if t:
-                perm = [*range(rank - 2), rank - 1, rank - 2]
+            if perm != list(range(rank)):
                 name = emit.op1("Transpose", [name], perm=perm)
             operands.append(name)
         y = site.node.output[0]
