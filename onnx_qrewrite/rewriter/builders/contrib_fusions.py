@@ -12,17 +12,23 @@ neural-compressor models run elsewhere. Each form was measured bit for bit again
     FusedMatMul        -> [Transpose] + MatMul [+ Mul(alpha)]            exact when alpha = 1 and not transA
                           (transBatchA/B: a Transpose moving axis 0 behind the batch axes)
     SkipLayerNormalization(x, s, g[, beta, bias]) -> Add(Add(x, s), bias) + LayerNormalization   bounded
+                       (its Mean and InvStdDev outputs as the kernel's mean / inv_std_var)
     SkipSimplifiedLayerNormalization -> Add + RMSNormalization (opset 23)                   bounded
+                                     -> Add + Mul/ReduceMean/Add/Sqrt/Div/Mul (below 23, or with
+                                        mean (0, as the kernel) / inv_std_var (1 / Sqrt) read)
     SimplifiedLayerNormalization     -> RMSNormalization (opset 23)                         exact
-                                     -> Mul/ReduceMean/Add/Sqrt/Div/Mul (below 23)          bounded
+                                     -> Mul/ReduceMean/Add/Sqrt/Div/Mul (below 23, or with
+                                        inv_std_var read)                                   bounded
     BiasAdd(x, bias, skip) -> Add(Add(x, bias), skip)       exact (read from the CUDA kernel, below)
 
 Where not exact, and why: FastGelu's kernel evaluates the tanh polynomial with roundings no
 sequence of standard float ops reproduces below opset 20 (within a few ulp); the Skip*
-normalizations sum the mean and the mean square sequentially in float32 inside the kernel,
-LayerNormalization/RMSNormalization with vectorised reductions; FusedMatMul with transA or alpha != 1
-lets MLAS transpose A while packing and apply alpha per K panel, a MatMul on a transposed copy
-followed by Mul does not. All of these differ only in float32 rounding of the same computation.
+normalizations sum sequentially in float32 inside the kernel (SkipLayerNormalization: Welford's
+running mean and M2, which drift with a row's mean against its spread; the simplified form: the sum
+of squares), LayerNormalization/RMSNormalization/ReduceMean with vectorised reductions; FusedMatMul
+with transA or alpha != 1 lets MLAS transpose A while packing and apply alpha per K panel, a
+MatMul on a transposed copy followed by Mul does not. All of these differ only in float32 rounding
+of the same computation.
 
 BiasAdd has no CPU kernel in onnxruntime (CUDA only), so it is lowered from the kernel's source,
 not measured: microsoft/onnxruntime ``onnxruntime/contrib_ops/cuda/diffusion/bias_add_impl.cu`` at
@@ -356,12 +362,10 @@ class NormalizationBuilder:
         skip = form.startswith("skip")
         site.no_unknown_attributes({"epsilon"} if skip else {"epsilon", "axis", "stash_type"})
         _float_only(site, *site.node.input)
-        outputs = list(site.node.output)
-        if skip:
-            if any(outputs[1:3]):
-                raise NoMatch("the mean / inv_std_var outputs are used; not lowered")
-        elif len(outputs) > 1 and outputs[1]:
-            raise NoMatch("the inv_std_var output is used; not lowered")
+        outputs = [*site.node.output, "", "", ""]
+        statistics = any(outputs[1:3]) if skip else bool(outputs[1])
+        if statistics and form == "simplified_standard":
+            raise NoMatch("the inv_std_var output is used: RMSNormalization has none (the decomposed rule writes it)")
         axis = int(site.attribute("axis", -1))
         if axis != -1:
             shape = site.value_shape(site.input(0))
@@ -371,13 +375,16 @@ class NormalizationBuilder:
         if stash != 1:
             raise NoMatch(f"stash_type {stash} is not lowered")
         rms = kernel_opsets.OP_VERSIONS["rms-normalization"]
-        decomposed = form == "simplified_decomposed" or (form == "skip_simplified" and site.scope.default_opset < rms)
+        decomposed = form == "simplified_decomposed" or (
+            form == "skip_simplified" and (statistics or site.scope.default_opset < rms)
+        )
         need = normalization_opset(form, decomposed)
         return Plan(min_opset=need, data={"decomposed": decomposed})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         form = options["form"]
-        default_eps = 1e-12 if form.startswith("skip") else 1e-5
+        skip = form.startswith("skip")
+        default_eps = 1e-12 if skip else 1e-5
         eps = float(site.attribute("epsilon", default_eps))
         outputs = [*list(site.node.output), "", "", "", ""]
         x = site.input(0)
@@ -389,18 +396,32 @@ class NormalizationBuilder:
             if bias:
                 total = emit.op1("Add", [total, bias], outputs[3] or None, hint="AddBias")
             x = total
-        y = outputs[0]
         if form == "skip_layer_norm":
+            # LayerNormalization's optional Mean and InvStdDev are the kernel's mean / inv_std_var
+            # outputs (float32, the input's shape with the last axis 1).
             beta = [site.input(3)] if site.input(3) else []
-            emit.op1("LayerNormalization", [x, gamma, *beta], y, axis=-1, epsilon=eps)
+            written = outputs[:3]
+            while not written[-1]:
+                written.pop()
+            emit.op("LayerNormalization", [x, gamma, *beta], written, axis=-1, epsilon=eps)
         elif not plan.data["decomposed"]:
-            emit.op1("RMSNormalization", [x, gamma], y, axis=-1, epsilon=eps)
+            emit.op1("RMSNormalization", [x, gamma], outputs[0], axis=-1, epsilon=eps)
         else:
-            # As the kernel: x / sqrt(mean(x * x) + eps) * gamma.
-            square = emit.op1("Mul", [x, x])
-            mean = emit.reduce_last_axis("ReduceMean", square)
-            root = emit.op1("Sqrt", [emit.op1("Add", [mean, emit.const(np.float32(eps))])])
-            emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y)
+            _rms_decomposed(emit, x, gamma, eps, outputs[0], outputs[1] if skip else "", outputs[1 + skip])
+
+
+def _rms_decomposed(emit: Emitter, x: str, gamma: str, eps: float, y: str, mean: str, inv_std: str) -> None:
+    """As the kernel: x / sqrt(mean(x * x) + eps) * gamma; ``mean`` (the Skip form's output 1) 0, as
+    the kernel writes it (measured), and ``inv_std`` 1 / sqrt(...), where those outputs are read."""
+    square = emit.op1("Mul", [x, x])
+    mean_square = emit.reduce_last_axis("ReduceMean", square)
+    root = emit.op1("Sqrt", [emit.op1("Add", [mean_square, emit.const(np.float32(eps))])])
+    emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y)
+    if mean:
+        zero = onnx.helper.make_tensor("zero", _T.FLOAT, [1], [0.0])
+        emit.op1("ConstantOfShape", [emit.op1("Shape", [root])], mean, value=zero)
+    if inv_std:
+        emit.op1("Div", [emit.const(np.float32(1.0)), root], inv_std)
 
 
 register(NormalizationBuilder())
