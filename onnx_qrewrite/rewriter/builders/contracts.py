@@ -454,7 +454,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             ),
             emits=frozenset(
                 {"Add", "LayerNormalization", "RMSNormalization", "Mul", "ReduceMean", "Sqrt", "Div", "Shape"}
-                | {"ConstantOfShape"}
+                | {"ConstantOfShape", "Cast"}
             ),
             exactness=lambda options: EXACT if options["form"] == "simplified_standard" else BOUNDED,
             bound="the kernel's sums are sequential float32 loops (SkipLayerNormalization: Welford's running mean and "
@@ -463,7 +463,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "x̂ = (x - mean)·inv_std, the row's mean and inv_std (mean 0 for the simplified forms); the mean output "
             "within c·2^-24·max|x| over the row, inv_std_var within c·2^-24·inv_std·(1 + |mean|·inv_std) "
             "(worst measured 0.49 of it: rows of mean up to 4·10^4 against spreads of 0.01-3, h 64-4096); "
-            "the simplified forms' mean output 0, as the kernel writes it",
+            "the simplified forms' mean output 0, as the kernel writes it; float16: the kernels compute in float32 "
+            "and round y and the sum once (measured), as the rewrite's Casts do: y within that plus one float16 "
+            "ulp, the sum bit-exact",
             opset=lambda options, dtypes: str(
                 normalization_opset(options["form"], options["form"] == "simplified_decomposed")
             ),

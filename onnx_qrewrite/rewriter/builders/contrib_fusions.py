@@ -361,7 +361,7 @@ class NormalizationBuilder:
         form = options["form"]
         skip = form.startswith("skip")
         site.no_unknown_attributes({"epsilon"} if skip else {"epsilon", "axis", "stash_type"})
-        _float_only(site, *site.node.input)
+        float16 = _normalization_float16(site)
         outputs = [*site.node.output, "", "", ""]
         statistics = any(outputs[1:3]) if skip else bool(outputs[1])
         if statistics and form == "simplified_standard":
@@ -379,49 +379,69 @@ class NormalizationBuilder:
             form == "skip_simplified" and (statistics or site.scope.default_opset < rms)
         )
         need = normalization_opset(form, decomposed)
-        return Plan(min_opset=need, data={"decomposed": decomposed})
+        # float16: the kernels convert every input to float32, compute as in float32 and round y and
+        # the sum once (measured bit for bit); RMSNormalization's float16 kernel is the same one.
+        cast = float16 and form != "simplified_standard"
+        return Plan(min_opset=need, data={"decomposed": decomposed, "float16": cast})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         form = options["form"]
         skip = form.startswith("skip")
         default_eps = 1e-12 if skip else 1e-5
         eps = float(site.attribute("epsilon", default_eps))
+        float16 = plan.data["float16"]
+        inputs = [emit.op1("Cast", [i], to=_T.FLOAT) if float16 and i else i for i in site.node.input]
+        inputs += [""] * (5 - len(inputs))
         outputs = [*list(site.node.output), "", "", "", ""]
-        x = site.input(0)
-        gamma = site.input(2) if form.startswith("skip") else site.input(1)
-        if form.startswith("skip"):
-            bias = site.input(4) if form == "skip_layer_norm" else site.input(3)
+        # float16 y and sum: computed in float32, rounded once into the node's outputs.
+        y, total_out = ("", "") if float16 else (outputs[0], outputs[3])
+        x, gamma = inputs[0], inputs[2] if skip else inputs[1]
+        if skip:
+            bias = inputs[4] if form == "skip_layer_norm" else inputs[3]
             # (input + skip) + bias, as the kernel; output 3 is that sum when asked for.
-            total = emit.op1("Add", [x, site.input(1)], None if bias else outputs[3] or None, hint="AddSkip")
+            x = emit.op1("Add", [x, inputs[1]], None if bias else total_out or None, hint="AddSkip")
             if bias:
-                total = emit.op1("Add", [total, bias], outputs[3] or None, hint="AddBias")
-            x = total
+                x = emit.op1("Add", [x, bias], total_out or None, hint="AddBias")
+            if float16 and outputs[3]:
+                emit.op1("Cast", [x], outputs[3], to=_T.FLOAT16)
         if form == "skip_layer_norm":
             # LayerNormalization's optional Mean and InvStdDev are the kernel's mean / inv_std_var
             # outputs (float32, the input's shape with the last axis 1).
-            beta = [site.input(3)] if site.input(3) else []
-            written = outputs[:3]
-            while not written[-1]:
+            beta = [inputs[3]] if inputs[3] else []
+            written = [y, *outputs[1:3]]
+            while len(written) > 1 and not written[-1]:
                 written.pop()
-            emit.op("LayerNormalization", [x, gamma, *beta], written, axis=-1, epsilon=eps)
+            y = emit.op("LayerNormalization", [x, gamma, *beta], written, axis=-1, epsilon=eps)[0]
         elif not plan.data["decomposed"]:
-            emit.op1("RMSNormalization", [x, gamma], outputs[0], axis=-1, epsilon=eps)
+            y = emit.op1("RMSNormalization", [x, gamma], y or None, axis=-1, epsilon=eps)
         else:
-            _rms_decomposed(emit, x, gamma, eps, outputs[0], outputs[1] if skip else "", outputs[1 + skip])
+            y = _rms_decomposed(emit, x, gamma, eps, y, outputs[1] if skip else "", outputs[1 + skip])
+        if float16:
+            emit.op1("Cast", [y], outputs[0], to=_T.FLOAT16)
 
 
-def _rms_decomposed(emit: Emitter, x: str, gamma: str, eps: float, y: str, mean: str, inv_std: str) -> None:
+def _normalization_float16(site: Site) -> bool:
+    """Whether the node's inputs are float16 (else float32): the kernels take one type for all."""
+    known = {site.elem_type(name) for name in site.node.input if name} - {None}
+    if not known <= {_T.FLOAT, _T.FLOAT16} or len(known) > 1:
+        named = ", ".join(sorted(dtype_name(t) for t in known if t is not None))
+        raise NoMatch(f"input types {named}: only float32 and float16, the same for every input, were measured")
+    return known == {_T.FLOAT16}
+
+
+def _rms_decomposed(emit: Emitter, x: str, gamma: str, eps: float, y: str, mean: str, inv_std: str) -> str:
     """As the kernel: x / sqrt(mean(x * x) + eps) * gamma; ``mean`` (the Skip form's output 1) 0, as
     the kernel writes it (measured), and ``inv_std`` 1 / sqrt(...), where those outputs are read."""
     square = emit.op1("Mul", [x, x])
     mean_square = emit.reduce_last_axis("ReduceMean", square)
     root = emit.op1("Sqrt", [emit.op1("Add", [mean_square, emit.const(np.float32(eps))])])
-    emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y)
+    y = emit.op1("Mul", [emit.op1("Div", [x, root]), gamma], y or None)
     if mean:
         zero = onnx.helper.make_tensor("zero", _T.FLOAT, [1], [0.0])
         emit.op1("ConstantOfShape", [emit.op1("Shape", [root])], mean, value=zero)
     if inv_std:
         emit.op1("Div", [emit.const(np.float32(1.0)), root], inv_std)
+    return y
 
 
 register(NormalizationBuilder())
