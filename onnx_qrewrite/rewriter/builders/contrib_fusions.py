@@ -366,6 +366,9 @@ class NormalizationBuilder:
         statistics = any(outputs[1:3]) if skip else bool(outputs[1])
         if statistics and form == "simplified_standard":
             raise NoMatch("the inv_std_var output is used: RMSNormalization has none (the decomposed rule writes it)")
+        shape = site.value_shape(site.input(0))
+        if skip and shape is not None and len(shape) not in (2, 3):
+            raise NoMatch(f"input has rank {len(shape)}; the kernel takes 2 or 3 dimensions (it refuses others)")
         axis = int(site.attribute("axis", -1))
         if axis != -1:
             shape = site.value_shape(site.input(0))
