@@ -70,6 +70,12 @@ _FLOAT = (_T.FLOAT,)
 def _float_only(site: Site, *names: str) -> None:
     for name in names:
         elem = site.elem_type(name) if name else None
+        if elem == _T.FLOAT16:
+            raise NoMatch(
+                f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
+                "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "
+                "node's float16 result depends on its neighbours"
+            )
         if elem is not None and elem not in _FLOAT:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
