@@ -527,12 +527,15 @@ def _simplified(opset, outputs):
 
 
 FLOAT16_NORMALIZATIONS = {
-    "unfuse-skip-layer-norm": lambda: _skip_ln("SkipLayerNormalization", True, True, ("y", "mean", "istd", "sum")),
-    "unfuse-skip-simplified-layer-norm": lambda: _skip_ln(
+    "skip-layer-norm": lambda: _skip_ln("SkipLayerNormalization", True, True, ("y", "mean", "istd", "sum")),
+    "skip-simplified-layer-norm": lambda: _skip_ln(
         "SkipSimplifiedLayerNormalization", True, False, ("y", "mean", "istd", "sum"), opset=23
     ),
-    "unfuse-simplified-layer-norm-decomposed": lambda: _simplified(17, ("y", "inv_std_var")),
-    "unfuse-simplified-layer-norm": lambda: _simplified(23, ("y",)),
+    "skip-simplified-layer-norm/rms": lambda: _skip_ln(
+        "SkipSimplifiedLayerNormalization", True, False, ("y", "", "", "sum"), opset=23
+    ),
+    "simplified-layer-norm-decomposed": lambda: _simplified(17, ("y", "inv_std_var")),
+    "simplified-layer-norm": lambda: _simplified(23, ("y",)),
 }
 
 
@@ -540,12 +543,13 @@ FLOAT16_NORMALIZATIONS = {
 @rule_marker("unfuse-skip-simplified-layer-norm", "positive")
 @rule_marker("unfuse-simplified-layer-norm-decomposed", "positive")
 @rule_marker("unfuse-simplified-layer-norm", "positive")
-@pytest.mark.parametrize("rule", list(FLOAT16_NORMALIZATIONS))
-def test_float16_normalizations_compute_in_float32_and_round_once(rule):
+@pytest.mark.parametrize("case", list(FLOAT16_NORMALIZATIONS))
+def test_float16_normalizations_compute_in_float32_and_round_once(case):
     # onnxruntime 1.31.1's float16 kernels convert every input to float32, compute as the float32
     # kernel and round y and the sum once (measured bit for bit against the float32 kernel); mean and
     # inv_std_var are float32. The rewrite: Cast, the float32 form, Cast.
-    original32 = FLOAT16_NORMALIZATIONS[rule]()
+    original32 = FLOAT16_NORMALIZATIONS[case]()
+    rule = "unfuse-" + case.split("/")[0]
     original = _as_float16(original32)
     x = np.clip(_ln_input(), -6e4, 6e4).astype(np.float16)
     x[1] = np.float16(1000) + RNG.standard_normal(x[1].shape).astype(np.float16)
@@ -554,6 +558,8 @@ def test_float16_normalizations_compute_in_float32_and_round_once(rule):
     )
     result, want, got = rewrite_and_run(original, feeds, keep_opset=True)
     assert result.report.by_rule() == {rule: 1}
+    if case.endswith("/rms"):
+        assert "RMSNormalization" in op_types(result.model)
     if rule == "unfuse-simplified-layer-norm":
         assert op_types(result.model) == ["RMSNormalization"]
         assert_bitwise_equal(got["y"], want["y"], "float16 RMSNormalization")

@@ -436,10 +436,9 @@ class Emitter:
         """Single-output convenience form of :meth:`op`."""
         return self.op(op_type, inputs, [output] if output else 1, **kw)[0]
 
-    def reduce_last_axis(self, op_type: str, x: str, out: str | None = None) -> str:
+    def reduce_last_axis(self, op_type: str, x: str) -> str:
         """``op_type`` (ReduceMean, ReduceMax, ...) of ``x`` over its last axis, dims kept, in the
-        form the model's opset takes: the axes an input from opset 18, an attribute before;
-        written to ``out`` where given (an output of the replaced node)."""
+        form the model's opset takes: the axes an input from opset 18, an attribute before."""
         if self.opset >= kernel_opsets.OP_VERSIONS["reduce-axes-input"]:
-            return self.op1(op_type, [x, self.const(np.array([-1], np.int64))], out, keepdims=1)
-        return self.op1(op_type, [x], out, axes=[-1], keepdims=1)
+            return self.op1(op_type, [x, self.const(np.array([-1], np.int64))], keepdims=1)
+        return self.op1(op_type, [x], axes=[-1], keepdims=1)
