@@ -6,6 +6,7 @@ being patched together from partial runs."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 from conftest import REPO
@@ -84,3 +85,47 @@ def test_the_document_from_one_invocation(tmp_path):
     assert "## With `--input-shape` and `--allow-approximate`" in text and "consent (nnapi)" in text
     assert "| onnx | dynamic_mlp | quantize_dynamic | 0 → 0 |" in text
     assert "| `nnapi` | 1 | 1 | 1 | 1 |" in text
+
+
+_NAMES = {"openvino": "OpenVINO", "tract": "tract", "qnn": "QNN", "tflite": "TFLite", "tensorrt": "TensorRT"}
+_NAMES |= {"nnapi": "NNAPI", "coreml": "CoreML", "webgpu": "WebGPU"}
+
+
+def _reach_table(doc: str) -> dict[str, list[str]]:
+    """docs/targets-battery.md's "Reached, per target and pass": target -> [models, as given,
+    with --input-shape, with --allow-approximate too]."""
+    block = doc.split("## Reached, per target and pass\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in block.splitlines() if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): [c.strip() for c in cells[1:]] for cells in rows}
+
+
+def test_the_readme_states_what_the_battery_document_measured():
+    """Every figure the README states about the battery is docs/targets-battery.md's (which one
+    command writes whole): its per-target table, the verdict-vs-runtime counts of both passes, the
+    reach counts per target and pass, and the commit that produced it. A regenerated document that
+    changes any of them fails here until the README says the same."""
+    doc = (REPO / "docs" / "targets-battery.md").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    summary = doc.split("Per target (the README's Targets table is this table):\n\n", 1)[1].split("\n\n", 1)[0]
+    assert summary.startswith("| target | reached after") and summary in readme
+    (given, fixed) = re.findall(r"agrees with the runtime on (\d+ of \d+) model forms", doc)
+    assert f"{given} model forms as given, {fixed} with `--input-shape`" in readme
+    flat = " ".join(readme.split())
+    made = re.search(r"do not edit by hand\): (\S+) \S+ UTC, commit (\w{7})", doc)
+    said = re.search(r"--doc docs/targets-battery.md` \((\S+), commit (\w+),", flat)
+    assert made and said and said.groups() == made.groups(), "the README names another run than the document's"
+    reach = _reach_table(doc)
+    total = {row[0] for row in reach.values()}
+    assert len(total) == 1
+    (models,) = total
+    named = [t for t in reach if t in _NAMES]
+    if all(reach[t][1] == reach[t][2] for t in named):
+        counts = ", ".join(f"{_NAMES[t]} {reach[t][1]}" for t in named)
+        assert f"of the {models} models, {counts} both ways" in flat
+    assert f"NNAPI reaches {reach['nnapi'][3]} of the {models} models" in flat
+    assert f"{reach['coreml'][2]} -> {reach['coreml'][3]} of the {models}" in flat
+    assert f"{reach['webgpu'][3]} of the {models}, no row differing" in flat
+    # What a runtime computes otherwise: verify's default samples on the rewrites each target reaches.
+    ov, tr, tf = (reach[t][1] for t in ("openvino", "tract", "tflite"))
+    assert f"OpenVINO ({ov} of the {ov} reached), tract ({tr} of {tr}) and TFLite ({tf} of {tf}) pass" in flat
+    assert re.search(rf"for QNN \d+ of {reach['qnn'][1]}\.", flat)
