@@ -49,6 +49,30 @@ def test_core_requirements_leave_the_runtime_to_extras(wheel):
     assert by_extra["test"] >= by_extra["verify"] | by_extra["onnxscript"]
 
 
+def test_each_runtime_is_an_extra_the_core_install_does_not_need(wheel):
+    """Issue 11: the target runtimes are optional extras, never required by the core install, and
+    the extra a missing runtime's error names (verify/runtimes.py install_hint) and `targets` lists
+    (a profile's `extra`) exists and installs that runtime. TFLite has none: onnx2tf pins onnx and
+    onnxruntime below what this package is proven on, so it lives in its own environment."""
+    from onnx_qrewrite.targets import load_targets
+    from onnx_qrewrite.verify.runtimes import RUNTIMES
+
+    meta = _wheel_metadata(wheel)
+    requires = meta.get_all("Requires-Dist")
+    core = {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() for r in requires if "extra ==" not in r}
+    by_extra: dict[str, set[str]] = {extra: set() for extra in meta.get_all("Provides-Extra")}
+    for r in requires:
+        if m := re.search(r"""extra == ['"]([\w-]+)['"]""", r):
+            by_extra[m.group(1)].add(re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower())
+    assert core.isdisjoint({spec.distribution for spec in RUNTIMES.values()} | {"ai-edge-litert"})
+    assert RUNTIMES["tflite"].extra == "" and "onnx2tf" not in set().union(*by_extra.values())
+    for name, spec in RUNTIMES.items():
+        assert not spec.extra or spec.distribution in by_extra.get(spec.extra, set()), name
+    for profile in load_targets().values():
+        if profile.extra:
+            assert RUNTIMES[profile.runtime].distribution in by_extra.get(profile.extra, set()), profile.id
+
+
 def test_declared_pythons_are_the_ones_ci_runs(wheel):
     meta = _wheel_metadata(wheel)
     declared = sorted(

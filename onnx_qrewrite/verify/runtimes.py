@@ -58,7 +58,7 @@ __all__ = [
 class RuntimeSpec:
     module: str  # what must import
     distribution: str  # what pip installs
-    extra: str  # onnx-qrewrite's extra that installs it
+    extra: str  # onnx-qrewrite's extra that installs it ("": none, the runtime has its own environment)
     #: default float tolerances (atol, rtol) for the rewritten model on this runtime
     atol: float
     rtol: float
@@ -69,8 +69,9 @@ RUNTIMES: dict[str, RuntimeSpec] = {
     "openvino": RuntimeSpec("openvino", "openvino", "openvino", 1e-5, 1e-4),
     "tract": RuntimeSpec("tract", "tract", "tract", 1e-5, 1e-4),
     "qnn": RuntimeSpec("onnxruntime_qnn", "onnxruntime-qnn", "qnn", 5e-2, 5e-2),
-    # Runs in its own interpreter (see tflite_python): the module is looked for there.
-    "tflite": RuntimeSpec("onnx2tf", "onnx2tf", "tflite", 1e-5, 1e-4),
+    # Runs in its own interpreter (see tflite_python): the module is looked for there. No extra:
+    # onnx2tf pins onnx and onnxruntime below what this package is proven on (install_hint says how).
+    "tflite": RuntimeSpec("onnx2tf", "onnx2tf", "", 1e-5, 1e-4),
 }
 
 #: The Python (3.12+) that has onnx2tf and ai-edge-litert, when it is not this one.
