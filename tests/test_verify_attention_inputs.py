@@ -196,6 +196,61 @@ def test_one_dimensional_masks_hold_key_lengths():
         assert report.passed, report.to_table()
 
 
+NEW_KEYS = 4  # the MultiHeadAttention case's new keys, after 3 past ones
+
+
+def key_length_mask_broken(rewritten, how):
+    """The rewrite of a 1-D key-length mask with one bug: the masked scores left as they are
+    ("mask ignored"), one key more than the length kept ("one key more": Less(position, length) made
+    LessOrEqual), the lengths cut at the new keys' count as if there were no past ("past
+    forgotten"), or the attention scale 1% off."""
+    if how == "scale x1.01":
+        return scale_changed(rewritten)
+    model = onnx.ModelProto()
+    model.CopyFrom(rewritten)
+    if how == "past forgotten":  # Min(lengths, new keys) after the mask's Cast
+        cast = next(n for n in model.graph.node if n.name == "y/Cast")
+        model.graph.initializer.append(numpy_helper.from_array(np.array(NEW_KEYS, np.int64), "new_keys"))
+        at = list(model.graph.node).index(cast) + 1
+        model.graph.node.insert(at, helper.make_node("Min", ["uncut", "new_keys"], [cast.output[0]], name="cut"))
+        cast.output[0] = "uncut"
+    elif how == "mask ignored":
+        where = next(n for n in model.graph.node if n.name == "y/Mask")
+        where.input[2] = where.input[1]  # the masked-out value made the kept one (0)
+    else:
+        next(n for n in model.graph.node if n.name == "y/Less").op_type = "LessOrEqual"
+    return model
+
+
+@pytest.mark.parametrize("which", ["MultiHeadAttention (B)", "Attention (2B)"])
+def test_a_wrong_rewrite_of_a_one_dimensional_mask_fails_without_inputs(tmp_path, which):
+    """The command line with no --inputs on a 1-D key-length mask: the correct rewrite passes (exit
+    0), each broken one fails (exit 1). "past forgotten" is what the generated lengths (all T on the
+    first sample, uneven on the others) catch and the old integer default {0, 1} cannot: given that
+    range by hand, the same break passes."""
+    breaks = ["mask ignored", "one key more", "scale x1.01"]
+    if which.startswith("Multi"):
+        model = mha_model(2, 4, NEW_KEYS, 3, 32, 4, mask="lengths")
+        breaks.append("past forgotten")
+    else:
+        model = attention_model(3, 8, 32, [32, 32, 32], 4, (6,), {"unidirectional": 1})
+    rewritten = onnx_qrewrite.rewrite(model).model
+    original = tmp_path / "original.onnx"
+    onnx.save(model, original)
+    paths = {}
+    for how in ["correct", *breaks]:
+        paths[how] = tmp_path / f"{how.replace(' ', '_')}.onnx"
+        onnx.save(rewritten if how == "correct" else key_length_mask_broken(rewritten, how), paths[how])
+        result = cli_in_process("verify", original, paths[how], "--no-localize")
+        verdict = (0, "PASSED") if how == "correct" else (1, "FAILED")
+        assert result.returncode == verdict[0] and verdict[1] in result.stdout, (how, result.stdout + result.stderr)
+    if "past forgotten" in paths:
+        old_default = cli_in_process(
+            "verify", original, paths["past forgotten"], "--no-localize", "--val-range", "m:[0,1]"
+        )
+        assert old_default.returncode == 0 and "PASSED" in old_default.stdout, old_default.stdout + old_default.stderr
+
+
 def test_a_named_range_wins_and_an_input_without_a_shape_is_named():
     """--val-range NAME:[LO,HI] keeps its range for a length input (the user's call), --int-range
     does not reach them; a query that declares no shape is named by the usual UsageError (the
