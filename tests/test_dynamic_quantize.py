@@ -285,6 +285,23 @@ def test_nan_in_at_most_seven_elements_matches_the_kernel(opt):
     assert all_nan["y_scale"] == np.float32(1.0) and all_nan["y_zero_point"] == 0
 
 
+@rule_marker("dql-expand", "positive")
+def test_all_nan_in_eight_or_more_elements_is_deterministic_and_matched():
+    """The README's table: an all-NaN input of 8+ elements gives a NaN scale and zero point 255 in
+    the kernel (vectorised min/max: NaN whatever the lanes), whatever the thread count; the
+    unguarded expansion matches it bit for bit. Below 8 it is scale 1.0, zero point 0 (above)."""
+    for shape in ([8], [2, 4], [100]):
+        original = _static_dql_model(shape)
+        rewritten = onnx_qrewrite.rewrite(original).model
+        x = np.full(shape, np.nan, np.float32)
+        for threads in (1, 2):
+            want = session(original, threads=threads).run(None, {"x": x})
+            got = session(rewritten, threads=threads).run(None, {"x": x})
+            assert np.isnan(want[1]) and want[2] == 255, (shape, threads, want[1:])
+            for out, w, g in zip(("y", "y_scale", "y_zero_point"), want, got, strict=True):
+                assert_bitwise_equal(g, w, f"all NaN {shape}, {out}, {threads} threads")
+
+
 def test_nan_guard_only_where_the_shape_is_known_to_be_small():
     """8+ elements or an unknown shape: the 13-op expansion, no extra op (from 8 elements the kernel
     is vectorised and a NaN's effect depends on its position, so nothing could be matched; an
