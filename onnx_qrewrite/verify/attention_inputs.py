@@ -41,6 +41,12 @@ the default {0, 1}: any such mask is valid.
 
 An input named by ``--val-range NAME:[LO,HI]`` keeps that range; a bare ``--val-range`` or
 ``--int-range`` does not apply to these inputs.
+
+The heads of GroupQueryAttention's past_key/past_value graph inputs (B, Nkv, P, H) admit one
+value each, which the kernel checks: a symbolic dimension there (onnxruntime-genai's builder names
+the head size ``kv_cache_dim``) is given kv_num_heads, and H = the query's hidden size / num_heads
+(of a packed QKV query: / (num_heads + 2·kv_num_heads)), where the query's last dimension is
+recorded (:func:`head_dims`); ``--input-shape DIM=N`` or a shape for the whole input wins.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from onnx_qrewrite.verify.inputs import GenerationOptions, InputSpec, ValueRange
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["LengthInputs", "length_inputs"]
+__all__ = ["LengthInputs", "head_dims", "length_inputs"]
 
 logger = logging.getLogger(__name__)
 
@@ -388,3 +394,55 @@ def length_inputs(
                 if feed.name not in options.value_ranges:
                     found.setdefault(feed.name, feed)
     return LengthInputs(tuple(found.values()), options.seed) if found else None
+
+
+def _hidden_size(model: onnx.ModelProto, name: str) -> int | None:
+    """The last dimension of the 3-D value ``name`` where the model records it as a number."""
+    graph = model.graph
+    for value in (*graph.input, *graph.value_info, *graph.output):
+        if value.name == name and value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            dims = value.type.tensor_type.shape.dim
+            return dims[2].dim_value if len(dims) == 3 and dims[2].HasField("dim_value") else None
+    return None
+
+
+def _heads(model: onnx.ModelProto, node: onnx.NodeProto) -> tuple[int, int] | None:
+    """(kv_num_heads, head size) of a GroupQueryAttention node with a past, from its query."""
+    if node.op_type != "GroupQueryAttention" or len(node.input) < 5:
+        return None
+    attrs = {a.name: a.i for a in node.attribute}
+    heads, kv_heads = attrs.get("num_heads", 0), attrs.get("kv_num_heads", 0)
+    split = heads + 2 * kv_heads if not node.input[1] else heads  # packed QKV: query (B, S, (N + 2·Nkv)·H)
+    hidden = _hidden_size(model, node.input[0])
+    if not hidden or split <= 0 or hidden % split:
+        return None
+    return kv_heads, hidden // split
+
+
+def head_dims(model: onnx.ModelProto, specs: Sequence[InputSpec], options: GenerationOptions) -> dict[str, int]:
+    """The symbolic dimensions of GroupQueryAttention past_key/past_value graph inputs that one value fits
+    (their heads and head size: the module docstring), unless ``options`` gives them; a symbol
+    two nodes would give different values is left out (and named in a warning)."""
+    by_name = {s.name: s for s in specs}
+    found: dict[str, int] = {}
+    clashing: set[str] = set()
+    for node in model.graph.node:
+        heads = _heads(model, node) if node.domain == "com.microsoft" else None
+        if heads is None:
+            continue
+        kv_heads, size = heads
+        for index in (3, 4):
+            spec = by_name.get(node.input[index]) if len(node.input) > index else None
+            if spec is None or spec.name in options.shapes or spec.dims is None or len(spec.dims) != 4:
+                continue
+            for dim, value in ((spec.dims[1], kv_heads), (spec.dims[3], size)):
+                if not isinstance(dim, str) or dim in options.dims or value <= 0:
+                    continue
+                if found.setdefault(dim, value) != value:
+                    clashing.add(dim)
+    for dim in sorted(clashing):
+        logger.warning(
+            "verify: attention inputs need different values of dimension %r; give it with --input-shape", dim
+        )
+        del found[dim]
+    return found

@@ -4,12 +4,13 @@ the shapes, :mod:`.attention_inputs`), and how they came to be (for the report).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 from onnx_qrewrite.errors import UsageError
-from onnx_qrewrite.verify.attention_inputs import length_inputs
+from onnx_qrewrite.verify.attention_inputs import head_dims, length_inputs
 from onnx_qrewrite.verify.inputs import (
     GenerationOptions,
     Sample,
@@ -40,6 +41,8 @@ def resolve_samples(inputs: InputsLike, model: onnx.ModelProto, generation: Gene
     model's input specs and ``generation``."""
     specs = input_specs(model)
     if inputs is None:
+        heads = head_dims(model, specs, generation)  # past_key's heads and head size, where symbolic
+        generation = dataclasses.replace(generation, dims={**heads, **generation.dims}) if heads else generation
         ranges = resolve_value_ranges(specs, generation, gather_index_limits(model))
         lengths = length_inputs(model, specs, generation)
         ranges |= lengths.ranges if lengths is not None else {}
