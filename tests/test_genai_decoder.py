@@ -125,7 +125,7 @@ def test_a_broken_rewrite_fails_without_inputs(rewritten_fp32, how):
 def test_the_int4_decoder_with_the_approximate_form_is_within_the_drift_thresholds(tmp_path):
     """The builder's MatMulNBits carry accuracy_level 4 (onnxruntime quantizes A to int8 per
     block): only the approximate rule lowers them, when asked; end to end within the default drift
-    thresholds on a padded 16-token prompt (384 rows of logits; at one row, argmax agreement is all
+    thresholds on a padded 16-token prompt (192 rows of logits; at one row, argmax agreement is all
     or nothing)."""
     with pytest.raises(onnx_qrewrite.LoweringError, match="accuracy_level 4"):
         onnx_qrewrite.rewrite(onnx.load(INT4))
