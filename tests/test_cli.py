@@ -171,6 +171,8 @@ def test_refuses_to_overwrite_the_input(tmp_path):
     [
         (["--only", "no-such-rule"], "--only: no rule 'no-such-rule'"),
         (["--skip", "nope"], "--skip: no rule 'nope'"),
+        (["--skip", "int-matmul-int3"], "--skip: no rule 'int-matmul-int3' (did you mean 'int-matmul-int32'?)"),
+        (["--only", "qop-matmull"], "--only: no rule 'qop-matmull' (did you mean 'qop-matmul'?)"),
         (["--rule-option", "garbage"], "expected RULE_ID.KEY=VALUE"),
         (["--rule-option", "nope.key=1"], "option for unknown rule 'nope'"),
         (["--rules", "/no/such/rules.toml"], "rule file not found"),

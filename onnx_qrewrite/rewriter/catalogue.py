@@ -474,7 +474,9 @@ class Catalogue:
         for option, ids in (("--only", only), ("--skip", skip)):
             for rule_id in ids or ():
                 if rule_id not in known:
-                    raise UsageError(f"{option}: no rule {rule_id!r} (see `onnx-qrewrite rules`)")
+                    raise UsageError(
+                        f"{option}: no rule {rule_id!r}{closest(rule_id, self.ids)} (see `onnx-qrewrite rules`)"
+                    )
         rules = [r for r in self.rules if (not only or r.id in only) and r.id not in set(skip or ())]
         return Catalogue(rules)
 
