@@ -83,9 +83,14 @@ _QDQ = '[[rule]]\nid = "q"\nsummary = "s"\nbuilder = "standard_qdq"\nexactness =
         (_HEAD, "'match' must be"),
         (_HEAD + 'match = {op = "X"}\nwhen = {min_opset = "13"}', "'when.min_opset' must be an integer"),
         (_HEAD + 'match = {op = "X"}\nwhen = {dtype = ["uint8"]}', "'dtype' (did you mean 'dtypes'?)"),
+        (
+            _HEAD + 'match = {op = "X"}\nwhen = {dtypes = ["uint9"]}',
+            "'when.dtypes': unknown dtype 'uint9' (did you mean 'uint8'?)",
+        ),
+        (_HEAD + 'match = {domian = "com.x", op = "X"}', "unknown key in 'match': 'domian' (did you mean 'domain'?)"),
         ('[[rule]]\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nmatch = {op = "X"}', "'id' must be"),
         (_HEAD.replace('exactness = "exact"\n', "") + 'match = {op = "X"}', "'exactness' must be one of"),
-        (_HEAD.replace('"exact"', '"exactish"') + 'match = {op = "X"}', "not 'exactish'"),
+        (_HEAD.replace('"exact"', '"exactish"') + 'match = {op = "X"}', "not 'exactish' (did you mean 'exact'?)"),
         # The builder's contract: option keys, types, values, emitted ops, exactness.
         (
             _QDQ + 'options = { direction = "quantize", axis_defualt = 0 }',
@@ -115,6 +120,15 @@ _QDQ = '[[rule]]\nid = "q"\nsummary = "s"\nbuilder = "standard_qdq"\nexactness =
 def test_bad_rule_files_name_the_file_rule_and_problem(text, message):
     with pytest.raises(UsageError, match="mine.toml: .*" + re.escape(message)):
         parse_rules(text, "mine.toml")
+
+
+def test_the_dtype_names_rules_may_use_are_onnxs_as_the_rewriter_spells_them():
+    from onnx import TensorProto
+
+    from onnx_qrewrite.rewriter.catalogue import DTYPE_NAMES
+    from onnx_qrewrite.rewriter.graph import dtype_name
+
+    assert set(DTYPE_NAMES) == {dtype_name(v) for _, v in TensorProto.DataType.items() if v}
 
 
 def test_a_bad_option_override_is_a_usage_error_naming_rule_and_key():

@@ -50,7 +50,7 @@ from typing import Any
 from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.rewriter.builders import Builder, builder_names, contract_of, get_builder
-from onnx_qrewrite.rewriter.contract import EXACTNESS, Contract, closest
+from onnx_qrewrite.rewriter.contract import ELEMENT_TYPES, EXACTNESS, Contract, closest
 
 __all__ = [
     "Catalogue",
@@ -161,6 +161,14 @@ _RULE_KEYS = (
     "on_replacements",
 )
 _WHEN_KEYS = ("dtypes", "min_opset", "max_opset")
+#: What ``when.dtypes`` may name: every onnx 1.23 element type as ``graph.dtype_name`` spells it
+#: (tests/test_catalogue.py checks the two agree). A name outside it would never match a node.
+DTYPE_NAMES = tuple(
+    sorted(
+        ELEMENT_TYPES
+        | {"complex64", "complex128", "float4e2m1", "float6e2m3", "float6e3m2", "float8e8m0", "int2", "uint2", "string"}
+    )
+)
 _FILE_KEYS = ("rule", "title", "about", "notes")
 #: Keys rule files used to have, and where their content lives now.
 _REMOVED_KEYS = {
@@ -239,7 +247,8 @@ def _check_fields(raw: dict[str, Any], source: str, where: str) -> None:
             source,
             where,
             f"'exactness' must be one of {', '.join(EXACTNESS)}"
-            + (f", not {raw['exactness']!r}" if "exactness" in raw else " (missing)"),
+            + (f", not {raw['exactness']!r}" if "exactness" in raw else " (missing)")
+            + (closest(raw["exactness"], EXACTNESS) if isinstance(raw.get("exactness"), str) else ""),
         )
 
 
@@ -252,7 +261,10 @@ def _parse_match(raw: dict[str, Any], source: str, where: str) -> list[OpRef]:
         raise _fail(source, where, "'match' must be a table or a non-empty list of {domain, op} tables")
     match = []
     for m in match_raw:
-        if not isinstance(m, dict) or set(m) - {"domain", "op"} or not isinstance(m.get("op"), str):
+        problem = _unknown_keys(m, ("domain", "op"), "key in 'match':") if isinstance(m, dict) else None
+        if problem:
+            raise _fail(source, where, problem)
+        if not isinstance(m, dict) or not isinstance(m.get("op"), str):
             raise _fail(source, where, "each 'match' entry needs 'op' (string) and optional 'domain'")
         domain = m.get("domain", "")
         if not isinstance(domain, str):
@@ -272,6 +284,9 @@ def _parse_when(raw: dict[str, Any], source: str, where: str) -> tuple[dict[str,
     dtypes = when.get("dtypes")
     if dtypes is not None and (not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes)):
         raise _fail(source, where, "'when.dtypes' must be a list of dtype names")
+    for name in dtypes or ():
+        if name not in DTYPE_NAMES:
+            raise _fail(source, where, f"'when.dtypes': unknown dtype {name!r}{closest(name, DTYPE_NAMES)}")
     for key in ("min_opset", "max_opset"):
         if key in when and (not isinstance(when[key], int) or isinstance(when[key], bool)):
             raise _fail(source, where, f"'when.{key}' must be an integer")
