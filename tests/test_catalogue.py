@@ -150,6 +150,22 @@ def test_duplicate_rule_id_across_files_is_refused(tmp_path):
         load_catalogue([dup])
 
 
+def test_precedes_naming_no_rule_is_refused_with_the_closest(tmp_path):
+    """With the shipped rules loaded, a name in 'precedes' that no rule has would order nothing."""
+    text = (
+        '[[rule]]\nid = "mine"\nsummary = "s"\nbuilder = "dynamic_quantize_linear"\nexactness = "exact"\n'
+        'match = {op = "DynamicQuantizeLinear"}\nprecedes = ["dql-expnd"]\n'
+    )
+    path = tmp_path / "mine.toml"
+    path.write_text(text)
+    with pytest.raises(
+        UsageError, match=re.escape("rule 'mine': 'precedes' names no rule 'dql-expnd' (did you mean 'dql-expand'?)")
+    ):
+        load_catalogue([path])
+    path.write_text(text.replace("dql-expnd", "dql-expand"))
+    assert load_catalogue([path]).candidates("", "DynamicQuantizeLinear")[0].id == "mine"
+
+
 def test_a_user_catalogue_lowers_a_new_vendor_op_without_touching_the_package(tmp_path):
     """A team's own quantize op with Quark-like semantics, mapped by data alone."""
     rules = tmp_path / "mycorp.toml"

@@ -558,7 +558,21 @@ def load_catalogue(paths: Iterable[str | os.PathLike[str]] = (), *, include_ship
         except (OSError, UnicodeDecodeError) as exc:
             raise UsageError(f"{path}: cannot read rule file: {exc}") from None
         rules.extend(parse_rules(text, str(path), cache=shipped is not None and path.is_relative_to(shipped)))
+    if include_shipped:
+        _check_precedes(rules)
     return Catalogue(rules)
+
+
+def _check_precedes(rules: Sequence[Rule]) -> None:
+    """Every rule a ``precedes`` names is in the catalogue (with the shipped rules loaded, a name
+    that is not is a misspelling, which would silently order nothing)."""
+    ids = [r.id for r in rules]
+    for rule in rules:
+        for other in rule.precedes:
+            if other not in ids:
+                raise _fail(
+                    rule.source, f"rule {rule.id!r}", f"'precedes' names no rule {other!r}{closest(other, ids)}"
+                )
 
 
 def _shipped_or_none() -> Path | None:
