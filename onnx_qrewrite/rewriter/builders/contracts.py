@@ -599,8 +599,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "embedding sum (GCC's default where the target has FMA; 18.7 measured), plus "
             "12·2^-24·|γ|·(1 + |x̂|)·M/σ, M the row's largest |w| + |p| + |s| dequantized, σ its standard "
             "deviation (first-order worst case; 1.59 of 2^-24·|γ|·(1 + |x̂|)·M/σ measured); the mask index and "
-            "the embedding sum are bit-exact; float16 (the float32 kernel between Casts, as onnxruntime runs it): "
-            "that bound at the float32 result plus one float16 ulp (bit-exact on x86-64, measured)",
+            "the embedding sum are bit-exact",
             outputs=2,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["embed-layer-norm"]),
         ),

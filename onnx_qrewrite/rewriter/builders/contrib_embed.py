@@ -21,9 +21,11 @@ carries into every ``x - mean``. ``CumSum`` adds sequentially: its last element 
 so the whole row is bit-exact on x86-64 (measured; ``benchmarks/embed_bound_probe.py``).
 The mask index counts values equal to 1 (a 2 or a -1 does not count), bit-exact.
 
-float16 tables, gamma and beta: onnxruntime 1.31.1 has no float16 kernel on CPU and runs the float32
-one between Casts (measured: its outputs are those of the float32 kernel on the widened inputs,
-rounded once to float16, bit for bit); the rewrite does the same. ``mask_index_type`` (0: no mask
+float16 tables, gamma and beta are not lowered: onnxruntime 1.31.1 has no float16 kernel on CPU and
+runs the float32 one between Casts it inserts (alone, its outputs are the float32 kernel's rounded
+once), but keeps float32 between neighbouring nodes it runs so (an Attention or a FastGelu after it
+reads the unrounded result: measured), so the node's float16 output depends on its neighbours, as
+for the other fusions without a float16 kernel (contrib_fusions.py). ``mask_index_type`` (0: no mask
 index, in the schema) is not read by the CPU kernel: it writes the mask index output whatever the
 value (measured with 0, 1 and 2), so 0 is lowered as 1.
 
@@ -49,21 +51,27 @@ __all__ = ["EmbedLayerNormalizationBuilder"]
 _T = onnx.TensorProto
 
 
-def _check_float_types(site: Site, indices: tuple[int, ...], quantized: bool) -> None:
-    """The float inputs at ``indices``: float32, or for EmbedLayerNormalization all float16 (its
-    type T: onnxruntime 1.31.1 runs the float32 kernel between Casts, measured)."""
-    allowed = (_T.FLOAT,) if quantized else (_T.FLOAT, _T.FLOAT16)
-    first = None
+def _check_float_types(site: Site, indices: tuple[int, ...]) -> None:
+    """The float inputs at ``indices``: float32 only. float16 is refused: onnxruntime has no float16
+    kernel on CPU and runs the float32 one between Casts it inserts, keeping float32 between
+    neighbouring such nodes (an Attention or a FastGelu after it reads the unrounded sum: measured),
+    so the node's float16 result depends on its neighbours. One of them must have a recorded type
+    (they share one: the kernel's T), else a float16 node could pass for float32."""
+    if all(site.elem_type(site.input(index)) is None for index in indices if site.input(index)):
+        raise NoMatch(
+            "the element type of the tables, gamma and beta is not recorded; run onnx shape inference on the model "
+            "first (onnx.shape_inference.infer_shapes)"
+        )
     for index in indices:
         elem = site.elem_type(site.input(index)) if site.input(index) else None
-        if elem is None:
-            continue
-        if elem not in allowed:
-            measured = "float32 was" if quantized else "float32 and float16 were"
-            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only {measured} measured")
-        if first is not None and elem != first:
-            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}, not {dtype_name(first)} as the other tables")
-        first = elem
+        if elem == _T.FLOAT16:
+            raise NoMatch(
+                f"{site.input(index)!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in "
+                "float32 between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so "
+                "the node's float16 result depends on its neighbours"
+            )
+        if elem is not None and elem != _T.FLOAT:
+            raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 was measured")
 
 
 class EmbedLayerNormalizationBuilder:
@@ -93,7 +101,7 @@ class EmbedLayerNormalizationBuilder:
             raise NoMatch("segment_ids and segment_embedding must both be given or both absent")
         if quantized and site.input(4) and not (site.input(10) and site.input(15)):
             raise NoMatch("malformed node: the segment embedding's scale and zero point are required")
-        _check_float_types(site, (8, 9, 10, 11, 12) if quantized else (2, 3, 4, 5, 6), quantized)
+        _check_float_types(site, (8, 9, 10, 11, 12) if quantized else (2, 3, 4, 5, 6))
         for index in (0, 1, 7) if quantized else (0, 1, 7, 8):
             elem = site.elem_type(site.input(index))
             if elem is not None and elem != _T.INT32:
@@ -109,15 +117,9 @@ class EmbedLayerNormalizationBuilder:
         outputs = [*site.node.output, "", ""][:3]
         ids = site.input(0)
         quantized = options["form"] == "quantized"
-        half = site.elem_type(site.input(2)) == _T.FLOAT16
-        final = outputs
-        if half:  # computed in float32 and rounded once, as the kernel between Casts
-            outputs = ["", outputs[1], ""]
 
         def rows(table: int, indices: str, hint: str) -> str:
             found = emit.op1("Gather", [site.input(table), indices], axis=0, hint=hint)
-            if half:  # the float32 kernel between Casts (onnxruntime 1.31.1, measured): exact widening
-                return emit.op1("Cast", [found], to=_T.FLOAT)
             if not quantized:
                 return found
             # Per-tensor: dequantizing the gathered rows is dequantizing the table, row by row.
@@ -146,13 +148,7 @@ class EmbedLayerNormalizationBuilder:
             total = emit.op1("Add", [total, segments], outputs[2] or None)
         eps = float(site.attribute("epsilon", 1e-12))
         gamma, beta = (dequantize(site.input(i), i) if quantized else site.input(i) for i in (5, 6))
-        if half:
-            gamma, beta = (emit.op1("Cast", [v], to=_T.FLOAT) for v in (gamma, beta))
-        normalized = _normalize(emit, total, gamma, beta, eps, outputs[0])
-        if half:
-            for value, name in ((normalized, final[0]), (total, final[2])):
-                if name:
-                    emit.op1("Cast", [value], name, to=_T.FLOAT16)
+        _normalize(emit, total, gamma, beta, eps, outputs[0])
         if outputs[1]:
             if site.input(7):
                 ones = emit.op1("Cast", [emit.op1("Equal", [site.input(7), emit.const(np.int32(1))])], to=_T.INT32)
@@ -179,7 +175,7 @@ def _row_sum(emit: Emitter, x: str) -> str:
     return emit.op1("Slice", [running, last, emit.const(np.array([_INT64_MAX], np.int64)), last])
 
 
-def _normalize(emit: Emitter, x: str, gamma: str, beta: str, eps: float, output: str) -> str:
+def _normalize(emit: Emitter, x: str, gamma: str, beta: str, eps: float, output: str) -> None:
     """The kernels' normalization of each row of ``x`` into ``output``, operation for operation:
     ``mean = Σx / h``; ``a = x - mean``; ``e = sqrt(Σa² / h + eps)``; ``a / e · γ + β``, h the
     hidden size as float32 (exact below 2^24)."""
@@ -190,7 +186,7 @@ def _normalize(emit: Emitter, x: str, gamma: str, beta: str, eps: float, output:
     variance = emit.op1("Div", [_row_sum(emit, emit.op1("Mul", [centred, centred])), hidden], hint="Variance")
     root = emit.op1("Sqrt", [emit.op1("Add", [variance, emit.const(np.float32(eps))])])
     scaled = emit.op1("Mul", [emit.op1("Div", [centred, root]), gamma])
-    return emit.op1("Add", [scaled, beta], output or None)
+    emit.op1("Add", [scaled, beta], output)
 
 
 #: The end of a Slice to the end of its axis.
