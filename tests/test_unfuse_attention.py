@@ -242,13 +242,21 @@ def _without_bias():
     return model
 
 
+def _with_type(model, name, elem):
+    next(v for v in model.graph.input if v.name == name).type.tensor_type.elem_type = elem
+    return model
+
+
 NOT_LOWERED = {
     "past without present": (lambda: _with_input(4, "past", [2, 2, 4, 0, 8]), "past without present"),
     "attention_bias of rank 3": (
         lambda: _with_input(5, "ab", [2, 8, 8]),
         "attention_bias is 3-D; the kernel takes 4-D",
     ),
-    "past_sequence_length": (lambda: _with_input(6, "psl", [1]), "input 6 (past_sequence_length) is given"),
+    "past_sequence_length of int64": (
+        lambda: _with_type(_with_input(6, "psl", [1]), "psl", TensorProto.INT64),
+        "past_sequence_length is int64, not int32",
+    ),
     "past with attention_bias (the kernel refuses it)": (
         lambda: _with_past(_with_attention_bias(_with_input(4, "past", [2, 2, 4, 3, 8]), [2, 4, 8, 11])),
         "past with attention_bias: the kernel refuses it",
@@ -265,7 +273,7 @@ NOT_LOWERED = {
     ),
     "shared past/present buffer": (
         lambda: attention_model(2, 8, 32, [32] * 3, 4, attrs={"past_present_share_buffer": 1}),
-        "past_present_share_buffer=1",
+        "past_present_share_buffer=1: onnxruntime's CPU kernel refuses it",
     ),
     "4-D mask": (
         lambda: attention_model(2, 8, 32, [32] * 3, 4, (2, 1, 8, 8)),
@@ -280,6 +288,10 @@ NOT_LOWERED = {
         "no bias: onnxruntime 1.31's CPU kernel crashes",
     ),
     "uneven heads": (lambda: attention_model(2, 8, 30, [30] * 3, 4), "do not split into 4 heads"),
+    "float16": (
+        lambda: _with_type(attention_model(2, 8, 32, [32] * 3, 4), "x", TensorProto.FLOAT16),
+        "'x' is float16; onnxruntime's CPU has no float16 kernel for the op",
+    ),
 }
 
 
@@ -289,6 +301,16 @@ def test_attention_forms_not_lowered_say_why(case):
     make, reason = NOT_LOWERED[case]
     with pytest.raises(onnx_qrewrite.LoweringError, match=re.escape(reason)):
         onnx_qrewrite.rewrite(make())
+
+
+def _shared_buffer_attention():
+    """Attention with past_present_share_buffer, past (2, B, N, M, H) and past_sequence_length given
+    as the schema says: the CPU kernel still asks for it."""
+    model = _with_input(4, "past", [2, 2, 4, 10, 8])
+    model.graph.node[0].attribute.append(helper.make_attribute("past_present_share_buffer", 1))
+    model.graph.node[0].input.extend(["", "psl"])
+    model.graph.input.append(helper.make_tensor_value_info("psl", TensorProto.INT32, [1]))
+    return _with_past(model)
 
 
 #: The forms the rules refuse because onnxruntime's CPU kernel does: what it says when run.
@@ -308,6 +330,14 @@ KERNEL_REFUSES = {
     "QAttention, Megatron 4-D mask": (
         lambda: qattention_model(2, 5, 32, 2, mask_shape=(2, 1, 8, 8)),
         "4D mask in attention cpu kernel is not supported",
+    ),
+    "Attention, shared past/present buffer with past_sequence_length": (
+        _shared_buffer_attention,
+        "past_sequence_length tensor must be of one element when past_present_share_buffer is set",
+    ),
+    "QAttention, shared past/present buffer": (
+        lambda: _with_rotary(qattention_with_past(2, 4, 3, 32, 2), "past_present_share_buffer"),
+        "past_present_share_buffer is set",
     ),
 }
 
@@ -332,6 +362,28 @@ def test_forms_the_cpu_kernel_refuses_are_refused_and_still_refused_by_the_kerne
         run(model, feeds)
     with pytest.raises(onnx_qrewrite.LoweringError, match="CPU kernel refuses it"):
         onnx_qrewrite.rewrite(model)
+
+
+@rule_marker("unfuse-attention", "positive")
+@pytest.mark.parametrize("past", [0, 3])
+def test_attention_past_sequence_length_is_not_read(past):
+    """Input 6 (past_sequence_length) without past_present_share_buffer: the CPU kernel reads none of
+    it (measured: any value and shape give the same outputs), nor does the rewrite: bit for bit."""
+    batch, seq, hidden, heads = 2, 4, 32, 4
+    model = past_attention_model(batch, seq, past, hidden, heads, (batch, past + seq), with_past=bool(past))
+    node = model.graph.node[0]
+    node.input.extend([""] * (6 - len(node.input)) + ["psl"])
+    model.graph.input.append(helper.make_tensor_value_info("psl", TensorProto.INT32, [2]))
+    feeds = past_feeds(batch, seq, past, hidden, heads, "raw")
+    if not past:
+        del feeds["past"]
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule() == {"unfuse-attention": 1}
+    got = run(result.model, {**feeds, "psl": np.array([5, -1], np.int32)})
+    for value in ([0, 0], [past, 9]):
+        want = run(model, {**feeds, "psl": np.array(value, np.int32)})
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], f"past_sequence_length {value}: {name}")
 
 
 def _with_attention_bias(model, shape):
@@ -1397,8 +1449,8 @@ def test_qattention_with_past_and_present(shape, mask, unidirectional):
         assert diff <= _past_attention_bound(state, hidden, heads)
 
 
-def _with_rotary(model):
-    model.graph.node[0].attribute.append(helper.make_attribute("do_rotary", 1))
+def _with_rotary(model, attribute="do_rotary"):
+    model.graph.node[0].attribute.append(helper.make_attribute(attribute, 1))
     return model
 
 

@@ -27,13 +27,19 @@ those before the start positions in the second half); 2-D raw 0/1 mask (B, T) an
 ConcatStateChunk; T = P + S, masks over T), query i sits at position P + i (the causal mask hides the
 keys after it), and ``present`` is (2, B, N, T, H). ``attention_bias`` (B or 1, N or 1, S, T) as
 MultiHeadAttention's (the same kernel code). Not lowered (the node stays, with the reason): past
-without present and past with attention_bias (the kernel refuses both),
-``past_present_share_buffer`` / ``past_sequence_length``, float16. Refused by onnxruntime
-1.31.1's CPU kernel itself, so nothing to measure a rewrite against (measured): 4-D (Megatron) masks
-(B, 1, M, M) ("4D mask in attention cpu kernel is not supported"; other 4-D shapes fail its shape
-check), ``do_rotary`` ("Rotary embedding is not supported in Attention CPU kernel"), a missing bias
-(the kernel crashes). QAttention refuses 4-D masks alike, but runs ``do_rotary`` without rotating
-anything (outputs equal ``do_rotary=0``'s bit for bit): lowered as the kernel computes it, with a note.
+without present and past with attention_bias (the kernel refuses both). ``past_sequence_length``
+(input 6) is not read by the CPU kernel (measured: any value and shape give the same outputs), and
+not by the rewrite. float16 is not lowered: onnxruntime 1.31.1 has no float16 Attention on CPU; it
+runs the float32 kernel between Casts it inserts and keeps float32 between neighbouring nodes it runs
+so (an EmbedLayerNormalization before it hands it the unrounded result), so the node's float16 result
+depends on its neighbours. Refused by onnxruntime 1.31.1's CPU kernel itself, so
+nothing to measure a rewrite against (measured): 4-D (Megatron) masks (B, 1, M, M) ("4D mask in
+attention cpu kernel is not supported"; other 4-D shapes fail its shape check), ``do_rotary``
+("Rotary embedding is not supported in Attention CPU kernel"), a missing bias (the kernel crashes),
+``past_present_share_buffer`` ("past_sequence_length tensor must be of one element when
+past_present_share_buffer is set", even with one given). QAttention refuses 4-D masks and
+``past_present_share_buffer`` alike, but runs ``do_rotary`` without rotating anything (outputs equal
+``do_rotary=0``'s bit for bit): lowered as the kernel computes it, with a note.
 
 MultiHeadAttention (onnxruntime 1.31.1's CPU kernel, measured in tests/test_unfuse_mha_state.py and
 tests/test_unfuse_mha_forms.py): past_key/past_value (B, N, P, H) go before the new keys and values
@@ -131,8 +137,7 @@ class QAttentionBuilder:
     def check(self, site: Site, options: Mapping[str, Any]) -> Plan:
         known = {"num_heads", "unidirectional", "mask_filter_value", "scale", "do_rotary", "past_present_share_buffer"}
         site.no_unknown_attributes(known)
-        if site.attribute("past_present_share_buffer", 0):
-            raise NoMatch(f"past_present_share_buffer={site.attribute('past_present_share_buffer')} is not lowered")
+        _refuse_shared_buffer(site)
         for index in range(5):
             if not site.input(index):
                 raise NoMatch(f"malformed node: input {index} is required")
@@ -204,6 +209,32 @@ class QAttentionBuilder:
         )
         scale_attr = float(site.attribute("scale", 0.0))
         emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0], kv)
+
+
+def _refuse_float16(site: Site, *names: str) -> None:
+    """float16 Attention: onnxruntime 1.31.1 has no float16 kernel on CPU; it runs the float32 one
+    between Casts it inserts (bit for bit, alone: measured) and keeps float32 between neighbouring
+    nodes it runs so, so the node's float16 result depends on its neighbours (the policy of the other
+    fusions without a float16 CPU kernel, contrib_fusions.py)."""
+    for name in names:
+        if name and site.elem_type(name) == _T.FLOAT16:
+            raise NoMatch(
+                f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
+                "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "
+                "node's float16 result depends on its neighbours"
+            )
+
+
+def _refuse_shared_buffer(site: Site) -> None:
+    """past_present_share_buffer: Attention's and QAttention's CPU kernels refuse it whatever the
+    inputs (1.31.1, measured: their Compute does not pass past_sequence_length on to the check that
+    needs it), so there is nothing to match."""
+    if site.attribute("past_present_share_buffer", 0):
+        raise NoMatch(
+            f"past_present_share_buffer={site.attribute('past_present_share_buffer')}: onnxruntime's CPU kernel "
+            "refuses it ('past_sequence_length tensor must be of one element when past_present_share_buffer is "
+            "set', even with one given), nothing to measure against; not lowered"
+        )
 
 
 def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int, notes: tuple[str, ...] = ()) -> Plan:
@@ -287,10 +318,12 @@ class AttentionBuilder:
                 f"do_rotary={site.attribute('do_rotary')}: onnxruntime's CPU kernel refuses it ('Rotary embedding is "
                 "not supported in Attention CPU kernel', 1.31.1), nothing to measure against; not lowered"
             )
-        if site.attribute("past_present_share_buffer", 0):
-            raise NoMatch(f"past_present_share_buffer={site.attribute('past_present_share_buffer')} is not lowered")
-        if site.input(6):
-            raise NoMatch("input 6 (past_sequence_length) is given; not lowered")
+        _refuse_shared_buffer(site)
+        _refuse_float16(site, *[site.input(i) for i in (0, 1, 2, 4, 5)])
+        if site.input(6):  # read by the CPU kernel only with past_present_share_buffer, which it refuses
+            elem = site.elem_type(site.input(6))
+            if elem is not None and elem != _T.INT32:
+                raise NoMatch(f"past_sequence_length is {dtype_name(elem)}, not int32")
         if site.input(5):
             if site.input(4):
                 raise NoMatch("past with attention_bias: the kernel refuses it ('cannot have both')")
