@@ -11,7 +11,12 @@ __all__ = ["print_plan"]
 
 
 def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
-    """Print ``inspect --target``'s plan: what the target refuses today, and what each node becomes."""
+    """Print ``inspect --target``'s plan: what the target refuses today, and what each node becomes.
+    With ``all_nodes`` (``-a``) a list of refused nodes longer than 3 is printed in full once and
+    named where it comes again (:class:`_Listed`): a form's whole-model trial leaves every refused
+    node and every node the form could rewrite weighs it, so listing it each time made the text
+    grow with the square of the model (5 million lines for a 1000-block chain on tensorrt)."""
+    listed_once = _Listed(all_nodes)
     click.echo(f"{plan.model}: target {profile.id} ({profile.title}, {profile.version}; proven by {profile.proof})")
     if plan.input_shapes:
         shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes["shapes"].items())
@@ -46,10 +51,11 @@ def print_plan(plan: Any, profile: Any, all_nodes: bool = False) -> None:
         for alternative in n.considered:
             click.echo(f"      weighed: {alternative}")
             rule_id = alternative.partition(" (")[0]
-            _print_some("          left", n.weighed_left.get(rule_id, ()), all_nodes)
+            left = n.weighed_left.get(rule_id, ())
+            listed_once.print("          left", left, f"{n.node} (weighed: {rule_id})")
         if n.hint:
             click.echo(f"      hint: {n.hint}")
-        _print_some("      after", n.after, all_nodes)
+        listed_once.print("      after", n.after, f"{n.node} (after)")
     # Refusals after the rewrite that no refused original node accounts for (should not happen:
     # such rules are dropped for the target), listed so nothing is hidden.
     listed = {(n.scope, n.node) for n in plan.nodes}
@@ -92,7 +98,34 @@ def _rule_options_words(said: dict[str, Any], target: str) -> str:
     return "options " + "; ".join(parts)
 
 
-def _print_some(head: str, lines: Any, all_nodes: bool) -> None:
+class _Listed:
+    """Prints refused nodes in words, one a line: the first 3 and how many more, or with ``-a``
+    all of them, each list longer than 3 in full only where it first comes; where it comes again,
+    one line names that place. A list is known again by the identity of its tuple (the nodes a
+    form's trial names share one, ``targets/account.py``), else by its contents."""
+
+    def __init__(self, all_nodes: bool) -> None:
+        self.all_nodes = all_nodes
+        self._by_id: dict[int, str] = {}
+        self._by_words: dict[tuple[str, ...], str] = {}
+        self._kept: list[tuple[str, ...]] = []  # keeps the ids of _by_id from being reused
+
+    def print(self, head: str, lines: tuple[str, ...], where: str) -> None:
+        if not self.all_nodes or len(lines) <= 3:
+            _print_some(head, lines, self.all_nodes)
+            return
+        first = self._by_id.get(id(lines)) or self._by_words.get(lines)
+        if first is None:  # its first place: listed in full
+            first = self._by_words[lines] = where
+            _print_some(head, lines, True)
+        else:
+            click.echo(f"{head}: the same {len(lines)} lines as listed above under {first}")
+        if id(lines) not in self._by_id:
+            self._by_id[id(lines)] = first
+            self._kept.append(lines)
+
+
+def _print_some(head: str, lines: tuple[str, ...], all_nodes: bool) -> None:
     """Refused nodes in words, one a line: the first 3 unless ``-a``, then how many more."""
     for line in lines[: None if all_nodes else 3]:
         click.echo(f"{head}: {line}")
