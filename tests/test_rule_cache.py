@@ -144,3 +144,103 @@ def test_a_cached_inspect_imports_no_tomllib_and_answers_the_same(tmp_path):
     cold, warm = (r.stdout.rsplit("\n", 2) for r in runs)
     assert cold[0] == warm[0] and "quantization ops" in cold[0]
     assert (cold[1], warm[1]) == ("True", "False")
+
+
+def test_an_entry_of_another_format_is_not_read_and_not_trusted(cache):
+    """An entry's layout is in its name and its ``format`` field: a package with another layout
+    (the entries before format 2 had no field and no prefix) neither finds nor trusts it."""
+    text = 'title = "t"\n'
+    rule_cache.store(text, tomllib.loads(text))
+    (entry,) = _entries(cache)
+    assert entry.name.startswith(f"v{rule_cache.FORMAT}-")
+    stored = json.loads(entry.read_text(encoding="utf-8"))
+    assert stored == {"format": rule_cache.FORMAT, "text": text, "toml": {"title": "t"}}
+    for other in ({"text": text, "toml": {"title": "t"}}, {**stored, "format": rule_cache.FORMAT + 1}):
+        entry.write_text(json.dumps(other), encoding="utf-8")
+        assert rule_cache.load(text) is None  # parsed again, never trusted
+    entry.unlink()
+    old_name = cache / entry.name.removeprefix(f"v{rule_cache.FORMAT}-")  # format 1's name
+    old_name.write_text(json.dumps({"text": text, "toml": {"title": "old"}}), encoding="utf-8")
+    old_name.chmod(0o600)
+    assert rule_cache.load(text) is None
+    rule_cache.store(text, tomllib.loads(text))
+    assert rule_cache.load(text) == {"title": "t"}
+
+
+def _fill(cache, monkeypatch, count):
+    """``count`` entries written one second apart (oldest first), without pruning."""
+    monkeypatch.setattr(rule_cache, "_pruned", {cache})
+    texts = [f'title = "t{i}"\n' for i in range(count)]
+    for i, text in enumerate(texts):
+        rule_cache.store(text, tomllib.loads(text))
+        os.utime(rule_cache._entry(cache, text), (1_000_000 + i, 1_000_000 + i))
+    return texts
+
+
+def test_the_folder_keeps_the_entries_written_last(cache, monkeypatch):
+    """A process that writes an entry prunes the folder once: the KEEP written last stay (any
+    format), a killed writer's old temporary file goes, one in progress and other files stay."""
+    texts = _fill(cache, monkeypatch, 4)
+    old = cache / "0123456789abcdef-10.json"  # a format-1 entry, the oldest
+    old.write_text("{}", encoding="utf-8")
+    os.utime(old, (1, 1))
+    stale, fresh, other = cache / ".entry-a.tmp", cache / ".entry-b.tmp", cache / "notes.txt"
+    for path in (stale, fresh, other):
+        path.write_text("", encoding="utf-8")
+    os.utime(stale, (1, 1))
+    monkeypatch.setattr(rule_cache, "KEEP", 3)
+    monkeypatch.setattr(rule_cache, "_pruned", set())
+    rule_cache.store('title = "new"\n', {"title": "new"})
+    kept = {p.name for p in cache.iterdir()}
+    newest = [rule_cache._entry(cache, t).name for t in ('title = "new"\n', texts[3], texts[2])]
+    assert kept == {*newest, fresh.name, other.name}
+    assert rule_cache.load(texts[1]) is None and rule_cache.load(texts[3]) == {"title": "t3"}
+    rule_cache.store(texts[1], {"title": "t1"})  # pruned once per process: not again
+    assert len(_entries(cache)) == 4
+
+
+def test_pruning_never_fails_a_command(cache, monkeypatch):
+    """Files gone or not removable meanwhile (another process pruning, permissions), or no
+    folder at all: pruning passes over them, and what is kept is still read right."""
+    texts = _fill(cache, monkeypatch, 3)
+    unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "refused", path)
+
+    monkeypatch.setattr(rule_cache.os, "unlink", refuse)
+    rule_cache.prune(cache, keep=1)
+    assert len(_entries(cache)) == 3
+    monkeypatch.setattr(rule_cache.os, "unlink", unlink)
+    rule_cache.prune(cache / "missing", keep=1)
+    rule_cache.prune(cache, keep=1)
+    assert _entries(cache) == [rule_cache._entry(cache, texts[2])]
+    assert rule_cache.load(texts[2]) == {"title": "t2"}
+
+
+def test_concurrent_writers_and_pruners_never_give_a_wrong_entry(cache, monkeypatch):
+    """Threads writing, pruning and reading one folder at once: each read is its own text's
+    values or nothing, nothing raises, and the folder ends within its bound."""
+    import threading
+
+    monkeypatch.setattr(rule_cache, "KEEP", 3)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(10):
+                text = f'title = "w{n}-{i}"\n'
+                rule_cache.store(text, {"title": f"w{n}-{i}"})
+                rule_cache.prune(cache, keep=3)
+                assert rule_cache.load(text) in (None, {"title": f"w{n}-{i}"})
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    rule_cache.prune(cache, keep=3)
+    assert len(_entries(cache)) == 3

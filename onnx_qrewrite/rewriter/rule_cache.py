@@ -21,6 +21,18 @@ written only where none is (never over a file this process read), atomically (a 
 in the same folder, then renamed), and only for values JSON gives back as they were (strings,
 integers, floats, booleans, arrays, tables: TOML dates are left uncached); a cache that cannot be
 written is skipped silently.
+
+Layout: an entry's name and its ``format`` field carry :data:`FORMAT`, raised whenever what an
+entry holds changes, so a package with another layout neither finds this one's entries nor
+trusts one it finds (an entry of another format is treated as none: the text is parsed again).
+
+Size: :data:`KEEP` entries, and what one command writes. A command that writes an entry (only
+one that found an entry missing: a new package version, a rule file edited) removes, once, all but
+the ``KEEP`` written last, whatever their format (the entries it writes after that wait for the
+next such command), and temporary files a killed writer left over an hour ago. An entry removed
+while another process uses it only costs that process a parse (a file already open stays
+readable); nothing about pruning can fail a command, and a command that finds every entry reads
+nothing but its entries, as before.
 """
 
 from __future__ import annotations
@@ -33,9 +45,20 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cache_dir", "load", "store"]
+__all__ = ["FORMAT", "KEEP", "cache_dir", "load", "prune", "store"]
 
 _ENV = "ONNX_QREWRITE_CACHE_DIR"
+
+#: The layout of an entry, in its name and its ``format`` field: 2, ``{"format", "text",
+#: "toml"}`` (1, unnamed, had no ``format`` field).
+FORMAT = 2
+
+#: The most entries kept: the shipped rule files are about 20, so some versions of them.
+KEEP = 128
+
+_STALE_SECONDS = 3600  # a temporary file older than this is a killed writer's, not one in progress
+
+_pruned: set[Path] = set()  # the folders this process has pruned (once is enough)
 
 
 def cache_dir() -> Path | None:
@@ -59,7 +82,7 @@ def cache_dir() -> Path | None:
 
 def _entry(folder: Path, text: str) -> Path:
     data = text.encode("utf-8")
-    return folder / f"{zlib.crc32(data):08x}{zlib.adler32(data):08x}-{len(data)}.json"
+    return folder / f"v{FORMAT}-{zlib.crc32(data):08x}{zlib.adler32(data):08x}-{len(data)}.json"
 
 
 def load(text: str) -> dict[str, Any] | None:
@@ -82,7 +105,12 @@ def load(text: str) -> dict[str, Any] | None:
         entry = json.loads(raw)
     except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(entry, dict) or entry.get("text") != text or not isinstance(entry.get("toml"), dict):
+    if (
+        not isinstance(entry, dict)
+        or entry.get("format") != FORMAT
+        or entry.get("text") != text
+        or not isinstance(entry.get("toml"), dict)
+    ):
         return None
     return entry["toml"]
 
@@ -106,11 +134,45 @@ def store(text: str, parsed: dict[str, Any]) -> None:
         return
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"text": text, "toml": parsed}, f, ensure_ascii=False)
+            json.dump({"format": FORMAT, "text": text, "toml": parsed}, f, ensure_ascii=False)
         os.replace(temporary, path)
     except (OSError, ValueError):
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        return
+    _prune_once(folder)
+
+
+def _prune_once(folder: Path) -> None:
+    """:func:`prune` ``folder`` the first time this process wrote an entry there."""
+    if folder not in _pruned:
+        _pruned.add(folder)
+        prune(folder, KEEP)
+
+
+def prune(folder: Path, keep: int = KEEP) -> None:
+    """Remove all but the ``keep`` entries written last in ``folder`` (any format), and temporary
+    files older than an hour. Never raises: a file another process removed or replaced meanwhile,
+    or one that cannot be removed, is passed over (see the module docstring)."""
+    import time
+
+    entries: list[tuple[float, str]] = []
+    stale = time.time() - _STALE_SECONDS
+    try:
+        with os.scandir(folder) as found:
+            for item in found:
+                with contextlib.suppress(OSError):
+                    if item.name.startswith(".entry-") and item.name.endswith(".tmp"):
+                        if item.stat(follow_symlinks=False).st_mtime < stale:
+                            os.unlink(item.path)
+                    elif item.name.endswith(".json") and not item.name.startswith("."):
+                        entries.append((item.stat(follow_symlinks=False).st_mtime, item.path))
+    except OSError:
+        return
+    entries.sort(reverse=True)
+    for _, path in entries[keep:]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _limit(text: str) -> int:
