@@ -11,7 +11,7 @@ import tomllib
 
 import pytest
 
-from onnx_qrewrite.rewriter import catalogue, rule_cache
+from onnx_qrewrite.rewriter import catalogue, rule_cache, rule_cache_prune
 from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form, shipped_rules_dir
 
 SAMPLES = shipped_rules_dir().parent / "sample_models"
@@ -169,7 +169,7 @@ def test_an_entry_of_another_format_is_not_read_and_not_trusted(cache):
 
 def _fill(cache, monkeypatch, count):
     """``count`` entries written one second apart (oldest first), without pruning."""
-    monkeypatch.setattr(rule_cache, "_pruned", {cache})
+    monkeypatch.setattr(rule_cache_prune, "_pruned", {cache})
     texts = [f'title = "t{i}"\n' for i in range(count)]
     for i, text in enumerate(texts):
         rule_cache.store(text, tomllib.loads(text))
@@ -189,7 +189,7 @@ def test_the_folder_keeps_the_entries_written_last(cache, monkeypatch):
         path.write_text("", encoding="utf-8")
     os.utime(stale, (1, 1))
     monkeypatch.setattr(rule_cache, "KEEP", 3)
-    monkeypatch.setattr(rule_cache, "_pruned", set())
+    monkeypatch.setattr(rule_cache_prune, "_pruned", set())
     rule_cache.store('title = "new"\n', {"title": "new"})
     kept = {p.name for p in cache.iterdir()}
     newest = [rule_cache._entry(cache, t).name for t in ('title = "new"\n', texts[3], texts[2])]
@@ -208,12 +208,12 @@ def test_pruning_never_fails_a_command(cache, monkeypatch):
     def refuse(path, *args, **kwargs):
         raise PermissionError(13, "refused", path)
 
-    monkeypatch.setattr(rule_cache.os, "unlink", refuse)
-    rule_cache.prune(cache, keep=1)
+    monkeypatch.setattr(rule_cache_prune.os, "unlink", refuse)
+    rule_cache_prune.prune(cache, keep=1)
     assert len(_entries(cache)) == 3
-    monkeypatch.setattr(rule_cache.os, "unlink", unlink)
-    rule_cache.prune(cache / "missing", keep=1)
-    rule_cache.prune(cache, keep=1)
+    monkeypatch.setattr(rule_cache_prune.os, "unlink", unlink)
+    rule_cache_prune.prune(cache / "missing", keep=1)
+    rule_cache_prune.prune(cache, keep=1)
     assert _entries(cache) == [rule_cache._entry(cache, texts[2])]
     assert rule_cache.load(texts[2]) == {"title": "t2"}
 
@@ -231,7 +231,7 @@ def test_concurrent_writers_and_pruners_never_give_a_wrong_entry(cache, monkeypa
             for i in range(10):
                 text = f'title = "w{n}-{i}"\n'
                 rule_cache.store(text, {"title": f"w{n}-{i}"})
-                rule_cache.prune(cache, keep=3)
+                rule_cache_prune.prune(cache, keep=3)
                 assert rule_cache.load(text) in (None, {"title": f"w{n}-{i}"})
         except BaseException as exc:  # noqa: BLE001 - reported by the test below
             errors.append(exc)
@@ -242,5 +242,5 @@ def test_concurrent_writers_and_pruners_never_give_a_wrong_entry(cache, monkeypa
     for t in threads:
         t.join()
     assert errors == []
-    rule_cache.prune(cache, keep=3)
+    rule_cache_prune.prune(cache, keep=3)
     assert len(_entries(cache)) == 3

@@ -26,13 +26,8 @@ Layout: an entry's name and its ``format`` field carry :data:`FORMAT`, raised wh
 entry holds changes, so a package with another layout neither finds this one's entries nor
 trusts one it finds (an entry of another format is treated as none: the text is parsed again).
 
-Size: :data:`KEEP` entries, and what one command writes. A command that writes an entry (only
-one that found an entry missing: a new package version, a rule file edited) removes, once, all but
-the ``KEEP`` written last, whatever their format (the entries it writes after that wait for the
-next such command), and temporary files a killed writer left over an hour ago. An entry removed
-while another process uses it only costs that process a parse (a file already open stays
-readable); nothing about pruning can fail a command, and a command that finds every entry reads
-nothing but its entries, as before.
+Size: :data:`KEEP` entries, and what one command writes; a command that writes one prunes the
+folder once (rule_cache_prune.py, imported only then).
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT", "KEEP", "cache_dir", "load", "prune", "store"]
+__all__ = ["FORMAT", "KEEP", "cache_dir", "load", "store"]
 
 _ENV = "ONNX_QREWRITE_CACHE_DIR"
 
@@ -55,10 +50,6 @@ FORMAT = 2
 
 #: The most entries kept: the shipped rule files are about 20, so some versions of them.
 KEEP = 128
-
-_STALE_SECONDS = 3600  # a temporary file older than this is a killed writer's, not one in progress
-
-_pruned: set[Path] = set()  # the folders this process has pruned (once is enough)
 
 
 def cache_dir() -> Path | None:
@@ -140,39 +131,9 @@ def store(text: str, parsed: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         return
-    _prune_once(folder)
+    from onnx_qrewrite.rewriter.rule_cache_prune import prune_once  # only after a write: not on inspect's path
 
-
-def _prune_once(folder: Path) -> None:
-    """:func:`prune` ``folder`` the first time this process wrote an entry there."""
-    if folder not in _pruned:
-        _pruned.add(folder)
-        prune(folder, KEEP)
-
-
-def prune(folder: Path, keep: int = KEEP) -> None:
-    """Remove all but the ``keep`` entries written last in ``folder`` (any format), and temporary
-    files older than an hour. Never raises: a file another process removed or replaced meanwhile,
-    or one that cannot be removed, is passed over (see the module docstring)."""
-    import time
-
-    entries: list[tuple[float, str]] = []
-    stale = time.time() - _STALE_SECONDS
-    try:
-        with os.scandir(folder) as found:
-            for item in found:
-                with contextlib.suppress(OSError):
-                    if item.name.startswith(".entry-") and item.name.endswith(".tmp"):
-                        if item.stat(follow_symlinks=False).st_mtime < stale:
-                            os.unlink(item.path)
-                    elif item.name.endswith(".json") and not item.name.startswith("."):
-                        entries.append((item.stat(follow_symlinks=False).st_mtime, item.path))
-    except OSError:
-        return
-    entries.sort(reverse=True)
-    for _, path in entries[keep:]:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+    prune_once(folder, KEEP)
 
 
 def _limit(text: str) -> int:
