@@ -244,3 +244,33 @@ def test_concurrent_writers_and_pruners_never_give_a_wrong_entry(cache, monkeypa
     assert errors == []
     rule_cache_prune.prune(cache, keep=3)
     assert len(_entries(cache)) == 3
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="links")
+def test_pruning_removes_only_what_the_cache_wrote(cache, monkeypatch, tmp_path):
+    """A user's own JSON beside the entries, a link at an entry's name, and a cache folder that is
+    a link to a user's folder (planted in a shared cache folder): none is removed or written in
+    (review 4, R8: 73 of 200 files of a linked folder were deleted)."""
+    _fill(cache, monkeypatch, 3)
+    mine = cache / "annotation_1.json"
+    mine.write_text("{}", encoding="utf-8")
+    linked = cache / "v2-0123456789abcdef-10.json"
+    linked.symlink_to(mine)
+    os.utime(mine, (1, 1))  # the oldest file of the folder
+    rule_cache_prune.prune(cache, keep=1)
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [mine.name, linked.name, rule_cache._entry(cache, 'title = "t2"\n').name]
+    )
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for i in range(5):
+        (victim / f"{i:016x}-{i}.json").write_text("{}", encoding="utf-8")  # named like entries
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / cache.name).symlink_to(victim)
+    monkeypatch.setenv("ONNX_QREWRITE_CACHE_DIR", str(shared))
+    monkeypatch.setattr(rule_cache_prune, "_pruned", set())
+    monkeypatch.setattr(rule_cache, "KEEP", 1)
+    rule_cache.store('title = "x"\n', {"title": "x"})
+    rule_cache_prune.prune(shared / cache.name, keep=1)
+    assert len(list(victim.iterdir())) == 5  # nothing written in it, nothing removed

@@ -120,6 +120,10 @@ def store(text: str, parsed: dict[str, Any]) -> None:
 
     try:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        from onnx_qrewrite.rewriter.rule_cache_prune import own_folder, prune_once  # after a miss only
+
+        if not own_folder(folder):  # a link, another's folder or one others may write: not ours to write in
+            return
         fd, temporary = tempfile.mkstemp(dir=folder, prefix=".entry-", suffix=".tmp")
     except OSError:
         return
@@ -131,8 +135,6 @@ def store(text: str, parsed: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         return
-    from onnx_qrewrite.rewriter.rule_cache_prune import prune_once  # only after a write: not on inspect's path
-
     prune_once(folder, KEEP)
 
 
