@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from onnx_qrewrite.io.external_data import ExternalData
 
 _T = TypeVar("_T")
+#: The first IR version in which an initializer need not be a graph input.
+IR_INITIALIZERS_NOT_INPUTS = 4
 __all__ = [
     "ConstantSlabs",
     "NameAllocator",
@@ -296,6 +298,9 @@ class Scope:
     #: the walk when asked (:func:`iter_scopes`), so that matching reads no other node's op again.
     _op_codes: array.array | None = dataclasses.field(default=None, repr=False)
     _op_keys: list[tuple[str, str]] | None = dataclasses.field(default=None, repr=False)
+    #: An initializer the graph also lists as an input is a constant (a model before IR 4, where
+    #: every initializer had to be listed: see :meth:`_index_records`). Read on the root scope.
+    listed_initializers_constant: bool = False
 
     @property
     def is_function(self) -> bool:
@@ -336,10 +341,18 @@ class Scope:
             else:
                 shapes.setdefault(vi.name, None)
         if isinstance(c, onnx.GraphProto):
+            # An initializer the graph also takes as an input is a default a feed may replace
+            # (onnxruntime: "will not be treated as constant value/weight"): folding its value in
+            # would make the feed change nothing. It keeps its type and shape, not its value.
+            # Before IR 4 the format demanded that listing of every initializer, so it says
+            # nothing there and those stay constants (every rewrite of an old model would
+            # otherwise find no constant weight, scale or zero point).
+            listed = set() if self.root.listed_initializers_constant else {v.name for v in c.input}
             for t in c.initializer:
                 types[t.name] = t.data_type
                 shapes[t.name] = tuple(t.dims)
-                inits[t.name] = t
+                if t.name not in listed:
+                    inits[t.name] = t
             for sparse in c.sparse_initializer:
                 types[sparse.values.name] = sparse.values.data_type
         for node in map(c.node.__getitem__, self.constant_nodes):
@@ -677,7 +690,8 @@ def iter_scopes(model: onnx.ModelProto, external: ExternalData | None = None, *,
     each scope notes its nodes' ops as the walk reads them (:meth:`Scope.op_codes`; for
     matching, which then reads only the nodes some rule may rewrite)."""
     opsets = {o.domain: o.version for o in model.opset_import}
-    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external), op_codes))
+    old = model.ir_version < IR_INITIALIZERS_NOT_INPUTS
+    scopes = list(_walk(Scope(model.graph, "main", opsets, None, external, listed_initializers_constant=old), op_codes))
     for fn in model.functions:
         fn_opsets = {o.domain: o.version for o in fn.opset_import} or opsets
         scopes.extend(_walk(Scope(fn, f"function:{fn.domain}.{fn.name}", fn_opsets, None, external), op_codes))

@@ -134,6 +134,10 @@ class InputSpec:
     name: str
     elem_type: int
     dims: tuple[int | str | None, ...] | None  # None: no shape declared at all
+    #: An initializer the graph also lists as an input (IR >= 4): a default a feed may replace.
+    #: The random samples feed it (a rewrite must read it as the input it is, not fold its
+    #: value in); the battery and a loaded sample without it leave it at its value.
+    default: bool = False
 
     @property
     def dtype(self) -> np.dtype:
@@ -200,12 +204,33 @@ class GenerationOptions:
                 raise UsageError(f"{where}: the low end is above the high end")
 
 
-def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
-    """The inputs a caller must feed: graph inputs that are not initializers (IR >= 4 defaults)."""
-    initializers = {t.name for t in model.graph.initializer}
+#: Overridable initializers (:attr:`InputSpec.default`) larger than this keep their value in every
+#: sample: a model that lists its weights as inputs (an exporter's compatibility option) would
+#: otherwise be fed random weights of any size.
+MAX_FED_DEFAULT_BYTES = 1 << 16
+
+
+def _fed_default(tensor: onnx.TensorProto) -> bool:
+    """Whether an initializer listed as an input is fed by the random samples: a numeric one of
+    at most :data:`MAX_FED_DEFAULT_BYTES`."""
+    try:
+        dtype = np_dtype(tensor.data_type)
+    except (KeyError, ValueError, TypeError):  # a string or an unknown type: left at its value
+        return False
+    return dtype.kind in "biuf" and _nbytes(tuple(tensor.dims), dtype) <= MAX_FED_DEFAULT_BYTES
+
+
+def input_specs(model: onnx.ModelProto, defaults: bool = False) -> list[InputSpec]:
+    """The inputs a caller must feed: graph inputs that are not initializers; with ``defaults``,
+    also the small initializers a model from IR 4 on lists as inputs (:attr:`InputSpec.default`;
+    before IR 4 every initializer had to be listed, which says nothing)."""
+    initializers = {t.name: t for t in model.graph.initializer}
     specs = []
     for info in model.graph.input:
-        if info.name in initializers:
+        tensor = initializers.get(info.name)
+        if tensor is not None:
+            if defaults and model.ir_version >= 4 and _fed_default(tensor):
+                specs.append(InputSpec(info.name, tensor.data_type, tuple(tensor.dims), default=True))
             continue
         if not info.type.HasField("tensor_type"):
             raise UsageError(f"input {info.name!r} is not a tensor; only tensor inputs can be generated or loaded")
@@ -507,6 +532,7 @@ def generate_samples(
             if s.elem_type in _FLOAT_TYPES
             else _random(s, shapes[s.name], rng, ranges[s.name])
             for s in specs
+            if not s.default
         }
         drawn.append((kind, feeds))
     # The attention lengths (consistent with the shapes) replace the generated values, from their own stream.
@@ -546,7 +572,7 @@ def load_samples(path: str | os.PathLike[str], specs: Sequence[InputSpec]) -> li
         grouped.setdefault(sample, {})[name] = _decode(array, by_name[name], f"{path}: {key!r}")
     samples = []
     for sample, feeds in grouped.items():
-        missing = [n for n in by_name if n not in feeds]
+        missing = [n for n, spec in by_name.items() if n not in feeds and not spec.default]
         if missing:
             raise UsageError(
                 f"--inputs: {path}: no value for the input {missing[0]!r}"

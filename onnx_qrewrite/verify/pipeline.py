@@ -39,7 +39,8 @@ def run_comparison(
     original_runner, rewritten_runner = start_sessions(models, make_runner, options, same_file=same_file, fast=fast)
     check_output_names(options.tolerances, options.drift, original_runner.output_types, "the model has")
     decision = drift_decision(models.rewritten, options.drift)
-    given = resolve_samples(options.inputs, models.original.readable, options.generation)
+    defaults = options.runtime == "onnxruntime"  # other runtimes' runners feed declared inputs only
+    given = resolve_samples(options.inputs, models.original.readable, options.generation, defaults)
     if options.save_inputs is not None:
         save_samples(options.save_inputs, given.samples)
     logger.info("comparing %d output(s) on %d sample(s)", len(original_runner.output_types), len(given.samples))

@@ -36,10 +36,14 @@ class GivenSamples(NamedTuple):
     ranges: dict[str, ValueRange]
 
 
-def resolve_samples(inputs: InputsLike, model: onnx.ModelProto, generation: GenerationOptions) -> GivenSamples:
+def resolve_samples(
+    inputs: InputsLike, model: onnx.ModelProto, generation: GenerationOptions, defaults: bool = False
+) -> GivenSamples:
     """The caller's samples (a ``.npz`` file, one mapping, a list), else generated ones from the
-    model's input specs and ``generation``."""
-    specs = input_specs(model)
+    model's input specs and ``generation``. ``defaults``: the generated samples also feed the
+    initializers the model lists as inputs (:func:`input_specs`), which only onnxruntime's runner
+    passes on."""
+    specs = input_specs(model, defaults)
     if inputs is None:
         heads = head_dims(model, specs, generation)  # past_key's heads and head size, where symbolic
         generation = dataclasses.replace(generation, dims={**heads, **generation.dims}) if heads else generation

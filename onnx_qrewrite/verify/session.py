@@ -166,6 +166,8 @@ class ModelRunner:
         except Exception as exc:  # noqa: BLE001 - onnxruntime raises Fail, InvalidGraph, ... here
             raise InvalidModelError(f"{label}: onnxruntime cannot load the model: {first_line(exc)}") from None
         self.input_names = [i.name for i in self.session.get_inputs()]
+        #: Initializers the model also lists as inputs: fed when a sample gives them.
+        self.overridable = [i.name for i in self.session.get_overridable_initializers()]
         #: output name -> onnxruntime type string, e.g. "tensor(float)"
         self.output_types = {o.name: o.type for o in self.session.get_outputs()}
 
@@ -174,9 +176,9 @@ class ModelRunner:
         names = list(outputs) if outputs is not None else list(self.output_types)
         _kernel_errors.take()  # start clean
         try:
-            values = self.session.run_with_ort_values(
-                names, {name: _to_ortvalue(feeds[name]) for name in self.input_names}
-            )
+            given = {name: _to_ortvalue(feeds[name]) for name in self.input_names}
+            given |= {name: _to_ortvalue(feeds[name]) for name in self.overridable if name in feeds}
+            values = self.session.run_with_ort_values(names, given)
         except KeyError as exc:
             raise UsageError(f"{self.label}: no value given for the input {exc.args[0]!r}") from None
         except Exception as exc:  # noqa: BLE001 - a kernel failed at run time
