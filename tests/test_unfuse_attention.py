@@ -933,11 +933,17 @@ def test_embed_layer_norm_forms_not_lowered_say_why():
     next(i for i in model.graph.input if i.name == "words").type.tensor_type.elem_type = TensorProto.DOUBLE
     with pytest.raises(onnx_qrewrite.LoweringError, match="'words' is float64; only float32 was measured"):
         onnx_qrewrite.rewrite(model)
-    model = embed_model()  # the tables computed by undeclared Identity nodes: their type is not known
+    model = embed_model()  # the tables computed by a vendor's op: no declared type, none traced
     for name in ("words", "positions", "segments", "gamma", "beta"):
-        model.graph.node.insert(0, helper.make_node("Identity", [name], [f"{name}_"]))
+        model.graph.node.insert(0, helper.make_node("Opaque", [name], [f"{name}_"], domain="vendor"))
     model.graph.node[-1].input[2:7] = ["words_", "positions_", "segments_", "gamma_", "beta_"]
+    model.opset_import.append(helper.make_opsetid("vendor", 1))
     with pytest.raises(onnx_qrewrite.LoweringError, match="the element type of the tables, gamma and beta is not"):
+        onnx_qrewrite.rewrite(model)
+    model, _ = _as_float16(embed_model(), {})  # float16 tables through undeclared Identity nodes: traced
+    model.graph.node.insert(0, helper.make_node("Identity", ["words"], ["words_"]))
+    model.graph.node[-1].input[2] = "words_"
+    with pytest.raises(onnx_qrewrite.LoweringError, match="'words_' is float16; onnxruntime's CPU has no float16"):
         onnx_qrewrite.rewrite(model)
     model = embed_model(segment=True)
     model.graph.node[0].input[4] = ""

@@ -159,6 +159,47 @@ def test_float16_fusions_and_malformed_activations_are_not_lowered(op):
             onnx_qrewrite.rewrite(bad)
 
 
+def _gelu_after(producer: onnx.NodeProto, elem: int) -> onnx.ModelProto:
+    """``x -> producer -> r -> com.microsoft Gelu -> y``, ``r`` undeclared (no value_info)."""
+    graph = helper.make_graph(
+        [producer, helper.make_node("Gelu", ["r"], ["y"], name="gelu", domain="com.microsoft")],
+        "g",
+        [helper.make_tensor_value_info("x", elem, [2, 8])],
+        [helper.make_tensor_value_info("y", elem, [2, 8])],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("v", 1)]
+    return helper.make_model(graph, ir_version=8, opset_imports=opsets)
+
+
+@rule_marker("unfuse-gelu", "negative")
+def test_an_undeclared_float16_input_is_traced_and_an_untraceable_one_refused():
+    """Review 4 R2: an intermediate without value_info had no type, and the float-only check let
+    None through: a float16 Gelu was given float32 constants (a model onnxruntime cannot load)."""
+    relu = helper.make_node("Relu", ["x"], ["r"])
+    with pytest.raises(onnx_qrewrite.LoweringError, match="'r' is float16"):
+        onnx_qrewrite.rewrite(_gelu_after(relu, TensorProto.FLOAT16))
+    quick = helper.make_node("QuickGelu", ["x"], ["r"], domain="com.microsoft")  # a contrib producer, left
+    custom = helper.make_node("Mystery", ["x"], ["r"], domain="v")  # nothing says what it writes
+    for producer, why in ((quick, "'r' is float16"), (custom, "the type of 'r' is not declared and its producer")):
+        result = onnx_qrewrite.rewrite(_gelu_after(producer, TensorProto.FLOAT16), allow_unlowered=True)
+        reasons = {u.node: u.reasons for u in result.report.unlowered}
+        assert any(why in reason for reason in reasons["gelu"]), reasons
+        assert result.model.graph.node[1].op_type == "Gelu"
+
+
+@rule_marker("unfuse-gelu", "positive")
+def test_an_undeclared_float32_input_traced_through_standard_ops_is_lowered():
+    cast = helper.make_node("Cast", ["x"], ["c"], to=TensorProto.FLOAT)
+    model = _gelu_after(helper.make_node("Relu", ["c"], ["r"]), TensorProto.FLOAT16)
+    model.graph.node.insert(0, cast)
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    result = onnx_qrewrite.rewrite(model)
+    assert {n.domain for n in result.model.graph.node} == {""}
+    onnx.checker.check_model(result.model, full_check=True)  # types agree at the created nodes
+    x = (RNG.standard_normal((2, 8)) * 3).astype(np.float16)
+    assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"])
+
+
 ACTIVATIONS = [
     ("Relu", {}, {}),
     ("LeakyRelu", {"alpha": 0.1}, {"activation_alpha": 0.1}),

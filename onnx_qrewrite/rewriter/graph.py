@@ -18,6 +18,7 @@ import numpy as np
 from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.errors import InvalidModelError
+from onnx_qrewrite.rewriter.value_types import traced_elem_type
 
 if TYPE_CHECKING:
     from onnx_qrewrite.io.external_data import ExternalData
@@ -416,6 +417,30 @@ class Scope:
             if name in types:
                 return types[name]
         return None
+
+    def value_type(self, name: str, steps: list[int] | None = None) -> int | None:
+        """:meth:`elem_type`, else traced from the node writing the value (:mod:`.value_types`);
+        None when neither says. For checks that must know a type (a float32-only lowering): a
+        trace costs producer look-ups, so the common queries stay with the records.
+        ``steps``: a trace's remaining budget."""
+        found = self.elem_type(name)
+        if found is not None or not name:
+            return found
+        for scope in self._outward():
+            if scope.producer(name) is not None:
+                return scope._traced(name, steps)
+        return None
+
+    def _traced(self, name: str, steps: list[int] | None) -> int | None:
+        """:func:`.value_types.traced_elem_type`, remembered once known (an unknown one is asked
+        again: it may have been cut short by a budget another question had used up)."""
+        key = ("value_type", name)
+        found = self._memo.get(key)
+        if found is None:
+            found = traced_elem_type(self, name, steps)
+            if found is not None:
+                self._memo[key] = found
+        return found
 
     @property
     def constant_ops(self) -> list[int]:

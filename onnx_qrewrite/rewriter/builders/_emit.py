@@ -112,7 +112,13 @@ class Site:
         no_unknown_attributes(self.node, known)
 
     def elem_type(self, value: str) -> int | None:
+        """The type the model declares for ``value`` (None: it does not)."""
         return self.scope.elem_type(value) if value else None
+
+    def value_type(self, value: str) -> int | None:
+        """:meth:`elem_type`, else the type traced from the node writing ``value`` (see
+        :mod:`onnx_qrewrite.rewriter.value_types`): for a check that refuses an unknown type."""
+        return self.scope.value_type(value) if value else None
 
     def constant(self, value: str) -> np.ndarray | None:
         return self.scope.constant(value) if value else None

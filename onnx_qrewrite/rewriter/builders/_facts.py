@@ -204,6 +204,7 @@ _ONE_NAME: tuple[Any, ...] = (None,)
 #: Each query's mode; ``scope_memo`` is looked up in the scope's memo (never computed on replay).
 _MODES = {
     "elem_type": _EQUAL,
+    "value_type": _EQUAL,
     "value_shape": _EQUAL,
     "producer_op": _EQUAL,
     "producer_input": _NAME,
@@ -280,6 +281,9 @@ class RecordingSite(Site):
 
     def elem_type(self, value: str) -> int | None:
         return self._ask("elem_type", value) if value else None
+
+    def value_type(self, value: str) -> int | None:
+        return self._ask("value_type", value) if value else None
 
     def constant(self, value: str) -> np.ndarray | None:
         return self._ask("constant", value) if value else None

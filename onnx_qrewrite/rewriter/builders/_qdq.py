@@ -264,7 +264,7 @@ def _check_arity(node: onnx.NodeProto, require_zp: bool) -> None:
 
 def _float_type(site: Site, float_input: str | None, scale: str, float16: bool, bfloat16: bool) -> str:
     """The float type of the scale (and of a quantizer's x): one the builder computes (float32,
-    float16 / bfloat16 when it says so), the same on both; float32 when none is recorded."""
+    float16 / bfloat16 when it says so), the same on both; refused when neither is known."""
     float_types = {_FLOAT, onnx.TensorProto.FLOAT16} if float16 else {_FLOAT}
     if bfloat16:
         float_types.add(onnx.TensorProto.BFLOAT16)
@@ -282,7 +282,11 @@ def _float_type(site: Site, float_input: str | None, scale: str, float16: bool, 
             found.add(elem)
     if len(found) > 1:
         raise NoMatch(f"malformed node: x and scale {scale!r} have different float types")
-    return dtype_name(found.pop()) if found else "float32"
+    if not found:  # traced (costs look-ups: only here); a guess of float32 could meet a float16 scale
+        found = {t for t in (site.value_type(scale), site.value_type(float_input or "")) if t is not None}
+    if not found or not found <= float_types or len(found) > 1:
+        raise NoMatch(f"the type of scale {scale!r} is not declared, and its producer does not say a float type")
+    return dtype_name(found.pop())
 
 
 def _granularity(scale: str, scale_dims: tuple[int, ...] | None, zp: str, zp_dims: tuple[int, ...] | None) -> str:

@@ -91,9 +91,14 @@ _DEFAULT_FILTER = -10000.0
 
 
 def _float32(site: Site, *names: str) -> None:
+    """Each named input is float32, known to be: an unknown type is refused, not assumed."""
     for name in names:
-        elem = site.elem_type(name) if name else None
-        if elem is not None and elem != _T.FLOAT:
+        elem = site.value_type(name) if name else _T.FLOAT
+        if elem is None:
+            raise NoMatch(
+                f"the type of {name!r} is not declared and its producer does not say; only float32 was measured"
+            )
+        if elem != _T.FLOAT:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
 
@@ -217,7 +222,7 @@ def _refuse_float16(site: Site, *names: str) -> None:
     nodes it runs so, so the node's float16 result depends on its neighbours (the policy of the other
     fusions without a float16 CPU kernel, contrib_fusions.py)."""
     for name in names:
-        if name and site.elem_type(name) == _T.FLOAT16:
+        if name and site.value_type(name) == _T.FLOAT16:
             raise NoMatch(
                 f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
                 "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "

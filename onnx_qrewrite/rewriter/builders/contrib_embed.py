@@ -55,15 +55,16 @@ def _check_float_types(site: Site, indices: tuple[int, ...]) -> None:
     """The float inputs at ``indices``: float32 only. float16 is refused: onnxruntime has no float16
     kernel on CPU and runs the float32 one between Casts it inserts, keeping float32 between
     neighbouring such nodes (an Attention or a FastGelu after it reads the unrounded sum: measured),
-    so the node's float16 result depends on its neighbours. One of them must have a recorded type
-    (they share one: the kernel's T), else a float16 node could pass for float32."""
-    if all(site.elem_type(site.input(index)) is None for index in indices if site.input(index)):
+    so the node's float16 result depends on its neighbours. One of them must have a known type,
+    declared or traced from its producer (they share one: the kernel's T), else a float16 node
+    could pass for float32."""
+    if all(site.value_type(site.input(index)) is None for index in indices if site.input(index)):
         raise NoMatch(
             "the element type of the tables, gamma and beta is not recorded; run onnx shape inference on the model "
             "first (onnx.shape_inference.infer_shapes)"
         )
     for index in indices:
-        elem = site.elem_type(site.input(index)) if site.input(index) else None
+        elem = site.value_type(site.input(index)) if site.input(index) else None
         if elem == _T.FLOAT16:
             raise NoMatch(
                 f"{site.input(index)!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in "

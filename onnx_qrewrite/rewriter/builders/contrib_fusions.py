@@ -68,15 +68,21 @@ _FLOAT = (_T.FLOAT,)
 
 
 def _float_only(site: Site, *names: str) -> None:
+    """Each named input is float32, known to be: an unknown type is refused, not assumed (the
+    builders emit float32 constants, which a float16 input would clash with)."""
     for name in names:
-        elem = site.elem_type(name) if name else None
+        elem = site.value_type(name) if name else _FLOAT[0]
+        if elem is None:
+            raise NoMatch(
+                f"the type of {name!r} is not declared and its producer does not say; only float32 was measured"
+            )
         if elem == _T.FLOAT16:
             raise NoMatch(
                 f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
                 "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "
                 "node's float16 result depends on its neighbours"
             )
-        if elem is not None and elem not in _FLOAT:
+        if elem not in _FLOAT:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
 
@@ -430,8 +436,12 @@ class NormalizationBuilder:
 
 
 def _normalization_float16(site: Site) -> bool:
-    """Whether the node's inputs are float16 (else float32): the kernels take one type for all."""
-    known = {site.elem_type(name) for name in site.node.input if name} - {None}
+    """Whether the node's inputs are float16 (else float32): the kernels take one type for all.
+    Refused when no input's type is known (declared or traced): a guess of float32 could put
+    float32 constants beside float16 data."""
+    known = {site.value_type(name) for name in site.node.input if name} - {None}
+    if not known:
+        raise NoMatch("the types of the inputs are not declared and their producers do not say")
     if not known <= {_T.FLOAT, _T.FLOAT16} or len(known) > 1:
         named = ", ".join(sorted(dtype_name(t) for t in known if t is not None))
         raise NoMatch(f"input types {named}: only float32 and float16, the same for every input, were measured")

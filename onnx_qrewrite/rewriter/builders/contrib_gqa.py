@@ -219,7 +219,9 @@ def _options(site: Site) -> dict[str, Any]:
 
 def _float16(site: Site) -> bool:
     """Whether query, key, value and the past are float16 (else float32; nothing else is lowered)."""
-    types = {t for i in range(5) if site.input(i) and (t := site.elem_type(site.input(i))) is not None}
+    types = {t for i in range(5) if site.input(i) and (t := site.value_type(site.input(i))) is not None}
+    if not types:
+        raise NoMatch("the type of query/key/value/past is not declared and their producers do not say")
     if types - {_T.FLOAT, _T.FLOAT16} or len(types) > 1:
         names = ", ".join(dtype_name(t) for t in sorted(types))
         raise NoMatch(f"query/key/value/past are {names}; float32 or float16 alike are lowered")

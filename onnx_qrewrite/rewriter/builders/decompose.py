@@ -40,28 +40,10 @@ __all__ = ["ERF_COEFFICIENTS", "DecomposeBuilder"]
 ERF_COEFFICIENTS = (0.3275911, 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429)
 
 
-#: Ops whose output has the element type of their inputs (and DequantizeLinear: its scale's).
-_SAME_TYPE = frozenset({"Add", "Sub", "Mul", "Div", "Identity", "Relu", "Neg", "Abs"})
-
-
-def _elem_type(site: Site, name: str, depth: int = 0) -> int | None:
-    """``name``'s element type: recorded, else what its producer's inputs say (a model without
-    value_info records no type for a DequantizeLinear's output; its scale has it)."""
-    elem = site.elem_type(name)
-    producer = site.scope.producer(name) if elem is None and depth < 4 else None
-    if producer is None or producer.domain not in ("", "ai.onnx"):
-        return elem
-    if producer.op_type == "DequantizeLinear" and len(producer.input) > 1:
-        return _elem_type(site, producer.input[1], depth + 1)
-    if producer.op_type in _SAME_TYPE:
-        return next((t for t in (_elem_type(site, i, depth + 1) for i in producer.input if i) if t), None)
-    return None
-
-
 def _float32(site: Site, *names: str) -> None:
     """The op's inputs share one type (its schema's T): float32 by every one that is known, and at
     least one known."""
-    known = [t for t in (_elem_type(site, n) for n in names if n) if t is not None]
+    known = [t for t in (site.value_type(n) for n in names if n) if t is not None]
     if not known or any(t != TensorProto.FLOAT for t in known):
         raise NoMatch("not float32 (the decompositions are measured on float32)")
 

@@ -339,8 +339,10 @@ class GatherBlockQuantizedBuilder:
                 f"gather_axis={gather_axis}, quantize_axis={quantize_axis} on rank {rank}: lowered for gathering "
                 "along axis 0 with blocks along the last axis"
             )
-        scale_type = site.elem_type(site.input(2))
-        if scale_type is not None and scale_type != _T.FLOAT:
+        scale_type = site.value_type(site.input(2))
+        if scale_type is None:
+            raise NoMatch(f"the type of scales {site.input(2)!r} is not declared; only float32 is lowered")
+        if scale_type != _T.FLOAT:
             raise NoMatch(f"scales {site.input(2)!r} are {dtype_name(scale_type)}; only float32 is lowered")
         n_blocks = -(-values.shape[-1] // block)
         default = {"uint8-4": 8, "uint8-8": 128}.get(storage, 0)
