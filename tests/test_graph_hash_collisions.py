@@ -71,6 +71,40 @@ def test_producers_keep_node_order_among_equal_hashes(colliding):
     assert all(index._find(n, nodes) is plain[n] for n in names)
 
 
+def test_unique_index_confirms_a_hit_against_the_names(colliding):
+    """An SSA node list whose outputs' hashes all differ takes :meth:`_Producers._find`'s unique
+    path (one candidate per hash, found by bisection): a name that is no output but shares an
+    output's hash must still be answered None, and each output its own writer."""
+    by_hash: dict[int, str] = {}
+    for i in range(64):  # one output name per 2-bit hash value
+        by_hash.setdefault(colliding(f"o{i}"), f"o{i}")
+    outputs = sorted(by_hash.values())
+    nodes = [helper.make_node("Identity", ["x"], [name], name=f"n{k}") for k, name in enumerate(outputs)]
+    index = _Producers.of_nodes(nodes)
+    assert index.unique and len(index.hashes) == 4
+    strangers = [f"s{i}" for i in range(20)]  # no output has these names; each shares a hash with one
+    assert {colliding(s) for s in strangers} <= set(by_hash)
+    for name in outputs:
+        assert index._find(name, nodes) is nodes[outputs.index(name)], name
+    for name in [*strangers, "", "x"]:
+        assert index._find(name, nodes) is None, name
+        assert index.find(name, nodes) is None, name
+
+
+def test_unique_index_of_a_multi_output_node_remembers_its_outputs():
+    """A node found through the index, in an SSA list, is remembered for all its outputs (the
+    unique path does what the general one does)."""
+    nodes = [
+        helper.make_node("Identity", ["x"], ["a"]),
+        helper.make_node("DynamicQuantizeLinear", ["a"], ["q", "", "zp"]),
+    ]
+    index = _Producers.of_nodes(nodes)
+    assert index.unique
+    assert index._find("q", nodes) is nodes[1]
+    assert index.recent == {"q": nodes[1], "zp": nodes[1]}
+    assert index._find("a", nodes) is nodes[0] and index._find("", nodes) is None
+
+
 def test_frozen_name_allocator_answers_as_a_set_when_hashes_collide(colliding):
     model = _model(["p/x", "q", "r/y_1"])
     names = NameAllocator(model, frozen=True)

@@ -156,7 +156,7 @@ class DynamicQuantizeLinearBuilder:
 
     def template_key(self, site: Site, options: Mapping[str, Any], plan: Plan) -> tuple:
         """Same structure for every node with the same semantics, opset and present outputs."""
-        present = tuple(bool(o) for o in site.outputs)
+        present = tuple(map(bool, site.outputs))  # (no generator frame: once per stamped node)
         return (options["semantics"], site.scope.default_opset, present, plan.data.get("nan_guard", NO_GUARD))
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
