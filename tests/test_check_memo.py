@@ -209,3 +209,65 @@ def test_a_recorded_decline_is_shared_only_without_names():
             memo.decide(RULE, site, check)
         reasons.append(str(why.value))
     assert reasons == ["four elements", "'x1' has another shape", "four elements", "'x1' has another shape"]
+
+
+# -- template keys made once per structure (apply._template_key) -----------------------------------
+
+
+def _rewrite_checking_template_keys(model: onnx.ModelProto, monkeypatch, by_structure: bool):
+    """The rewrite's bytes and report, every template key the build used compared with the
+    builder's own for that node (``by_structure``: builders keep ``template_key_of_structure``)."""
+    from onnx_qrewrite.rewriter import apply
+    from onnx_qrewrite.rewriter.builders.dynamic_quantize import DynamicQuantizeLinearBuilder
+    from onnx_qrewrite.rewriter.builders.integer_matmul import IntegerMatMulBuilder
+
+    for cls in (DynamicQuantizeLinearBuilder, IntegerMatMulBuilder):
+        monkeypatch.setattr(cls, "template_key_of_structure", by_structure)
+    made = apply._template_key
+    cached: list[int] = []
+
+    def checked(build, m, builder, site, scope):
+        key = made(build, m, builder, site, scope)
+        assert key == builder.template_key(site, m.rule.options, m.plan), site.label
+        cached.append(m.structure is not None)
+        return key
+
+    monkeypatch.setattr(apply, "_template_key", checked)
+    rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions())
+    monkeypatch.undo()
+    return to_bytes(rewritten), report.to_dict(), cached
+
+
+def test_template_keys_by_structure_tell_structures_sharing_a_plan_apart(monkeypatch):
+    """Two DynamicQuantizeLinears with one shared plan (``_plan`` is cached per semantics and
+    guard) that differ only in an absent output: each gets its own template key, and the rewrite
+    is the one made with every key made per node."""
+    model = _dqls(([1, 4], [1, 4]))
+    model.graph.node[1].output[2] = ""
+    decided = _decisions(model, memo=True)
+    assert decided["q0"][1] is decided["q1"][1]  # one plan object: only the structure differs
+    data = model.SerializeToString()
+    by_structure = _rewrite_checking_template_keys(onnx.ModelProto.FromString(data), monkeypatch, True)
+    per_node = _rewrite_checking_template_keys(onnx.ModelProto.FromString(data), monkeypatch, False)
+    assert all(by_structure[2]) and len(by_structure[2]) == 2
+    assert by_structure[:2] == per_node[:2]
+
+
+def test_template_keys_by_structure_rewrite_as_per_node_keys(monkeypatch):
+    """A chain and integer matmuls of several wirings and facts, byte for byte."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from models import _chain_model_bytes
+
+    models = [onnx.ModelProto.FromString(_chain_model_bytes(12)), *(m for m, _, _ in DIFFERING.values())]
+    twice = _matmuls((U8, U8), ([2, 4], [2, 4]))
+    twice.graph.node[1].input[3] = "wz0"  # m1 reads m0's weight zero point: another wiring, same facts
+    models.append(twice)
+    for model in models:
+        data = model.SerializeToString()
+        results = [
+            _rewrite_checking_template_keys(onnx.ModelProto.FromString(data), monkeypatch, flag)
+            for flag in (True, False)
+        ]
+        assert results[0][:2] == results[1][:2]

@@ -144,6 +144,11 @@ class _Build:
     same_shape_ops: frozenset[str] = frozenset()
     done: int = 0
     templates: dict[tuple, Template | None] = dataclasses.field(default_factory=dict)
+    #: (scope, rule id, node structure, id of the plan) -> (the plan, its template key), for builders
+    #: whose key follows from those (``template_key_of_structure``): the key is made once per
+    #: structure and plan instead of once per rewrite. The plan is kept and compared by identity,
+    #: so a freed plan's id taken by another never finds its key.
+    template_keys: dict[tuple, tuple[Plan, Any]] = dataclasses.field(default_factory=dict)
     #: rule id -> its builder (``Rule.implementation`` looks it up).
     builders: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Initializers some replaced node read and its replacement does not: removal candidates.
@@ -318,7 +323,7 @@ def _replacement(
         prefix = Emitter.prefix_for(node, name, outputs[0] if outputs else "")
     key = None
     if build.stamp_templates and hasattr(builder, "template_key"):
-        key = builder.template_key(site, rule.options, plan)
+        key = _template_key(build, m, builder, site, scope)
         key = None if key is None else (rule.id, id(pool), key)
     template = build.templates.get(key) if key is not None else None
     inputs = site.inputs
@@ -354,6 +359,23 @@ def _replacement(
         elif scope.initializer(name) is not None:
             build.dropped.add(name)
     return piece, created_nodes, created_ops, reads
+
+
+def _template_key(build: _Build, m: Match, builder: Any, site: Site, scope: Scope) -> Any:
+    """The builder's template key for the match's node: made once per node structure and plan
+    when the builder says its key follows from them (``template_key_of_structure``: the rule's
+    options, the plan, the scope's default opset and the node's structure, see
+    ``builders/_facts.structure_of``) and the match kept its structure; else made for this node."""
+    rule, plan, structure = m.rule, m.plan, m.structure
+    if structure is None or not getattr(builder, "template_key_of_structure", False):
+        return builder.template_key(site, rule.options, plan)
+    cache_key = (scope, rule.id, structure, id(plan))
+    found = build.template_keys.get(cache_key)
+    if found is not None and found[0] is plan:
+        return found[1]
+    key = builder.template_key(site, rule.options, plan)
+    build.template_keys[cache_key] = (plan, key)
+    return key
 
 
 def _note_reads(build: _Build, site: Site, plan: Plan, root_id: int, reads: set[str] | Template) -> None:

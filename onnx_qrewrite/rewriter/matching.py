@@ -7,7 +7,7 @@ from __future__ import annotations
 import array
 import collections
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -46,6 +46,10 @@ class Match:
     index: int
     rule: Rule
     plan: Plan
+    #: The node's structure when its check was decided per structure (builders/_facts.py), one
+    #: object shared by the nodes of that structure; else None. The build keys a builder's
+    #: template key on it (``template_key_of_structure``, apply.py).
+    structure: Hashable = None
 
 
 def _in_order(rules: list[Rule]) -> list[Rule]:
@@ -164,9 +168,12 @@ def match_nodes(
     chosen = options.node_rules
     by_id = {r.id: r for r in catalogue} if chosen is not None else {}
 
-    def decide(s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet) -> None:
+    def decide(
+        s: int, site: Site, index: int, rule: Rule | None, plan: Plan | None, reasons, quiet, memo: CheckMemo | None
+    ) -> None:
         if rule is not None and plan is not None:
-            matches.setdefault(s, []).append(Match(index, rule, plan))
+            structure = memo.structure_of_site(site) if memo is not None else None
+            matches.setdefault(s, []).append(Match(index, rule, plan, structure))
         elif not quiet and restrict is None:
             node = site.node
             unlowered.append(Unlowered(site.label, node.op_type, node.domain, site.scope.path, tuple(reasons)))
@@ -215,7 +222,7 @@ def match_nodes(
                 assert rule is not None
                 pending.append(_Pending(site, index, rule, plan, candidates[position + 1 :], reasons, quiet))
                 continue
-            decide(s, site, index, rule, plan, reasons, quiet)
+            decide(s, site, index, rule, plan, reasons, quiet, memo)
         if pending:
             dead = _dead(scope, matches.get(s, []), pending)
             for p in pending:
@@ -226,7 +233,7 @@ def match_nodes(
                 rule, plan, _, quiet = _first_applicable(
                     p.site, p.rest, options, p.reasons, p.quiet, removal=False, memo=memo
                 )
-                decide(s, p.site, p.index, rule, plan, p.reasons, quiet)
+                decide(s, p.site, p.index, rule, plan, p.reasons, quiet, memo)
             matches.get(s, []).sort(key=lambda m: m.index)
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
 

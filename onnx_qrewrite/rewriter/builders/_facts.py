@@ -406,7 +406,7 @@ class _Trace:
 class CheckMemo:
     """The recorded checks of one scope's nodes (see the module docstring)."""
 
-    __slots__ = ("_failures", "_heads", "_site", "_structure")
+    __slots__ = ("_failures", "_heads", "_site", "_structure", "_structures")
 
     def __init__(self) -> None:
         self._heads: dict[Hashable, list[_Trace]] = {}
@@ -416,12 +416,21 @@ class CheckMemo:
         #: rules are tried one after the other.
         self._site: Site | None = None
         self._structure: Hashable = None
+        #: Each distinct structure once: a match keeps its node's (:meth:`structure_of_site`),
+        #: and 40k equal tuples would be ~6 MB where one shared object is 8 bytes a match.
+        self._structures: dict[Hashable, Hashable] = {}
+
+    def structure_of_site(self, site: Site) -> Hashable:
+        """The structure (:func:`structure_of`, one shared object per distinct structure) of the
+        node :meth:`decide` was last asked about, if that is ``site``; else None."""
+        return self._structure if self._site is site else None
 
     def decide(self, rule: Rule, site: Site, check: Callable[[Site], Plan]) -> Plan:
         """``check(site)`` (the rule's dtype condition and its builder's check), or the outcome of
         an equal recorded check of a node of the same structure."""
         if self._site is not site:
-            self._site, self._structure = site, structure_of(site)
+            structure = structure_of(site)
+            self._site, self._structure = site, self._structures.setdefault(structure, structure)
         head = (rule.id, self._structure)
         if self._failures.get(head, 0) >= _MAX_FAILURES:
             return check(site)

@@ -364,6 +364,10 @@ class IntegerMatMulBuilder:
     contract = CONTRACTS["integer_matmul"]
     #: ``check`` reads the graph only through the Site's queries: decided once per structure (_facts.py).
     memo_check = True
+    #: ``template_key`` reads only the rule's options, the plan, the scope's default opset and the
+    #: node's structure (op, attributes, which names are empty or equal): the build makes it once
+    #: per structure and plan (apply.py).
+    template_key_of_structure = True
 
     def quantized_dtype(self, site: Site) -> str | None:
         types = []
