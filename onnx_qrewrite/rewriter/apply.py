@@ -144,11 +144,12 @@ class _Build:
     same_shape_ops: frozenset[str] = frozenset()
     done: int = 0
     templates: dict[tuple, Template | None] = dataclasses.field(default_factory=dict)
-    #: (scope, rule id, node structure, id of the plan) -> (the plan, its template key), for builders
+    #: (scope, rule id, node structure, id of the plan) -> [the plan, its template key, the template
+    #: recorded under that key once there is one], for builders
     #: whose key follows from those (``template_key_of_structure``): the key is made once per
     #: structure and plan instead of once per rewrite. The plan is kept and compared by identity,
     #: so a freed plan's id taken by another never finds its key.
-    template_keys: dict[tuple, tuple[Plan, Any]] = dataclasses.field(default_factory=dict)
+    template_keys: dict[tuple, list[Any]] = dataclasses.field(default_factory=dict)
     #: rule id -> its builder (``Rule.implementation`` looks it up).
     builders: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: Initializers some replaced node read and its replacement does not: removal candidates.
@@ -321,18 +322,22 @@ def _replacement(
             metadata = (metadata[0] + mark, metadata[1] + mark if metadata[1] else b"")
         outputs = site.outputs
         prefix = Emitter.prefix_for(node, name, outputs[0] if outputs else "")
-    key = None
+    key, template = None, None
     if build.stamp_templates and hasattr(builder, "template_key"):
-        key = _template_key(build, m, builder, site, scope)
-        key = None if key is None else (rule.id, id(pool), key)
-    template = build.templates.get(key) if key is not None else None
+        key, template = _template_of(build, m, builder, site, scope, pool)
     inputs = site.inputs
     if template is not None:
         piece, created_nodes = template.stamp_framed(site, build.names, prefix, metadata, scope.container)
         # Which inputs the stamp reads is the template's: no set of names per stamp.
         kept, left = template.input_use
-        for i in kept:
-            build.keep_read(inputs[i])
+        if kept:
+            initializers = build.initializer_names
+            if initializers is None:
+                build.keep_read(inputs[kept[0]])  # (takes the names)
+                initializers = build.initializer_names
+            for i in kept:  # build.keep_read, without a call per name
+                if inputs[i] in initializers:  # type: ignore[operator]
+                    build.still_read.add(inputs[i])
         for i in left:  # a name also read at a kept position stays: dropped - still_read
             name = inputs[i]
             if name and scope.initializer(name) is not None:
@@ -362,20 +367,35 @@ def _replacement(
 
 
 def _template_key(build: _Build, m: Match, builder: Any, site: Site, scope: Scope) -> Any:
-    """The builder's template key for the match's node: made once per node structure and plan
-    when the builder says its key follows from them (``template_key_of_structure``: the rule's
-    options, the plan, the scope's default opset and the node's structure, see
-    ``builders/_facts.structure_of``) and the match kept its structure; else made for this node."""
+    """The builder's template key for the match's node (what :func:`_template_of` asks for when
+    it has no key for the node's structure and plan yet)."""
+    return builder.template_key(site, m.rule.options, m.plan)
+
+
+def _template_of(
+    build: _Build, m: Match, builder: Any, site: Site, scope: Scope, pool: ConstantPool
+) -> tuple[tuple | None, Template | None]:
+    """The match's template key (rule id, pool, the builder's key) and the template recorded
+    under it, if any. Made once per node structure and plan when the builder says its key follows
+    from them (``template_key_of_structure``: the rule's options, the plan, the scope's default
+    opset and the node's structure, see ``builders/_facts.structure_of``) and the match kept its
+    structure, the template then kept beside it (no hash of the whole key per rewrite); else made
+    for this node."""
     rule, plan, structure = m.rule, m.plan, m.structure
     if structure is None or not getattr(builder, "template_key_of_structure", False):
-        return builder.template_key(site, rule.options, plan)
+        key = _template_key(build, m, builder, site, scope)
+        key = None if key is None else (rule.id, id(pool), key)
+        return key, (build.templates.get(key) if key is not None else None)
     cache_key = (scope, rule.id, structure, id(plan))
     found = build.template_keys.get(cache_key)
-    if found is not None and found[0] is plan:
-        return found[1]
-    key = builder.template_key(site, rule.options, plan)
-    build.template_keys[cache_key] = (plan, key)
-    return key
+    if found is None or found[0] is not plan:
+        key = _template_key(build, m, builder, site, scope)
+        key = None if key is None else (rule.id, id(pool), key)
+        found = build.template_keys[cache_key] = [plan, key, None]
+    key, template = found[1], found[2]
+    if template is None and key is not None:
+        template = found[2] = build.templates.get(key)
+    return key, template
 
 
 def _note_reads(build: _Build, site: Site, plan: Plan, root_id: int, reads: set[str] | Template) -> None:
