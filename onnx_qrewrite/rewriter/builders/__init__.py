@@ -20,7 +20,11 @@ A builder may set ``memo_check = True`` when its ``check`` (and ``quantized_dtyp
 graph only through the Site's queries (``inputs``, ``outputs``, ``elem_type``, ``constant``,
 ``value_shape``, ``producer_op``, ``producer_input``, ``scope_memo``...) and keep no name of the
 node in the plan: the engine then decides each node structure once (``_facts.py``), and a check
-that reads anything else is simply run for every node, as without it.
+that reads anything else is simply run for every node, as without it. Such a builder may also set
+``template_key_of_structure = True`` when its ``template_key`` reads only the rule's options, the
+plan, the scope's default opset and what ``_facts.structure_of`` keys on (op, domain, attributes,
+which names are empty or equal): the build then makes the key once per structure and plan
+(``apply._template_of``) instead of once per node.
 
 Builders register themselves by name with :func:`register`; rule files refer to that name.
 Built-in builders declare their contracts in :mod:`onnx_qrewrite.rewriter.builders.contracts`, which imports
