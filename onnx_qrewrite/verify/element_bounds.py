@@ -32,6 +32,19 @@ Formulas (``name`` or ``name:parameter``):
     sum of magnitudes, more than ``K + 1`` times below this bound (measured: 365 times on K = 96,
     ``tests/test_lower_matmul_nbits.py``), so no sound per-element bound on dense inputs sees it;
     verify's identity probe (:mod:`.probe`), where every sum is exact, does.
+``fused-conv-sum``
+    com.microsoft FusedConv with a sum input Z. onnxruntime 1.31.1's CPU kernel (``Conv<float>``,
+    ``core/providers/cpu/nn/conv.cc``) copies Z into the output and calls MLAS with ``Beta = 1``:
+    ``MlasConvOperation`` adds each K panel's GEMM (``MLAS_SGEMM_STRIDEK`` = 256 products) into it,
+    and a group with one filter (depthwise) takes the M = 1 kernel, which adds the products into Z one
+    K step at a time; the bias joins with the activation (``MlasActivation``). So Z is a term of the
+    kernel's float32 sum, where the rewrite adds it to the finished convolution. Both sides sum the
+    same ``K + 2`` terms (K = C/group·prod(kernel) products, z, b) in float32, each within
+    ``gamma(K + 2)·T`` of the exact sum, ``T = (|x| * |w|) + |z| + |b|`` (the convolution of the
+    magnitudes, in float64); the activation moves the difference by at most its slope L (1, or
+    LeakyRelu's / HardSigmoid's ``|alpha|`` where larger) and rounds once more:
+    ``L·(2·gamma(K + 2) + 2^-20)·T + 2^-20·(max(|y|, |y'|) + c)``, c = 1 for Sigmoid and Tanh (MLAS's
+    approximations, values within 1), ``1 + |beta|`` for HardSigmoid, else 0.
 ``run-time-k:<c>``
     QLinearMatMul of two run-time operands whose reduction length K the model does not record (a
     symbolic sequence length): ``floor(gamma(K + 4)·K·c) + 1`` steps at every element, K the last
@@ -49,6 +62,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.rewriter import u8s8
+from onnx_qrewrite.rewriter.builders.contracts import FUSED_CONV_SUM_FORMULA
 from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 
 __all__ = [
@@ -76,6 +90,7 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
     "float32-sum-order": {"MatMulNBits": (0, 1, 2, 3, 5)},
     "u8s8-attention": {"QAttention": (0, 1, 2, 3, 4, 6, 7)},
     RUN_TIME_K_FORMULA: {"QLinearMatMul": (0,)},
+    FUSED_CONV_SUM_FORMULA: {"FusedConv": (0, 1, 2, 3)},
 }
 
 
@@ -300,6 +315,76 @@ def _u8s8_attention(
     return bound + _ROUNDING * larger
 
 
+def _conv_pads(
+    attributes: Mapping[str, Any], spatial: Sequence[int], out: Sequence[int], span: Sequence[int]
+) -> list[int]:
+    """The Conv's begin and end pads (ONNX order: all begins, then all ends), auto_pad resolved as
+    onnxruntime does (SAME_UPPER puts the odd pad at the end, SAME_LOWER at the beginning)."""
+    rank = len(spatial)
+    auto_pad = attributes.get("auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else str(auto_pad)
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        strides = list(attributes.get("strides", [1] * rank))
+        total = [max(0, (out[i] - 1) * strides[i] + span[i] - spatial[i]) for i in range(rank)]
+        begin = [t // 2 if auto_pad == "SAME_UPPER" else t - t // 2 for t in total]
+        return begin + [t - b for t, b in zip(total, begin, strict=True)]
+    if auto_pad == "VALID":
+        return [0] * (2 * rank)
+    return list(attributes.get("pads", [0] * (2 * rank)))
+
+
+def _abs_conv(x: np.ndarray, w: np.ndarray, attributes: Mapping[str, Any], out: Sequence[int]) -> np.ndarray:
+    """``|x| * |w|``, the convolution of the magnitudes in float64, of output spatial shape ``out``."""
+    rank, group = w.ndim - 2, int(attributes.get("group", 1))
+    strides = list(attributes.get("strides", [1] * rank))
+    dilations = list(attributes.get("dilations", [1] * rank))
+    kernel = w.shape[2:]
+    span = [(kernel[i] - 1) * dilations[i] + 1 for i in range(rank)]
+    pads = _conv_pads(attributes, x.shape[2:], out, span)
+    padded = np.pad(np.abs(x.astype(np.float64)), [(0, 0), (0, 0)] + [(pads[i], pads[i + rank]) for i in range(rank)])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, span, axis=tuple(range(2, 2 + rank)))
+    pick = tuple(slice(0, out[i] * strides[i], strides[i]) for i in range(rank))
+    windows = windows[(slice(None), slice(None), *pick, *(slice(None, None, d) for d in dilations))]
+    n, c = x.shape[:2]
+    windows = windows.reshape((n, group, c // group, *out, *kernel))
+    weights = np.abs(w.astype(np.float64)).reshape((group, w.shape[0] // group, c // group, *kernel))
+    letters = "opqrstuv"[:rank], "hijklm"[:rank]
+    spec = f"ngc{letters[0]}{letters[1]},gfc{letters[1]}->ngf{letters[0]}"
+    return np.einsum(spec, windows, weights, optimize=True).reshape((n, w.shape[0], *out))
+
+
+def _fused_conv_sum(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    """The ``fused-conv-sum`` bound (module docstring) at every element of the FusedConv's output."""
+    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    x, w, b, z = (_input(node, values, i) for i in range(4))
+    assert x is not None and w is not None
+    # An infinite or NaN input makes the bound NaN or infinite where it reaches (IEEE: inf · 0 and
+    # inf - inf are NaN): only equal values pass there.
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = _abs_conv(x, w, attributes, expected.shape[2:])
+        if z is not None:
+            total = total + np.abs(z.astype(np.float64))
+        if b is not None:
+            total = total + np.abs(b.astype(np.float64)).reshape((1, -1, *(1,) * (expected.ndim - 2)))
+    terms = x.shape[1] // int(attributes.get("group", 1)) * int(np.prod(w.shape[2:])) + 2
+    gamma = terms * _U / (1 - terms * _U)
+    activation = attributes.get("activation", b"")
+    activation = activation.decode() if isinstance(activation, bytes) else str(activation)
+    params = [float(p) for p in attributes.get("activation_params", [])]
+    slope, extra = 1.0, 0.0
+    if activation in ("LeakyRelu", "HardSigmoid"):
+        slope = max(1.0, abs(params[0] if params else (0.01 if activation == "LeakyRelu" else 0.2)))
+    if activation in ("Sigmoid", "Tanh"):
+        extra = 1.0
+    if activation == "HardSigmoid":
+        extra = 1.0 + abs(params[1] if len(params) > 1 else 0.5)
+    larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
+    with np.errstate(invalid="ignore", over="ignore"):  # as above: a NaN bound, only equal values pass
+        return slope * (2 * gamma + _ROUNDING) * total + _ROUNDING * (larger + extra)
+
+
 def _reduction_length(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> int:
     """K of a QLinearMatMul on this sample: the last dimension of its A (1-D A: its length)."""
     a = _input(node, values, 0)
@@ -335,6 +420,7 @@ FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     "float32-sum-order": _float32_sum_order,
     "u8s8-attention": _u8s8_attention,
     RUN_TIME_K_FORMULA: _run_time_k,
+    FUSED_CONV_SUM_FORMULA: _fused_conv_sum,
 }
 
 

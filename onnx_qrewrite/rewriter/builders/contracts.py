@@ -133,6 +133,9 @@ ATTENTION_EMITS = frozenset(
     {"MatMul", "Add", "Mul", "Slice", "Reshape", "Transpose", "Softmax", "Where", "Greater", "Less", "Not", "And"}
     | {"Range", "Shape", "Gather", "Unsqueeze", "Cast", "Concat"}
 )
+#: unfuse_gemm_conv: the per-element bound formula of FusedConv with a sum input
+#: (onnx_qrewrite.verify.element_bounds).
+FUSED_CONV_SUM_FORMULA = "fused-conv-sum"
 #: integer_matmul_float_output: which node of the MatMulInteger/ConvInteger -> Cast pair a rule rewrites.
 INTEGER_MATMUL_FLOAT_PARTS = ("producer", "cast")
 #: integer_matmul
@@ -405,8 +408,23 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
         "contrib_fusions",
         Contract(
             output_types=_same_as_input_0,
-            options=(Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),),
+            options=(
+                Option("op", str, allowed=("gemm", "conv"), doc="which fused op the rule replaces"),
+                Option(
+                    "with_sum",
+                    bool,
+                    False,
+                    doc="FusedConv: only nodes with a sum input Z (bounded: onnxruntime's kernel starts its float32 "
+                    "accumulation from Z, the rewrite adds Z to the finished convolution); without it, only nodes "
+                    "without Z (exact)",
+                ),
+            ),
             emits=frozenset({"Gemm", "Conv", "Add", "Reshape", *(op for op, _ in FUSED_ACTIVATIONS.values())}),
+            exactness=lambda options: BOUNDED if options["with_sum"] else EXACT,
+            bound="the same K + 2 terms (the K = C/group·prod(kernel) products, Z and the bias) summed in another "
+            "order: at most L·(2·γ(K + 2) + 2^-20)·(Σ|x·w| + |z| + |b|) + 2^-20·(|y| + c) per element (L: the "
+            "activation's slope, at least 1; c: 1 for Sigmoid/Tanh, 1 + |beta| for HardSigmoid, else 0), "
+            "checked per element by verify (formula fused-conv-sum)",
             opset=lambda options, dtypes: f"{kernel_opsets.OP_VERSIONS['clip-inputs']} (Clip with inputs)",
         ),
     ),

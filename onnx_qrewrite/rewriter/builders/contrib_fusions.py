@@ -8,7 +8,8 @@ neural-compressor models run elsewhere. Each form was measured bit for bit again
     FastGelu(x[, b])   -> Gelu(Add(x, b), approximate="tanh")            (opset 20)         exact
                        -> Mul(Mul(x, 0.5), Add(Tanh(Mul(x, x*x*kC + kB)), 1))  (below 20)   bounded
     FusedGemm          -> Gemm + the activation op                                          exact
-    FusedConv(x, w[, b][, z]) -> Conv(x, w[, b]) [+ z [+ b]] + the activation op            exact
+    FusedConv(x, w[, b])  -> Conv(x, w[, b]) + the activation op                           exact
+    FusedConv(x, w, [b], z) -> Add(Conv(x, w), z) [+ b] + the activation op                 bounded
     FusedMatMul        -> [Transpose] + MatMul [+ Mul(alpha)]            exact when alpha = 1 and not transA
                           (transBatchA/B: a Transpose moving axis 0 behind the batch axes)
     SkipLayerNormalization(x, s, g[, beta, bias]) -> Add(Add(x, s), bias) + LayerNormalization   bounded
@@ -27,7 +28,14 @@ normalizations sum sequentially in float32 inside the kernel (SkipLayerNormaliza
 running mean and M2, which drift with a row's mean against its spread; the simplified form: the sum
 of squares), LayerNormalization/RMSNormalization/ReduceMean with vectorised reductions; FusedMatMul
 with transA or alpha != 1 lets MLAS transpose A while packing and apply alpha per K panel, a
-MatMul on a transposed copy followed by Mul does not. All of these differ only in float32 rounding
+MatMul on a transposed copy followed by Mul does not. FusedConv with a sum input Z: onnxruntime
+1.31.1's ``Conv<float>`` (``core/providers/cpu/nn/conv.cc``) copies Z into the output and calls MLAS
+with Beta = 1, so Z is the first term of the float32 accumulation (``MlasConvOperation`` adds each K
+panel's GEMM into the output; a group with one filter takes the M = 1 kernel, which adds the products
+into Z one at a time), and ``MlasActivation`` adds the bias with the activation; the rewrite adds Z to
+the finished convolution (bit-exact only where K fits one panel and a group has several filters;
+measured: a 64 -> 64 3x3 conv differs in 210 of 1600 outputs, every depthwise one). Its bound is per
+element (``fused-conv-sum``, ``onnx_qrewrite.verify.element_bounds``). All of these differ only in float32 rounding
 of the same computation.
 
 BiasAdd has no CPU kernel in onnxruntime (CUDA only), so it is lowered from the kernel's source,
@@ -57,7 +65,13 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, FUSED_ACTIVATIONS, gelu_opset, normalization_opset
+from onnx_qrewrite.rewriter.builders.contracts import (
+    CONTRACTS,
+    FUSED_ACTIVATIONS,
+    FUSED_CONV_SUM_FORMULA,
+    gelu_opset,
+    normalization_opset,
+)
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["ActivationBuilder", "BiasAddBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
@@ -211,6 +225,14 @@ _ACTIVATIONS = FUSED_ACTIVATIONS
 _CONV_ATTRS = {"auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"}
 
 
+#: Why a FusedConv rule does not take a node, by whether the node has a sum input Z.
+_SUM_INPUT_REASONS = {
+    True: "a sum input Z: onnxruntime's kernel starts its float32 accumulation from Z, not bit-exact as "
+    "Conv + Z (the bounded rule unfuse-fused-conv-sum applies)",
+    False: "no sum input Z (the exact rule lowers it)",
+}
+
+
 class FusedGemmConvBuilder:
     """Replaces com.microsoft FusedGemm / FusedConv with Gemm / Conv and the activation op."""
 
@@ -255,7 +277,10 @@ class FusedGemmConvBuilder:
         _float_only(site, *site.node.input)
         op, attrs, clip = self._activation(site, conv)
         data: dict[str, Any] = {"activation": (op, attrs, clip)}
-        if conv and site.input(3) and site.input(2):
+        with_sum = conv and bool(site.input(3))
+        if conv and with_sum != options["with_sum"]:
+            raise NoMatch(_SUM_INPUT_REASONS[with_sum])
+        if with_sum and site.input(2):
             rank = None
             shape = site.value_shape(site.input(1))
             if shape is not None:
@@ -263,7 +288,11 @@ class FusedGemmConvBuilder:
             if rank is None:
                 raise NoMatch(f"the rank of W {site.input(1)!r} is not recorded (needed to broadcast the bias)")
             data["rank"] = rank
-        return Plan(min_opset=kernel_opsets.OP_VERSIONS["clip-inputs"] if op == "Clip" else 0, data=data)
+        return Plan(
+            min_opset=kernel_opsets.OP_VERSIONS["clip-inputs"] if op == "Clip" else 0,
+            data=data,
+            bound_formula=FUSED_CONV_SUM_FORMULA if with_sum else None,
+        )
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op, attrs, clip = plan.data["activation"]
@@ -273,7 +302,8 @@ class FusedGemmConvBuilder:
         if options["op"] == "gemm":
             value = emit.op1("Gemm", inputs[:3], **node_attrs)
         elif len(inputs) > 3 and inputs[3]:
-            # The kernel accumulates Z into the convolution, then adds the bias: (conv + z) + b.
+            # The kernel sums Z and the products in one float32 accumulation, then adds the bias; this
+            # adds Z to the finished convolution: (conv + z) + b, the bounded rule (module docstring).
             value = emit.op1("Conv", inputs[:2], **node_attrs)
             value = emit.op1("Add", [value, inputs[3]], hint="AddSum")
             if inputs[2]:
