@@ -223,16 +223,19 @@ def _rewrite_checking_template_keys(model: onnx.ModelProto, monkeypatch, by_stru
 
     for cls in (DynamicQuantizeLinearBuilder, IntegerMatMulBuilder):
         monkeypatch.setattr(cls, "template_key_of_structure", by_structure)
-    made = apply._template_key
+    made = apply._template_of
     cached: list[int] = []
 
-    def checked(build, m, builder, site, scope):
-        key = made(build, m, builder, site, scope)
-        assert key == builder.template_key(site, m.rule.options, m.plan), site.label
+    def checked(build, m, builder, site, scope, pool):
+        key, template = made(build, m, builder, site, scope, pool)
+        # Every key the build uses, from the per-structure cache or not, against the builder's
+        # own key for this node (computed here, outside the cache).
+        own = builder.template_key(site, m.rule.options, m.plan)
+        assert key == (None if own is None else (m.rule.id, id(pool), own)), site.label
         cached.append(m.structure is not None)
-        return key
+        return key, template
 
-    monkeypatch.setattr(apply, "_template_key", checked)
+    monkeypatch.setattr(apply, "_template_of", checked)
     rewritten, report = engine.run(model, onnx_qrewrite.load_rules(), engine.EngineOptions())
     monkeypatch.undo()
     return to_bytes(rewritten), report.to_dict(), cached
