@@ -81,6 +81,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._float_inputs import refuse_float16, unknown_type
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -95,9 +96,7 @@ def _float32(site: Site, *names: str) -> None:
     for name in names:
         elem = site.value_type(name) if name else _T.FLOAT
         if elem is None:
-            raise NoMatch(
-                f"the type of {name!r} is not declared and its producer does not say; only float32 was measured"
-            )
+            raise unknown_type(name)
         if elem != _T.FLOAT:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
@@ -216,20 +215,6 @@ class QAttentionBuilder:
         emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0], kv)
 
 
-def _refuse_float16(site: Site, *names: str) -> None:
-    """float16 Attention: onnxruntime 1.31.1 has no float16 kernel on CPU; it runs the float32 one
-    between Casts it inserts (bit for bit, alone: measured) and keeps float32 between neighbouring
-    nodes it runs so, so the node's float16 result depends on its neighbours (the policy of the other
-    fusions without a float16 CPU kernel, contrib_fusions.py)."""
-    for name in names:
-        if name and site.value_type(name) == _T.FLOAT16:
-            raise NoMatch(
-                f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
-                "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "
-                "node's float16 result depends on its neighbours"
-            )
-
-
 def _refuse_shared_buffer(site: Site) -> None:
     """past_present_share_buffer: Attention's and QAttention's CPU kernels refuse it whatever the
     inputs (1.31.1, measured: their Compute does not pass past_sequence_length on to the check that
@@ -324,7 +309,8 @@ class AttentionBuilder:
                 "not supported in Attention CPU kernel', 1.31.1), nothing to measure against; not lowered"
             )
         _refuse_shared_buffer(site)
-        _refuse_float16(site, *[site.input(i) for i in (0, 1, 2, 4, 5)])
+        # float16 Attention: no float16 kernel on CPU (bit for bit alone, measured; _float_inputs.py).
+        refuse_float16(site, *[site.input(i) for i in (0, 1, 2, 4, 5)])
         if site.input(6):  # read by the CPU kernel only with past_present_share_buffer, which it refuses
             elem = site.elem_type(site.input(6))
             if elem is not None and elem != _T.INT32:

@@ -43,6 +43,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._float_inputs import no_float16_kernel
 from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
 
@@ -66,11 +67,7 @@ def _check_float_types(site: Site, indices: tuple[int, ...]) -> None:
     for index in indices:
         elem = site.value_type(site.input(index)) if site.input(index) else None
         if elem == _T.FLOAT16:
-            raise NoMatch(
-                f"{site.input(index)!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in "
-                "float32 between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so "
-                "the node's float16 result depends on its neighbours"
-            )
+            raise no_float16_kernel(site.input(index))
         if elem is not None and elem != _T.FLOAT:
             raise NoMatch(f"{site.input(index)!r} is {dtype_name(elem)}; only float32 was measured")
 

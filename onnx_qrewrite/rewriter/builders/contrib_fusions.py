@@ -65,6 +65,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
+from onnx_qrewrite.rewriter.builders._float_inputs import no_float16_kernel, unknown_type
 from onnx_qrewrite.rewriter.builders.contracts import (
     CONTRACTS,
     FUSED_ACTIVATIONS,
@@ -87,15 +88,9 @@ def _float_only(site: Site, *names: str) -> None:
     for name in names:
         elem = site.value_type(name) if name else _FLOAT[0]
         if elem is None:
-            raise NoMatch(
-                f"the type of {name!r} is not declared and its producer does not say; only float32 was measured"
-            )
+            raise unknown_type(name)
         if elem == _T.FLOAT16:
-            raise NoMatch(
-                f"{name!r} is float16; onnxruntime's CPU has no float16 kernel for the op: it runs it in float32 "
-                "between Casts it inserts, keeping float32 between neighbouring such nodes (measured), so the "
-                "node's float16 result depends on its neighbours"
-            )
+            raise no_float16_kernel(name)
         if elem not in _FLOAT:
             raise NoMatch(f"{name!r} is {dtype_name(elem)}; only float32 was measured")
 
