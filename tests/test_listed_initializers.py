@@ -7,13 +7,19 @@ such a model's initializers stay constants (else no old model would find a const
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
+import pytest
 from conftest import assert_bitwise_equal, run
 from onnx import TensorProto, helper, numpy_helper
 
 import onnx_qrewrite
 from onnx_qrewrite.verify import verify
+from onnx_qrewrite.verify.inputs import input_specs
+
+DATA = Path(__file__).parent / "data" / "models"
 
 RNG = np.random.default_rng(11)
 
@@ -77,3 +83,61 @@ def test_before_ir_4_listed_initializers_stay_constants():
     assert not any("wz" in n.input for n in result.model.graph.node)  # folded, as the format's listing allows
     feeds = _feeds(None)
     assert_bitwise_equal(run(result.model, feeds)["y"], run(model, feeds)["y"])
+
+
+def _list_every_initializer(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model as torch's ``keep_initializers_as_inputs=True`` writes it: every initializer also
+    a graph input (IR kept, so each is an overridable default)."""
+    listed = onnx.ModelProto()
+    listed.CopyFrom(model)
+    have = {i.name for i in listed.graph.input}
+    listed.graph.input.extend(
+        helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+        for t in listed.graph.initializer
+        if t.name not in have
+    )
+    return listed
+
+
+def test_a_model_listing_its_shapes_as_inputs_verifies():
+    """Review 5 R1: verify fed random values to a listed Reshape shape, the original failed to run
+    and verify blamed it (exit 3). Shapes keep their value; the float data around them is fed."""
+    model = _list_every_initializer(onnx.load(DATA / "ortdyn_cnn_op17_w8u.onnx"))
+    assert model.ir_version >= 4
+    specs = {s.name: s for s in input_specs(model, defaults=True) if s.default}
+    shapes = [t.name for t in model.graph.initializer if t.data_type == TensorProto.INT64]
+    assert shapes, "the model no longer has the integer shape initializer this test is about"
+    assert not set(shapes) & set(specs)
+    assert any(s.elem_type == TensorProto.FLOAT for s in specs.values()), "no float default is fed any more"
+    assert verify(model, onnx_qrewrite.rewrite(model).model).passed
+
+
+def _reader_model(op: str, inputs: list[str], init: onnx.TensorProto, **attributes: object) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node(op, inputs, ["y"], **attributes)],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 2, 2]),
+            helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [init],
+    )
+    return helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 13)])
+
+
+@pytest.mark.parametrize(
+    ("op", "inputs", "value", "fed"),
+    [
+        ("Mul", ["x", "d"], np.array(2.0, np.float32), True),  # float data
+        ("Resize", ["x", "", "d"], np.array([1, 1, 2, 2], np.float32), False),  # scales decide a shape
+        ("Reshape", ["x", "d"], np.array([1, -1], np.int64), False),  # a shape
+        ("Where", ["d", "x", "x"], np.array(True), True),  # a condition is data
+        ("QuantizeLinear", ["x", "s", "d"], np.array(3, np.uint8), True),  # a zero point
+    ],
+)
+def test_which_listed_defaults_the_samples_feed(op: str, inputs: list[str], value: np.ndarray, fed: bool) -> None:
+    model = _reader_model(op, inputs, numpy_helper.from_array(value, "d"))
+    if "s" in inputs:
+        model.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "s"))
+    assert ("d" in {s.name for s in input_specs(model, defaults=True) if s.default}) is fed

@@ -210,14 +210,57 @@ class GenerationOptions:
 MAX_FED_DEFAULT_BYTES = 1 << 16
 
 
-def _fed_default(tensor: onnx.TensorProto) -> bool:
+#: Where a node reads an integer input as a zero point: an integer default is fed random values only
+#: when every reader reads it there. Other integer inputs are shapes, axes, pads, sizes or indices
+#: (a Reshape's shape, a Gather's indices): random values there make the ORIGINAL fail or read
+#: outside a table, which says nothing about the rewrite.
+_ZERO_POINT_INPUTS: dict[str, frozenset[int]] = {
+    "QuantizeLinear": frozenset({2}),
+    "DequantizeLinear": frozenset({2}),
+    "MatMulInteger": frozenset({2, 3}),
+    "ConvInteger": frozenset({2, 3}),
+    "QLinearMatMul": frozenset({2, 5, 7}),
+    "QLinearConv": frozenset({2, 5, 7}),
+    "MatMulIntegerToFloat": frozenset({4, 5}),
+    "DynamicQuantizeMatMul": frozenset({3}),
+}
+
+#: Float inputs that decide a shape (Resize's roi, scales; Upsample's scales; Range's bounds): a
+#: float default read there keeps its value.
+_SHAPE_FLOAT_INPUTS: dict[str, frozenset[int]] = {
+    "Resize": frozenset({1, 2, 3}),
+    "Upsample": frozenset({1}),
+    "Range": frozenset({0, 1, 2}),
+}
+
+
+def _readers(graph: onnx.GraphProto, into: dict[str, list[tuple[str, int]]]) -> dict[str, list[tuple[str, int]]]:
+    """Each value name -> the (op, input index) pairs that read it, subgraphs included (a subgraph
+    may read an outer value)."""
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            if name:
+                into.setdefault(name, []).append((node.op_type, index))
+        for attribute in node.attribute:
+            for sub in (*([attribute.g] if attribute.HasField("g") else ()), *attribute.graphs):
+                _readers(sub, into)
+    return into
+
+
+def _fed_default(tensor: onnx.TensorProto, readers: Sequence[tuple[str, int]]) -> bool:
     """Whether an initializer listed as an input is fed by the random samples: a numeric one of
-    at most :data:`MAX_FED_DEFAULT_BYTES`."""
+    at most :data:`MAX_FED_DEFAULT_BYTES`, read only as data: a float or bool one nowhere as a shape
+    (:data:`_SHAPE_FLOAT_INPUTS`), an integer one only as a zero point (:data:`_ZERO_POINT_INPUTS`).
+    Anything else keeps its value: a random shape or index makes the original itself fail."""
     try:
         dtype = np_dtype(tensor.data_type)
     except (KeyError, ValueError, TypeError):  # a string or an unknown type: left at its value
         return False
-    return dtype.kind in "biuf" and _nbytes(tuple(tensor.dims), dtype) <= MAX_FED_DEFAULT_BYTES
+    if dtype.kind not in "biuf" or _nbytes(tuple(tensor.dims), dtype) > MAX_FED_DEFAULT_BYTES or not readers:
+        return False
+    if dtype.kind in "bf":  # data: weights, scales, conditions
+        return not any(index in _SHAPE_FLOAT_INPUTS.get(op, ()) for op, index in readers)
+    return all(index in _ZERO_POINT_INPUTS.get(op, ()) for op, index in readers)
 
 
 def input_specs(model: onnx.ModelProto, defaults: bool = False) -> list[InputSpec]:
@@ -225,11 +268,12 @@ def input_specs(model: onnx.ModelProto, defaults: bool = False) -> list[InputSpe
     also the small initializers a model from IR 4 on lists as inputs (:attr:`InputSpec.default`;
     before IR 4 every initializer had to be listed, which says nothing)."""
     initializers = {t.name: t for t in model.graph.initializer}
+    readers = _readers(model.graph, {}) if defaults and model.ir_version >= 4 else {}
     specs = []
     for info in model.graph.input:
         tensor = initializers.get(info.name)
         if tensor is not None:
-            if defaults and model.ir_version >= 4 and _fed_default(tensor):
+            if defaults and model.ir_version >= 4 and _fed_default(tensor, readers.get(info.name, ())):
                 specs.append(InputSpec(info.name, tensor.data_type, tuple(tensor.dims), default=True))
             continue
         if not info.type.HasField("tensor_type"):

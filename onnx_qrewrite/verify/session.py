@@ -87,7 +87,9 @@ class SessionSettings:
         options.graph_optimization_level = OPT_LEVELS[self.opt_level]
         options.intra_op_num_threads = self.threads
         options.inter_op_num_threads = 1
-        options.log_severity_level = 3  # errors only: warnings would interleave with the report
+        # Fatal only: warnings would interleave with the report, and a kernel's failure reaches the user
+        # as this package's one-line error, which carries onnxruntime's message.
+        options.log_severity_level = 4
         return options
 
 
