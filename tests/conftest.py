@@ -35,8 +35,28 @@ REAL_MODEL_NAMES = (
 SAMPLES = REPO / "sample_models"
 
 # The rule cache (onnx_qrewrite/rewriter/rule_cache.py) of this test run, in a folder of its own: the
-# tests, and the console scripts they start, read and write none of the user's cache.
-_RULE_CACHE = tempfile.mkdtemp(prefix="onnx-qrewrite-tests-cache-")
+# tests, and the console scripts they start, read and write none of the user's cache. Its name carries
+# the run's process id, so that a run killed before its atexit (SIGTERM, SIGKILL) leaves a folder the
+# next run removes (review 5 R2).
+_CACHE_PREFIX = "onnx-qrewrite-tests-cache-"
+
+
+def _remove_dead_runs_caches() -> None:
+    """Remove the cache folders of test runs whose process is gone (ours, real folders only)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_CACHE_PREFIX}*-*"):
+        pid = path.name[len(_CACHE_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            continue
+
+
+_remove_dead_runs_caches()
+_RULE_CACHE = tempfile.mkdtemp(prefix=f"{_CACHE_PREFIX}{os.getpid()}-")
 os.environ["ONNX_QREWRITE_CACHE_DIR"] = _RULE_CACHE
 atexit.register(shutil.rmtree, _RULE_CACHE, True)
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 import warnings
 from pathlib import Path
@@ -268,3 +269,37 @@ def test_the_folders_a_stopped_batch_worker_leaves_are_removed_with_its_temporar
         child.close()
     assert child.request("m", "x", op="any") == {"ok": True}  # closed, then a new child with a new folder
     child.close()
+
+
+@pytest.mark.parametrize(("name", "removed"), [("onnx-qrewrite-tflite-x1", True), ("not-ours", False)])
+def test_a_child_whose_host_was_killed_removes_its_folder(tmp_path: Path, name: str, removed: bool) -> None:
+    """Review 5 R2: a host killed by SIGKILL cannot remove the child's folder; the child, whose
+    stdin then ends, removes it, and only a folder named as the host names its own."""
+    home = tmp_path / name
+    home.mkdir()
+    (home / "stderr").write_bytes(b"")
+    host = (
+        "import os, subprocess, sys\n"
+        f"env = os.environ | {{{tflite_host.HOST_PID_VARIABLE!r}: str(os.getpid())}}\n"
+        f"child = subprocess.Popen([sys.executable, {tflite_host.CHILD!r}], stdin=subprocess.PIPE,"
+        f" cwd={str(home)!r}, env=env)\n"
+        "print(child.pid, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -signal.SIGKILL
+    child = int(done.stdout)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child), "the child did not end when its stdin did"
+    assert home.exists() is not removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:  # a zombie has ended
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -37,6 +37,11 @@ import sys
 import traceback
 from typing import Any
 
+#: The prefix of the host's private folder this process runs in (and of a one-off conversion's):
+#: the orphaned process removes only a folder named so.
+HOME_PREFIX = "onnx-qrewrite-tflite-"
+#: The host's process id, which it passes (it may be gone before this process starts serving).
+HOST_PID_VARIABLE = "ONNX_QREWRITE_TFLITE_HOST"
 #: onnx2tf's copies of the TFLite schema in its output folder: kept between conversions.
 _SCHEMA_FILES = {"schema.fbs", "schema_generated.py"}
 #: Interpreters kept ready (a verification runs one model a few times, then the next).
@@ -52,7 +57,7 @@ def convert(model: str, out_dir: str, work: str | None = None) -> str:
     if work is None:
         import tempfile
 
-        work = tempfile.mkdtemp(prefix="onnx-qrewrite-tflite-")
+        work = tempfile.mkdtemp(prefix=HOME_PREFIX)
         try:
             return convert(model, out_dir, work)
         finally:
@@ -152,7 +157,8 @@ def serve() -> None:
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
-    work = os.path.join(os.getcwd(), "onnx2tf")
+    home, parent = os.getcwd(), int(os.environ.get(HOST_PID_VARIABLE) or os.getppid())
+    work = os.path.join(home, "onnx2tf")
     for line in requests:
         try:
             answer = {"ok": True, **_handle(json.loads(line), work)}
@@ -165,6 +171,16 @@ def serve() -> None:
         sys.stderr.flush()
         answers.write(json.dumps(answer) + "\n")
         answers.flush()
+    _remove_home_if_orphaned(home, parent)
+
+
+def _remove_home_if_orphaned(home: str, parent: int) -> None:
+    """The host removes this process's folder (its working directory) when it stops it; a host
+    killed by SIGKILL cannot, and this process outlives it until stdin ends: then remove it here,
+    only the host's own private folder (its name says so), only when the host is gone."""
+    if os.getppid() != parent and os.path.basename(home).startswith(HOME_PREFIX):
+        os.chdir(os.path.dirname(home))
+        shutil.rmtree(home, ignore_errors=True)
 
 
 if __name__ == "__main__":

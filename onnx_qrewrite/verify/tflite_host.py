@@ -32,6 +32,7 @@ from typing import IO, Any
 
 from onnx_qrewrite.errors import InvalidModelError
 from onnx_qrewrite.io import outputs
+from onnx_qrewrite.verify._tflite_child import HOME_PREFIX, HOST_PID_VARIABLE
 
 __all__ = ["TFLiteChild", "tflite_child"]
 
@@ -98,13 +99,18 @@ class TFLiteChild:
         elif self._proc is not None and self._proc.poll() is None:
             return self._proc
         self._stop(kill=False)  # it exited between requests: reap it, remove its folder
-        self._home = tempfile.mkdtemp(prefix="onnx-qrewrite-tflite-")
+        self._home = tempfile.mkdtemp(prefix=HOME_PREFIX)
         outputs.register_folder(self._home)  # a batch worker stopped by SIGTERM removes it too
         self._stderr = open(Path(self._home) / "stderr", "ab+")  # noqa: SIM115 - closed by _stop
         # In its private folder: onnx2tf leaves temporary files (sym_shape_infer_temp.onnx,
         # <uuid>.data) in its working directory, which would otherwise be the user's.
         self._proc = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, cwd=self._home
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            cwd=self._home,
+            env=os.environ | {HOST_PID_VARIABLE: str(os.getpid())},
         )
         self._owner = os.getpid()
         return self._proc
