@@ -271,10 +271,16 @@ def test_the_folders_a_stopped_batch_worker_leaves_are_removed_with_its_temporar
     child.close()
 
 
-@pytest.mark.parametrize(("name", "removed"), [("onnx-qrewrite-tflite-x1", True), ("not-ours", False)])
-def test_a_child_whose_host_was_killed_removes_its_folder(tmp_path: Path, name: str, removed: bool) -> None:
+@pytest.mark.parametrize(
+    ("name", "mid_request", "removed"),
+    [("onnx-qrewrite-tflite-x1", False, True), ("onnx-qrewrite-tflite-x2", True, True), ("not-ours", False, False)],
+)
+def test_a_child_whose_host_was_killed_removes_its_folder(
+    tmp_path: Path, name: str, mid_request: bool, removed: bool
+) -> None:
     """Review 5 R2: a host killed by SIGKILL cannot remove the child's folder; the child, whose
-    stdin then ends, removes it, and only a folder named as the host names its own."""
+    stdin then ends (or whose answer finds no reader), removes it, and only a folder named as the
+    host names its own."""
     home = tmp_path / name
     home.mkdir()
     (home / "stderr").write_bytes(b"")
@@ -282,9 +288,15 @@ def test_a_child_whose_host_was_killed_removes_its_folder(tmp_path: Path, name: 
         "import os, subprocess, sys\n"
         f"env = os.environ | {{{tflite_host.HOST_PID_VARIABLE!r}: str(os.getpid())}}\n"
         f"child = subprocess.Popen([sys.executable, {tflite_host.CHILD!r}], stdin=subprocess.PIPE,"
-        f" cwd={str(home)!r}, env=env)\n"
+        f" cwd={str(home)!r}, env=env, stdout=subprocess.PIPE if {mid_request} else None)\n"
         "print(child.pid, flush=True)\n"
-        "os.kill(os.getpid(), 9)\n"
+        + (  # a request that fails (no model) after the host is gone: its answer finds no reader
+            'child.stdin.write(b\'{"op": "convert", "model": "/no/such.onnx", "out_dir": "/no/such"}\\n\')\n'
+            "child.stdin.flush()\n"
+            if mid_request
+            else ""
+        )
+        + "os.kill(os.getpid(), 9)\n"
     )
     done = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == -signal.SIGKILL

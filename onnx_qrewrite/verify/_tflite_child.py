@@ -27,6 +27,7 @@ nothing reads: onnx2tf 2.6.9 has no option to skip it (its flatbuffer_direct exp
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import glob
 import json
@@ -159,19 +160,30 @@ def serve() -> None:
     os.dup2(2, 1)
     home, parent = os.getcwd(), int(os.environ.get(HOST_PID_VARIABLE) or os.getppid())
     work = os.path.join(home, "onnx2tf")
-    for line in requests:
-        try:
-            answer = {"ok": True, **_handle(json.loads(line), work)}
-        except SystemExit as exc:
-            answer = {"ok": False, "code": _exit_code(exc)}
-        except Exception:  # noqa: BLE001 - printed as an uncaught exception is, the parent quotes it
-            traceback.print_exc()
-            answer = {"ok": False, "code": 1}
-        sys.stdout.flush()
-        sys.stderr.flush()
-        answers.write(json.dumps(answer) + "\n")
-        answers.flush()
-    _remove_home_if_orphaned(home, parent)
+    try:
+        for line in requests:
+            answer = _answer(line, work)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            answers.write(json.dumps(answer) + "\n")
+            answers.flush()
+    except BrokenPipeError:  # the host is gone (killed while this request ran): nobody to answer
+        pass
+    finally:
+        _remove_home_if_orphaned(home, parent)
+    with contextlib.suppress(BrokenPipeError):  # the answer that could not be written, flushed again
+        answers.close()
+
+
+def _answer(line: str, work: str) -> dict[str, Any]:
+    """One request's answer; a failure is printed on stderr as an uncaught exception would be."""
+    try:
+        return {"ok": True, **_handle(json.loads(line), work)}
+    except SystemExit as exc:
+        return {"ok": False, "code": _exit_code(exc)}
+    except Exception:  # noqa: BLE001 - printed as an uncaught exception is, the parent quotes it
+        traceback.print_exc()
+        return {"ok": False, "code": 1}
 
 
 def _remove_home_if_orphaned(home: str, parent: int) -> None:
