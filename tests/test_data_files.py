@@ -10,7 +10,7 @@ import hashlib
 import pytest
 from conftest import DATA, REAL_MODEL_NAMES, REAL_MODELS
 
-FOLDERS = ("models", "quark_vectors", "genai")
+FOLDERS = ("models", "quark_vectors", "genai", "exported")
 
 
 def _listed(folder: str) -> dict[str, str]:
