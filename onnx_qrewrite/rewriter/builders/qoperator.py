@@ -224,6 +224,8 @@ class QOperatorBuilder:
             min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["softmax-single-axis"])
         elif op == "QLinearConcat" and "axis" not in attrs:
             raise NoMatch("malformed node: QLinearConcat needs an 'axis' attribute")
+        elif op in ("QLinearAveragePool", "QLinearGlobalAveragePool") and attrs["channels_last"]:
+            data["rank"] = _channels_last_rank(site, attrs)
         if per_axis and op not in ("QLinearConv", "QLinearMatMul", "QGemm"):
             raise NoMatch(f"{op} takes per-tensor scales only; a scale here has more than one element")
         return Plan(
@@ -668,15 +670,29 @@ def _nhwc(emit: Emitter, x: str, rank: int, to_channels_last: bool) -> str:
     return emit.op1("Transpose", [x], perm=perm)
 
 
+def _channels_last_rank(site: Site, attrs: dict[str, Any]) -> int:
+    """The rank a channels_last pooling transposes over: recorded for its input or output, or
+    given by QLinearAveragePool's kernel_shape. Checked while planning: raised while building, the
+    NoMatch escaped as an internal error (exit 5) on onnxruntime's own NHWC-optimized models, whose
+    com.microsoft producers onnx shape inference cannot see through."""
+    rank = _rank(site, site.input(0)) or _rank(site, site.node.output[0])
+    if rank is None and attrs.get("kernel_shape"):
+        rank = len(attrs["kernel_shape"]) + 2
+    if rank is None:
+        raise NoMatch(
+            f"channels_last pooling needs the rank of {site.input(0)!r}, which the model does not record "
+            "(a value_info; onnx shape inference does not infer through com.microsoft ops)"
+        )
+    return rank
+
+
 def _pool(emit, site, attrs, floats, plan, out):
     op = "AveragePool" if site.node.op_type == "QLinearAveragePool" else "GlobalAveragePool"
     pool_attrs = {k: v for k, v in attrs.items() if k != "channels_last" and v is not None}
     x = floats[0]
     if not attrs["channels_last"]:
         return emit.op1(op, [x], out, **pool_attrs)
-    rank = _rank(site, site.input(0))
-    if rank is None:
-        raise NoMatch("channels_last pooling needs the rank of the input; run shape inference first")
+    rank = plan.data["rank"]
     y = emit.op1(op, [_nhwc(emit, x, rank, False)], **pool_attrs)
     return emit.op1("Transpose", [y], out, perm=[0, *range(2, rank), 1])
 
