@@ -142,6 +142,82 @@ def test_a_chain_rewrites_as_with_fresh_checks():
     assert results[0] == results[1]
 
 
+def test_a_structure_decided_together_gets_what_each_node_would(monkeypatch):
+    """Eight DynamicQuantizeLinears of one structure whose inputs' shapes take three values (one
+    of them unknown) in no order: matching decides them together (one trace per path, each
+    replayed for all the nodes still open at once) and each gets what checking it alone gives."""
+    shapes = [[1, 4], [1, 16], None, [1, 4], [1, 4], None, [1, 16], [1, 4]]
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", [f"x{k}"], [f"y{k}", f"s{k}", f"z{k}"], name=f"q{k}")
+        for k in range(len(shapes))
+    ]
+    inputs = [helper.make_tensor_value_info(f"x{k}", F, shape) for k, shape in enumerate(shapes)]
+    outputs = [helper.make_tensor_value_info(f"y{k}", U8, shape) for k, shape in enumerate(shapes)]
+    model = _model(nodes, inputs, outputs)
+    together = []
+    replay_all = matching.replay_all
+    monkeypatch.setattr(
+        matching, "replay_all", lambda traces, ins, *rest: together.append(len(ins)) or replay_all(traces, ins, *rest)
+    )
+    recorded, fresh = _decisions(model, memo=True), _decisions(model, memo=False)
+    assert {k: _described(v) for k, v in recorded.items()} == {k: _described(v) for k, v in fresh.items()}
+    assert len(recorded) == len(shapes)
+    assert together and max(together) > 1  # the bulk replay ran, for several nodes at once
+    assert recorded["q0"][1] is recorded["q3"][1] is recorded["q7"][1]  # one plan per path
+
+
+def _bulk_models() -> list[onnx.ModelProto]:
+    """Models whose names exercise the bulk questions: initializers, Constants, a shape seen
+    through Identity and Cast, recorded and unrecorded shapes, a subgraph, absent optional names."""
+    const = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.array([3], np.uint8)))
+    floats = helper.make_node("Constant", [], ["cf"], value_floats=[1.0, 2.0])
+    nodes = [
+        const,
+        floats,
+        helper.make_node("Identity", ["x"], ["xi"]),
+        helper.make_node("Cast", ["xi"], ["xc"], to=F),
+        helper.make_node("Relu", ["xc"], ["r"]),
+        helper.make_node("DynamicQuantizeLinear", ["r"], ["q", "", "zp"]),
+        helper.make_node("MatMulInteger", ["q", "w", "zp", "c"], ["y"]),
+    ]
+    model = _model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT32, None)],
+        [_weights("w")],
+        [helper.make_tensor_value_info("r", F, [2, 4])],
+    )
+    return [model, *(onnx.load(path) for path in MODELS[:4])]
+
+
+@pytest.mark.parametrize("model", _bulk_models(), ids=lambda m: m.graph.name)
+def test_bulk_questions_answer_as_the_site_does(model):
+    """The bulk forms matching asks recorded questions through (graph.Scope.elem_types,
+    producer_ops, constants; _qdq.value_shapes) give each name the Site's own answer."""
+    from onnx_qrewrite.rewriter.builders._qdq import value_shapes
+
+    same_shape = frozenset({"Cast"})
+    for scope in iter_scopes(model, None, op_codes=True):
+        nodes = scope.container.node
+        if not len(nodes):
+            continue
+        names = sorted({n for node in nodes for n in (*node.input, *node.output)} | {"", "nowhere"})
+        names = names + names[::-1]  # repeats, in another order
+        site = Site(nodes[0], scope, same_shape)
+        handed = {k: tuple(node.output) for k, node in enumerate(nodes) if k % 2}  # some outputs handed over
+        assert scope.elem_types(names) == [site.elem_type(n) for n in names]
+        ops = scope.producer_ops(names, handed)
+        assert ops is None or ops == [site.producer_op(n) for n in names]
+        shapes = value_shapes(scope, names, same_shape, handed)
+        assert shapes is None or shapes == [site.value_shape(n) for n in names]
+        values = scope.constants(names, handed)
+        if values is not None:
+            for name, value in zip(names, values, strict=True):
+                expected = site.constant(name)
+                assert (value is None) == (expected is None), name
+                assert value is None or (value.dtype == expected.dtype and np.array_equal(value, expected)), name
+
+
 # -- the recording itself ------------------------------------------------------------------------
 
 

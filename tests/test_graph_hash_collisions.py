@@ -89,6 +89,13 @@ def test_unique_index_confirms_a_hit_against_the_names(colliding):
     for name in [*strangers, "", "x"]:
         assert index._find(name, nodes) is None, name
         assert index.find(name, nodes) is None, name
+    # The search for many names at once (matching's bulk questions) confirms the same way,
+    # whether the writers' outputs are read from the nodes or handed over by the caller.
+    asked = [*outputs, *strangers, "", "x", *reversed(outputs)]
+    expected = [outputs.index(n) if n in outputs else -1 for n in asked]
+    assert index.writers_of(asked, nodes, {}) == expected
+    handed = {k: (name,) for k, name in enumerate(outputs)}
+    assert index.writers_of(asked, nodes, handed) == expected
 
 
 def test_unique_index_of_a_multi_output_node_remembers_its_outputs():

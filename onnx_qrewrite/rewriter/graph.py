@@ -11,7 +11,7 @@ import array
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -251,6 +251,34 @@ class _Producers:
         for out in outputs:
             if out:
                 recent[out] = node
+
+    def writers_of(
+        self, names: Sequence[str], nodes: Sequence[onnx.NodeProto], outputs_of: Mapping[int, Sequence[str]]
+    ) -> list[int] | None:
+        """The index of the node writing each of ``names`` (-1: none), found for all of them in
+        one search of the sorted hashes and confirmed against the nodes' outputs (``outputs_of``:
+        those of nodes the caller has read already, by index; the others are read). None when a
+        name may have several writers (not an SSA node list): ask :meth:`find` one by one."""
+        if not self.unique:
+            return None
+        count = len(self.hashes)
+        if not count:
+            return [-1] * len(names)
+        values = np.fromiter(map(hash, names), np.int64, len(names))
+        at = np.minimum(self.hashes.searchsorted(values), count - 1)
+        found: list[int] = np.where(self.hashes[at] == values, self.owners[at], -1).tolist()
+        for k, (name, owner) in enumerate(zip(names, found, strict=True)):
+            if owner < 0:
+                continue
+            if not name:  # an absent optional value is not indexed (see _find)
+                found[k] = -1
+                continue
+            written = outputs_of.get(owner)
+            if written is None:
+                written = nodes[owner].output[:]  # a list: see _walk on protobuf's containers
+            if name not in written:
+                found[k] = -1  # another name with the same hash
+        return found
 
     def _find(self, name: str, nodes: Sequence[onnx.NodeProto]) -> onnx.NodeProto | None:
         if not name:  # an absent optional value is not indexed; without this, the confirm below
@@ -543,6 +571,59 @@ class Scope:
     def producer(self, name: str) -> onnx.NodeProto | None:
         producers = self._producers
         return (producers if producers is not None else self._producer_index()).find(name, self.container.node)
+
+    def elem_types(self, names: Sequence[str]) -> list[int | None]:
+        """:meth:`Site.elem_type` of each of ``names`` (None for an empty one), in one comprehension."""
+        if self.parent is None:
+            get = self._own().types.get
+            return [get(name) if name else None for name in names]
+        return [self.elem_type(name) if name else None for name in names]
+
+    def producer_indices(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[int] | None:
+        """The index of this scope's node writing each of ``names`` (-1: none) when the walk
+        indexed the nodes' ops and no name is written twice (see :meth:`_Producers.writers_of`);
+        else None (ask :meth:`producer` one by one)."""
+        if self._op_codes is None:
+            return None
+        producers = self._producers
+        if producers is None:
+            producers = self._producer_index()
+        return producers.writers_of(names, self.container.node, outputs_of)
+
+    def producer_ops(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[Any] | None:
+        """:meth:`Site.producer_op` of each of ``names``, the ops read from the walk's codes
+        (no node read for them); None as :meth:`producer_indices`."""
+        owners = self.producer_indices(names, outputs_of)
+        if owners is None or self._op_codes is None or self._op_keys is None:
+            return None
+        codes, keys = self._op_codes, self._op_keys
+        return [None if owner < 0 else keys[codes[owner]] for owner in owners]
+
+    def constants(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[Any] | None:
+        """:meth:`Site.constant` of each of ``names``: a name no initializer holds is looked for
+        among the nodes' outputs for all of them at once (:meth:`producer_indices`), and only a
+        Constant's is read; None (ask one by one) in a subgraph or as :meth:`producer_indices`."""
+        if self.parent is not None:
+            return None
+        initializers = self._own().initializers
+        computed = [name for name in names if name and name not in initializers]
+        writers = self.producer_indices(computed, outputs_of) if computed else []
+        if writers is None or self._op_codes is None or self._op_keys is None:
+            return None
+        codes, keys = self._op_codes, self._op_keys
+        constant_op = {
+            name: writer >= 0 and keys[codes[writer]][1] == "Constant"
+            for name, writer in zip(computed, writers, strict=True)
+        }
+        found: list[Any] = []
+        for name in names:
+            if not name:
+                found.append(None)
+            elif name in initializers or constant_op[name]:
+                found.append(self.constant(name))
+            else:  # written by another op: computed at run time (or undefined)
+                found.append(None)
+        return found
 
     def note_producer(self, node: onnx.NodeProto, outputs: Sequence[str]) -> None:
         """``node``, one of this scope's nodes, writes ``outputs`` (its output names): remembered

@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import collections
 import logging
+import operator
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.io.external_data import ExternalData
 from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter.builders import NoMatch, NotApplicable, Plan, Site
-from onnx_qrewrite.rewriter.builders._facts import CheckMemo
+from onnx_qrewrite.rewriter.builders._facts import BulkAsk, CheckMemo, replay_all, structure_from
 from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT
 from onnx_qrewrite.rewriter.graph import Scope, iter_scopes, subgraphs
@@ -63,11 +64,27 @@ def _in_order(rules: list[Rule]) -> list[Rule]:
 
 
 def _try_rule(rule: Rule, site: Site, options: EngineOptions, memo: CheckMemo | None = None) -> Plan:
+    _allowed(rule, options)
+    builder = rule.implementation
+    _opset_allows(rule, site.scope)
+    if memo is not None and getattr(builder, "memo_check", False):
+        plan = memo.decide(rule, site, lambda recorded: _check(rule, builder, recorded))
+    else:
+        plan = _check(rule, builder, site)
+    _plan_allowed(plan, site.scope, options)
+    return plan
+
+
+def _allowed(rule: Rule, options: EngineOptions) -> None:
+    """Decline a rule whose exactness is not asked for."""
     if rule.exactness not in options.allow:
         flag = " (--allow-approximate)" if rule.exactness == APPROXIMATE else ""
         raise NotApplicable(f"{rule.exactness} rule: runs only when asked{flag}")
-    builder = rule.implementation
-    current = site.scope.default_opset
+
+
+def _opset_allows(rule: Rule, scope: Scope) -> None:
+    """Decline a rule outside its opset range in ``scope`` (the same for all the scope's nodes)."""
+    current = scope.default_opset
     if rule.min_opset is not None and current < rule.min_opset:
         raise NoMatch(f"model opset {current} is below the rule's min_opset {rule.min_opset}")
     if rule.max_opset is not None and current > rule.max_opset:
@@ -80,19 +97,20 @@ def _try_rule(rule: Rule, site: Site, options: EngineOptions, memo: CheckMemo | 
             f"proven for (onnxruntime 1.31.1 loads up to {opset_mod.MAX_RUNTIME_OPSET}; what onnx changed above it "
             "is not described)"
         )
-    if memo is not None and getattr(builder, "memo_check", False):
-        plan = memo.decide(rule, site, lambda recorded: _check(rule, builder, recorded))
-    else:
-        plan = _check(rule, builder, site)
+
+
+def _plan_allowed(plan: Plan, scope: Scope, options: EngineOptions) -> None:
+    """Decline a plan whose opset the model may not be raised to (a function of the plan and the
+    scope alone: nodes sharing a recorded plan share this outcome too)."""
     needed = plan.min_opset
+    current = scope.default_opset
     if needed > current:
         if options.keep_opset:
             raise NoMatch(f"needs opset {needed}, model has {current} and the opset is kept")
         if needed > options.max_opset:
             raise NoMatch(f"needs opset {needed}, above the highest allowed ({options.max_opset})")
-        if site.scope.is_function:
+        if scope.is_function:
             raise NoMatch(f"needs opset {needed}; raising the opset of a local function is not supported")
-    return plan
 
 
 def _check(rule: Rule, builder: Any, site: Site) -> Plan:
@@ -184,6 +202,9 @@ def match_nodes(
             found = candidates_of[key] = _in_order(catalogue.candidates(*key))
         return found
 
+    # Nodes of one structure decided together (see _Grouped) unless a node's rules are chosen, a
+    # later pass restricts them, each decline is to be logged, or checks are not recorded.
+    grouped = chosen is None and restrict is None and options.memo_checks and not logger.isEnabledFor(logging.DEBUG)
     for s, scope in enumerate(scopes):
         pending: list[_Pending] = []
         memo = CheckMemo() if options.memo_checks else None
@@ -191,7 +212,20 @@ def match_nodes(
         codes, keys = scope.op_codes()
         for code, n in collections.Counter(codes).items():
             counts[keys[code]] += n
-        for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None):
+        if grouped and memo is not None:
+            group = _Grouped(scope, memo, options, same_shape_ops)
+            for chunk in _chunks(_maybe_rewritten(codes, keys, candidates_for, False)):
+                group.decide(chunk, keys, codes, candidates_for)
+            pending = group.pending
+            for index, site, rule, plan, why, quiet, structure in sorted(group.decided, key=_FIRST):
+                if rule is not None and plan is not None:
+                    matches.setdefault(s, []).append(Match(index, rule, plan, structure))
+                elif not quiet:
+                    unlowered_site = site if site is not None else Site(nodes[index], scope, same_shape_ops)
+                    decide(s, unlowered_site, index, None, None, why, quiet, None)
+            pending.sort(key=_INDEX)
+            memo = group.memo
+        for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None) if not grouped else ():
             node = nodes[index]
             key = keys[codes[index]]
             picked = chosen.get((scope.path, index)) if chosen is not None else None
@@ -236,6 +270,268 @@ def match_nodes(
                 decide(s, p.site, p.index, rule, plan, p.reasons, quiet, memo)
             matches.get(s, []).sort(key=lambda m: m.index)
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
+
+
+#: How many candidates :class:`_Grouped` reads and decides at once: what it holds of their names
+#: is bounded by this, not by the scope (the matching phase's memory is within a rewrite's peak).
+_GROUP_CHUNK = 4096
+_FIRST = operator.itemgetter(0)
+_INDEX = operator.attrgetter("index")
+
+
+def _chunks(indices: list[int] | range) -> Iterator[list[int] | range]:
+    for start in range(0, len(indices), _GROUP_CHUNK):
+        yield indices[start : start + _GROUP_CHUNK]
+
+
+#: A node's decision as :class:`_Grouped` makes it: its index, its Site if one was made, the rule
+#: and plan (None: none applies), the reasons of the rules that declined, whether every decline
+#: was "not applicable", and its structure (for the build's template keys: ``Match.structure``).
+_Decided = tuple[int, "Site | None", "Rule | None", "Plan | None", list[str], bool, Hashable]
+
+
+class _Grouped:
+    """A scope's candidates decided structure by structure instead of node by node.
+
+    The candidates (a chunk at a time) are read once, for their names and structure
+    (``_facts.structure_from``), and grouped by structure; each group goes through its candidate
+    rules together. Where a rule's check was recorded for that structure (``CheckMemo``), each
+    recorded question is asked of all the group's nodes at once (``_facts.replay_all``: one
+    comprehension per question; producers found in one search of the producer index, their ops
+    read from the walk's codes), and every node whose answers are the recorded ones gets that
+    check's outcome, as :meth:`CheckMemo.decide` would give it node by node. The others (a head
+    not recorded yet, another path through the check, a builder without recorded checks) are
+    decided one by one as before, in node order, and the rest of the group is tried again
+    against the traces that adds. The decisions are what deciding node by node gives: the same
+    checks' outcomes, the same declines' reasons, in node order once sorted."""
+
+    __slots__ = ("decided", "memo", "options", "pending", "same_shape_ops", "scope")
+
+    def __init__(self, scope: Scope, memo: CheckMemo, options: EngineOptions, same_shape_ops: frozenset[str]):
+        self.scope = scope
+        self.memo = memo
+        self.options = options
+        self.same_shape_ops = same_shape_ops
+        self.decided: list[_Decided] = []
+        self.pending: list[_Pending] = []
+
+    def decide(
+        self,
+        indices: list[int] | range,
+        keys: list[tuple[str, str]],
+        codes: array.array,
+        candidates_for: Callable[[tuple[str, str]], list[Rule]],
+    ) -> None:
+        """Decide the nodes at ``indices`` (a chunk of the scope's candidates, in node order)."""
+        nodes = self.scope.container.node
+        groups: dict[Hashable, list[int]] = {}
+        names: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        outputs_of: dict[int, tuple[str, ...]] = {}
+        for index in indices:
+            node = nodes[index]
+            # Slices: see Site.__init__ (the names it would read).
+            inputs, outputs = tuple(node.input[:]), tuple(node.output[:])
+            domain, op_type = keys[codes[index]]
+            structure = structure_from(domain, op_type, node.attribute, inputs, outputs)
+            groups.setdefault(structure, []).append(index)
+            names[index] = (inputs, outputs)
+            outputs_of[index] = outputs
+        ask = self._bulk_ask(outputs_of)
+        for structure, members in groups.items():
+            candidates = candidates_for((structure[0], structure[1]))  # type: ignore[index]
+            if candidates:
+                _Group(self, self.memo.shared_structure(structure), candidates, members, names, ask).run()
+
+    def _bulk_ask(self, outputs_of: Mapping[int, tuple[str, ...]]) -> BulkAsk:
+        """The bulk forms of the commonest recorded questions (see :func:`_facts.replay_all`)."""
+        from onnx_qrewrite.rewriter.builders._qdq import value_shapes
+
+        scope, same_shape_ops = self.scope, self.same_shape_ops
+        elem_type, producer_op, value_shape, constant = (
+            Site.elem_type,
+            Site.producer_op,
+            Site.value_shape,
+            Site.constant,
+        )
+
+        def ask(method: Any, names: list[str]) -> list[Any] | None:
+            if method is elem_type:
+                return scope.elem_types(names)
+            if method is producer_op:
+                return scope.producer_ops(names, outputs_of)
+            if method is value_shape:
+                return value_shapes(scope, names, same_shape_ops, outputs_of)
+            if method is constant:
+                return scope.constants(names, outputs_of)
+            return None
+
+        return ask
+
+
+class _Group:
+    """One structure's nodes of a chunk, going through their candidate rules (see :class:`_Grouped`)."""
+
+    __slots__ = ("ask", "at", "candidates", "members", "names", "owner", "quiet", "reached", "reasons", "structure")
+
+    def __init__(
+        self,
+        owner: _Grouped,
+        structure: Hashable,
+        candidates: list[Rule],
+        members: list[int],
+        names: Mapping[int, tuple[tuple[str, ...], tuple[str, ...]]],
+        ask: BulkAsk,
+    ):
+        self.owner = owner
+        self.structure = structure
+        self.candidates = candidates
+        self.members = members
+        self.names = names
+        self.ask = ask
+        quiet = structure[0] in ("", "ai.onnx")  # type: ignore[index]
+        #: Per node: the reasons of the rules that declined it so far, whether all were "not
+        #: applicable" (see _first_applicable), and whether a recorded check decided it once.
+        self.reasons: dict[int, list[str]] = {index: [] for index in members}
+        self.quiet: dict[int, bool] = dict.fromkeys(members, quiet)
+        self.reached: set[int] = set()
+        self.at: dict[int, int] = dict.fromkeys(members, 0)
+
+    def run(self) -> None:
+        """Decide every member: together while recorded checks answer, else one by one."""
+        left = self.members
+        rounds = 0
+        while left:
+            left = self._together(left)
+            if not left:
+                return
+            rounds += 1
+            first, left = left[0], left[1:]
+            self._alone(first)
+            if rounds > _MAX_ROUNDS:  # each round's node added no trace the others replay
+                for index in left:
+                    self._alone(index)
+                return
+
+    def _together(self, indices: list[int]) -> list[int]:
+        """Take ``indices`` (each at its own next rule) through the rules whose recorded checks
+        decide them; returns those left to decide one by one, in node order."""
+        owner, memo, scope, options = self.owner, self.owner.memo, self.owner.scope, self.owner.options
+        by_position: dict[int, list[int]] = {}
+        for index in indices:
+            by_position.setdefault(self.at[index], []).append(index)
+        left: list[int] = []
+        waiting: list[int] = []
+        for position, rule in enumerate(self.candidates):
+            waiting = sorted(waiting + by_position.pop(position, []))
+            if not waiting:
+                continue
+            try:
+                _allowed(rule, options)
+                builder = rule.implementation
+                _opset_allows(rule, scope)
+            except NoMatch as why:
+                waiting = self._declined(waiting, rule, why, position)
+                continue
+            traces = memo.traces_for(rule, self.structure) if getattr(builder, "memo_check", False) else None
+            if not traces:
+                left += waiting
+                waiting = []
+                continue
+            try:
+                found = replay_all(
+                    traces,
+                    [self.names[i][0] for i in waiting],
+                    [self.names[i][1] for i in waiting],
+                    Site(scope.container.node[waiting[0]], scope, owner.same_shape_ops),
+                    self.ask,
+                )
+            except Exception:  # noqa: BLE001 - decided one by one, which raises it for the first node in order
+                left += waiting
+                waiting = []
+                continue
+            going_on: list[int] = []
+            allowed: dict[int, NoMatch | None] = {}  # per plan (by id): _plan_allowed's outcome
+            for index, trace in zip(waiting, found, strict=True):
+                if trace is None:
+                    left.append(index)
+                    continue
+                self.reached.add(index)
+                plan = trace.plan
+                if plan is None:
+                    assert trace.declined is not None
+                    self._note_decline(index, rule, type(trace.declined)(*trace.declined.args), position)
+                    going_on.append(index)
+                    continue
+                refused = allowed.get(id(plan), _UNASKED)
+                if refused is _UNASKED:
+                    try:
+                        _plan_allowed(plan, scope, options)
+                        refused = allowed[id(plan)] = None
+                    except NoMatch as why:
+                        refused = allowed[id(plan)] = why
+                if refused is not None:
+                    self._note_decline(index, rule, refused, position)
+                    going_on.append(index)
+                    continue
+                self._found(index, rule, plan, position, None)
+            waiting = going_on
+        for index in waiting:  # every rule declined
+            owner.decided.append((index, None, None, None, self.reasons[index], self.quiet[index], None))
+        left.sort()
+        return left
+
+    def _declined(self, indices: list[int], rule: Rule, why: NoMatch, position: int) -> list[int]:
+        for index in indices:
+            self._note_decline(index, rule, why, position)
+        return indices
+
+    def _note_decline(self, index: int, rule: Rule, why: NoMatch, position: int) -> None:
+        """As :func:`_first_applicable` notes a decline."""
+        self.quiet[index] = self.quiet[index] and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
+        self.reasons[index].append(f"{rule.id}: {why}")
+        self.at[index] = position + 1
+
+    def _found(self, index: int, rule: Rule, plan: Plan, position: int, site: Site | None) -> None:
+        owner = self.owner
+        if plan.remove_if_dead:
+            if site is None:
+                site = Site(owner.scope.container.node[index], owner.scope, owner.same_shape_ops)
+            rest = self.candidates[position + 1 :]
+            owner.pending.append(_Pending(site, index, rule, plan, rest, self.reasons[index], self.quiet[index]))
+            return
+        structure = self.structure if index in self.reached else None
+        owner.decided.append((index, site, rule, plan, self.reasons[index], self.quiet[index], structure))
+
+    def _alone(self, index: int) -> None:
+        """Decide one node as matching always did, from its next rule on."""
+        owner = self.owner
+        scope = owner.scope
+        node = scope.container.node[index]
+        site = Site(node, scope, owner.same_shape_ops)
+        scope.note_producer(node, site.outputs)
+        start = self.at[index]
+        rule, plan, position, quiet = _first_applicable(
+            site,
+            self.candidates[start:],
+            owner.options,
+            self.reasons[index],
+            self.quiet[index],
+            removal=True,
+            memo=owner.memo,
+        )
+        self.quiet[index] = quiet
+        if owner.memo.structure_of_site(site) is not None:
+            self.reached.add(index)
+        if rule is None or plan is None:
+            owner.decided.append((index, site, None, None, self.reasons[index], quiet, None))
+            return
+        self._found(index, rule, plan, start + position, site)
+
+
+_UNASKED: Any = object()
+#: Rounds of :meth:`_Group.run` that decide a node alone and try the rest together again: each
+#: may add a trace (a check records at most this many per head), after which the rest go alone.
+_MAX_ROUNDS = 9
 
 
 def _maybe_rewritten(

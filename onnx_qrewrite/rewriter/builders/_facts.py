@@ -34,7 +34,7 @@ memory of one plan per node: every node of a structure shares one plan.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -47,7 +47,7 @@ from onnx_qrewrite.rewriter.builders._emit import Site, no_unknown_attributes
 if TYPE_CHECKING:
     from onnx_qrewrite.rewriter.catalogue import Rule
 
-__all__ = ["CheckMemo", "Name", "RecordingSite", "Unrecorded", "structure_of"]
+__all__ = ["CheckMemo", "Name", "RecordingSite", "Unrecorded", "replay_all", "structure_from", "structure_of"]
 
 T = TypeVar("T")
 _MISSING = object()
@@ -330,14 +330,21 @@ def structure_of(site: Site) -> Hashable:
     """What every node of one structure has in common that a check may read without recording:
     the op, domain and attributes (as bytes), and which of its names are empty or equal."""
     node = site.node
-    names = site.inputs + site.outputs
+    return structure_from(node.domain, node.op_type, node.attribute, site.inputs, site.outputs)
+
+
+def structure_from(
+    domain: str, op_type: str, attrs: Sequence[Any], inputs: tuple[str, ...], outputs: tuple[str, ...]
+) -> Hashable:
+    """:func:`structure_of` from the node's parts (``attrs``: its attribute field), for a
+    caller that has read them already."""
+    names = inputs + outputs
     if "" in names or len(set(names)) != len(names):
         pattern: tuple[int, ...] = tuple(names.index(n) if n else -1 for n in names)
     else:
         pattern = ()
-    attrs = node.attribute
     attributes = tuple([a.SerializeToString() for a in attrs]) if attrs else ()
-    return (node.domain, node.op_type, attributes, len(site.inputs), len(site.outputs), pattern)
+    return (domain, op_type, attributes, len(inputs), len(outputs), pattern)
 
 
 #: A recorded question: the Site's method (None: the scope's memo, the arguments being its key),
@@ -462,7 +469,95 @@ class CheckMemo:
         traces.append(_Trace(recording._entries, plan, None))
         return plan
 
+    def shared_structure(self, structure: Hashable) -> Hashable:
+        """The one object kept for ``structure`` (:func:`structure_of`; see ``_structures``)."""
+        return self._structures.setdefault(structure, structure)
+
+    def traces_for(self, rule: Rule, structure: Hashable) -> list[_Trace] | None:
+        """The recorded checks of ``rule`` on nodes of ``structure`` (a shared one), for
+        :func:`replay_all`; None when its nodes are checked as before (too many failed recordings:
+        :meth:`decide` then runs the check itself)."""
+        head = (rule.id, structure)
+        if self._failures.get(head, 0) >= _MAX_FAILURES:
+            return None
+        return self._heads.get(head, [])
+
     def _failed(self, head: Hashable, site: Site, check: Callable[[Site], Plan]) -> Plan:
         """A recording that cannot be kept: counted against its head, and the check run as before."""
         self._failures[head] = self._failures.get(head, 0) + 1
         return check(site)
+
+
+#: Answers to one recorded question about many nodes: the Site's method (a function of
+#: :class:`Site`) and one name per node, or None when there is no bulk form for that method.
+BulkAsk = Callable[[Any, list[str]], "list[Any] | None"]
+
+
+def replay_all(
+    traces: list[_Trace],
+    inputs: list[tuple[str, ...]],
+    outputs: list[tuple[str, ...]],
+    site: Site,
+    ask: BulkAsk,
+) -> list[_Trace | None]:
+    """For nodes of one structure (their names: ``inputs[j]``, ``outputs[j]``), the trace of
+    ``traces`` each one replays (None: none does), as :meth:`_Trace.replays` would find node by
+    node, but asking each recorded question of all the nodes still in the running at once (one
+    comprehension, or ``ask``'s bulk form of the query: a search of the producer index for all
+    their names together). ``site``: any Site of their scope, which the questions are asked
+    through (they read its scope and ``same_shape_ops``, never its node). What a question raises
+    is raised (the caller then decides the nodes one by one, which raise it in node order)."""
+    found: list[_Trace | None] = [None] * len(inputs)
+    left = list(range(len(inputs)))
+    for trace in traces:
+        live = left
+        for method, args, slots, mode, key, answer in trace.entries:
+            if not live:
+                break
+            answers = _answers(method, args, slots, live, inputs, outputs, site, ask)
+            if mode == _EQUAL:
+                live = [j for j, got in zip(live, answers, strict=True) if got is answer or got == answer]
+            else:
+                live = [
+                    j
+                    for j, got in zip(live, answers, strict=True)
+                    if got is answer or (got is not _MISSING and _answer_key(got, _roles(inputs[j], outputs[j])) == key)
+                ]
+        for j in live:
+            found[j] = trace
+        if live:
+            taken = set(live)
+            left = [j for j in left if j not in taken]
+        if not left:
+            break
+    return found
+
+
+def _answers(
+    method: Any,
+    args: tuple[Any, ...],
+    slots: tuple[tuple[int, bool, int], ...],
+    live: list[int],
+    inputs: list[tuple[str, ...]],
+    outputs: list[tuple[str, ...]],
+    site: Site,
+    ask: BulkAsk,
+) -> list[Any]:
+    """One recorded question asked of each node ``live`` names (by its names): see :func:`replay_all`."""
+    if args is _ONE_NAME:
+        ((_, output, k),) = slots
+        of = outputs if output else inputs
+        names = [of[j][k] for j in live]
+        got = ask(method, names)
+        return got if got is not None else [method(site, name) for name in names]
+    asked: list[tuple[Any, ...]] = []
+    for j in live:
+        ins, outs = inputs[j], outputs[j]
+        bound = list(args)
+        for position, output, k in slots:
+            bound[position] = outs[k] if output else ins[k]
+        asked.append(tuple(bound))
+    if method is None:
+        memo = site.scope._memo
+        return [memo.get(a, _MISSING) for a in asked]
+    return [method(site, *a) for a in asked]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -97,6 +97,35 @@ def value_shape(
             return None
         current = current.parent
     return None
+
+
+def value_shapes(
+    scope: Scope, names: Sequence[str], same_shape_ops: frozenset[str], outputs_of: Mapping[int, Sequence[str]]
+) -> list[tuple[int | None, ...] | None] | None:
+    """:func:`value_shape` of each of ``names`` in ``scope``, their producers found together
+    (:meth:`Scope.producer_indices`) and their ops read from the walk's codes; a name whose
+    producer is a Constant or a shape-preserving op is asked of :func:`value_shape` alone. None
+    when the producers cannot be found together (a subgraph's scope, names written twice)."""
+    if scope.parent is not None:
+        return None
+    owners = scope.producer_indices(names, outputs_of)
+    codes, keys = scope._op_codes, scope._op_keys
+    if owners is None or codes is None or keys is None:
+        return None
+    get = scope.recorded_shapes.get
+    found: list[tuple[int | None, ...] | None] = []
+    for name, owner in zip(names, owners, strict=True):
+        if not name:
+            found.append(None)
+        elif owner < 0:  # no node writes it: what the records say (a root scope has no outer one)
+            found.append(get(name))
+        else:
+            op = keys[codes[owner]][1]
+            if op == "Constant" or op in STANDARD_SAME_SHAPE_OPS or op in same_shape_ops:
+                found.append(value_shape(scope, name, same_shape_ops))
+            else:  # any other producer: the records, else unknown
+                found.append(get(name))
+    return found
 
 
 def normalized_axis(axis: int, rank: int, site: Site) -> int:
