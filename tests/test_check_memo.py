@@ -166,6 +166,37 @@ def test_a_structure_decided_together_gets_what_each_node_would(monkeypatch):
     assert recorded["q0"][1] is recorded["q3"][1] is recorded["q7"][1]  # one plan per path
 
 
+def _external(name: str) -> onnx.TensorProto:
+    """A uint8 scalar stored as external data: reading it without the model's folder fails."""
+    tensor = numpy_helper.from_array(np.array(0, np.uint8), name)
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=f"{name}.bin")
+    return tensor
+
+
+def test_a_failing_check_fails_for_the_first_node_in_order():
+    """Nodes taken structure by structure must not change which node's failure is reported: m1
+    (its own structure, an absent input) fails before m2 (m0's structure) in node order."""
+    nodes = [
+        helper.make_node("MatMulInteger", ["a0", "w0", "az0", "wz0"], ["y0"], name="m0"),
+        helper.make_node("MatMulInteger", ["a1", "w0", "", "wz1"], ["y1"], name="m1"),
+        helper.make_node("MatMulInteger", ["a2", "w0", "az2", "wz0"], ["y2"], name="m2"),
+    ]
+    inputs = [helper.make_tensor_value_info(f"a{k}", U8, [2, 4]) for k in range(3)]
+    outputs = [helper.make_tensor_value_info(f"y{k}", TensorProto.INT32, None) for k in range(3)]
+    zero = numpy_helper.from_array(np.array(0, np.uint8), "az0")
+    inits = [_weights("w0"), zero, numpy_helper.from_array(np.array(128, np.uint8), "wz0"), _external("wz1")]
+    model = _model(nodes, inputs, outputs, [*inits, _external("az2")])
+    catalogue = onnx_qrewrite.load_rules()
+    messages = []
+    for memo in (True, False):
+        with pytest.raises(onnx_qrewrite.errors.InvalidModelError) as failed:
+            matching.match_nodes(model, catalogue, engine.EngineOptions(memo_checks=memo), None)
+        messages.append(str(failed.value))
+    assert "'wz1'" in messages[1] and messages[0] == messages[1]
+
+
 def _bulk_models() -> list[onnx.ModelProto]:
     """Models whose names exercise the bulk questions: initializers, Constants, a shape seen
     through Identity and Cast, recorded and unrecorded shapes, a subgraph, absent optional names."""
@@ -206,11 +237,12 @@ def test_bulk_questions_answer_as_the_site_does(model):
         site = Site(nodes[0], scope, same_shape)
         handed = {k: tuple(node.output) for k, node in enumerate(nodes) if k % 2}  # some outputs handed over
         assert scope.elem_types(names) == [site.elem_type(n) for n in names]
-        ops = scope.producer_ops(names, handed)
+        ops = scope.producer_ops(names, handed, {})
         assert ops is None or ops == [site.producer_op(n) for n in names]
-        shapes = value_shapes(scope, names, same_shape, handed)
+        known: dict[str, int] = {}  # filled by the first, read by the others
+        shapes = value_shapes(scope, names, same_shape, handed, known)
         assert shapes is None or shapes == [site.value_shape(n) for n in names]
-        values = scope.constants(names, handed)
+        values = scope.constants(names, handed, known)
         if values is not None:
             for name, value in zip(names, values, strict=True):
                 expected = site.constant(name)

@@ -579,27 +579,40 @@ class Scope:
             return [get(name) if name else None for name in names]
         return [self.elem_type(name) if name else None for name in names]
 
-    def producer_indices(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[int] | None:
+    def producer_indices(
+        self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]], known: dict[str, int]
+    ) -> list[int] | None:
         """The index of this scope's node writing each of ``names`` (-1: none) when the walk
         indexed the nodes' ops and no name is written twice (see :meth:`_Producers.writers_of`);
-        else None (ask :meth:`producer` one by one)."""
+        else None (ask :meth:`producer` one by one). ``known``: the names found so far (filled
+        here: a node's checks ask about the same few names several times)."""
         if self._op_codes is None:
             return None
-        producers = self._producers
-        if producers is None:
-            producers = self._producer_index()
-        return producers.writers_of(names, self.container.node, outputs_of)
+        missing = [name for name in names if name not in known]
+        if missing:
+            producers = self._producers
+            if producers is None:
+                producers = self._producer_index()
+            found = producers.writers_of(missing, self.container.node, outputs_of)
+            if found is None:
+                return None
+            known.update(zip(missing, found, strict=True))
+        return [known[name] for name in names]
 
-    def producer_ops(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[Any] | None:
+    def producer_ops(
+        self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]], known: dict[str, int]
+    ) -> list[Any] | None:
         """:meth:`Site.producer_op` of each of ``names``, the ops read from the walk's codes
         (no node read for them); None as :meth:`producer_indices`."""
-        owners = self.producer_indices(names, outputs_of)
+        owners = self.producer_indices(names, outputs_of, known)
         if owners is None or self._op_codes is None or self._op_keys is None:
             return None
         codes, keys = self._op_codes, self._op_keys
         return [None if owner < 0 else keys[codes[owner]] for owner in owners]
 
-    def constants(self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]]) -> list[Any] | None:
+    def constants(
+        self, names: Sequence[str], outputs_of: Mapping[int, Sequence[str]], known: dict[str, int]
+    ) -> list[Any] | None:
         """:meth:`Site.constant` of each of ``names``: a name no initializer holds is looked for
         among the nodes' outputs for all of them at once (:meth:`producer_indices`), and only a
         Constant's is read; None (ask one by one) in a subgraph or as :meth:`producer_indices`."""
@@ -607,7 +620,7 @@ class Scope:
             return None
         initializers = self._own().initializers
         computed = [name for name in names if name and name not in initializers]
-        writers = self.producer_indices(computed, outputs_of) if computed else []
+        writers = self.producer_indices(computed, outputs_of, known) if computed else []
         if writers is None or self._op_codes is None or self._op_keys is None:
             return None
         codes, keys = self._op_codes, self._op_keys

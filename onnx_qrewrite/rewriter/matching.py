@@ -212,20 +212,26 @@ def match_nodes(
         codes, keys = scope.op_codes()
         for code, n in collections.Counter(codes).items():
             counts[keys[code]] += n
+        one_by_one = not grouped
         if grouped and memo is not None:
             group = _Grouped(scope, memo, options, same_shape_ops)
-            for chunk in _chunks(_maybe_rewritten(codes, keys, candidates_for, False)):
-                group.decide(chunk, keys, codes, candidates_for)
-            pending = group.pending
-            for index, site, rule, plan, why, quiet, structure in sorted(group.decided, key=_FIRST):
-                if rule is not None and plan is not None:
-                    matches.setdefault(s, []).append(Match(index, rule, plan, structure))
-                elif not quiet:
-                    unlowered_site = site if site is not None else Site(nodes[index], scope, same_shape_ops)
-                    decide(s, unlowered_site, index, None, None, why, quiet, None)
-            pending.sort(key=_INDEX)
-            memo = group.memo
-        for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None) if not grouped else ():
+            try:
+                for chunk in _chunks(_maybe_rewritten(codes, keys, candidates_for, False)):
+                    group.decide(chunk, keys, codes, candidates_for)
+            except Exception:  # noqa: BLE001 - a check failed: matched one by one, in node order, it fails
+                # for the first node that fails (taken together, another structure's node may
+                # have come first); nothing of the group's decisions was kept.
+                one_by_one, memo = True, CheckMemo()
+            else:
+                pending = group.pending
+                for index, site, rule, plan, why, quiet, structure in sorted(group.decided, key=_FIRST):
+                    if rule is not None and plan is not None:
+                        matches.setdefault(s, []).append(Match(index, rule, plan, structure))
+                    elif not quiet:
+                        unlowered_site = site if site is not None else Site(nodes[index], scope, same_shape_ops)
+                        decide(s, unlowered_site, index, None, None, why, quiet, None)
+                pending.sort(key=_INDEX)
+        for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None) if one_by_one else ():
             node = nodes[index]
             key = keys[codes[index]]
             picked = chosen.get((scope.path, index)) if chosen is not None else None
@@ -354,15 +360,17 @@ class _Grouped:
             Site.constant,
         )
 
+        known: dict[str, int] = {}  # the chunk's names whose writers were found (producer_indices)
+
         def ask(method: Any, names: list[str]) -> list[Any] | None:
             if method is elem_type:
                 return scope.elem_types(names)
             if method is producer_op:
-                return scope.producer_ops(names, outputs_of)
+                return scope.producer_ops(names, outputs_of, known)
             if method is value_shape:
-                return value_shapes(scope, names, same_shape_ops, outputs_of)
+                return value_shapes(scope, names, same_shape_ops, outputs_of, known)
             if method is constant:
-                return scope.constants(names, outputs_of)
+                return scope.constants(names, outputs_of, known)
             return None
 
         return ask

@@ -100,15 +100,19 @@ def value_shape(
 
 
 def value_shapes(
-    scope: Scope, names: Sequence[str], same_shape_ops: frozenset[str], outputs_of: Mapping[int, Sequence[str]]
+    scope: Scope,
+    names: Sequence[str],
+    same_shape_ops: frozenset[str],
+    outputs_of: Mapping[int, Sequence[str]],
+    known: dict[str, int],
 ) -> list[tuple[int | None, ...] | None] | None:
     """:func:`value_shape` of each of ``names`` in ``scope``, their producers found together
-    (:meth:`Scope.producer_indices`) and their ops read from the walk's codes; a name whose
+    (:meth:`Scope.producer_indices`, ``known`` as there) and their ops read from the walk's codes; a name whose
     producer is a Constant or a shape-preserving op is asked of :func:`value_shape` alone. None
     when the producers cannot be found together (a subgraph's scope, names written twice)."""
     if scope.parent is not None:
         return None
-    owners = scope.producer_indices(names, outputs_of)
+    owners = scope.producer_indices(names, outputs_of, known)
     codes, keys = scope._op_codes, scope._op_keys
     if owners is None or codes is None or keys is None:
         return None
