@@ -16,6 +16,7 @@ import numpy as np
 from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite._dataclass import dataclass
 from onnx_qrewrite.io.external_data import ExternalData
+from onnx_qrewrite.io.heap import return_freed_memory
 from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter.builders import NoMatch, NotApplicable, Plan, Site
 from onnx_qrewrite.rewriter.builders._facts import BulkAsk, CheckMemo, replay_all, structure_from
@@ -215,21 +216,27 @@ def match_nodes(
         one_by_one = not grouped
         if grouped and memo is not None:
             group = _Grouped(scope, memo, options, same_shape_ops)
+            unlowered_before = len(unlowered)
             try:
                 for chunk in _chunks(_maybe_rewritten(codes, keys, candidates_for, False)):
                     group.decide(chunk, keys, codes, candidates_for)
+                    # The chunk's decisions now (chunks come in node order): kept for the whole
+                    # scope, they were ~6 MB of a 100k-node rewrite's peak memory.
+                    for index, site, rule, plan, why, quiet, structure in sorted(group.decided, key=_FIRST):
+                        if rule is not None and plan is not None:
+                            matches.setdefault(s, []).append(Match(index, rule, plan, structure))
+                        elif not quiet:
+                            unlowered_site = site if site is not None else Site(nodes[index], scope, same_shape_ops)
+                            decide(s, unlowered_site, index, None, None, why, quiet, None)
+                    group.decided.clear()
             except Exception:  # noqa: BLE001 - a check failed: matched one by one, in node order, it fails
                 # for the first node that fails (taken together, another structure's node may
-                # have come first); nothing of the group's decisions was kept.
+                # have come first); nothing of the group's decisions is kept.
                 one_by_one, memo = True, CheckMemo()
+                matches.pop(s, None)
+                del unlowered[unlowered_before:]
             else:
                 pending = group.pending
-                for index, site, rule, plan, why, quiet, structure in sorted(group.decided, key=_FIRST):
-                    if rule is not None and plan is not None:
-                        matches.setdefault(s, []).append(Match(index, rule, plan, structure))
-                    elif not quiet:
-                        unlowered_site = site if site is not None else Site(nodes[index], scope, same_shape_ops)
-                        decide(s, unlowered_site, index, None, None, why, quiet, None)
                 pending.sort(key=_INDEX)
         for index in _maybe_rewritten(codes, keys, candidates_for, chosen is not None) if one_by_one else ():
             node = nodes[index]
@@ -275,12 +282,14 @@ def match_nodes(
                 )
                 decide(s, p.site, p.index, rule, plan, p.reasons, quiet, memo)
             matches.get(s, []).sort(key=lambda m: m.index)
+    if grouped:
+        return_freed_memory()  # the chunks' names and answers (io/heap.py): the build allocates among them
     return scopes, matches, unlowered, collections.Counter({op_key(d, o): n for (d, o), n in counts.items()})
 
 
 #: How many candidates :class:`_Grouped` reads and decides at once: what it holds of their names
 #: is bounded by this, not by the scope (the matching phase's memory is within a rewrite's peak).
-_GROUP_CHUNK = 4096
+_GROUP_CHUNK = 1024
 _FIRST = operator.itemgetter(0)
 _INDEX = operator.attrgetter("index")
 
@@ -379,7 +388,19 @@ class _Grouped:
 class _Group:
     """One structure's nodes of a chunk, going through their candidate rules (see :class:`_Grouped`)."""
 
-    __slots__ = ("ask", "at", "candidates", "members", "names", "owner", "quiet", "reached", "reasons", "structure")
+    __slots__ = (
+        "ask",
+        "at",
+        "candidates",
+        "members",
+        "names",
+        "owner",
+        "quiet",
+        "quiet_at_first",
+        "reached",
+        "reasons",
+        "structure",
+    )
 
     def __init__(
         self,
@@ -399,10 +420,11 @@ class _Group:
         quiet = structure[0] in ("", "ai.onnx")  # type: ignore[index]
         #: Per node: the reasons of the rules that declined it so far, whether all were "not
         #: applicable" (see _first_applicable), and whether a recorded check decided it once.
-        self.reasons: dict[int, list[str]] = {index: [] for index in members}
-        self.quiet: dict[int, bool] = dict.fromkeys(members, quiet)
+        self.reasons: dict[int, list[str]] = {}
+        self.quiet: dict[int, bool] = {}
+        self.quiet_at_first = quiet
         self.reached: set[int] = set()
-        self.at: dict[int, int] = dict.fromkeys(members, 0)
+        self.at: dict[int, int] = {}  # (entries made as needed: most nodes stay at 0, quiet as at first)
 
     def run(self) -> None:
         """Decide every member: together while recorded checks answer, else one by one."""
@@ -426,7 +448,7 @@ class _Group:
         owner, memo, scope, options = self.owner, self.owner.memo, self.owner.scope, self.owner.options
         by_position: dict[int, list[int]] = {}
         for index in indices:
-            by_position.setdefault(self.at[index], []).append(index)
+            by_position.setdefault(self.at.get(index, 0), []).append(index)
         left: list[int] = []
         waiting: list[int] = []
         for position, rule in enumerate(self.candidates):
@@ -484,9 +506,18 @@ class _Group:
                 self._found(index, rule, plan, position, None)
             waiting = going_on
         for index in waiting:  # every rule declined
-            owner.decided.append((index, None, None, None, self.reasons[index], self.quiet[index], None))
+            owner.decided.append((index, None, None, None, self._reasons(index), self._quiet(index), None))
         left.sort()
         return left
+
+    def _reasons(self, index: int) -> list[str]:
+        found = self.reasons.get(index)
+        if found is None:
+            found = self.reasons[index] = []
+        return found
+
+    def _quiet(self, index: int) -> bool:
+        return self.quiet.get(index, self.quiet_at_first)
 
     def _declined(self, indices: list[int], rule: Rule, why: NoMatch, position: int) -> list[int]:
         for index in indices:
@@ -495,8 +526,8 @@ class _Group:
 
     def _note_decline(self, index: int, rule: Rule, why: NoMatch, position: int) -> None:
         """As :func:`_first_applicable` notes a decline."""
-        self.quiet[index] = self.quiet[index] and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
-        self.reasons[index].append(f"{rule.id}: {why}")
+        self.quiet[index] = self._quiet(index) and (isinstance(why, NotApplicable) or rule.exactness == APPROXIMATE)
+        self._reasons(index).append(f"{rule.id}: {why}")
         self.at[index] = position + 1
 
     def _found(self, index: int, rule: Rule, plan: Plan, position: int, site: Site | None) -> None:
@@ -505,10 +536,12 @@ class _Group:
             if site is None:
                 site = Site(owner.scope.container.node[index], owner.scope, owner.same_shape_ops)
             rest = self.candidates[position + 1 :]
-            owner.pending.append(_Pending(site, index, rule, plan, rest, self.reasons[index], self.quiet[index]))
+            owner.pending.append(_Pending(site, index, rule, plan, rest, self._reasons(index), self._quiet(index)))
             return
         structure = self.structure if index in self.reached else None
-        owner.decided.append((index, site, rule, plan, self.reasons[index], self.quiet[index], structure))
+        owner.decided.append(
+            (index, site, rule, plan, _NO_REASONS, True, structure)
+        )  # (read only when no rule applies)
 
     def _alone(self, index: int) -> None:
         """Decide one node as matching always did, from its next rule on."""
@@ -517,13 +550,13 @@ class _Group:
         node = scope.container.node[index]
         site = Site(node, scope, owner.same_shape_ops)
         scope.note_producer(node, site.outputs)
-        start = self.at[index]
+        start = self.at.get(index, 0)
         rule, plan, position, quiet = _first_applicable(
             site,
             self.candidates[start:],
             owner.options,
-            self.reasons[index],
-            self.quiet[index],
+            self._reasons(index),
+            self._quiet(index),
             removal=True,
             memo=owner.memo,
         )
@@ -531,12 +564,14 @@ class _Group:
         if owner.memo.structure_of_site(site) is not None:
             self.reached.add(index)
         if rule is None or plan is None:
-            owner.decided.append((index, site, None, None, self.reasons[index], quiet, None))
+            owner.decided.append((index, site, None, None, self._reasons(index), quiet, None))
             return
         self._found(index, rule, plan, start + position, site)
 
 
 _UNASKED: Any = object()
+#: The reasons of a node a rule applies to (never read; never appended to).
+_NO_REASONS: list[str] = []
 #: Rounds of :meth:`_Group.run` that decide a node alone and try the rest together again: each
 #: may add a trace (a check records at most this many per head), after which the rest go alone.
 _MAX_ROUNDS = 9
