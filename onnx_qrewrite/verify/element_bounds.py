@@ -45,6 +45,9 @@ Formulas (``name`` or ``name:parameter``):
     LeakyRelu's / HardSigmoid's ``|alpha|`` where larger) and rounds once more:
     ``L·(2·gamma(K + 2) + 2^-20)·T + 2^-20·(max(|y|, |y'|) + c)``, c = 1 for Sigmoid and Tanh (MLAS's
     approximations, values within 1), ``1 + |beta|`` for HardSigmoid, else 0.
+``layer-norm-rows``, ``attention-scores``, ``fast-gelu-tanh``, ``fused-matmul-sum-order``, ``embed-layer-norm``
+    The ``com.microsoft`` un-fuse rules' bounds (:mod:`.contrib_bounds`, which states each). They
+    bound every output of their node (:data:`EVERY_OUTPUT`), not only a node's single output.
 ``run-time-k:<c>``
     QLinearMatMul of two run-time operands whose reduction length K the model does not record (a
     symbolic sequence length): ``floor(gamma(K + 4)·K·c) + 1`` steps at every element, K the last
@@ -55,6 +58,7 @@ Formulas (``name`` or ``name:parameter``):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,8 +68,10 @@ import onnx
 from onnx_qrewrite.rewriter import u8s8
 from onnx_qrewrite.rewriter.builders.contracts import FUSED_CONV_SUM_FORMULA
 from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
+from onnx_qrewrite.verify import contrib_bounds
 
 __all__ = [
+    "EVERY_OUTPUT",
     "FORMULAS",
     "WeightMagnitudes",
     "describe",
@@ -73,6 +79,7 @@ __all__ = [
     "needed_inputs",
     "preparable",
     "prepare",
+    "readable_ops",
     "uses_saturation",
 ]
 
@@ -91,7 +98,12 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
     "u8s8-attention": {"QAttention": (0, 1, 2, 3, 4, 6, 7)},
     RUN_TIME_K_FORMULA: {"QLinearMatMul": (0,)},
     FUSED_CONV_SUM_FORMULA: {"FusedConv": (0, 1, 2, 3)},
+    **contrib_bounds.READS,
 }
+
+#: The formulas that bound each output of a node of several (given the output's index); the others
+#: bound a replacement of one output only.
+EVERY_OUTPUT = frozenset(contrib_bounds.READS)
 
 
 def _split(formula: str) -> tuple[str, str]:
@@ -103,6 +115,11 @@ def uses_saturation(formula: str | None) -> bool:
     """Whether ``formula``'s bound includes onnxruntime's u8 x s8 int16 pair saturation, which
     :func:`element_bound` leaves out where the kernel is measured not to saturate."""
     return formula is not None and _split(formula)[0] in _SATURATION_FORMULAS
+
+
+def readable_ops(formula: str) -> frozenset[str]:
+    """The ops ``formula`` (``name`` or ``name:parameter``) evaluates a bound for (none if unknown)."""
+    return frozenset(_READS.get(_split(formula)[0], {}))
 
 
 def needed_inputs(formula: str, node: onnx.NodeProto) -> list[str]:
@@ -247,7 +264,7 @@ def _qattention_heads(values: np.ndarray, part: int, heads: int) -> np.ndarray:
     return np.moveaxis(piece.reshape((*piece.shape[:-1], heads, hidden // heads)), -2, -3)
 
 
-def _qattention_projection(
+def qattention_projection(
     node: onnx.NodeProto, values: Mapping[str, np.ndarray], saturates: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """(the projection as the ONNX definition computes it, exactly, (B, S, 3·hidden); how far
@@ -280,7 +297,7 @@ def _u8s8_attention(
 ) -> np.ndarray:
     """com.microsoft QAttention whose uint8 x int8 projection the kernel may saturate. On these
     inputs each projection element (token t, column c) moves by at most ``E_tc`` (its pairs'
-    saturation, :func:`_qattention_projection`); a score ``scale · q_i . k_j`` then by at most
+    saturation, :func:`qattention_projection`); a score ``scale · q_i . k_j`` then by at most
     ``m_ij = scale · sum_d (E^q_id |k_jd| + |q_id| E^k_jd + E^q_id E^k_jd)`` (masks add the same to
     both sides; ``2^-20 (|mask_filter_value| + max|score|)`` more for the rounding where a row's
     keys are all masked). With every score of row i moved by at most ``M_i = max_j m_ij``, the
@@ -295,7 +312,7 @@ def _u8s8_attention(
     the value."""
     attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
     heads = int(attributes["num_heads"])
-    projection, moved = _qattention_projection(node, values, saturates)
+    projection, moved = qattention_projection(node, values, saturates)
     q, k, v = (_qattention_heads(projection, i, heads) for i in range(3))
     eq, ek, ev = (_qattention_heads(moved, i, heads) for i in range(3))
     scale = float(attributes.get("scale", 0.0)) or 1.0 / np.sqrt(q.shape[-1])
@@ -428,6 +445,7 @@ FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     "u8s8-attention": _u8s8_attention,
     RUN_TIME_K_FORMULA: _run_time_k,
     FUSED_CONV_SUM_FORMULA: _fused_conv_sum,
+    **{name: functools.partial(contrib_bounds.evaluate, name) for name in contrib_bounds.READS},
 }
 
 
@@ -473,12 +491,14 @@ def element_bound(
     *,
     saturates: bool = True,
     prepared: Any = None,
+    output: int = 0,
 ) -> np.ndarray | None:
     """The bound at every element of ``expected`` (broadcastable to it), or None for a formula
     this version does not know (the scalar bound then applies). ``saturates``: whether the kernel
     the original ran with saturates u8 x s8 pairs (measured: u8s8_reference.default_kernel_saturates);
     where it does not, the u8s8 formulas leave the pair excess out. ``prepared``: :func:`prepare`'s
-    value for this formula and node, or None (then computed here)."""
+    value for this formula and node, or None (then computed here). ``output``: which of the node's
+    outputs ``expected`` is (read by the :data:`EVERY_OUTPUT` formulas only)."""
     name, parameter = _split(formula)
     evaluate = FORMULAS.get(name)
     if evaluate is None or node.op_type not in _READS[name]:
@@ -487,4 +507,6 @@ def element_bound(
         return evaluate(parameter, node, values, expected, actual, saturates)
     if name in _PREPARED:
         return evaluate(parameter, node, values, expected, actual, prepared)
+    if name in EVERY_OUTPUT:
+        return evaluate(node, values, expected, actual, output)
     return evaluate(parameter, node, values, expected, actual)

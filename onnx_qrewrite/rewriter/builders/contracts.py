@@ -136,6 +136,15 @@ ATTENTION_EMITS = frozenset(
 #: unfuse_gemm_conv: the per-element bound formula of FusedConv with a sum input
 #: (onnx_qrewrite.verify.element_bounds).
 FUSED_CONV_SUM_FORMULA = "fused-conv-sum"
+#: The per-element bound formulas of the other bounded com.microsoft un-fuse rules
+#: (onnx_qrewrite.verify.contrib_bounds states each).
+LAYER_NORM_FORMULA = "layer-norm-rows"
+ATTENTION_FORMULA = "attention-scores"
+FAST_GELU_FORMULA = "fast-gelu-tanh"
+FUSED_MATMUL_FORMULA = "fused-matmul-sum-order"
+EMBED_FORMULA = "embed-layer-norm"
+#: decompose: LayerNormalization in two passes (onnx_qrewrite.verify.contrib_bounds).
+LAYER_NORM_TWO_PASS_FORMULA = "layer-norm-two-pass"
 #: integer_matmul_float_output: which node of the MatMulInteger/ConvInteger -> Cast pair a rule rewrites.
 INTEGER_MATMUL_FLOAT_PARTS = ("producer", "cast")
 #: integer_matmul
@@ -399,7 +408,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             emits=frozenset({"Mul", "Add", "Erf", "Sigmoid", "Tanh", "Gelu"}),
             exactness=lambda options: BOUNDED if options["form"] == "fast_gelu_decomposed" else EXACT,
             bound="the tanh approximation in other float32 roundings: within 2^-21·(|x| + 1) "
-            "(measured: 4.8e-7 at |x| ~ 10)",
+            "(measured: 4.8e-7 at |x| ~ 10), checked per element by verify (formula fast-gelu-tanh)",
             preserves_shape=True,
             opset=lambda options, dtypes: str(gelu_opset(options["form"])),
         ),
@@ -444,7 +453,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             emits=frozenset({"Transpose", "MatMul", "Mul"}),
             exactness=lambda options: BOUNDED if options["any_alpha"] else EXACT,
             bound="the same products summed in another order, times alpha: at most 2·γ(K)·|alpha|·Σ|a·b| + one "
-            "rounding of the result",
+            "rounding of the result (2·2^-24·|y|), checked per element by verify (formula fused-matmul-sum-order)",
             opset=lambda options, dtypes: "any",
         ),
     ),
@@ -480,10 +489,10 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "with c = 8 + h/16 (h the normalized size), y within c·2^-24·(|y| + 1 + |γ|·(1 + |x̂|)·|mean|·inv_std), "
             "x̂ = (x - mean)·inv_std, the row's mean and inv_std (mean 0 for the simplified forms); the mean output "
             "within c·2^-24·max|x| over the row, inv_std_var within c·2^-24·inv_std·(1 + |mean|·inv_std) "
-            "(worst measured 0.49 of it: rows of mean up to 4·10^4 against spreads of 0.01-3, h 64-4096); "
+            "(worst measured 0.55 of it: rows of mean up to 4·10^4 against spreads of 0.01-3, h 64-4096); "
             "the simplified forms' mean output 0, as the kernel writes it; float16: the kernels compute in float32 "
             "and round y and the sum once (measured), as the rewrite's Casts do: y within that plus one float16 "
-            "ulp, the sum bit-exact",
+            "ulp, the sum bit-exact; every output checked per element by verify (formula layer-norm-rows)",
             opset=lambda options, dtypes: str(
                 normalization_opset(options["form"], options["form"] == "simplified_decomposed")
             ),
@@ -498,7 +507,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: APPROXIMATE if options["u8s8_saturation"] == "ignore" else BOUNDED,
             bound="the projection bit-exact (integer sums within 2^24, checked from the weights; else float32 "
             "rounding of them); the attention after it as Attention's: within 2^-20·(1 + max|score|)·max|V| "
-            "(bit-exact on the tests' battery, hidden 32 to 768); where onnxruntime's uint8 x int8 kernel can "
+            "(bit-exact on the tests' battery, hidden 32 to 768), present's new K and V within "
+            "2·(K + 1)·2^-24·(|x - x_zp|·|W - W_zp|·|scales| + |b|), checked per element by verify (formula "
+            "attention-scores); where onnxruntime's uint8 x int8 kernel can "
             "saturate a pair of products to int16 (x86 without AVX-VNNI), its default differs in the projection by "
             "up to each column's pair excess · x_scale · W_scale (in the notes; verify compares the outputs with "
             "onnxruntime's session.x64quantprecision form of the original, which does not saturate, and the node "
@@ -518,7 +529,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "the input hidden size is <= 128 and sequence > 1); within 2^-20·(1 + max|score|)·max|V| "
             "at each output, score = scale·Q·Kᵀ plus attention_bias, past keys and values included (asserted on "
             "the tests' battery; worst measured 2^-22.6); present: its past part copied bit for bit, its new K and "
-            "V within 2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size",
+            "V within 2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size; max|score| and max|V| the node's "
+            "largest, plus |mask_filter_value| where some row has every key masked; every output checked per "
+            "element by verify (formula attention-scores)",
             opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
     ),
@@ -536,7 +549,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "output, score = scale·Q·Kᵀ over the past and new keys plus attention_bias, and plus the filter value "
             "in rows whose every key is masked (asserted on the tests' battery; worst measured 0.091 of it, a fully "
             "masked decoder step); the qk output within 2^-20·(1 + max|score|) at sequence 1, bit-exact otherwise; "
-            "present_key / present_value bit-exact (copies)",
+            "present_key / present_value bit-exact (copies); max|score| and max|V| the node's largest; every "
+            "output checked per element by verify (formula attention-scores)",
             opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
     ),
@@ -562,7 +576,10 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "plus one float16 ulp (the kernel computes in float32 and rounds once); output_qk within "
             "2^-20·(1 + max|score|) at each entry's keys < seqlens_k[b] + 1 (worst measured 0.40 of it before the "
             "softmax, 0.057 after; float16: plus one float16 ulp; beyond them the kernel leaves output_qk "
-            "unwritten: undefined, not compared by verify); present_key / present_value bit-exact (copies)",
+            "unwritten: undefined, not compared by verify); present_key / present_value bit-exact (copies); "
+            "max|score| and max|V| the node's largest (with do_rotary: scale·r²·max‖q‖·max‖k‖ per head, r = "
+            "max|cos| + max|sin|, an upper bound of the rotated scores); every output checked per element by "
+            "verify (formula attention-scores)",
             output_types=lambda options, op: ("input 0",) * 4,  # output, present K and V, output_qk
             outputs=3,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["group-query-attention"]),
@@ -617,7 +634,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "embedding sum (GCC's default where the target has FMA; 18.7 measured), plus "
             "12·2^-24·|γ|·(1 + |x̂|)·M/σ, M the row's largest |w| + |p| + |s| dequantized, σ its standard "
             "deviation (first-order worst case; 1.59 of 2^-24·|γ|·(1 + |x̂|)·M/σ measured); the mask index and "
-            "the embedding sum are bit-exact",
+            "the embedding sum are bit-exact; every output checked per element by verify (formula embed-layer-norm)",
             outputs=2,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["embed-layer-norm"]),
         ),
@@ -924,8 +941,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             emits=frozenset({"ReduceMean", "Sub", "Mul", "Add", "Sqrt", "Div", "Abs", "Exp", "Neg", "Clip"}),
             exactness=lambda options: BOUNDED if options["op"] == "layer_norm" else APPROXIMATE,
             bound="LayerNormalization: float32 rounding of a two-pass mean and variance in another order than the "
-            "kernel's, within 16·2^-24·(|y| + |γ|·(1 + |mean(x)|/σ(x))) at each output (measured; data-dependent, "
-            "so verify compares the outputs, not the node)",
+            "kernel's, within 16·2^-24·(|y| + |γ|·(1 + |mean(x)|/σ(x))) at each output (measured; data-dependent: "
+            "verify evaluates it per element at the node, formula layer-norm-two-pass)",
             preserves_shape=True,
             opset=lambda options, dtypes: "any",
         ),

@@ -82,7 +82,7 @@ import onnx
 from onnx_qrewrite.rewriter import kernel_opsets, u8s8
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._float_inputs import refuse_float16, unknown_type
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import ATTENTION_FORMULA, CONTRACTS
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["AttentionBuilder", "MultiHeadAttentionBuilder", "QAttentionBuilder"]
@@ -190,6 +190,8 @@ class QAttentionBuilder:
         state = _kv_state(site, [hidden] * 3, heads, past_index=8)
         if state and formula:
             raise NoMatch("past/present with weights onnxruntime's kernel can saturate: its bound formula has no past")
+        if formula is None and options["u8s8_saturation"] != "ignore":
+            formula = ATTENTION_FORMULA  # no pair can saturate: the projection's rounding, Attention's bound
         return dataclasses.replace(plan, bound_formula=formula, data={**plan.data, **state})
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
@@ -256,7 +258,8 @@ def _mask_plan(site: Site, index: int, label: str, sizes: list[int], heads: int,
     causal = bool(site.attribute("unidirectional", 0))
     need = kernel_opsets.FORMS["attention-mask" if mask_rank is not None or causal else "attention"]
     data = {"sizes": sizes, "heads": heads, "mask_rank": mask_rank, "causal": causal}
-    return Plan(min_opset=need, notes=notes, data=data)
+    # Bounded: within 2^-20·(1 + max|score|)·max|V|, which verify evaluates at the node (contrib_bounds).
+    return Plan(min_opset=need, notes=notes, data=data, bound_formula=ATTENTION_FORMULA)
 
 
 register(QAttentionBuilder())

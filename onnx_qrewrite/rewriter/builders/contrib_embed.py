@@ -44,7 +44,7 @@ import onnx
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._float_inputs import no_float16_kernel
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, EMBED_FORMULA
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["EmbedLayerNormalizationBuilder"]
@@ -109,7 +109,8 @@ class EmbedLayerNormalizationBuilder:
                 value = site.constant(site.input(index)) if site.input(index) else None
                 if site.input(index) and (value is None or value.size != 1):
                     raise NoMatch(f"{site.input(index)!r} is not a constant per-tensor scale or zero point")
-        return Plan(min_opset=kernel_opsets.FORMS["embed-layer-norm"])
+        # Bounded (for builds that contract multiply-adds): per element, evaluated by verify at the node.
+        return Plan(min_opset=kernel_opsets.FORMS["embed-layer-norm"], bound_formula=EMBED_FORMULA)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         outputs = [*site.node.output, "", ""][:3]

@@ -68,14 +68,24 @@ from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, regist
 from onnx_qrewrite.rewriter.builders._float_inputs import no_float16_kernel, unknown_type
 from onnx_qrewrite.rewriter.builders.contracts import (
     CONTRACTS,
+    FAST_GELU_FORMULA,
     FUSED_ACTIVATIONS,
     FUSED_CONV_SUM_FORMULA,
+    FUSED_MATMUL_FORMULA,
+    LAYER_NORM_FORMULA,
     gelu_opset,
     normalization_opset,
 )
 from onnx_qrewrite.rewriter.graph import dtype_name
 
-__all__ = ["ActivationBuilder", "BiasAddBuilder", "FusedGemmConvBuilder", "FusedMatMulBuilder", "NormalizationBuilder"]
+__all__ = [
+    "ActivationBuilder",
+    "BiasAddBuilder",
+    "FusedGemmConvBuilder",
+    "FusedMatMulBuilder",
+    "NormalizationBuilder",
+    "matmul_operand_perm",
+]
 
 _T = onnx.TensorProto
 #: What onnxruntime's CPU kernels for these ops take (float16 kernels run in float32 and round).
@@ -128,9 +138,10 @@ class ActivationBuilder:
             raise NoMatch(f"malformed node: {len(inputs)} inputs")
         if form == "fast_gelu_standard":
             return Plan(min_opset=gelu_opset(form), bound=None)
-        # A decomposed FastGelu carries its bound for the largest |x| verify may see; none is
-        # known statically, so the node records none and the rule's words state it.
-        return Plan(min_opset=gelu_opset(form))
+        # A decomposed FastGelu's bound, 2^-21·(|x| + 1), is per element: verify evaluates it at the node.
+        return Plan(
+            min_opset=gelu_opset(form), bound_formula=FAST_GELU_FORMULA if form == "fast_gelu_decomposed" else None
+        )
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         form, y = options["form"], site.node.output[0]
@@ -318,7 +329,7 @@ register(FusedGemmConvBuilder())
 # --- FusedMatMul ---------------------------------------------------------------------------------
 
 
-def _matmul_operand_perm(rank: int, trans: bool, trans_batch: bool) -> list[int]:
+def matmul_operand_perm(rank: int, trans: bool, trans_batch: bool) -> list[int]:
     """The Transpose that gives MatMul the operand the kernel reads. ``trans_batch``: the kernel reads
     (d0, b0..bn, d_last) as the stack of matrices (b0..bn, d0, d_last), d0 moved behind the batch
     dimensions (matmul_helper.h); ``trans`` then swaps the matrix's two axes."""
@@ -361,12 +372,14 @@ class FusedMatMulBuilder:
             raise NoMatch(
                 f"transBatchA/transBatchB with ranks {ranks[0]} and {ranks[1]}: the kernel needs equal ranks >= 3"
             )
-        return Plan(data={"alpha": alpha, "trans": trans, "batch": batch, "ranks": ranks})
+        # The bounded rule (any_alpha): the products summed in another order, bounded per element.
+        formula = FUSED_MATMUL_FORMULA if options["any_alpha"] else None
+        return Plan(data={"alpha": alpha, "trans": trans, "batch": batch, "ranks": ranks}, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         operands = []
         for i, rank in enumerate(plan.data["ranks"]):
-            perm = _matmul_operand_perm(rank, plan.data["trans"][i], plan.data["batch"][i])
+            perm = matmul_operand_perm(rank, plan.data["trans"][i], plan.data["batch"][i])
             name = site.input(i)
             if perm != list(range(rank)):
                 name = emit.op1("Transpose", [name], perm=perm)
@@ -422,7 +435,8 @@ class NormalizationBuilder:
         # float16: the kernels convert every input to float32, compute as in float32 and round y and
         # the sum once (measured bit for bit); RMSNormalization's float16 kernel is the same one.
         cast = float16 and form != "simplified_standard"
-        return Plan(min_opset=need, data={"decomposed": decomposed, "float16": cast})
+        formula = None if form == "simplified_standard" else LAYER_NORM_FORMULA  # the bounded forms
+        return Plan(min_opset=need, data={"decomposed": decomposed, "float16": cast}, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         form = options["form"]

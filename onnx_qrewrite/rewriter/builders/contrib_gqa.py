@@ -67,7 +67,7 @@ import onnx
 
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import ATTENTION_FORMULA, CONTRACTS
 from onnx_qrewrite.rewriter.builders.contrib_attention import refuse_recorded_shape
 from onnx_qrewrite.rewriter.builders.contrib_rotary import INTERLEAVED_BLOCK, rotate
 from onnx_qrewrite.rewriter.graph import dtype_name
@@ -134,7 +134,13 @@ class GroupQueryAttentionBuilder:
         data["float16"] = float16
         data |= _options(site)
         notes = (_QK_NOTE,) if data["qk_output"] else ()
-        return Plan(min_opset=kernel_opsets.FORMS["group-query-attention"], notes=notes, data=data)
+        # Bounded: within 2^-20·(1 + max|score|)·max|V|, which verify evaluates at the node (contrib_bounds).
+        return Plan(
+            min_opset=kernel_opsets.FORMS["group-query-attention"],
+            notes=notes,
+            data=data,
+            bound_formula=ATTENTION_FORMULA,
+        )
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         heads, kv_heads, head = plan.data["heads"], plan.data["kv_heads"], plan.data["head"]

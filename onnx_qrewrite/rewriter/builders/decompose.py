@@ -9,8 +9,9 @@ rounding; how much grows with the ratio of the mean to the spread of x (cancella
 ``x - mean``): measured on a grid of means 0-1000 and spreads 1e-3-100 (hidden 64, γ ~ N(0, 1),
 onnxruntime 1.31.1) within ``16·2^-24·(|y| + |γ|·(1 + |mean(x)|/σ(x)))`` at each output, the worst
 at half of it (``tests/test_decompose.py``). **Bounded** by that, which depends on the data: verify
-compares the outputs, not this node. Given way: ``stash_type`` other than 1, the Mean /
-InvStdDev outputs read, an axis that is not the last and a rank that is not recorded.
+evaluates it at the node on each sample (formula ``layer-norm-two-pass``, ``verify/contrib_bounds.py``).
+Given way: ``stash_type`` other than 1, the Mean / InvStdDev outputs read, an axis that is not the
+last and a rank that is not recorded.
 
 **Erf(x)** has no exact decomposition: Abramowitz and Stegun 7.1.26,
 ``erf(|x|) ≈ 1 - (a1·t + a2·t² + a3·t³ + a4·t⁴ + a5·t⁵)·exp(-x²)`` with ``t = 1 / (1 + p·|x|)``
@@ -32,7 +33,7 @@ from onnx import TensorProto
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, NotApplicable, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, LAYER_NORM_TWO_PASS_FORMULA
 
 __all__ = ["ERF_COEFFICIENTS", "DecomposeBuilder"]
 
@@ -75,7 +76,7 @@ class DecomposeBuilder:
             shape = value_shape(site.scope, site.input(0), site.same_shape_ops)
             if shape is None or axis not in (len(shape) - 1, -1):
                 raise NoMatch(f"axis {axis} is not the last axis (or the rank is not recorded)")
-        return Plan(notes=("two-pass mean and variance",))
+        return Plan(notes=("two-pass mean and variance",), bound_formula=LAYER_NORM_TWO_PASS_FORMULA)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         if site.node.op_type == "Erf":
