@@ -12,6 +12,11 @@ compares, for every node a rewrite replaced in the main graph:
 
 ``conftest.py`` runs it on every in-process rewrite of the tests marked as a rule's positive
 evidence; ``tests/test_output_types.py`` shows it fails on a wrong declaration and a wrong builder.
+
+:func:`unchecked_bound_problems`, run on the same rewrites, asserts that every bounded rewrite
+records a bound ``verify`` can check at its node: a scalar ``Plan.bound``, or a formula
+:mod:`onnx_qrewrite.verify.element_bounds` evaluates for the op (issue 10: the bounded un-fuse
+rules recorded none, and verify held their differences to the exact tolerance downstream).
 """
 
 from __future__ import annotations
@@ -125,3 +130,21 @@ def output_type_problems(
             if had is not None and had != want:
                 problems.append(f"{where}: declared {spec!r} = {want}, the original op's output is {had}")
     return problems, compared
+
+
+def unchecked_bound_problems(report: RewriteReport) -> list[str]:
+    """The bounded rewrites of ``report`` whose bound verify could not check at the node: neither a
+    scalar bound nor a formula element_bounds evaluates for the op (its name, with ``_READS``
+    listing the op)."""
+    from onnx_qrewrite.verify import element_bounds
+
+    problems = []
+    for r in report.rewrites:
+        if r.exactness != "bounded":
+            continue
+        formula = (r.bound_formula or "").partition(":")[0]
+        if r.bound is None and not formula:
+            problems.append(f"rule {r.rule}, {r.op_type} {r.node!r}: bounded, and no bound recorded")
+        elif formula and r.op_type not in element_bounds.readable_ops(formula):
+            problems.append(f"rule {r.rule}, {r.op_type} {r.node!r}: formula {formula!r} does not evaluate it")
+    return problems

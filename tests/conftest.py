@@ -200,7 +200,7 @@ def _check_output_types(request, monkeypatch):
     if not any(m.args[1:2] == ("positive",) for m in request.node.iter_markers("rule")):
         yield
         return
-    from _output_types import output_type_problems
+    from _output_types import output_type_problems, unchecked_bound_problems
 
     from onnx_qrewrite.io.encoded import to_proto
     from onnx_qrewrite.rewriter import engine
@@ -213,11 +213,11 @@ def _check_output_types(request, monkeypatch):
         original.CopyFrom(model)
         result, report = real_run(model, catalogue, *args, **kwargs)
         found, compared = output_type_problems(original, to_proto(result), report, catalogue)
-        problems.extend(found)
+        problems.extend(found + unchecked_bound_problems(report))
         for rule_id, n in compared.items():
             OUTPUT_TYPES_COMPARED[rule_id] = OUTPUT_TYPES_COMPARED.get(rule_id, 0) + n
         return result, report
 
     monkeypatch.setattr(engine, "run", checked_run)
     yield
-    assert not problems, "output types differ from the contracts':\n" + "\n".join(problems[:20])
+    assert not problems, "output types or bounds differ from the contracts':\n" + "\n".join(problems[:20])

@@ -220,3 +220,49 @@ def test_the_wheel_carries_the_rule_catalogue_and_finds_it_installed(wheel, tmp_
     assert proc.returncode == 0, proc.stderr
     where, count = proc.stdout.split()
     assert Path(where) == target / "onnx_qrewrite" / "_rules" and int(count) == len(SHIPPED)
+
+
+def _fused_matmul_scaled() -> onnx.ModelProto:
+    """FusedMatMul with alpha 0.3: the bounded rule unfuse-fused-matmul-scaled."""
+    node = onnx.helper.make_node("FusedMatMul", ["a", "b"], ["y"], name="fmm", domain="com.microsoft", alpha=0.3)
+    graph = onnx.helper.make_graph(
+        [node],
+        "g",
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [4, 4]) for n in "ab"],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 4])],
+    )
+    opsets = [onnx.helper.make_opsetid("", 17), onnx.helper.make_opsetid("com.microsoft", 1)]
+    return onnx.helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+def test_a_bounded_rule_whose_node_records_no_bound_is_our_bug(monkeypatch):
+    """Every bounded rule records a bound verify checks at its node (issue 10: the bounded un-fuse
+    rules recorded none, so verify neither re-anchored at them nor checked them, and held their
+    rounding to the exact tolerance downstream). The engine refuses a bounded rule's plan without
+    Plan.bound or Plan.bound_formula (exit 5, naming the rule), so a new bounded rule's positive
+    tests (test_every_shipped_rule_has_a_positive_and_a_negative_test) fail until it records one;
+    and conftest checks on each of those tests' rewrites that a recorded formula evaluates the op
+    (tests/_output_types.py: unchecked_bound_problems)."""
+    import dataclasses
+
+    from _output_types import unchecked_bound_problems
+
+    from onnx_qrewrite.errors import InternalError
+    from onnx_qrewrite.rewriter.builders.contrib_fusions import FusedMatMulBuilder
+
+    result = onnx_qrewrite.rewrite(_fused_matmul_scaled())
+    assert result.report.by_rule() == {"unfuse-fused-matmul-scaled": 1}
+    assert unchecked_bound_problems(result.report) == []
+    check = FusedMatMulBuilder.check
+
+    def with_formula(formula):
+        return lambda self, site, options: dataclasses.replace(check(self, site, options), bound_formula=formula)
+
+    monkeypatch.setattr(FusedMatMulBuilder, "check", with_formula(None))
+    with pytest.raises(InternalError, match=r"rule unfuse-fused-matmul-scaled is bounded but .* no bound"):
+        onnx_qrewrite.rewrite(_fused_matmul_scaled())
+    monkeypatch.setattr(FusedMatMulBuilder, "check", with_formula("fused-conv-sum"))  # not FusedMatMul's
+    problems = unchecked_bound_problems(onnx_qrewrite.rewrite(_fused_matmul_scaled()).report)
+    assert problems == [
+        "rule unfuse-fused-matmul-scaled, FusedMatMul 'fmm': formula 'fused-conv-sum' does not evaluate it"
+    ]

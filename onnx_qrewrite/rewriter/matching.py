@@ -120,6 +120,15 @@ def _check(rule: Rule, builder: Any, site: Site) -> Plan:
     if rule.dtypes is not None and dtype not in rule.dtypes:
         raise NoMatch(f"dtype {dtype or 'unknown'} is not one of {', '.join(sorted(rule.dtypes))}")
     plan: Plan = builder.check(site, rule.options)
+    if rule.exactness == BOUNDED and plan.bound is None and plan.bound_formula is None and not plan.remove_if_dead:
+        # A bounded rewrite whose node records no bound could not be checked by verify at the node,
+        # and every difference it makes would be held to the exact part's tolerance downstream.
+        from onnx_qrewrite.errors import InternalError
+
+        raise InternalError(
+            f"rule {rule.id} is bounded but its builder {rule.builder} gave node {site.label!r} no bound "
+            "(Plan.bound or Plan.bound_formula): a bug in onnx-qrewrite"
+        )
     return plan
 
 
