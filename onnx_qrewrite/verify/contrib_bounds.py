@@ -19,8 +19,8 @@ contract, ``docs/lowerings.md``), from the original node and the values it reads
     ``u8s8-attention`` bounds), MultiHeadAttention, GroupQueryAttention: every output element within
     ``2^-20·(1 + S)·max|V|``, ``S`` the node's largest ``|score|`` and ``max|V|`` over every value
     it attends (past included), in float64 from the node's inputs: ``S = max|scale·Q·Kᵀ|`` over its
-    heads and keys (past included) plus ``max|attention_bias|``, plus ``|mask_filter_value|`` where
-    some row has every key masked (Attention, MultiHeadAttention); GroupQueryAttention: its head
+    heads and keys (past included) plus ``max|attention_bias|``, and at the query rows whose every key
+    is masked (Attention, MultiHeadAttention) plus ``|mask_filter_value|`` there only; GroupQueryAttention: its head
     sinks count as scores, and with do_rotary ``S`` is ``scale·r²·max‖q‖·max‖k‖`` per head
     (Cauchy-Schwarz; r = max|cos| + max|sin|, at least 1: what the rotation can stretch a pair by),
     so an upper bound of the rotated scores. float16 outputs: plus one float16 ulp. Present
@@ -183,19 +183,21 @@ def _scores_top(q: np.ndarray, k: np.ndarray, scale: float) -> float:
     return float(np.max(np.abs(scale * (q @ np.swapaxes(k, -1, -2)))))
 
 
-def _fully_masked(mask: np.ndarray | None, batch: int, seq: int, keys: int, past: int, causal: bool) -> bool:
-    """Whether some query row has every key masked: 1-D key lengths (B, or 2B with start positions,
-    or MultiHeadAttention's 3B + 2: the first B), 2-D (B, T) and 3-D (B, S, T) 0/1 masks (> 0
-    attended), with the causal mask where ``causal``."""
+def _masked_rows(
+    mask: np.ndarray | None, batch: int, seq: int, keys: int, past: int, causal: bool
+) -> np.ndarray | None:
+    """(B, S): the query rows whose every key is masked, None without a mask: 1-D key lengths (B, or
+    2B with start positions, or MultiHeadAttention's 3B + 2: the first B), 2-D (B, T) and 3-D
+    (B, S, T) 0/1 masks (> 0 attended), with the causal mask where ``causal``."""
     if mask is None:
-        return False
+        return None
     try:
-        return _masked_row(mask, batch, seq, keys, past, causal)
-    except ValueError:  # a mask over another key count (a shared past buffer): assume such a row
-        return True
+        return _rows_without_keys(mask, batch, seq, keys, past, causal)
+    except ValueError:  # a mask over another key count (a shared past buffer): every row may be
+        return np.ones((batch, seq), bool)
 
 
-def _masked_row(mask: np.ndarray, batch: int, seq: int, keys: int, past: int, causal: bool) -> bool:
+def _rows_without_keys(mask: np.ndarray, batch: int, seq: int, keys: int, past: int, causal: bool) -> np.ndarray:
     positions = np.arange(keys)
     if mask.ndim == 1:
         ends = mask[:batch].reshape(batch, 1, 1)
@@ -208,7 +210,16 @@ def _masked_row(mask: np.ndarray, batch: int, seq: int, keys: int, past: int, ca
     attended = np.broadcast_to(attended, (batch, seq, keys))
     if causal:
         attended = attended & (positions[None, None, :] <= past + np.arange(seq)[None, :, None])
-    return bool(np.any(~attended.any(axis=-1)))
+    return np.asarray(~attended.any(axis=-1))
+
+
+def _filter_term(attrs: Mapping[str, Any], rows: np.ndarray | None) -> np.ndarray | float:
+    """|mask_filter_value| at the rows whose every key is masked (B, S, 1), 0 elsewhere: there the
+    filter joins each score (the kernel and the rewrite each add it in float32), elsewhere the
+    masked keys' weights vanish (review 5 R5: one such row must not loosen every other row's bound)."""
+    if rows is None or not rows.any():
+        return 0.0
+    return abs(float(attrs.get("mask_filter_value", -10000.0))) * rows[:, :, None].astype(np.float64)
 
 
 def _attention_projection(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -253,9 +264,8 @@ def _attention(node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected:
     top = _scores_top(q, k, scale) + _top(attention_bias)
     mask = _get(node, values, 3 if node.op_type == "Attention" else 5)
     past_length = 0 if past is None else past.shape[3]
-    if _fully_masked(mask, q.shape[0], q.shape[2], k.shape[2], past_length, bool(attrs.get("unidirectional", 0))):
-        top += abs(float(attrs.get("mask_filter_value", -10000.0)))
-    return np.asarray(_ATTENTION_ROUNDING * (1 + top) * _top(v))
+    rows = _masked_rows(mask, q.shape[0], q.shape[2], k.shape[2], past_length, bool(attrs.get("unidirectional", 0)))
+    return _ATTENTION_ROUNDING * (1 + top + _filter_term(attrs, rows)) * _top(v)  # (B, S, 1): y (B, S, D)
 
 
 def _mha_key(t: np.ndarray, bias: np.ndarray | None, heads: int) -> np.ndarray:
@@ -289,11 +299,11 @@ def _multi_head_attention(
     top = _scores_top(qh, kh, scale) + _top(_get(node, values, 5))
     mask = _get(node, values, 4)
     batch, seq, keys = qh.shape[0], qh.shape[2], kh.shape[2]
-    if _fully_masked(mask, batch, seq, keys, past_length, bool(attrs.get("unidirectional", 0))):
-        top += abs(float(attrs.get("mask_filter_value", -10000.0)))
-    if output == 3:  # qk: the scores, rounded differently only at one query (MLAS's GEMV)
-        return np.asarray(_ATTENTION_ROUNDING * (1 + top) if seq == 1 else 0.0)
-    return np.asarray(_ATTENTION_ROUNDING * (1 + top) * _top(vh))
+    rows = _masked_rows(mask, batch, seq, keys, past_length, bool(attrs.get("unidirectional", 0)))
+    per_row = 1 + top + _filter_term(attrs, rows)  # (B, S, 1), or a number without such rows
+    if output == 3:  # qk (B, N, S, T): the scores, rounded differently only at one query (MLAS's GEMV)
+        return _ATTENTION_ROUNDING * np.expand_dims(per_row, 1) if seq == 1 else np.zeros(1)
+    return _ATTENTION_ROUNDING * per_row * _top(vh)
 
 
 def _norms_top(t: np.ndarray) -> float:

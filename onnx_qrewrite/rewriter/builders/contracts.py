@@ -530,7 +530,7 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "at each output, score = scale·Q·Kᵀ plus attention_bias, past keys and values included (asserted on "
             "the tests' battery; worst measured 2^-22.6); present: its past part copied bit for bit, its new K and "
             "V within 2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size; max|score| and max|V| the node's "
-            "largest, plus |mask_filter_value| where some row has every key masked; every output checked per "
+            "largest, plus |mask_filter_value| at the rows whose every key is masked; every output checked per "
             "element by verify (formula attention-scores)",
             opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
