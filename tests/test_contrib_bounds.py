@@ -36,6 +36,7 @@ from test_unfuse_attention import (
 from test_unfuse_contrib import SHAPE as CONTRIB_SHAPE
 from test_unfuse_contrib import _fused_matmul, _ln_input, _simplified, _skip_ln, edge_input, one_node
 from test_unfuse_gqa import gqa_feeds, gqa_model
+from test_unfuse_mha_forms import bnsh_model, feeds_for
 
 import onnx_qrewrite
 from onnx_qrewrite.errors import EXIT_DISAGREE
@@ -200,6 +201,14 @@ def test_multi_head_attention_within_its_bound_and_a_scale_off_by_1_percent_caug
     feeds = mha_feeds(*shape[:5])
     rewritten = _assert_within(original, feeds, "unfuse-multi-head-attention")
     _assert_caught(original, _scale_off(rewritten), feeds, "unfuse-multi-head-attention")
+
+
+@rule_marker("unfuse-multi-head-attention", "positive")
+def test_a_one_query_multi_head_attention_step_every_output_within_its_bound():
+    """A decoder step (4-D key/value, one query): output and qk within the bound (MLAS's GEMV),
+    present_key / present_value copies; a key_padding_mask with a fully masked entry."""
+    model = bnsh_model(2, 1, 6, 32, 4, mask="raw", outputs=("y", "present_key", "present_value", "qk"))
+    _assert_within(model, feeds_for(model), "unfuse-multi-head-attention")
 
 
 @rule_marker("unfuse-group-query-attention", "positive")

@@ -302,7 +302,8 @@ def _multi_head_attention(
     rows = _masked_rows(mask, batch, seq, keys, past_length, bool(attrs.get("unidirectional", 0)))
     per_row = 1 + top + _filter_term(attrs, rows)  # (B, S, 1), or a number without such rows
     if output == 3:  # qk (B, N, S, T): the scores, rounded differently only at one query (MLAS's GEMV)
-        return _ATTENTION_ROUNDING * np.expand_dims(per_row, 1) if seq == 1 else np.zeros(1)
+        rows_first = per_row[:, None] if isinstance(per_row, np.ndarray) else per_row
+        return _ATTENTION_ROUNDING * rows_first if seq == 1 else np.zeros(1)
     return _ATTENTION_ROUNDING * per_row * _top(vh)
 
 

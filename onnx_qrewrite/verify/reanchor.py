@@ -94,6 +94,9 @@ def cut_at(original: onnx.ModelProto, anchors: Mapping[str, np.dtype]) -> onnx.M
     for name, dtype in anchors.items():
         elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         graph.input.append(helper.make_tensor_value_info(name, elem_type, None))
+        # The renamed output keeps its type: onnxruntime cannot infer some outputs' types alone
+        # (MultiHeadAttention's qk: "type inference failed, inferred types: ... bfloat16, float16, float").
+        graph.value_info.append(helper.make_tensor_value_info(renamed(name), elem_type, None))
     return copy
 
 
