@@ -181,8 +181,8 @@ def test_matmul_nbits_2_bit_runs_on_cpu(zero_points):
     model, weights = _nbits(2, zero_points=zero_points)
     got = run(model, {"A": np.eye(32, dtype=np.float32)})["Y"]
     assert np.array_equal(got, weights)
-    with pytest.raises(onnx_qrewrite.LoweringError, match="bits=2: only 4 and 8 are lowered"):
-        onnx_qrewrite.rewrite(model)  # not lowered (yet): left in place and named
+    # Lowered like bits 4 and 8 (int2/uint2 weights at opset 25): tests/test_lower_matmul_nbits.py.
+    assert onnx_qrewrite.rewrite(model).report.by_rule() == {"matmul-nbits-blocked-dq": 1}
 
 
 def test_matmul_nbits_8_bit_with_float_zero_points_fails_on_cpu():

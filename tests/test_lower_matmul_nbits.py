@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 import onnx
 import pytest
+from _pairwise import pairwise
 from _verify_helpers import node_row
 from conftest import assert_bitwise_equal, op_types, rule_marker, run
 from onnx import TensorProto, helper, numpy_helper
@@ -125,7 +126,11 @@ CASES = [
     for block_size in (16, 32, 64, 128, 256)
     for zp in ("none", "uint8", "float")
     for form in FORMS
-    if not (zp == "float" and bits == 8)  # float zero points: 4-bit only in onnxruntime
+    if not (zp == "float" and bits == 8)  # float zero points: 2- and 4-bit only in onnxruntime
+] + [
+    # 2-bit (int2/uint2 weights, opset 25): a covering table, the 4-bit rows above cover the rest.
+    (2, block_size, zp, form)
+    for block_size, zp, form in pairwise((16, 64, 256), ("none", "uint8", "float"), tuple(FORMS))
 ]
 
 
@@ -148,6 +153,12 @@ def test_weights_bit_identical_and_products_within_the_summation_bound(bits, blo
     assert op_types(result.model) == _expected_ops(form, zp)
     assert {o.domain for o in result.model.opset_import} == {""}
     assert [(r.exactness, r.bound) for r in result.report.rewrites] == [("bounded", None)]
+    if form == "blocked" and zp != "float":  # DequantizeLinear takes 2-bit types from opset 25
+        assert result.model.opset_import[0].version == (25 if bits == 2 else 21)
+        weights = next(t for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] == k)
+        signed = {2: TensorProto.INT2, 4: TensorProto.INT4, 8: TensorProto.INT8}[bits]
+        unsigned = {2: TensorProto.UINT2, 4: TensorProto.UINT4, 8: TensorProto.UINT8}[bits]
+        assert weights.data_type == (signed if zp == "none" else unsigned)
     what = f"{bits}-bit, block {block_size}, zero points {zp}, {form}"
 
     # 1. An identity A: every sum is exact, the outputs are the dequantized weights.
@@ -204,8 +215,9 @@ def test_bias_becomes_an_add():
 @rule_marker("matmul-nbits-int8-activations-unpacked", "positive")
 @rule_marker("matmul-nbits-blocked-dq", "negative")
 @rule_marker("matmul-nbits-unpacked", "negative")
-def test_accuracy_level_4_is_approximate_and_runs_only_when_asked():
-    original, _ = nbits_model(96, 16, 4, 32, "uint8", accuracy_level=4, a_shape=(96,))
+@pytest.mark.parametrize("bits", [2, 4])
+def test_accuracy_level_4_is_approximate_and_runs_only_when_asked(bits):
+    original, _ = nbits_model(96, 16, bits, 32, "uint8", accuracy_level=4, a_shape=(96,))
     with pytest.raises(onnx_qrewrite.LoweringError) as exc:
         onnx_qrewrite.rewrite(original)
     assert "matmul-nbits-blocked-dq: accuracy_level 4" in str(exc.value)
@@ -233,6 +245,21 @@ def test_the_approximate_rule_leaves_other_accuracy_levels_to_the_bounded_ones()
     # Float zero points never take the int8 kernel: bounded even at accuracy_level 4.
     original, _ = nbits_model(64, 8, 4, 32, "float", accuracy_level=4, a_shape=(64,))
     assert onnx_qrewrite.rewrite(original).report.by_rule() == {"matmul-nbits-unpacked": 1}
+
+
+@rule_marker("matmul-nbits-blocked-dq", "negative")
+@rule_marker("matmul-nbits-unpacked", "negative")
+def test_bits_the_kernel_refuses_are_not_lowered():
+    """onnxruntime 1.31.1's CPU kernel takes bits 2, 4 and 8 (measured for 1-8): a node with any
+    other width fails when the session is created, so there is nothing to be exact against."""
+    original, _ = nbits_model(64, 8, 4, 32, "none")
+    next(a for a in original.graph.node[0].attribute if a.name == "bits").i = 3
+    original.graph.node[0].input[1] = "B3"
+    original.graph.initializer.append(numpy_helper.from_array(np.zeros((8, 2, 12), np.uint8), "B3"))
+    with pytest.raises(Exception, match="Only 2b, 4b and 8b quantization is supported"):
+        run(original, {"A": np.zeros((2, 3, 64), np.float32)})
+    with pytest.raises(onnx_qrewrite.LoweringError, match="bits=3: onnxruntime's CPU kernel takes 2, 4 and 8 only"):
+        onnx_qrewrite.rewrite(original, allow=("exact", "bounded", "approximate"))
 
 
 @rule_marker("matmul-nbits-int8-activations-unpacked", "negative")
@@ -308,7 +335,10 @@ def _mlp(k: int = 64, hidden: int = 96, n: int = 32) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-@pytest.mark.parametrize("bits, block_size, symmetric", [(4, 32, False), (4, 16, True), (8, 32, False), (8, 64, True)])
+@pytest.mark.parametrize(
+    "bits, block_size, symmetric",
+    [(2, 32, False), (2, 16, True), (4, 32, False), (4, 16, True), (8, 32, False), (8, 64, True)],
+)
 def test_a_model_from_onnxruntimes_matmul_nbits_quantizer(bits, block_size, symmetric):
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
@@ -357,7 +387,7 @@ def _as_float16(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 @rule_marker("matmul-nbits-blocked-dq", "positive")
-@pytest.mark.parametrize("bits, zp", [(4, "none"), (4, "uint8"), (4, "float"), (8, "uint8")])
+@pytest.mark.parametrize("bits, zp", [(2, "float"), (4, "none"), (4, "uint8"), (4, "float"), (8, "uint8")])
 def test_float16_a_is_computed_in_float32_like_the_kernel(bits, zp):
     k = 2 * 32 + 5
     original = _as_float16(nbits_model(k, 12, bits, 32, zp, bias=True, a_shape=(k,))[0])
@@ -407,15 +437,16 @@ def test_verify_dequantizes_each_nodes_weights_once_and_judges_the_same_within_a
     assert kept == flushed and len([r for r in kept if "float32-sum-order" in r[0]]) == 2, kept
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("how", ["wrong block size", "zero point dropped"])
-def test_verify_checks_the_per_element_bound_at_the_node(how):
+def test_verify_checks_the_per_element_bound_at_the_node(how, bits):
     """verify evaluates 2 gamma(K + 1) (|A| @ |W| + |bias|) per element at the MatMulNBits node
     (verify/element_bounds.py) on random inputs, where onnxruntime's sums are not bit-exact with
     MatMul: the correct rewrite is within it, a broken one far beyond it. (One ulp of one scale
     moves an output by ~2^-24 of one block's sum, below the bound by construction: the test above
     catches it with exact sums.)"""
     k = 96
-    original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(7, k))
+    original, _ = nbits_model(k, 16, bits, 32, "uint8", a_shape=(7, k))
     rewritten = onnx_qrewrite.rewrite(original).model
     good = node_row(verify(original, rewritten, samples=3), "nbits")
     assert good.passed and "per element (float32-sum-order)" in good.tolerance_text, good
@@ -473,7 +504,7 @@ def test_verify_reads_the_weights_exactly_through_an_identity_probe(bits, block_
 
 
 @rule_marker("matmul-nbits-blocked-dq", "positive")
-@pytest.mark.parametrize("bits, zp", [(4, "none"), (4, "float"), (8, "uint8")])
+@pytest.mark.parametrize("bits, zp", [(2, "uint8"), (4, "none"), (4, "float"), (8, "uint8")])
 def test_the_identity_probe_reads_float16_weights_exactly(bits, zp):
     k = 2 * 32 + 5
     original = _as_float16(nbits_model(k, 12, bits, 32, zp, bias=True, a_shape=(k,))[0])
@@ -490,12 +521,15 @@ def test_the_identity_probe_at_the_other_float_accuracy_levels(level, zp):
     assert report.passed and _probe_row(report).passed, report.to_table()
 
 
-@pytest.mark.parametrize("how", ["scale one ulp off", "zero point dropped", "wrong block size"])
-def test_the_identity_probe_catches_a_scale_one_ulp_off_on_dense_inputs(how):
+@pytest.mark.parametrize(
+    "how, bits",
+    [("scale one ulp off", 4), ("zero point dropped", 4), ("wrong block size", 4), ("scale one ulp off", 2)],
+)
+def test_the_identity_probe_catches_a_scale_one_ulp_off_on_dense_inputs(how, bits):
     """What no sound per-element bound on dense inputs can see (the test above): one scale one ulp
     off fails the probe, with the node's summation bound still passing; the grosser breaks too."""
     k = 96
-    original, _ = nbits_model(k, 16, 4, 32, "uint8", a_shape=(7, k))
+    original, _ = nbits_model(k, 16, bits, 32, "uint8", a_shape=(7, k))
     rewritten = onnx_qrewrite.rewrite(original).model
     report = verify(original, _break(rewritten, how), samples=2)
     assert report.exit_code == EXIT_DISAGREE and not _probe_row(report).passed, report.to_table()

@@ -40,8 +40,9 @@ QUANTIZE_LINEAR: dict[str, int] = {
     "float8e5m2": 19,
     "float8e5m2fnuz": 19,
 }
-#: DequantizeLinear: the same types plus int32.
-DEQUANTIZE_LINEAR: dict[str, int] = {**QUANTIZE_LINEAR, "int32": 10}
+#: DequantizeLinear: the same types plus int32, and int2/uint2 from 25 (onnx 1.23.2's schema; onnxruntime
+#: 1.31.1 runs them blocked, measured: tests/test_lower_matmul_nbits.py, the 2-bit battery).
+DEQUANTIZE_LINEAR: dict[str, int] = {**QUANTIZE_LINEAR, "int32": 10, "int2": 25, "uint2": 25}
 #: QuantizeLinear/DequantizeLinear-10, their first version: the floor of a form built from them
 #: when the quantized type is not in the tables above (the builder declines such types itself).
 QDQ_FIRST = 10

@@ -744,8 +744,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                     str,
                     allowed=(NBITS_BLOCKED, NBITS_UNPACKED),
                     doc=f"blocked_dequantize: DequantizeLinear with block_size (opset {kernel_opsets.BLOCKED}, 4/8-bit "
-                    f"types); unpacked: one uint8 per weight and Cast/Sub/Mul per block (any opset from "
-                    f"{kernel_opsets.NBITS_UNPACKED})",
+                    f"types; int2/uint2 from {kernel_opsets.qdq_opset(False, 'uint2', blocked=True)}); unpacked: one "
+                    f"uint8 per weight and Cast/Sub/Mul per block (any opset from {kernel_opsets.NBITS_UNPACKED})",
                 ),
                 Option(
                     "int8_activations",
@@ -759,8 +759,10 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: APPROXIMATE if options["int8_activations"] else BOUNDED,
             bound="bit-identical dequantized weights; the float32 sum over K in another order: at most "
             "2·γ(K)·Σ|a·w| per output (γ(K) = K·2^-24/(1 - K·2^-24))",
-            opset=lambda options, dtypes: str(
-                kernel_opsets.BLOCKED if options["form"] == NBITS_BLOCKED else kernel_opsets.NBITS_UNPACKED
+            opset=lambda options, dtypes: (
+                f"{kernel_opsets.BLOCKED} (int2/uint2 weights: {kernel_opsets.qdq_opset(False, 'uint2', blocked=True)})"
+                if options["form"] == NBITS_BLOCKED
+                else str(kernel_opsets.NBITS_UNPACKED)
             ),
         ),
     ),

@@ -1,15 +1,17 @@
 """onnxruntime's ``com.microsoft`` MatMulNBits (weight-only blocked quantization) -> standard ONNX.
 
 ``MatMulNBits(A, B, scales[, zero_points][, g_idx][, bias])`` with attributes ``K``, ``N``,
-``bits`` (4 or 8 on CPU), ``block_size`` (a power of two >= 16) and ``accuracy_level``. ``B`` holds
+``bits`` (2, 4 or 8 on CPU: onnxruntime 1.31.1 refuses any other value when the session is created,
+measured for 1-8), ``block_size`` (a power of two >= 16) and ``accuracy_level``. ``B`` holds
 ``[N, ceil(K / block_size), block_size * bits / 8]`` bytes, values packed low bits first; scales
 are ``N * n_blocks`` floats; zero points are either packed like ``B`` (``N * ceil(n_blocks * bits /
-8)`` uint8, low bits first; absent means ``2^(bits - 1)``: 8 or 128) or floats, one per block
-(4-bit only). What onnxruntime 1.31's CPU kernel computes (measured, tests/test_lower_matmul_nbits.py):
+8)`` uint8, low bits first; absent means ``2^(bits - 1)``: 2, 8 or 128) or floats, one per block
+(2- and 4-bit only: 8-bit fails at run time). What onnxruntime 1.31's CPU kernel computes
+(measured, tests/test_lower_matmul_nbits.py):
 
 - the weight ``w[k, n] = (q - zp) * scale`` in float32 for integer zero points, and
   ``q * scale + (-(scale * zp))`` for float ones: with an identity matrix as A (every sum exact),
-  the kernel's output equals these weights bit for bit, for bits 4 and 8, block sizes 16-256,
+  the kernel's output equals these weights bit for bit, for bits 2, 4 and 8, block sizes 16-256,
   every kind of zero point and K not a multiple of the block size;
 - then a float32 GEMM whose summation order over K is MLAS's own (blocked SQNBit kernels, or
   dequantize-then-SGEMM): it matches a standard ``MatMul`` bit for bit in most measured cases with
@@ -25,8 +27,9 @@ are ``N * n_blocks`` floats; zero points are either packed like ``B`` (``N * cei
 Forms (option ``form``)::
 
     blocked_dequantize:  MatMul(A, DequantizeLinear(Wq[K, N], scale[nb, N], zp[nb, N], axis=0, block_size))
-                         Wq uint4/uint8 with the zero points as stored, or int4/int8 holding q - 2^(bits-1)
-                         with no zero point when the node has none (opset 21)
+                         Wq uint2/uint4/uint8 with the zero points as stored, or int2/int4/int8 holding
+                         q - 2^(bits-1) with no zero point when the node has none (opset 21; 25 for 2-bit,
+                         whose types DequantizeLinear takes from 25)
     unpacked:            MatMul(A, Slice(Reshape(Mul(Sub(Cast<f32>(Wq[nb, bs, N]), zp[nb, 1, N]), scale[nb, 1, N]))))
                          Wq one uint8 per weight, any opset from 10; float zero points:
                          Add(Mul(Cast<f32>(Wq), scale), -(scale * zp))
@@ -53,6 +56,13 @@ from onnx_qrewrite.rewriter.graph import dtype_name
 __all__ = ["MatMulNBitsBuilder", "dequantized_weights", "pack", "unpack"]
 
 _T = onnx.TensorProto
+#: The element types of the blocked form per ``bits``: (signed, for q - 2^(bits-1) without zero
+#: points; unsigned, with the stored zero points). The bits onnxruntime's CPU kernel takes.
+_TYPES: dict[int, tuple[Any, Any]] = {
+    2: (ml_dtypes.int2, ml_dtypes.uint2),
+    4: (ml_dtypes.int4, ml_dtypes.uint4),
+    8: (np.int8, np.uint8),
+}
 
 
 def unpack(packed: np.ndarray, bits: int, rows: int, count: int) -> np.ndarray:
@@ -115,8 +125,8 @@ def _read(site: Site) -> _Read:
     k, n = _attr_int(site, "K"), _attr_int(site, "N")
     bits, block_size = _attr_int(site, "bits", 4), _attr_int(site, "block_size")
     accuracy_level = _attr_int(site, "accuracy_level", 0)
-    if bits not in (4, 8):
-        raise NoMatch(f"bits={bits}: only 4 and 8 are lowered (onnxruntime 1.31.1 runs 2 as well: docs/numerics.md)")
+    if bits not in _TYPES:
+        raise NoMatch(f"bits={bits}: onnxruntime's CPU kernel takes 2, 4 and 8 only (nothing to be exact against)")
     if block_size < 16 or block_size & (block_size - 1):
         raise NoMatch(f"malformed node: block_size {block_size} is not a power of two >= 16")
     if k <= 0 or n <= 0:
@@ -159,7 +169,7 @@ def _read(site: Site) -> _Read:
                     f"malformed node: zero points {site.input(3)!r} have {raw.size} bytes, expected {n * per_row}"
                 )
             zp = unpack(raw, bits, n, n_blocks)
-        elif raw.dtype == scale.dtype and bits == 4:
+        elif raw.dtype == scale.dtype and bits in (2, 4):
             if raw.size != n * n_blocks:
                 raise NoMatch(
                     f"malformed node: zero points {site.input(3)!r} have {raw.size} elements, not {n * n_blocks}"
@@ -263,11 +273,11 @@ class MatMulNBitsBuilder:
         q = read.q[:, : read.k].T  # [K, N]
         offset = 1 << (read.bits - 1)
         if read.zp is None:
-            # The default zero point folded into signed values: (q - 8) * s, no zero point tensor.
-            signed = (q.astype(np.int16) - offset).astype(ml_dtypes.int4 if read.bits == 4 else np.int8)
+            # The default zero point folded into signed values: (q - 2^(bits-1)) * s, no zero point tensor.
+            signed = (q.astype(np.int16) - offset).astype(_TYPES[read.bits][0])
             inputs = [emit.const(signed), emit.const(np.ascontiguousarray(read.scale.T))]
         else:
-            dtype = ml_dtypes.uint4 if read.bits == 4 else np.uint8
+            dtype = _TYPES[read.bits][1]
             inputs = [
                 emit.const(q.astype(dtype)),
                 emit.const(np.ascontiguousarray(read.scale.T)),
