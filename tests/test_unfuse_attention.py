@@ -1694,3 +1694,35 @@ def test_a_bert_fused_and_quantized_by_onnxruntime_runs_on_standard_ops(tmp_path
     assert {n.domain for n in result.model.graph.node} == {""}
     report = verify(quantized, result.model, inputs=feeds)
     assert report.passed, report.to_table()
+
+
+def _qattention_fed_by(producer: onnx.NodeProto, source: onnx.ValueInfoProto) -> onnx.ModelProto:
+    """qattention_model's node with x and its zero point written by ``producer`` (from ``source``),
+    so that neither is declared: their types are what the producer says, or unknown."""
+    model = qattention_model(2, 8, 32, 4, "uint8")
+    graph = model.graph
+    kept = [v for v in graph.input if v.name not in ("x", "xzp")]
+    del graph.input[:]
+    graph.input.extend([*kept, source])
+    graph.node.insert(0, producer)
+    if producer.domain:
+        model.opset_import.append(helper.make_opsetid(producer.domain, 1))
+    return model
+
+
+@rule_marker("unfuse-qattention", "positive")
+@rule_marker("unfuse-qattention", "negative")
+def test_qattention_input_type_is_traced_and_an_unknown_one_refused():
+    """x undeclared: uint8 when its producer says so (DynamicQuantizeLinear, as quantize_dynamic
+    writes it: lowered, bit for bit); refused, naming x, when nothing says (it was assumed uint8)."""
+    source = helper.make_tensor_value_info("xf", TensorProto.FLOAT, [2, 8, 32])
+    dql = helper.make_node("DynamicQuantizeLinear", ["xf"], ["x", "xs_unused", "xzp"], name="dql")
+    model = _qattention_fed_by(dql, source)
+    feeds = {"xf": RNG.standard_normal((2, 8, 32)).astype(np.float32), "xs": np.array(0.02, np.float32)}
+    result = onnx_qrewrite.rewrite(model)
+    assert result.report.by_rule()["unfuse-qattention"] == 1
+    assert {n.domain for n in result.model.graph.node} == {""}
+    assert_bitwise_equal(run(result.model, feeds)["y"], run(model, feeds)["y"], "after DynamicQuantizeLinear")
+    opaque = helper.make_node("Opaque", ["xf"], ["x", "xzp"], name="opaque", domain="com.example")
+    with pytest.raises(onnx_qrewrite.LoweringError, match="the type of 'x' is not declared and neither its producer"):
+        onnx_qrewrite.rewrite(_qattention_fed_by(opaque, source))

@@ -155,11 +155,7 @@ class QAttentionBuilder:
         hidden = weights.shape[1] // 3
         if hidden % heads:
             raise NoMatch(f"hidden size {hidden} does not split into {heads} heads")
-        x_type = site.elem_type(site.input(0))
-        if x_type is not None and x_type != _T.UINT8:
-            raise NoMatch(
-                f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure"
-            )
+        _uint8_input(site)
         notes: tuple[str, ...] = _ROTARY_IGNORED if site.attribute("do_rotary", 0) else ()
         formula = None
         # onnxruntime's uint8 x int8 kernel (x86 without AVX-VNNI) pairs products into int16 with
@@ -215,6 +211,22 @@ class QAttentionBuilder:
         )
         scale_attr = float(site.attribute("scale", 0.0))
         emit_heads_attention(emit, q, k, v, heads, sizes, scale_attr, keep, causal, site, site.node.output[0], kv)
+
+
+def _uint8_input(site: Site) -> None:
+    """QAttention's input is uint8, known to be: declared, traced from its producer, or said by its
+    zero point (input 6, of the same type variable); an unknown type is refused, not assumed."""
+    x, x_zp = site.input(0), site.input(6)
+    x_type = site.value_type(x)
+    if x_type is None and x_zp:
+        x_type = site.value_type(x_zp)
+    if x_type is None:
+        raise NoMatch(
+            f"the type of {x!r} is not declared and neither its producer nor its zero point says; onnxruntime's "
+            "CPU kernel takes uint8 only"
+        )
+    if x_type != _T.UINT8:
+        raise NoMatch(f"input is {dtype_name(x_type)}: onnxruntime's CPU kernel takes uint8 only, nothing to measure")
 
 
 def _refuse_shared_buffer(site: Site) -> None:
