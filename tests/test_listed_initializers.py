@@ -141,3 +141,54 @@ def test_which_listed_defaults_the_samples_feed(op: str, inputs: list[str], valu
     if "s" in inputs:
         model.graph.initializer.append(numpy_helper.from_array(np.array(0.5, np.float32), "s"))
     assert ("d" in {s.name for s in input_specs(model, defaults=True) if s.default}) is fed
+
+
+def _two_branches() -> onnx.ModelProto:
+    """IR 3, every initializer listed: a com.microsoft DequantizeLinear of ``xq`` and a MatMulInteger
+    of ``a`` with constant weights and weight zero point (which a lowering reads as constants)."""
+    nodes = [
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["y1"], name="dq", domain="com.microsoft"),
+        helper.make_node("MatMulInteger", ["a", "w", "", "wz"], ["y2"], name="mm"),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0.25, np.float32), "xs"),
+        numpy_helper.from_array(np.array(3, np.uint8), "xz"),
+        numpy_helper.from_array(RNG.integers(0, 256, (4, 3)).astype(np.uint8), "w"),
+        numpy_helper.from_array(np.array(49, np.uint8), "wz"),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("xq", TensorProto.UINT8, [5]),
+        helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 4]),
+    ]
+    inputs += [helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in inits]
+    outputs = [
+        helper.make_tensor_value_info("y1", TensorProto.FLOAT, [5]),
+        helper.make_tensor_value_info("y2", TensorProto.INT32, [2, 3]),
+    ]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 11), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, ir_version=3, opset_imports=opsets)
+
+
+def test_raising_ir_3_to_4_unlists_the_initializers_so_a_second_rewrite_gives_the_same_model():
+    """From IR 4 on a listed initializer is an input a caller may override: the listings IR 3
+    demanded go when the rewrite raises the IR version. Else a second rewrite (here the rules the
+    first one did not run) reads the weights' zero point as an input, and any reader may feed it."""
+    model = _two_branches()
+    once = onnx_qrewrite.rewrite(model)
+    assert [v.name for v in once.model.graph.input] == ["xq", "a"]
+    assert any("initializer(s) listed as inputs for that rule are no longer listed" in w for w in once.report.warnings)
+    first = onnx_qrewrite.rewrite(model, only=["ms-dq-standard"], allow_unlowered=True).model
+    assert [v.name for v in first.graph.input] == ["xq", "a"]
+    twice = onnx_qrewrite.rewrite(first).model
+    assert [v.name for v in twice.graph.input] == ["xq", "a"]
+    assert [(n.op_type, list(n.input)) for n in twice.graph.node] == [
+        (n.op_type, list(n.input)) for n in once.model.graph.node
+    ]
+    assert {t.name: numpy_helper.to_array(t).tobytes() for t in twice.graph.initializer} == {
+        t.name: numpy_helper.to_array(t).tobytes() for t in once.model.graph.initializer
+    }
+    feeds = {"xq": np.arange(0, 250, 50, dtype=np.uint8), "a": RNG.integers(0, 256, (2, 4)).astype(np.uint8)}
+    for name in ("y1", "y2"):
+        assert_bitwise_equal(run(twice, feeds)[name], run(model, feeds)[name], name)
+    assert verify(model, once.model).passed

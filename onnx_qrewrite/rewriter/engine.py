@@ -220,14 +220,30 @@ def _run(
     if typed:
         _drop_value_info(final, set(typed))
     if report.changed and final.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
-        # Before IR 4 every initializer had to be a graph input: the constants a rewrite adds are
-        # not. IR 4 only lifts that rule, so the model means the same under it.
-        report.warnings.append(
-            f"IR version raised from {final.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
-            "initializer had to be a graph input, and the constants this rewrite adds are not"
-        )
-        final.ir_version = _IR_INITIALIZERS_NOT_INPUTS
+        _raise_to_ir_4(final, report)
     return result, report
+
+
+def _raise_to_ir_4(model: onnx.ModelProto, report: RewriteReport) -> None:
+    """Declare a rewritten model of IR < 4 at IR 4. Before IR 4 every initializer had to be a graph
+    input: the constants a rewrite adds are not. IR 4 only lifts that rule, so the model means the
+    same under it, once the listings the old format demanded go: the rewrite read those initializers
+    as constants (graph.Scope._index_records), and from IR 4 on a listed initializer is an input a
+    caller may override, which a reader (or a second rewrite) would otherwise take it for."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    initializers.update(t.values.name for t in graph.sparse_initializer)
+    inputs = [v for v in graph.input if v.name not in initializers]
+    unlisted = len(graph.input) - len(inputs)
+    if unlisted:
+        del graph.input[:]
+        graph.input.extend(inputs)
+    report.warnings.append(
+        f"IR version raised from {model.ir_version} to {_IR_INITIALIZERS_NOT_INPUTS}: before IR 4 every "
+        "initializer had to be a graph input, and the constants this rewrite adds are not"
+        + (f"; the {unlisted} initializer(s) listed as inputs for that rule are no longer listed" if unlisted else "")
+    )
+    model.ir_version = _IR_INITIALIZERS_NOT_INPUTS
 
 
 def _record_inferred_types(model: onnx.ModelProto) -> list[str]:

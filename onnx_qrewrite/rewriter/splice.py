@@ -147,7 +147,8 @@ def remove_unread_initializers(
                 read.update(node.input)
         if isinstance(c, onnx.GraphProto):
             read.update(o.name for o in c.output)
-            read.update(i.name for i in c.input)  # an initializer that is also an input stays
+            if not _listing_demanded(scope):
+                read.update(i.name for i in c.input)  # an initializer that is also an input stays
         else:
             read.update(c.output)
     unread = candidates - read
@@ -159,8 +160,19 @@ def remove_unread_initializers(
         removed = sorted(t.name for t in c.initializer if t.name in unread)
         del c.initializer[:]
         c.initializer.extend(kept)
+        if _listing_demanded(scope):  # its listing as an input goes with it
+            inputs = [v for v in c.input if v.name not in unread]
+            del c.input[:]
+            c.input.extend(inputs)
         scope.invalidate()
         report.removed_initializers.extend(removed)
+
+
+def _listing_demanded(scope: Scope) -> bool:
+    """A main graph below IR 4, whose format demanded every initializer be listed as an input: the
+    listing says nothing there (the rewrite reads them as constants, and drops the listings when it
+    raises the IR version, engine.py), so it keeps no initializer alive."""
+    return scope.parent is None and scope.listed_initializers_constant
 
 
 def splice_replacements(
