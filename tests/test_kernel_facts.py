@@ -200,3 +200,30 @@ def test_matmul_nbits_g_idx_ignores_uint8_zero_points():
     # weights at zero point 8, and nowhere near the weights at the zero points given.
     np.testing.assert_allclose(got, weights_at_default_zp, rtol=1e-6, atol=1e-6)
     assert np.abs(got - weights_at_given_zp).max() > 0.1
+
+
+def test_rotary_embedding_interleaved_tail_rounds_two_ways():
+    """float32 interleaved RotaryEmbedding, rotary dim 24 (one block of 16 values, 4 pairs after it):
+    the block's 8 pairs and the tail's first are fused (x1·c in one rounding with the sum), the tail's
+    other 3 pairs round both products: round(round(x1·c) - round(x2·s)) (docs/numerics.md)."""
+    rng = np.random.default_rng(24)
+    batch, seq, heads, width, positions = 2, 5, 2, 12, 8
+    node = helper.make_node(
+        "RotaryEmbedding", ["x", "p", "c", "s"], ["y"], domain="com.microsoft", interleaved=1, num_heads=heads
+    )
+    shape = [batch, seq, heads * 2 * width]
+    inputs = [_vi("x", T.FLOAT, shape), _vi("p", T.INT64, [batch, seq])]
+    inputs += [_vi(name, T.FLOAT, [positions, width]) for name in ("c", "s")]
+    model = _model([node], inputs, [_vi("y", T.FLOAT, shape)], opset=17)
+    x = rng.standard_normal(shape).astype(np.float32)
+    p = rng.integers(0, positions, (batch, seq))
+    angles = rng.uniform(0, 2 * np.pi, (positions, width))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    y = run(model, {"x": x, "p": p, "c": cos, "s": sin})["y"].reshape(batch, seq, heads, 2 * width)[..., 0::2]
+    x1, x2 = (x.reshape(batch, seq, heads, -1)[..., first::2].astype(np.float64) for first in (0, 1))
+    c, s = (v[p][:, :, None, :].astype(np.float64) for v in (cos, sin))
+    r = np.float32
+    fused = (x1 * c - (x2 * s).astype(r)).astype(r)
+    plain = ((x1 * c).astype(r) - (x2 * s).astype(r)).astype(r)
+    assert np.array_equal(y[..., :9], fused[..., :9]) and np.array_equal(y[..., 9:], plain[..., 9:])
+    assert not np.array_equal(fused[..., 9:], plain[..., 9:])  # the two roundings differ on these values

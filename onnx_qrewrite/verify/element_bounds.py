@@ -48,6 +48,17 @@ Formulas (``name`` or ``name:parameter``):
 ``layer-norm-rows``, ``attention-scores``, ``fast-gelu-tanh``, ``fused-matmul-sum-order``, ``embed-layer-norm``
     The ``com.microsoft`` un-fuse rules' bounds (:mod:`.contrib_bounds`, which states each). They
     bound every output of their node (:data:`EVERY_OUTPUT`), not only a node's single output.
+``rotary-interleaved-tail``
+    com.microsoft RotaryEmbedding, float32, interleaved, with a rotary dim R not a multiple of 16.
+    onnxruntime's AVX2 kernel rotates each head's first ``16·floor(R/16)`` values in vectors, with
+    one rounding for the ``x1`` product (``fma(x1, c, -round(x2·s))``), as the rewrite does: 0 there
+    and after R (the values passing through). The pairs after them go through a scalar tail that
+    rounds them either way (measured: its first pair fused, the others ``round(round(x1·c) -
+    round(x2·s))``); the two differ by at most ``u·|x1·c|`` before the last rounding, and each
+    result by ``u`` of its size, so ``4·u·(|x1·c| + |x2·s|) + 2^-148`` per even output
+    (``|x1·s| + |x2·c|`` per odd one), c and s the cache rows at the token's position, in float64.
+    Where a product is not finite or reaches ``2^127`` (float32 overflow within a rounding), 0:
+    only equal values pass there.
 ``run-time-k:<c>``
     QLinearMatMul of two run-time operands whose reduction length K the model does not record (a
     symbolic sequence length): ``floor(gamma(K + 4)·K·c) + 1`` steps at every element, K the last
@@ -66,7 +77,7 @@ import numpy as np
 import onnx
 
 from onnx_qrewrite.rewriter import u8s8
-from onnx_qrewrite.rewriter.builders.contracts import FUSED_CONV_SUM_FORMULA
+from onnx_qrewrite.rewriter.builders.contracts import FUSED_CONV_SUM_FORMULA, ROTARY_TAIL_FORMULA
 from onnx_qrewrite.rewriter.contract import RUN_TIME_K_FORMULA
 from onnx_qrewrite.verify import contrib_bounds
 
@@ -99,6 +110,7 @@ _READS: dict[str, dict[str, tuple[int, ...]]] = {
     RUN_TIME_K_FORMULA: {"QLinearMatMul": (0,)},
     FUSED_CONV_SUM_FORMULA: {"FusedConv": (0, 1, 2, 3)},
     **contrib_bounds.READS,
+    ROTARY_TAIL_FORMULA: {"RotaryEmbedding": (0, 1, 2, 3)},
 }
 
 #: The formulas that bound each output of a node of several (given the output's index); the others
@@ -409,6 +421,38 @@ def _fused_conv_sum(
         return slope * (2 * gamma + _ROUNDING) * total + _ROUNDING * (larger + extra)
 
 
+#: The AVX2 rotary kernel's vector of interleaved values (contrib_rotary.INTERLEAVED_BLOCK).
+_ROTARY_BLOCK = 16
+
+
+def _rotary_tail(
+    parameter: str, node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected: np.ndarray, actual: np.ndarray
+) -> np.ndarray:
+    """The ``rotary-interleaved-tail`` bound (module docstring) at every element of the output."""
+    attributes = {attr.name: onnx.helper.get_attribute_value(attr) for attr in node.attribute}
+    x, positions, cos, sin = (_input(node, values, i) for i in range(4))
+    assert x is not None and positions is not None and cos is not None and sin is not None
+    width = cos.shape[1]
+    rotary, heads = 2 * width, int(attributes.get("num_heads", 0))
+    if x.ndim == 4:  # (B, N, S, H) -> (B, S, N, H)
+        rows = np.moveaxis(x, 1, 2)
+    else:
+        head = x.shape[2] // heads if int(attributes.get("rotary_embedding_dim", 0)) else rotary
+        rows = x.reshape((*x.shape[:2], x.shape[2] // head, head))
+    if positions.size == 1:  # a start: the tokens' positions are start + 0..S-1
+        positions = positions.reshape(1, 1) + np.arange(rows.shape[1]).reshape(1, -1)
+    c, s = (np.asarray(cache, np.float64)[positions][:, :, None, :] for cache in (cos, sin))
+    x1, x2 = (np.asarray(rows[..., first:rotary:2], np.float64) for first in (0, 1))
+    # inf · 0 is NaN (IEEE): such elements get 0 below, as do products beyond float32's range.
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = (np.abs(x1 * c) + np.abs(x2 * s), np.abs(x1 * s) + np.abs(x2 * c))
+        pairs = np.stack([np.where(m < 2.0**127, 4 * _U * m + 2.0**-148, 0.0) for m in sums], axis=-1)
+    pairs[..., : (rotary // _ROTARY_BLOCK) * _ROTARY_BLOCK // 2, :] = 0.0  # the vectors: bit-exact
+    bound = np.zeros(rows.shape, np.float64)
+    bound[..., :rotary] = pairs.reshape((*rows.shape[:-1], rotary))
+    return np.moveaxis(bound, 1, 2) if x.ndim == 4 else bound.reshape(expected.shape)
+
+
 def _reduction_length(node: onnx.NodeProto, values: Mapping[str, np.ndarray]) -> int:
     """K of a QLinearMatMul on this sample: the last dimension of its A (1-D A: its length)."""
     a = _input(node, values, 0)
@@ -446,6 +490,7 @@ FORMULAS: dict[str, Callable[..., np.ndarray]] = {
     RUN_TIME_K_FORMULA: _run_time_k,
     FUSED_CONV_SUM_FORMULA: _fused_conv_sum,
     **{name: functools.partial(contrib_bounds.evaluate, name) for name in contrib_bounds.READS},
+    ROTARY_TAIL_FORMULA: _rotary_tail,
 }
 
 

@@ -145,6 +145,9 @@ FUSED_MATMUL_FORMULA = "fused-matmul-sum-order"
 EMBED_FORMULA = "embed-layer-norm"
 #: decompose: LayerNormalization in two passes (onnx_qrewrite.verify.contrib_bounds).
 LAYER_NORM_TWO_PASS_FORMULA = "layer-norm-two-pass"
+#: unfuse_rotary_embedding: the per-element bound formula of float32 interleaved RotaryEmbedding with a
+#: rotary dim not a multiple of 16 (onnx_qrewrite.verify.element_bounds).
+ROTARY_TAIL_FORMULA = "rotary-interleaved-tail"
 #: integer_matmul_float_output: which node of the MatMulInteger/ConvInteger -> Cast pair a rule rewrites.
 INTEGER_MATMUL_FLOAT_PARTS = ("producer", "cast")
 #: integer_matmul
@@ -588,12 +591,23 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
     "unfuse_rotary_embedding": (
         "contrib_rotary",
         Contract(
-            options=(),
+            options=(
+                Option(
+                    "interleaved_tail",
+                    bool,
+                    False,
+                    doc="only float32 interleaved nodes whose rotary dim is not a multiple of 16 (bounded: "
+                    "onnxruntime's kernel rounds the pairs after the last whole block of 16 two ways)",
+                ),
+            ),
             emits=frozenset(
                 {"Gather", "Range", "Reshape", "Shape", "Slice", "Unsqueeze", "Concat", "Cast", "Mul", "Add", "Sub"}
                 | {"Equal", "Greater", "And", "Not", "Where"}
             ),
-            exactness=lambda options: EXACT,
+            exactness=lambda options: BOUNDED if options["interleaved_tail"] else EXACT,
+            bound="bit-exact before the rotary dim's last whole block of 16 values; after it, where the kernel "
+            "rounds x1·cos (x1·sin) before the sum or not, at most 4·2^-24·(|x1·cos| + |x2·sin|) "
+            "(|x1·sin| + |x2·cos|) + 2^-148 per element",
             output_types=_same_as_input_0,
             preserves_shape=True,
             opset=lambda options, dtypes: str(kernel_opsets.FORMS["rotary-embedding"]),

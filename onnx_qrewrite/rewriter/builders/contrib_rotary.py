@@ -28,8 +28,16 @@ Layouts: (B, S, hidden) with ``num_heads`` heads, or (B, num_heads, S, head_size
 by the CPU kernel (only by a cache update it does not implement); ``is_packed_batching`` only lifts the
 kernel's check that S fits the cache, which a position outside the cache still fails in both.
 
-Not lowered (the node stays, with the reason): float32 interleaved with a rotary dim that is not
-a multiple of 16 (the kernel's scalar tail rounds its pairs in two ways),
+float32 interleaved with a rotary dim that is not a multiple of 16 (option ``interleaved_tail``,
+**bounded**): the AVX2 kernel rotates whole blocks of 16 values (8 pairs) as above and the pairs after
+the last one in a scalar tail that rounds them two ways (measured on onnxruntime 1.31.1: the tail's
+first pair as the blocks, fused; the others with both products rounded, ``round(round(x1·cos) -
+round(x2·sin))``). The rewrite computes the fused form everywhere: bit-exact up to the tail, and
+within ``4·u·(|x1·cos| + |x2·sin|) + 2^-148`` (u = 2^-24; ``|x1·sin| + |x2·cos|`` for the odd
+output) in it, the difference of the two roundings whatever order a build takes; ``verify``
+checks it per element (``rotary-interleaved-tail``, onnx_qrewrite/verify/element_bounds.py).
+
+Not lowered (the node stays, with the reason):
 caches whose width is not rotary_embedding_dim / 2 (the kernel then reads them with the narrower
 row stride), shapes that are not recorded. Where they differ on invalid input: a position outside
 the cache is an error in the kernel; ``Gather`` reads negative positions from the end.
@@ -46,14 +54,15 @@ import onnx
 from onnx_qrewrite.rewriter import kernel_opsets
 from onnx_qrewrite.rewriter.builders import Emitter, NoMatch, Plan, Site, register
 from onnx_qrewrite.rewriter.builders._qdq import value_shape
-from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS
+from onnx_qrewrite.rewriter.builders.contracts import CONTRACTS, ROTARY_TAIL_FORMULA
 from onnx_qrewrite.rewriter.graph import dtype_name
 
 __all__ = ["INTERLEAVED_BLOCK", "RotaryEmbeddingBuilder", "emit_fma", "rotate"]
 
 _T = onnx.TensorProto
 #: The AVX2 kernel's interleaved form runs whole vectors of 16 values (8 pairs); what is left over
-#: goes through a scalar tail whose pairs round in two ways (measured), so only multiples of this.
+#: goes through a scalar tail whose pairs round in two ways (measured): exact for multiples of this,
+#: bounded beyond (option ``interleaved_tail``).
 INTERLEAVED_BLOCK = 16
 
 
@@ -98,7 +107,7 @@ def _geometry(site: Site, interleaved_tail_ok: bool) -> dict[str, Any]:
     if interleaved and rotary % INTERLEAVED_BLOCK and not interleaved_tail_ok:
         raise NoMatch(
             f"interleaved with rotary dim {rotary}: onnxruntime's AVX2 kernel rounds the pairs after the last "
-            f"whole block of {INTERLEAVED_BLOCK} in two ways (measured); lowered for multiples of {INTERLEAVED_BLOCK}"
+            f"whole block of {INTERLEAVED_BLOCK} in two ways (measured); exact for multiples of {INTERLEAVED_BLOCK}"
         )
     return {"rank": len(x_shape), "head": head, "heads": heads, "rotary": rotary, "interleaved": interleaved}
 
@@ -134,8 +143,12 @@ class RotaryEmbeddingBuilder:
         else:
             raise NoMatch(f"position_ids of shape {positions}: one start or (batch, sequence) are lowered")
         half = types == {_T.FLOAT16}
-        data = {**_geometry(site, interleaved_tail_ok=half), "start": start, "float16": half}
-        return Plan(min_opset=kernel_opsets.FORMS["rotary-embedding"], data=data)
+        tail = options["interleaved_tail"]
+        data = {**_geometry(site, interleaved_tail_ok=half or tail), "start": start, "float16": half}
+        if tail and (half or not data["interleaved"] or data["rotary"] % INTERLEAVED_BLOCK == 0):
+            raise NoMatch("no float32 interleaved tail: the exact rule applies")
+        formula = ROTARY_TAIL_FORMULA if tail else None
+        return Plan(min_opset=kernel_opsets.FORMS["rotary-embedding"], data=data, bound_formula=formula)
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         d = plan.data
