@@ -569,3 +569,21 @@ def test_no_probe_where_the_kernel_quantizes_a():
     rewritten = onnx_qrewrite.rewrite(original, allow=("exact", "bounded", "approximate")).model
     report = verify(original, rewritten, samples=1)
     assert not [o for o in report.outputs if "identity probe" in o.name], report.to_table()
+
+
+@pytest.mark.parametrize("bits, blocked_ir", [(2, 13), (4, 10)])
+def test_the_blocked_forms_types_raise_the_declared_ir_version(bits, blocked_ir):
+    """int2/uint2 came with IR 13 and int4/uint4 with IR 10 (rules/opsets/ir_versions.toml): a model
+    declared lower (here IR 8, without provenance, which needs IR 10 itself) whose rewrite writes
+    such weights is declared at that version; the unpacked form writes uint8 and keeps IR 8."""
+    original, _ = nbits_model(64, 8, bits, 32, "uint8")
+    original.ir_version = 8
+    result = onnx_qrewrite.rewrite(original, provenance="none")
+    assert result.model.ir_version == blocked_ir
+    change = result.report.ir_version_change
+    assert change is not None and (change["from"], change["to"]) == (8, blocked_ir), change
+    assert f"element type added in IR {blocked_ir}" in change["why"]
+    original.opset_import[0].version = 17  # kept there: the unpacked form
+    kept = onnx_qrewrite.rewrite(original, provenance="none", keep_opset=True)
+    assert kept.report.by_rule() == {"matmul-nbits-unpacked": 1}
+    assert kept.model.ir_version == 8 and kept.report.ir_version_change is None
