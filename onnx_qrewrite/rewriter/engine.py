@@ -188,7 +188,7 @@ def _run(
     per-node plan (``node_rules``): the plan decided every node's rules from the input model."""
     report = RewriteReport()
     return_freed_memory()  # what loading (and checking, io/heap.py) the input freed
-    types_ir = _types_ir(model.graph)
+    types_before = {t.data_type for t in model.graph.initializer}
     if options.target_opset is not None:
         report.ops_before = count_ops(model)
         model = opset_mod.raise_default_opset(model, options.target_opset, report, why="--target-opset")
@@ -223,28 +223,29 @@ def _run(
     if report.changed and final.ir_version < _IR_INITIALIZERS_NOT_INPUTS:
         _raise_to_ir_4(final, report)
     if report.changed:
-        _declare_types_ir(final, report, types_ir)
+        _declare_types_ir(final, report, types_before)
     return result, report
 
 
-def _types_ir(graph: onnx.GraphProto) -> int:
-    """The IR version that added the newest element type among ``graph``'s initializers (0: none
-    newer than the first IR versions), from rules/opsets/ir_versions.toml."""
+def _types_ir(types: set[int]) -> int:
+    """The IR version that added the newest of these element types (0: none newer than the first IR
+    versions), from rules/opsets/ir_versions.toml."""
     from onnx_qrewrite.rewriter.ir_table import ir_additions
 
     added = {name: version for version, a in ir_additions().items() for name in a.types}
-    types = {t.data_type for t in graph.initializer}
     return max((added.get(onnx.TensorProto.DataType.Name(t).lower(), 0) for t in types), default=0)
 
 
-def _declare_types_ir(model: onnx.ModelProto, report: RewriteReport, before: int) -> None:
+def _declare_types_ir(model: onnx.ModelProto, report: RewriteReport, before: set[int]) -> None:
     """Keep the output valid at the IR version it declares: constants of a type newer than it (a
     2-bit MatMulNBits' int2/uint2 weights, IR 13; int4, IR 10) raise it to the version that added
     the type. Only for types the rewrite brought (the input's own initializers' types, ``before``,
-    stay as the input declared them); onnxruntime and onnx's checker do not hold a model to it
-    (README, IR version), so this is the only check."""
-    needed = _types_ir(model.graph)
-    if needed <= max(model.ir_version, before):
+    stay as the input declared them; the table is read only when there are such types);
+    onnxruntime and onnx's checker do not hold a model to it (README, IR version), so this is the
+    only check."""
+    brought = {t.data_type for t in model.graph.initializer} - before
+    needed = _types_ir(brought) if brought else 0
+    if needed <= model.ir_version:
         return
     report.ir_version_change = {
         "from": model.ir_version,
