@@ -19,6 +19,7 @@ import copy
 import ml_dtypes
 import numpy as np
 import onnx
+import onnxruntime
 import pytest
 from _pairwise import pairwise
 from _verify_helpers import node_row
@@ -128,16 +129,16 @@ CASES = [
     for form in FORMS
     if not (zp == "float" and bits == 8)  # float zero points: 2- and 4-bit only in onnxruntime
 ] + [
-    # 2-bit (int2/uint2 weights, opset 25): a covering table, the 4-bit rows above cover the rest.
+    # 2-bit (always the unpacked form: review 5 R3): a covering table, the 4-bit rows above cover the rest.
     (2, block_size, zp, form)
     for block_size, zp, form in pairwise((16, 64, 256), ("none", "uint8", "float"), tuple(FORMS))
 ]
 
 
-def _expected_ops(form: str, zp: str) -> list[str]:
+def _expected_ops(form: str, zp: str, bits: int) -> list[str]:
     if zp == "float":  # DequantizeLinear takes integer zero points only: the unpacked form
         return ["Cast", "Mul", "Add", "Reshape", "Slice", "MatMul", "Relu"]
-    return FORMS[form][3]
+    return FORMS["unpacked" if bits == 2 else form][3]
 
 
 @rule_marker("matmul-nbits-blocked-dq", "positive")
@@ -148,16 +149,16 @@ def test_weights_bit_identical_and_products_within_the_summation_bound(bits, blo
     opset, keep, rule, _ = FORMS[form]
     original, w = nbits_model(k, n, bits, block_size, zp, opset=opset, edge=True, a_shape=(k,))
     result = onnx_qrewrite.rewrite(original, keep_opset=keep)
-    expected_rule = "matmul-nbits-unpacked" if zp == "float" else rule
+    expected_rule = "matmul-nbits-unpacked" if zp == "float" or bits == 2 else rule
     assert result.report.by_rule() == {expected_rule: 1}
-    assert op_types(result.model) == _expected_ops(form, zp)
+    assert op_types(result.model) == _expected_ops(form, zp, bits)
     assert {o.domain for o in result.model.opset_import} == {""}
     assert [(r.exactness, r.bound) for r in result.report.rewrites] == [("bounded", None)]
-    if form == "blocked" and zp != "float":  # DequantizeLinear takes 2-bit types from opset 25
-        assert result.model.opset_import[0].version == (25 if bits == 2 else 21)
+    assert result.model.opset_import[0].version == opset  # 2-bit no longer raised to 25 (int2)
+    if form == "blocked" and zp != "float" and bits != 2:
         weights = next(t for t in result.model.graph.initializer if len(t.dims) == 2 and t.dims[0] == k)
-        signed = {2: TensorProto.INT2, 4: TensorProto.INT4, 8: TensorProto.INT8}[bits]
-        unsigned = {2: TensorProto.UINT2, 4: TensorProto.UINT4, 8: TensorProto.UINT8}[bits]
+        signed = {4: TensorProto.INT4, 8: TensorProto.INT8}[bits]
+        unsigned = {4: TensorProto.UINT4, 8: TensorProto.UINT8}[bits]
         assert weights.data_type == (signed if zp == "none" else unsigned)
     what = f"{bits}-bit, block {block_size}, zero points {zp}, {form}"
 
@@ -175,6 +176,45 @@ def test_weights_bit_identical_and_products_within_the_summation_bound(bits, blo
     w_b = _weights_of(model_b)
     want, got = run(model_b, {"A": a}), run(rewritten_b, {"A": a})
     assert_within_summation_bound(got["Y"], want["Y"], a, w_b, k, what)
+
+
+@pytest.mark.parametrize("zp", ["none", "uint8"])
+def test_2_bit_rewrites_run_right_at_onnxruntimes_default_level(zp):
+    """Review 5 R3: at its default level onnxruntime fuses an int2 blocked DequantizeLinear + MatMul
+    back into a MatMulNBits with wrong weights (max abs 1.5 on outputs of max 1.3); the unpacked form
+    every 2-bit node now takes is computed right there: within the summation bound of the original
+    run at the same level."""
+    k = 64
+    model, _ = nbits_model(k, 9, 2, 32, zp, a_shape=(4,))
+    rewritten = onnx_qrewrite.rewrite(model).model
+    assert "DequantizeLinear" not in op_types(rewritten)
+    a = RNG.standard_normal((4, k)).astype(np.float32)
+    w = _weights_of(model)
+    want, got = run(model, {"A": a}, opt="all")["Y"], run(rewritten, {"A": a}, opt="all")["Y"]
+    assert_within_summation_bound(got, want, a, w, k, f"2-bit, zero points {zp}, onnxruntime at its default level")
+
+
+def test_4_bit_blocked_form_is_fused_back_at_int8_activations_at_onnxruntimes_default_level():
+    """Review 5 R4, what the rule's notes tell users: at onnxruntime's default level the 4-bit
+    blocked form is fused back into a MatMulNBits at session.qdq_matmulnbits_accuracy_level (default
+    4: int8 activations), beyond the float32 summation bound; with that option at 0 it is within it."""
+    k = 512
+    model, _ = nbits_model(k, 64, 4, 32, "uint8", a_shape=(8,))
+    rewritten = onnx_qrewrite.rewrite(model).model
+    assert "DequantizeLinear" in op_types(rewritten)
+    a = RNG.standard_normal((8, k)).astype(np.float32)
+    w = _weights_of(model)
+    bound = 2 * gamma(k) * (np.abs(a.astype(np.float64)) @ np.abs(w))
+    want = run(model, {"A": a})["Y"].astype(np.float64)
+    fused = run(rewritten, {"A": a}, opt="all")["Y"].astype(np.float64)
+    if not np.any(np.abs(fused - want) > bound):
+        pytest.fail("onnxruntime no longer fuses the blocked form at int8 activations: update the rule's notes")
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    so = onnxruntime.InferenceSession(rewritten.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    got = so.run(None, {"A": a})[0].astype(np.float64)
+    assert np.all(np.abs(got - want) <= bound)
 
 
 def _weights_of(model: onnx.ModelProto) -> np.ndarray:
@@ -220,9 +260,12 @@ def test_accuracy_level_4_is_approximate_and_runs_only_when_asked(bits):
     original, _ = nbits_model(96, 16, bits, 32, "uint8", accuracy_level=4, a_shape=(96,))
     with pytest.raises(onnx_qrewrite.LoweringError) as exc:
         onnx_qrewrite.rewrite(original)
-    assert "matmul-nbits-blocked-dq: accuracy_level 4" in str(exc.value)
+    blocked = bits != 2  # 2-bit weights always take the unpacked form (review 5 R3)
+    first = "matmul-nbits-blocked-dq" if blocked else "matmul-nbits-unpacked"
+    assert f"{first}: accuracy_level 4" in str(exc.value)
     assert "--allow-approximate" in str(exc.value)
-    for keep, rule in ((False, "matmul-nbits-int8-activations"), (True, "matmul-nbits-int8-activations-unpacked")):
+    at_21 = "matmul-nbits-int8-activations" if blocked else "matmul-nbits-int8-activations-unpacked"
+    for keep, rule in ((False, at_21), (True, "matmul-nbits-int8-activations-unpacked")):
         model = copy.deepcopy(original)
         if keep:
             model.opset_import[0].version = 17
@@ -278,8 +321,29 @@ def test_g_idx_and_runtime_weights_are_not_lowered():
 # --- broken rewrites are caught at the node they break --------------------------------------------
 
 
+def _break_unpacked(broken: onnx.ModelProto, how: str) -> onnx.ModelProto:
+    """The same breaks in the unpacked form (Cast, Sub zero points, Mul scales [n_blocks, 1, N])."""
+    inits = {t.name: t for t in broken.graph.initializer}
+    sub = next(n for n in broken.graph.node if n.op_type == "Sub")
+    mul = next(n for n in broken.graph.node if n.op_type == "Mul")
+    if how == "scale one ulp off":
+        scale = numpy_helper.to_array(inits[mul.input[1]]).copy()
+        scale[1, 0, 2] = np.nextafter(scale[1, 0, 2], np.float32(1))
+        inits[mul.input[1]].CopyFrom(numpy_helper.from_array(scale, mul.input[1]))
+    elif how == "zero point dropped":
+        zp = numpy_helper.to_array(inits[sub.input[1]])
+        inits[sub.input[1]].CopyFrom(numpy_helper.from_array(np.zeros_like(zp), sub.input[1]))
+    elif how == "wrong block size":  # blocks twice as long: every other block's scale and zero point
+        for name in (sub.input[1], mul.input[1]):
+            values = numpy_helper.to_array(inits[name])
+            inits[name].CopyFrom(numpy_helper.from_array(values[np.arange(len(values)) // 2 * 2].copy(), name))
+    return broken
+
+
 def _break(rewritten: onnx.ModelProto, how: str) -> onnx.ModelProto:
     broken = copy.deepcopy(rewritten)
+    if not any(n.op_type == "DequantizeLinear" for n in broken.graph.node):  # 2-bit: always unpacked
+        return _break_unpacked(broken, how)
     dq = next(n for n in broken.graph.node if n.op_type == "DequantizeLinear")
     inits = {t.name: t for t in broken.graph.initializer}
     scale = numpy_helper.to_array(inits[dq.input[1]])
@@ -350,7 +414,7 @@ def test_a_model_from_onnxruntimes_matmul_nbits_quantizer(bits, block_size, symm
     result = onnx_qrewrite.rewrite(original)
     assert {n.domain for n in result.model.graph.node} == {""}
     assert {o.domain for o in result.model.opset_import} == {""}
-    assert result.report.by_rule() == {"matmul-nbits-blocked-dq": 2}
+    assert result.report.by_rule() == {"matmul-nbits-unpacked" if bits == 2 else "matmul-nbits-blocked-dq": 2}
     report = verify(original, result.model, input_shapes={"x": (3, 5, 64)})
     assert report.passed, report.to_table()
     # And on the opset it came with, unpacked.
@@ -571,11 +635,12 @@ def test_no_probe_where_the_kernel_quantizes_a():
     assert not [o for o in report.outputs if "identity probe" in o.name], report.to_table()
 
 
-@pytest.mark.parametrize("bits, blocked_ir", [(2, 13), (4, 10)])
+@pytest.mark.parametrize("bits, blocked_ir", [(4, 10)])
 def test_the_blocked_forms_types_raise_the_declared_ir_version(bits, blocked_ir):
-    """int2/uint2 came with IR 13 and int4/uint4 with IR 10 (rules/opsets/ir_versions.toml): a model
-    declared lower (here IR 8, without provenance, which needs IR 10 itself) whose rewrite writes
-    such weights is declared at that version; the unpacked form writes uint8 and keeps IR 8."""
+    """int4/uint4 came with IR 10 (rules/opsets/ir_versions.toml; int2/uint2 with IR 13, which no
+    rule writes since 2-bit weights take the unpacked form): a model declared lower (here IR 8,
+    without provenance, which needs IR 10 itself) whose rewrite writes such weights is declared at
+    that version; the unpacked form writes uint8 and keeps IR 8."""
     original, _ = nbits_model(64, 8, bits, 32, "uint8")
     original.ir_version = 8
     result = onnx_qrewrite.rewrite(original, provenance="none")
