@@ -31,20 +31,6 @@ from onnx_qrewrite.errors import LoweringError, UsageError
 
 __all__ = ["InspectReport", "QuantNode", "inspect_command", "inspect_model"]
 
-#: Quantization ops no shipped rule lowers (yet), so that ``inspect`` lists them too. Ops a rule
-#: matches are found through the catalogue and must not be listed here (a test keeps it so).
-OTHER_QUANT_OPS = frozenset(
-    {
-        "QuantizeLinear",
-        "DequantizeLinear",
-        "MatMulBnb4",
-    }
-)
-
-
-def _is_quantization_op(node: onnx.NodeProto) -> bool:
-    return node.op_type in OTHER_QUANT_OPS or "quant" in node.op_type.lower() or node.op_type.startswith("QLinear")
-
 
 @dataclass
 class QuantNode:
@@ -148,6 +134,7 @@ def inspect_model(
     from onnx_qrewrite.io import model_io
     from onnx_qrewrite.rewriter import engine
     from onnx_qrewrite.rewriter.builders import Site
+    from onnx_qrewrite.rewriter.catalogue import is_quantization_op
     from onnx_qrewrite.rewriter.graph import iter_scopes
     from onnx_qrewrite.rewriter.report import op_key
 
@@ -159,7 +146,7 @@ def inspect_model(
     by_label: dict[tuple[str, str], QuantNode] = {}
     for scope in iter_scopes(model, base_dir):
         for node in scope.container.node:
-            if not (catalogue.candidates(node.domain, node.op_type) or _is_quantization_op(node)):
+            if not (catalogue.candidates(node.domain, node.op_type) or is_quantization_op(node.op_type)):
                 continue
             site = Site(node, scope, catalogue.same_shape_ops)
             entry = QuantNode(scope.path, site.label, op_key(node.domain, node.op_type), _node_dtype(site, catalogue))

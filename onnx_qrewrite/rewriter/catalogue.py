@@ -430,6 +430,33 @@ def with_precedence(rules: list[Rule]) -> list[Rule]:
     return out
 
 
+#: Quantization ops no shipped rule lowers (yet), so that ``inspect`` lists them too. Ops a rule
+#: matches are found through the catalogue and must not be listed here (a test keeps it so).
+OTHER_QUANT_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "MatMulBnb4",
+    }
+)
+
+
+def is_quantization_op(op_type: str) -> bool:
+    """Whether ``op_type`` names a quantization op (by name: a quantize/dequantize, a ``QLinear*``
+    op, or :data:`OTHER_QUANT_OPS`). One definition for ``inspect``, which lists such nodes, and
+    the engine, which reports such a node of a non-standard domain that no rule names as
+    unlowered rather than leave it in the output unsaid (:func:`is_unnamed_vendor_quant_op`)."""
+    return op_type in OTHER_QUANT_OPS or "quant" in op_type.lower() or op_type.startswith("QLinear")
+
+
+def is_unnamed_vendor_quant_op(domain: str, op_type: str) -> bool:
+    """A quantization op of a vendor domain (com.microsoft's channels_last QLinearConv, say): the
+    point of a rewrite is a model without it, so when no rule names it, it is reported as
+    unlowered (exit code 4, or a warning with ``--allow-unlowered``), as a node every rule declines.
+    Standard-domain ops (QuantizeLinear...) run everywhere and stay quietly."""
+    return domain not in ("", "ai.onnx") and is_quantization_op(op_type)
+
+
 def shipped_rules_dir() -> Path:
     """The catalogue that ships with the tool: inside the wheel, or ``rules/`` in a checkout."""
     package_dir = Path(__file__).resolve().parents[1]

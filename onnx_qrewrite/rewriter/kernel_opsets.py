@@ -75,6 +75,9 @@ FORMS: dict[str, int] = {
     "reshape": 5,
     # GatherND, and Unsqueeze on a negative axis: 11 (Gather -> GatherND).
     "gather-nd": 11,
+    # MaxPool on uint8/int8 (com.microsoft NhwcMaxPool -> Transpose, MaxPool, Transpose): MaxPool-12
+    # adds the 8-bit types; onnxruntime 1.31.1 refuses them at 11 (tests/test_lower_nhwc.py).
+    "max-pool-8bit": 12,
     # qdq_float_emulation: Round 11, Clip with bound inputs 11, Cast to bfloat16 13.
     "float-emulation": 13,
     # com.microsoft Gelu/BiasGelu -> Mul/Add/Erf: Erf-9 (FastGelu's Tanh form is held to the same floor).

@@ -20,7 +20,7 @@ from onnx_qrewrite.io.heap import return_freed_memory
 from onnx_qrewrite.rewriter import opset as opset_mod
 from onnx_qrewrite.rewriter.builders import NoMatch, NotApplicable, Plan, Site
 from onnx_qrewrite.rewriter.builders._facts import BulkAsk, CheckMemo, replay_all, structure_from
-from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, with_precedence
+from onnx_qrewrite.rewriter.catalogue import Catalogue, Rule, is_unnamed_vendor_quant_op, with_precedence
 from onnx_qrewrite.rewriter.contract import APPROXIMATE, BOUNDED, EXACT
 from onnx_qrewrite.rewriter.graph import Scope, iter_scopes, subgraphs
 from onnx_qrewrite.rewriter.report import Unlowered, op_key
@@ -215,6 +215,8 @@ def match_nodes(
     # Nodes of one structure decided together (see _Grouped) unless a node's rules are chosen, a
     # later pass restricts them, each decline is to be logged, or checks are not recorded.
     grouped = chosen is None and restrict is None and options.memo_checks and not logger.isEnabledFor(logging.DEBUG)
+    # Calls of the model's own functions are not vendor ops: their bodies are scopes of their own.
+    local_functions = {(f.domain, f.name) for f in model.functions}
     for s, scope in enumerate(scopes):
         pending: list[_Pending] = []
         memo = CheckMemo() if options.memo_checks else None
@@ -222,6 +224,8 @@ def match_nodes(
         codes, keys = scope.op_codes()
         for code, n in collections.Counter(codes).items():
             counts[keys[code]] += n
+        if restrict is None:
+            unlowered.extend(_unnamed(scope, codes, keys, candidates_for, local_functions, same_shape_ops))
         one_by_one = not grouped
         if grouped and memo is not None:
             group = _Grouped(scope, memo, options, same_shape_ops)
@@ -584,6 +588,36 @@ _NO_REASONS: list[str] = []
 #: Rounds of :meth:`_Group.run` that decide a node alone and try the rest together again: each
 #: may add a trace (a check records at most this many per head), after which the rest go alone.
 _MAX_ROUNDS = 9
+
+
+def _unnamed(
+    scope: Scope,
+    codes: array.array,
+    keys: list[tuple[str, str]],
+    candidates_for: Callable[[tuple[str, str]], list[Rule]],
+    local_functions: set[tuple[str, str]],
+    same_shape_ops: frozenset[str],
+) -> list[Unlowered]:
+    """The scope's vendor-domain quantization nodes that no rule of the catalogue names, in node
+    order: said as unlowered, not kept silently (review finding X2: onnxruntime's NHWC QLinearConv
+    stayed in a rewrite that exited 0). Calls of the model's own functions are not vendor ops."""
+    said = [
+        code
+        for code, key in enumerate(keys)
+        if not candidates_for(key) and key not in local_functions and is_unnamed_vendor_quant_op(*key)
+    ]
+    if not said:
+        return []
+    out = []
+    for index in np.flatnonzero(np.isin(np.frombuffer(codes, dtype=f"u{codes.itemsize}"), said)).tolist():
+        domain, op = keys[codes[index]]
+        why = (
+            f"no rule of the catalogue lowers {domain}::{op} (a quantization op of a non-standard domain; "
+            "it would stay in the output)"
+        )
+        site = Site(scope.container.node[index], scope, same_shape_ops)
+        out.append(Unlowered(site.label, op, domain, scope.path, (why,)))
+    return out
 
 
 def _maybe_rewritten(

@@ -88,6 +88,10 @@ _CONTRIB_FIRST_KNOWN: dict[str, tuple[int, ...]] = {
     "GatherBlockQuantized": (2,),  # the scales
     **dict.fromkeys(("QLinearAdd", "QLinearMul", "QLinearSigmoid", "QLinearLeakyRelu", "QLinearSoftmax"), (0,)),
     "QLinearConcat": (1,),  # Y's zero point
+    # onnxruntime's channels-last CNN (session optimizer at level all): QLinearConv is y_zero_point's
+    # type, the poolings their input's.
+    "QLinearConv": (7,),
+    **dict.fromkeys(("NhwcMaxPool", "QLinearAveragePool", "QLinearGlobalAveragePool"), (0,)),
 }
 _CONTRIB_FIXED: dict[str, tuple[int | None, ...]] = {
     **dict.fromkeys(("DynamicQuantizeMatMul", "QAttention"), (_T.FLOAT,)),

@@ -975,6 +975,15 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             ),
         ),
     ),
+    "nhwc_to_nchw": (
+        "nhwc",
+        Contract(
+            output_types=_same_as_input_0,
+            options=(),
+            emits=frozenset({"Transpose", "MaxPool"}),
+            opset=lambda options, dtypes: str(kernel_opsets.FORMS["max-pool-8bit"]),
+        ),
+    ),
     "qdq_wrap": (
         "qdq_wrap",
         Contract(

@@ -1,0 +1,108 @@
+"""onnxruntime's channels-last ops (rules/60-qoperator.toml, builder nhwc_to_nchw), measured
+against onnxruntime's own kernels, and the policy that a vendor quantization op no rule names is
+said, not kept silently (review finding X2: onnxruntime's NHWC QLinearConv stayed in a rewrite
+that exited 0)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from _cli_helpers import cli_in_process
+from conftest import assert_bitwise_equal, rule_marker, run
+from onnx import TensorProto, helper
+
+import onnx_qrewrite
+from onnx_qrewrite.errors import LoweringError
+
+MS = "com.microsoft"
+
+
+def _nhwc_max_pool(dtype: int, opset: int = 17, **attrs) -> onnx.ModelProto:
+    node = helper.make_node("NhwcMaxPool", ["x"], ["y"], domain=MS, name="pool", **attrs)
+    dims = [f"d{i}" for i in range(len(attrs["kernel_shape"]) + 2)]
+    x = helper.make_tensor_value_info("x", dtype, dims)
+    y = helper.make_tensor_value_info("y", dtype, [f"o{i}" for i in range(len(dims))])
+    graph = helper.make_graph([node], "g", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+    model.ir_version = 8
+    return model
+
+
+#: kernel, strides, pads, dilations, ceil_mode, auto_pad; 1-D, 2-D and 3-D (onnxruntime's kernel takes each).
+_POOLS = [
+    {"kernel_shape": [2, 2], "strides": [2, 2]},
+    {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 2, 1], "dilations": [2, 1]},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},
+    {"kernel_shape": [2, 2], "auto_pad": "SAME_UPPER"},
+    {"kernel_shape": [3], "strides": [2], "pads": [1, 1]},
+    {"kernel_shape": [2, 2, 2]},
+]
+
+
+@rule_marker("qop-nhwc-max-pool", "positive")
+@pytest.mark.parametrize("dtype", [TensorProto.UINT8, TensorProto.INT8])
+def test_nhwc_max_pool_is_transpose_max_pool_transpose_bit_for_bit(dtype):
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    info = np.iinfo(np_type)
+    rng = np.random.default_rng(dtype)
+    for attrs in _POOLS:
+        model = _nhwc_max_pool(dtype, **attrs)
+        result = onnx_qrewrite.rewrite(model)
+        assert result.report.by_rule() == {"qop-nhwc-max-pool": 1}
+        assert [n.op_type for n in result.model.graph.node] == ["Transpose", "MaxPool", "Transpose"]
+        x = rng.integers(info.min, int(info.max) + 1, (2, *([8] * len(attrs["kernel_shape"])), 5)).astype(np_type)
+        x.flat[:6] = [info.min, info.max, info.min, info.max, 0, info.max]  # extremes and ties
+        assert_bitwise_equal(run(result.model, {"x": x})["y"], run(model, {"x": x})["y"], str(attrs))
+
+
+@rule_marker("qop-nhwc-max-pool", "negative")
+def test_nhwc_max_pool_below_opset_12_with_the_opset_kept_is_refused_by_name():
+    """MaxPool takes uint8/int8 from opset 12 (onnxruntime 1.31.1 refuses the model at 11): with the
+    model's opset 11 kept, the node is refused naming the opset; otherwise the opset is raised."""
+    model = _nhwc_max_pool(TensorProto.UINT8, opset=11, kernel_shape=[2, 2])
+    with pytest.raises(LoweringError, match=r"pool .*needs opset 12, model has 11 and the opset is kept"):
+        onnx_qrewrite.rewrite(model, keep_opset=True)
+    raised = onnx_qrewrite.rewrite(model)
+    assert [o.version for o in raised.model.opset_import if o.domain == ""] == [12]
+    x = np.arange(2 * 4 * 4 * 3, dtype=np.uint8).reshape(2, 4, 4, 3)
+    assert_bitwise_equal(run(raised.model, {"x": x})["y"], run(model, {"x": x})["y"])
+
+
+def _vendor_quant_model() -> onnx.ModelProto:
+    """com.microsoft QLinearConv with channels_last = 1 (what onnxruntime's optimizer writes): no
+    rule names it in that domain."""
+    w = np.ones((2, 3, 1, 1), np.uint8)
+    inits = [
+        helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+        helper.make_tensor("z", TensorProto.UINT8, [], [0]),
+        onnx.numpy_helper.from_array(w, "w"),
+    ]
+    node = helper.make_node(
+        "QLinearConv", ["x", "s", "z", "w", "s", "z", "s", "z"], ["y"], domain=MS, name="conv", channels_last=1
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 4, 4, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 4, 4, 2])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_vendor_quantization_op_no_rule_names_is_unlowered_not_kept_silently(tmp_path):
+    src = tmp_path / "m.onnx"
+    onnx.save(_vendor_quant_model(), src)
+    out = tmp_path / "o.onnx"
+    refused = cli_in_process("rewrite", src, "-o", out)
+    assert refused.returncode == 4, refused.stderr
+    assert "node conv (com.microsoft::QLinearConv) cannot be lowered: no rule of the catalogue lowers" in refused.stderr
+    assert not out.exists()
+    allowed = onnx_qrewrite.rewrite(_vendor_quant_model(), allow_unlowered=True)
+    (left,) = allowed.report.unlowered
+    assert (left.node, left.domain, left.op_type) == ("conv", MS, "QLinearConv")
+    assert [n.op_type for n in allowed.model.graph.node] == ["QLinearConv"]
