@@ -44,6 +44,13 @@ bounded rules (``bound``) add each column's pair excess from the constant weight
 time give no useful bound and only the approximate rules (``ignore``) take such nodes. Quantizing
 with ``reduce_range=True`` (7-bit weights) avoids the question.
 
+onnxruntime's session optimizer at level all (a model saved with ``optimized_model_filepath``)
+writes com.microsoft QLinearConv with ``channels_last = 1``: x and y channels-last, the weights OIHW
+as ever. The same form with the dequantized x transposed to channels-first and Conv's output
+transposed back (Transposes move values only: the same bound). A channels_last pooling or
+QLinearConv needs the rank: recorded, from kernel_shape or the weights, or from the kernel_shape of
+the convolution or pooling that writes its input (:func:`_windowed_rank`).
+
 Scales and zero points must be constants (``quantize_static`` writes initializers); a node whose
 parameters are computed at run time is left to the next rule with the reason.
 """
@@ -145,6 +152,7 @@ _ATTRIBUTES: dict[str, dict[str, Any]] = {
         "kernel_shape": None,
         "pads": None,
         "strides": None,
+        "channels_last": 0,  # com.microsoft's only (onnxruntime's NHWC optimizer)
     },
     "QLinearMatMul": {},
     "QGemm": {"alpha": 1.0, "transA": 0, "transB": 0},
@@ -224,7 +232,7 @@ class QOperatorBuilder:
             min_opset = max(min_opset, kernel_opsets.OP_VERSIONS["softmax-single-axis"])
         elif op == "QLinearConcat" and "axis" not in attrs:
             raise NoMatch("malformed node: QLinearConcat needs an 'axis' attribute")
-        elif op in ("QLinearAveragePool", "QLinearGlobalAveragePool") and attrs["channels_last"]:
+        if op in ("QLinearConv", "QLinearAveragePool", "QLinearGlobalAveragePool") and attrs["channels_last"]:
             data["rank"] = _channels_last_rank(site, attrs)
         if per_axis and op not in ("QLinearConv", "QLinearMatMul", "QGemm"):
             raise NoMatch(f"{op} takes per-tensor scales only; a scale here has more than one element")
@@ -648,10 +656,17 @@ def _scale_product(inputs: list, alpha: float = 1.0) -> np.ndarray:
 
 
 def _conv(emit, site, attrs, floats, plan, out):
+    """Conv; com.microsoft's channels_last = 1 (x and y channels-last, the weights OIHW as ever, as
+    onnxruntime's NHWC optimizer writes them) through a Transpose on each side."""
     inputs = list(floats)
     if site.input(8):
         inputs.append(_bias(emit, site, 8, _scale_product(plan.data["inputs"]), None))
-    return emit.op1("Conv", inputs, out, **{k: v for k, v in attrs.items() if v is not None})
+    conv_attrs = {k: v for k, v in attrs.items() if k != "channels_last" and v is not None}
+    if not attrs["channels_last"]:
+        return emit.op1("Conv", inputs, out, **conv_attrs)
+    rank = plan.data["rank"]
+    y = emit.op1("Conv", [_nhwc(emit, inputs[0], rank, False), *inputs[1:]], **conv_attrs)
+    return emit.op1("Transpose", [y], out, perm=[0, *range(2, rank), 1])
 
 
 def _gemm(emit, site, attrs, floats, plan, out):
@@ -671,19 +686,40 @@ def _nhwc(emit: Emitter, x: str, rank: int, to_channels_last: bool) -> str:
 
 
 def _channels_last_rank(site: Site, attrs: dict[str, Any]) -> int:
-    """The rank a channels_last pooling transposes over: recorded for its input or output, or
-    given by QLinearAveragePool's kernel_shape. Checked while planning: raised while building, the
-    NoMatch escaped as an internal error (exit 5) on onnxruntime's own NHWC-optimized models, whose
-    com.microsoft producers onnx shape inference cannot see through."""
+    """The rank a channels_last pooling or QLinearConv transposes over: recorded for its input or
+    output, given by its kernel_shape (or QLinearConv's constant weights), or by the kernel_shape of
+    the op writing its input. Checked while planning: raised while building, the NoMatch escaped as
+    an internal error (exit 5) on onnxruntime's own NHWC-optimized models, whose com.microsoft
+    producers onnx shape inference cannot see through."""
     rank = _rank(site, site.input(0)) or _rank(site, site.node.output[0])
     if rank is None and attrs.get("kernel_shape"):
         rank = len(attrs["kernel_shape"]) + 2
+    weights = site.constant(site.input(3)) if site.node.op_type == "QLinearConv" else None
+    if rank is None and weights is not None:
+        rank = weights.ndim
+    if rank is None:
+        rank = _windowed_rank(site.scope.producer(site.input(0)))
     if rank is None:
         raise NoMatch(
-            f"channels_last pooling needs the rank of {site.input(0)!r}, which the model does not record "
-            "(a value_info; onnx shape inference does not infer through com.microsoft ops)"
+            f"channels_last {'QLinearConv' if weights is not None else 'pooling'} needs the rank of "
+            f"{site.input(0)!r}, which the model does not record (a value_info; onnx shape inference does not infer "
+            "through com.microsoft ops)"
         )
     return rank
+
+
+#: Ops whose output has the rank len(kernel_shape) + 2 (the input's), in either layout.
+_WINDOWED = frozenset({"Conv", "MaxPool", "AveragePool", "QLinearConv", "QLinearAveragePool", "NhwcMaxPool"})
+
+
+def _windowed_rank(producer: onnx.NodeProto | None) -> int | None:
+    """The rank of a convolution's or pooling's output, from its kernel_shape (onnxruntime's NHWC
+    region: a channels_last pooling reads NhwcMaxPool or QLinearConv, which shape inference cannot
+    see through)."""
+    if producer is None or producer.op_type not in _WINDOWED:
+        return None
+    kernel = next((a.ints for a in producer.attribute if a.name == "kernel_shape"), None)
+    return len(kernel) + 2 if kernel else None
 
 
 def _pool(emit, site, attrs, floats, plan, out):
