@@ -22,7 +22,15 @@ from onnx_qrewrite.rewriter.catalogue import load_catalogue, named_form, parse_r
 from onnx_qrewrite.rewriter.contract import UNREAD, output_type_problem, resolve_output_type
 
 SHIPPED = load_catalogue()
-FORMS = ("float-emulation", "weight-only", "qdq", "qdq-to-float", "qdq-units", "movement-equivalents")
+FORMS = (
+    "float-emulation",
+    "weight-only",
+    "qdq",
+    "qdq-to-float",
+    "qdq-units",
+    "movement-equivalents",
+    "qlinear-exact",
+)
 
 
 def _gelu_model(elem: int = TensorProto.FLOAT) -> onnx.ModelProto:

@@ -73,6 +73,8 @@ FORMS: dict[str, int] = {
     "dynamic-dequantize-arithmetic": 13,
     # Reshape with its shape as an input: 5 (Flatten -> Reshape).
     "reshape": 5,
+    # qlinear_integer: Round 11, Clip with bound inputs 11, Gemm's optional C 11.
+    "qlinear-integer": 11,
     # GatherND, and Unsqueeze on a negative axis: 11 (Gather -> GatherND).
     "gather-nd": 11,
     # MaxPool on uint8/int8 (com.microsoft NhwcMaxPool -> Transpose, MaxPool, Transpose): MaxPool-12

@@ -932,6 +932,25 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             opset=_qoperator_opset,
         ),
     ),
+    "qlinear_integer": (
+        "qlinear_integer",
+        Contract(
+            output_types=lambda options, op: (QOPERATOR_OUTPUT_TYPES[options["op"]],),
+            options=(
+                Option(
+                    "op",
+                    str,
+                    allowed=("QLinearConv", "QLinearMatMul", "QGemm", "QLinearMul"),
+                    doc="which QOperator op the rule replaces (the integer-accumulating ones, and QLinearMul)",
+                ),
+            ),
+            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Gemm", "Mul", "Round", "Add", "Clip"}),
+            exactness=lambda options: EXACT,
+            opset=lambda options, dtypes: (
+                f"{kernel_opsets.FORMS['qlinear-integer']} (Round; Clip's bounds and Gemm's optional C as inputs)"
+            ),
+        ),
+    ),
     "static_fold": (
         "static_fold",
         Contract(
