@@ -3,7 +3,9 @@ that breaks its declared bound (the per-node check of verify/bounds.py: each rep
 on the original's own inputs), and the correct rewrites pass the same check: the bound is tight
 enough to tell them apart. Where a break is smaller than the bound (one ulp of a scale, one step of
 a zero point in a rule bounded by one step), the per-node check cannot see it by construction; the
-last test pins that resolution down so the README's claim stays true.
+last test pins that resolution down so the README's claim stays true (the named form qlinear-exact
+rewrites QLinearConv/QLinearMatMul/QGemm exactly, and there a one-ulp scale is caught:
+tests/test_lower_qlinear_integer.py).
 
 (Exact rules are caught element-wise: tests/test_verify_breakage.py. Bounds that vary per element
 -- MatMulNBits' 2*gamma(K+1)*sum|a*w|, onnxruntime's u8 x s8 pair excess -- are checked per element
