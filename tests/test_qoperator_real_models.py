@@ -161,6 +161,30 @@ def test_quantize_static_qoperator_models_become_standard_onnx_and_verify(quanti
     assert len(in_compact) == len(bounded)
 
 
+#: With the form qlinear-exact: the integer-accumulating ops' rules as it renames them.
+EXACT_FORM_RULES = {
+    "cnn": {"qop-conv-exact": 3, "qop-add": 1, "qop-concat": 1, "qop-global-average-pool": 1, "qop-gemm-exact": 1},
+    "attention": {"qop-matmul-exact": 6, "qop-softmax": 1, "qop-add": 2},
+}
+
+
+@rule_marker("qop-conv-exact", "positive")
+@rule_marker("qop-matmul-exact", "positive")
+@rule_marker("qop-gemm-exact", "positive")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_form_qlinear_exact_takes_every_accumulating_node_of_these_models(quantized, name):
+    """quantize_static's models (reduce_range: 7-bit weights, no pair of products leaves int16):
+    with the form, every QLinearConv, QLinearMatMul (the attention's two of activations included)
+    and QGemm is rewritten exactly, and verify passes (the bounded rules' nodes within their bounds)."""
+    from onnx_qrewrite.rewriter.catalogue import named_form
+
+    model = quantized[name, "s8-per-channel"]
+    result = onnx_qrewrite.rewrite(model, rules=[named_form("qlinear-exact")])
+    assert result.report.by_rule() == EXACT_FORM_RULES[name]
+    report = verify(model, result.model, samples=3)
+    assert report.passed, report.to_table()
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_broken_rewrite_is_caught_at_the_node_that_breaks_its_bound(quantized, name):
     """A zero point dropped from one replacement's QuantizeLinear: verify names that node."""
