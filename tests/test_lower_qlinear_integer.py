@@ -377,3 +377,71 @@ def test_onnxruntimes_conv_mul_fusion_leaves_the_multiplier_alone(tmp_path):
     cut.graph.output.append(helper.make_tensor_value_info(mul.output[0], TensorProto.FLOAT, None))
     plain, fused = (_session_run(cut, feeds, 1, optimize=o) for o in (False, True))
     assert np.array_equal(plain.view(np.uint32), fused.view(np.uint32))
+
+
+def _pool_model(dtype: str, shape: tuple, channels_last: int, params: tuple, record: bool = True) -> onnx.ModelProto:
+    t = TensorProto.UINT8 if dtype == "uint8" else TensorProto.INT8
+    names = ["xs", "xz", "ys", "yz"]
+    values = [np.float32(params[0]), np.asarray(params[1], dtype), np.float32(params[2]), np.asarray(params[3], dtype)]
+    node = helper.make_node(
+        "QLinearGlobalAveragePool", ["x", *names], ["y"], domain="com.microsoft", channels_last=channels_last
+    )
+    dims: list = list(shape) if record else ["n", *shape[1:-1], "w"]
+    out = [dims[0], *([1] * (len(dims) - 2)), dims[-1]] if channels_last else [*dims[:2], *([1] * (len(dims) - 2))]
+    graph = helper.make_graph(
+        [node],
+        "gap",
+        [helper.make_tensor_value_info("x", t, dims)],
+        [helper.make_tensor_value_info("y", t, out)],
+        [numpy_helper.from_array(v, n) for n, v in zip(names, values, strict=True)],
+    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8)
+
+
+@rule_marker("qop-global-average-pool-exact", "positive")
+def test_qlinear_global_average_pool_is_bit_exact_where_the_image_size_is_recorded():
+    """MLAS sums each channel in int32 and requantizes with x_scale / (y_scale * image size) by
+    MlasRequantizeOutput: bit for bit, uint8/int8, channels first and last, images of 1 to 4096
+    values, extreme values, a multiplier that puts half the means on ties; 1 and 2 threads."""
+    rng = np.random.default_rng(7)
+    cases = 0
+    for dtype in ("uint8", "int8"):
+        lo, hi = (0, 255) if dtype == "uint8" else (-128, 127)
+        for shape, last in (((2, 5, 7, 7), 0), ((1, 3, 1, 1), 0), ((1, 16, 13, 17), 1), ((1, 4, 64, 64), 0)):
+            xs = np.float32(np.exp(rng.uniform(-5, -1)))
+            image = int(np.prod(shape[1:3] if last else shape[2:]))
+            for ys in (np.float32(xs * rng.uniform(0.3, 3)), np.float32(xs * 2 / image)):  # the second: ties
+                params = (xs, int(rng.integers(lo, hi + 1)), ys, int(rng.integers(lo, hi + 1)))
+                model = _pool_model(dtype, shape, last, params)
+                result = onnx_qrewrite.rewrite(model, rules=FORM)
+                assert result.report.by_rule() == {"qop-global-average-pool-exact": 1}, (dtype, shape)
+                for extreme in (False, True):
+                    x = rng.choice([lo, hi], shape) if extreme else rng.integers(lo, hi + 1, shape)
+                    feeds = {"x": x.astype(dtype)}
+                    for threads in (1, 2):
+                        want = _session_run(model, feeds, threads)
+                        assert np.array_equal(want, _session_run(result.model, feeds, threads)), (dtype, shape, ys)
+                cases += 1
+    assert cases == 16
+    # Found by search: x_scale 0.07, y_scale 0.0048 over 7 x 7 puts the channel sums 126 and 294 on a
+    # tie (37.5, 87.5) with the kernel's float32 multiplier, and off it with the quotient rounded once.
+    xs, ys = np.float32(0.07), np.float32(0.0048)
+    model = _pool_model("uint8", (1, 3, 7, 7), 0, (xs, 0, ys, 100))
+    x = np.zeros((1, 3, 7, 7), np.uint8)
+    x[0, 0, 0, :2], x[0, 1, 0, :2], x[0, 2] = (100, 26), (200, 94), 5
+    want = _session_run(model, {"x": x}, 1)
+    assert np.array_equal(want, _session_run(onnx_qrewrite.rewrite(model, rules=FORM).model, {"x": x}, 1))
+    once = np.float32(float(xs) / (float(ys) * 49))
+    rounded_once = np.rint(np.array([126, 294, 245], np.float32) * once) + 100
+    assert not np.array_equal(rounded_once, want.reshape(-1).astype(np.float32))  # the test can tell them apart
+
+
+@rule_marker("qop-global-average-pool-exact", "negative")
+def test_qlinear_global_average_pool_of_an_unrecorded_image_size_is_left_to_the_bounded_rule():
+    """The multiplier depends on the image size: where the model does not record it, the exact rule
+    declines, saying why, and qop-global-average-pool takes the node."""
+    model = _pool_model("uint8", (1, 3, 5, 5), 0, (0.02, 3, 0.03, 5), record=False)
+    assert onnx_qrewrite.rewrite(model, rules=FORM).report.by_rule() == {"qop-global-average-pool": 1}
+    with pytest.raises(LoweringError, match="qop-global-average-pool-exact: the spatial size of 'x' is not recorded"):
+        onnx_qrewrite.rewrite(model, rules=FORM, only=["qop-global-average-pool-exact"])

@@ -133,6 +133,8 @@ OP_VERSIONS: dict[str, int] = {
     "layer-normalization": 17,
     # ReduceMean-18: axes an input, not an attribute.
     "reduce-axes-input": 18,
+    # ReduceSum-13: axes an input (ReduceSum moved to an axes input at 13, the other reductions at 18).
+    "reduce-sum-axes-input": 13,
     # Gelu-20: the op's first version, with approximate="tanh" (FastGelu).
     "gelu": 20,
     # RMSNormalization-23: the op's first version (SimplifiedLayerNormalization and its Skip form).

@@ -940,14 +940,16 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
                 Option(
                     "op",
                     str,
-                    allowed=("QLinearConv", "QLinearMatMul", "QGemm", "QLinearMul"),
-                    doc="which QOperator op the rule replaces (the integer-accumulating ones, and QLinearMul)",
+                    allowed=("QLinearConv", "QLinearMatMul", "QGemm", "QLinearMul", "QLinearGlobalAveragePool"),
+                    doc="which QOperator op the rule replaces (the integer-accumulating ones, QLinearMul and "
+                    "QLinearGlobalAveragePool)",
                 ),
             ),
-            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Gemm", "Mul", "Round", "Add", "Clip"}),
+            emits=frozenset({"Cast", "Sub", "MatMul", "Conv", "Gemm", "Mul", "Round", "Add", "Clip", "ReduceSum"}),
             exactness=lambda options: EXACT,
             opset=lambda options, dtypes: (
-                f"{kernel_opsets.FORMS['qlinear-integer']} (Round; Clip's bounds and Gemm's optional C as inputs)"
+                f"{kernel_opsets.FORMS['qlinear-integer']} (Round; Clip's bounds and Gemm's optional C as inputs; "
+                f"QLinearGlobalAveragePool {kernel_opsets.OP_VERSIONS['reduce-sum-axes-input']}: ReduceSum's axes)"
             ),
         ),
     ),

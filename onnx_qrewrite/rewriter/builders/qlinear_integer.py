@@ -1,6 +1,7 @@
-"""QLinearConv, QLinearMatMul, com.microsoft QGemm (where the integer sums stay exact) and
-com.microsoft QLinearMul, bit for bit: the named form ``qlinear-exact`` (not the default, whose
-QDQ form backends run in 8 bits; this one computes in float32).
+"""QLinearConv, QLinearMatMul, com.microsoft QGemm (where the integer sums stay exact),
+com.microsoft QLinearMul and QLinearGlobalAveragePool, bit for bit: the named form
+``qlinear-exact`` (not the default, whose QDQ form backends run in 8 bits; this one computes in
+float32).
 
 onnxruntime's CPU kernels (read in its source: ``core/providers/cpu/quantization/
 quantize_linear_matmul.cc``, ``qlinearconv.cc``, ``contrib_ops/cpu/quantization/qgemm.cc``, MLAS
@@ -38,7 +39,10 @@ QLinearMul (``core/mlas/lib/qlmul.cpp``) is the same requantization of one exact
 *before* rounding (measured: the other order differs on a few of the 65,536 pairs of a type). The
 others of the family stay bounded (:mod:`.qoperator`): QLinearAdd's x86 kernel is fixed-point
 (integer multipliers and a rounding shift, chosen per CPU feature and scale ratio), QLinearSoftmax
-a lookup table with ``floor(1 / y_scale)``, the pools float sums in the kernel's own order.
+a lookup table with ``floor(1 / y_scale)``, QLinearAveragePool float sums in the kernel's own order.
+QLinearGlobalAveragePool is an integer sum per channel requantized by ``MlasRequantizeOutput``
+with ``x_scale / (y_scale * float(image size))`` (float32): ``ReduceSum`` of the centred values and
+the same requantization, where the image size is recorded.
 
 The multiplier is the ``Mul``'s first input: onnxruntime's ConvMulFusion (default optimisation
 level) folds a constant second input into the Conv's weights, after which the sums are no longer of
@@ -120,6 +124,8 @@ class QLinearIntegerBuilder:
         attrs = qop._read_attributes(site, op)
         inputs = [qop._read_operand(site, o) for o in spec.inputs]
         y_scale, y_zp, y_dtype = qop._read_output(site, spec, inputs[0][3])
+        if op == "QLinearGlobalAveragePool":
+            return _check_pool(site, attrs, inputs[0], (y_scale, y_zp, y_dtype))
         (a, a_scale, a_zp, a_dtype), (b, b_scale, _, _) = inputs
         if a_scale.value.size != 1:
             raise NoMatch(f"{op}: the scale of input {a!r} must have one element (onnxruntime's kernel requires it)")
@@ -161,8 +167,8 @@ class QLinearIntegerBuilder:
 
     def build(self, site: Site, emit: Emitter, options: Mapping[str, Any], plan: Plan) -> None:
         op = options["op"]
-        if op == "QLinearMul":
-            _build_mul(site, emit, plan)
+        if op in _OTHERS:
+            _OTHERS[op](site, emit, plan)
             return
         attrs = plan.data["attrs"]
         (a, _, a_zp, _), (b, _, b_zp, _) = plan.data["inputs"]
@@ -244,6 +250,62 @@ def _build_mul(site: Site, emit: Emitter, plan: Plan) -> None:
     emit.op1("Cast", [q], site.node.output[0], to=_OUT_TYPES[y_dtype])
 
 
+def _check_pool(site: Site, attrs: Mapping[str, Any], operand: tuple, out: tuple) -> Plan:
+    """com.microsoft QLinearGlobalAveragePool (MLAS ``MlasQLinearGlobalAveragePoolNchw``/``Nhwc``):
+    the int32 sum of each channel's values minus ``zx * ImageSize``, requantized by
+    ``MlasRequantizeOutput`` with the multiplier ``x_scale / (y_scale * float(ImageSize))`` (float32,
+    as written). The image size must be recorded (the multiplier is a constant); the kernel refuses
+    a multiplier outside [2^-32, 256) (the original fails: nothing to reproduce)."""
+    x, x_scale, x_zp, x_dtype = operand
+    y_scale, y_zp, y_dtype = out
+    if x_scale.value.size != 1:
+        raise NoMatch("QLinearGlobalAveragePool takes a per-tensor scale only")
+    shape = qop.value_shape(site.scope, x, site.same_shape_ops)
+    if shape is None or len(shape) < 3:
+        raise NoMatch(f"the rank of {x!r} is not recorded: the image size (the multiplier) is not known")
+    axes = list(range(1, len(shape) - 1)) if attrs["channels_last"] else list(range(2, len(shape)))
+    dims = [shape[a] for a in axes]
+    if any(d is None for d in dims):
+        raise NoMatch(f"the spatial size of {x!r} is not recorded: the multiplier depends on it")
+    image = int(np.prod([d for d in dims if d is not None]))
+    lo, hi = qop._RANGES[x_dtype]
+    zx = int(x_zp.reshape(-1)[0]) if x_zp is not None else 0
+    total = float(image) * max(hi - zx, zx - lo)
+    if total > _LIMIT:
+        raise NoMatch(f"the sums of {site.label} may reach {total:.4g}, beyond 2^24: float32 sums are not exact")
+    f = np.float32
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # inf/NaN: refused below
+        m = f(f(x_scale.value.reshape(-1)[0]) / f(f(y_scale.reshape(-1)[0]) * f(image)))
+    if not 2.0**-32 <= float(m) < 256.0:
+        raise NoMatch(
+            f"{site.label}: onnxruntime's kernel refuses the multiplier {float(m):.3g} (outside [2^-32, 256))"
+        )
+    if total * float(m) + 256 >= _CONVERSION:
+        raise NoMatch(f"{site.label}: sums times the multiplier may reach 2^30 (kept clear of int32 overflow)")
+    data = {"inputs": [operand], "out": (y_zp, y_dtype, False), "m": np.asarray(m).reshape(1), "axes": axes}
+    note = f"exact integer sums of {image} values and the kernel's float32 requantization"
+    opset = max(kernel_opsets.FORMS["qlinear-integer"], kernel_opsets.OP_VERSIONS["reduce-sum-axes-input"])
+    return Plan(min_opset=opset, notes=(note,), data=data)
+
+
+def _build_pool(site: Site, emit: Emitter, plan: Plan) -> None:
+    (x, _, x_zp, _) = plan.data["inputs"][0]
+    y_zp, y_dtype, _ = plan.data["out"]
+    axes = emit.const(np.asarray(plan.data["axes"], np.int64))
+    total = emit.op1("ReduceSum", [_centre(emit, x, x_zp), axes], keepdims=1)
+    _requantize(emit, site, emit.op1("Mul", [emit.const(plan.data["m"].reshape(())), total]), y_zp, y_dtype)
+
+
+def _requantize(emit: Emitter, site: Site, scaled: str, y_zp: np.ndarray | None, y_dtype: str) -> None:
+    """MlasRequantizeOutput after the multiplier: round half to even, + zp, saturate, Cast."""
+    q = emit.op1("Round", [scaled])
+    if y_zp is not None and int(y_zp.reshape(-1)[0]) != 0:
+        q = emit.op1("Add", [q, emit.const(np.float32(y_zp.reshape(-1)[0]))])
+    lo, hi = qop._RANGES[y_dtype]
+    q = emit.op1("Clip", [q, emit.const(np.float32(lo)), emit.const(np.float32(hi))])
+    emit.op1("Cast", [q], site.node.output[0], to=_OUT_TYPES[y_dtype])
+
+
 def _centre(emit: Emitter, x: str, zp: np.ndarray | None) -> str:
     """``Cast<float>(x) - zp``: a per-tensor zero point, or one per column of the last axis."""
     xf = emit.op1("Cast", [x], to=_T.FLOAT)
@@ -290,5 +352,8 @@ def _sum_bound(
     reduce = (1 - axis % 2,) if op == "QGemm" else (-2,) if op == "QLinearMatMul" else tuple(range(1, centred.ndim))
     return float(np.max(centred.sum(axis=reduce), initial=0)) * a_max
 
+
+#: The ops that are not an integer GEMM: their builders.
+_OTHERS = {"QLinearMul": _build_mul, "QLinearGlobalAveragePool": _build_pool}
 
 register(QLinearIntegerBuilder())
