@@ -131,6 +131,8 @@ class QLinearIntegerBuilder:
             raise NoMatch(f"{op}: the scale of input {a!r} must have one element (onnxruntime's kernel requires it)")
         if op == "QLinearMul":
             return _check_mul(site, inputs, (y_scale, y_zp, y_dtype))
+        if attrs.get("channels_last"):  # com.microsoft's channels-last QLinearConv: the bounded rule's
+            raise NoMatch(f"{op} with channels_last = 1 is not rewritten exactly (qop-conv takes it)")
         if op == "QGemm" and y_scale is not None and not site.input(spec.out_zero_point):
             raise NoMatch("QGemm with y_scale but no y_zero_point: onnxruntime's kernel writes float output there")
         lo, hi = qop._RANGES[a_dtype]
@@ -185,7 +187,8 @@ class QLinearIntegerBuilder:
             inputs = [x, w]
             if site.input(8):
                 inputs.append(emit.const(np.asarray(site.constant(site.input(8))).astype(np.float32)))
-            acc = emit.op1("Conv", inputs, **{k: v for k, v in attrs.items() if v is not None})
+            conv_attrs = {k: v for k, v in attrs.items() if k != "channels_last" and v is not None}
+            acc = emit.op1("Conv", inputs, **conv_attrs)
             rank = weights.ndim if weights is not None else 2
             m_shape: tuple[int, ...] = (m.size, *([1] * (rank - 2))) if m.size > 1 else ()
         elif op == "QGemm":
