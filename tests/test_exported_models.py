@@ -116,7 +116,7 @@ CASES: dict[tuple[str, str], tuple[dict[str, int], dict[str, int]]] = {
     ),
     ("qoperator+ort-all", "cnn"): (
         {MS + "QLinearConv": 2, MS + "NhwcMaxPool": 2, MS + "QLinearGlobalAveragePool": 1, MS + "QGemm": 1},
-        {"qop-conv": 2, "qop-nhwc-max-pool": 2, "qop-global-average-pool": 1, "qop-gemm": 1},
+        {"qop-conv-channels-last": 2, "qop-nhwc-max-pool": 2, "qop-global-average-pool": 1, "qop-gemm": 1},
     ),
     ("qdq", "encoder"): ({"QuantizeLinear": 83, "DequantizeLinear": 112}, {}),
     ("qdq", "cnn"): ({"QuantizeLinear": 8, "DequantizeLinear": 14}, {}),

@@ -141,8 +141,18 @@ def _nhwc_conv(x_type: int, w: np.ndarray, w_scale: np.ndarray, w_zp: np.ndarray
     return model
 
 
-@rule_marker("qop-conv", "positive")
-@pytest.mark.parametrize("x_type", [TensorProto.UINT8, TensorProto.INT8])
+@rule_marker("qop-conv-channels-last", "negative")
+def test_channels_last_qlinear_conv_with_int8_activations_is_not_lowered():
+    """Review 5 R9: onnxruntime's optimizer fuses the int8 rewrite back into a channels-last int8 conv
+    that saturates pairs of products (x86 without AVX-VNNI), up to 192 steps from the original."""
+    w = np.ones((2, 1, 2, 2), np.int8)
+    model = _nhwc_conv(TensorProto.INT8, w, np.float32(0.01), np.int8(0))
+    with pytest.raises(onnx_qrewrite.LoweringError, match="dtype int8 is not one of uint8"):
+        onnx_qrewrite.rewrite(model)
+
+
+@rule_marker("qop-conv-channels-last", "positive")
+@pytest.mark.parametrize("x_type", [TensorProto.UINT8])
 def test_channels_last_qlinear_conv_is_within_the_qop_conv_bound_of_onnxruntimes_kernel(x_type):
     """Weights within [-64, 64] (quantize_static's reduce_range), per channel and per tensor,
     grouped, strided, padded, dilated, 1-D and 2-D: within the bound the rule declares (one step
@@ -163,7 +173,7 @@ def test_channels_last_qlinear_conv_is_within_the_qop_conv_bound_of_onnxruntimes
         model = _nhwc_conv(x_type, w, w_scale, w_zp, **attrs)
         result = onnx_qrewrite.rewrite(model)
         (rewrite,) = result.report.rewrites
-        assert rewrite.rule == "qop-conv" and rewrite.bound == 1
+        assert rewrite.rule == "qop-conv-channels-last" and rewrite.bound == 1
         channels = shape[1] * attrs.get("group", 1)
         x = rng.integers(info.min, int(info.max) + 1, (2, *([9] * (len(shape) - 2)), channels)).astype(x_np)
         x.flat[:4] = [info.min, info.max, info.min, info.max]
