@@ -155,6 +155,21 @@ def test_simplified_norms_within_their_bound_and_a_dropped_epsilon_caught(op):
     _assert_caught(original, _scaled_value(rewritten, epsilon, 0.0), feeds, rule)
 
 
+@pytest.mark.parametrize("offset", [1e6, 1e7])
+def test_simplified_norm_rows_of_large_alike_values_are_within_the_bound(offset):
+    """Review 5 R8: rows of h = 2048 values near 1e6-1e7 (every square alike) summed in two orders
+    differed by up to 1.67x a bound of (8 + h/16)·u: a correct rewrite failed verify. The simplified
+    forms now take gamma(h) for their sum of squares."""
+    h, shape = 2048, (2, 3, 2048)
+    rng = np.random.default_rng(5)
+    original = _skip_ln("SkipSimplifiedLayerNormalization", True, False, ("y", "mean", "istd"), h=h, shape=shape)
+    feeds = {
+        "x": (offset + rng.standard_normal(shape)).astype(np.float32),
+        "s": rng.standard_normal(shape).astype(np.float32),
+    }
+    _assert_within(original, feeds, "unfuse-skip-simplified-layer-norm")
+
+
 @rule_marker("layer-norm-decomposed", "positive")
 def test_two_pass_layer_norm_within_its_bound_and_gamma_off_by_2_7_caught():
     original, _ = two_pass_layer_norm(17, True)

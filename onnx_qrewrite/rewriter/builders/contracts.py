@@ -489,7 +489,8 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             exactness=lambda options: EXACT if options["form"] == "simplified_standard" else BOUNDED,
             bound="the kernel's sums are sequential float32 loops (SkipLayerNormalization: Welford's running mean and "
             "M2, measured bit for bit; the simplified forms: the sum of squares), the rewrite's in another order: "
-            "with c = 8 + h/16 (h the normalized size), y within c·2^-24·(|y| + 1 + |γ|·(1 + |x̂|)·|mean|·inv_std), "
+            "with c = 8 + h/16 (h the normalized size; the simplified forms, whose squares all have one sign: "
+            "8 + gamma(h)/2^-24, gamma(h) = h·u/(1 - h·u)), y within c·2^-24·(|y| + 1 + |γ|·(1 + |x̂|)·|mean|·inv_std), "
             "x̂ = (x - mean)·inv_std, the row's mean and inv_std (mean 0 for the simplified forms); the mean output "
             "within c·2^-24·max|x| over the row, inv_std_var within c·2^-24·inv_std·(1 + |mean|·inv_std) "
             "(worst measured 0.55 of it: rows of mean up to 4·10^4 against spreads of 0.01-3, h 64-4096); "
