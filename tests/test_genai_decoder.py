@@ -136,3 +136,25 @@ def test_the_int4_decoder_with_the_approximate_form_is_within_the_drift_threshol
     onnx.save(result.model, path)
     passed = cli_in_process("verify", INT4, path, *PROMPT)
     assert passed.returncode == 0 and "within the drift thresholds" in passed.stdout, passed.stdout + passed.stderr
+
+
+def test_shapes_onnxruntime_cannot_run_are_a_usage_error_not_the_originals_failure(rewritten_fp32):
+    """Review 5 R7: a batch of prompts after a past (B 2, S 5, P 3) is neither a first prompt nor a
+    step, and onnxruntime's kernel refuses it; verify blamed the original (exit 3). Now exit 2 naming
+    --input-shape; a static-cache prompt (S <= P) still runs."""
+    shapes = ("--input-shape", "batch_size=2", "--input-shape", "sequence_length=5")
+    refused = cli_in_process(
+        "verify", FP32, rewritten_fp32["paths"]["rewritten"], *shapes, "--input-shape", "past_sequence_length=3"
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--input-shape" in refused.stderr and "prompts of 5 tokens after 3 past" in refused.stderr
+    static = (
+        "--input-shape",
+        "batch_size=2",
+        "--input-shape",
+        "sequence_length=2",
+        "--input-shape",
+        "past_sequence_length=3",
+    )
+    ran = cli_in_process("verify", FP32, rewritten_fp32["paths"]["rewritten"], *static)
+    assert ran.returncode == 0, ran.stdout + ran.stderr

@@ -60,6 +60,7 @@ import numpy as np
 
 from onnx_qrewrite import _onnx  # verify's console path does not import onnx (tests/test_startup.py)
 from onnx_qrewrite._dataclass import dataclass
+from onnx_qrewrite.errors import UsageError
 from onnx_qrewrite.verify.inputs import GenerationOptions, InputSpec, ValueRange, resolve_shape
 
 if TYPE_CHECKING:
@@ -274,6 +275,14 @@ def _gqa_lengths(graph: _Graph, node: onnx.NodeProto, width: int | None) -> _Len
     what = f"GroupQueryAttention {node.name or node.output[0]!r}"
     steps = past > 0 and (seq == 1 or batch == 1)  # a token step or a subsequent prompt
     total = width if width is not None else past + seq if steps else seq
+    if width is None and past > 0 and not steps and seq > past:
+        # A batched prompt after a past: onnxruntime's kernel reads T = S <= P as a static cache and
+        # refuses T = S > P (review 5 R7); nothing it runs fits these shapes.
+        raise UsageError(
+            f"--input-shape: {what} would get a batch of {batch} prompts of {seq} tokens after {past} past "
+            "positions, which onnxruntime runs only as a first prompt (no past) or within a static cache "
+            "(sequence <= past): choose shapes it runs, or pass --inputs"
+        )
     if total == seq:
         return _Lengths(batch, total, total, 1, what)  # a first prompt: padded entries down to 1
     if (seq == 1 or batch == 1) and seq < total:
