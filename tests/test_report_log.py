@@ -107,3 +107,29 @@ def test_add_of_the_fields_is_append_of_the_rewrite():
         for field in AppliedRewrite.__dataclass_fields__:
             a, b = getattr(got, field), getattr(want, field)
             assert a == b and type(a) is type(b), field
+
+
+def test_add_kinds_is_add_of_each_rewrite():
+    """A run of stamps' entries (``kind_of`` and ``add_kinds``, stamp_runs.py) read back as the
+    same rewrites added one by one, interleaved kinds, bounds and non-ASCII names included."""
+    rows = [r for r in _rows() if type(r.created_nodes) is CreatedNames and not r.created_nodes._exceptions]
+    rows = [r for r in rows if type(r.bound) in (float, type(None))]
+    one = RewriteLog()
+    for r in rows:
+        one.append(r)
+    together = RewriteLog([rows[0]])
+    kinds = [
+        together.kind_of(
+            *(r.rule, r.op_type, r.domain, r.scope, r.created_nodes._hints, r.created_ops, r.notes),
+            *(r.exactness, r.bound_formula, r.bound is None),
+        )
+        for r in rows[1:]
+    ]
+    together.add_kinds(
+        kinds,
+        [r.node.encode("utf-8", "surrogatepass") for r in rows[1:]],
+        [r.created_nodes._prefix.encode() for r in rows[1:]],
+        [0.0 if r.bound is None else r.bound for r in rows[1:]],
+    )
+    assert len(rows) > 3 and together == one == rows
+    assert [str(r.bound) for r in together] == [str(r.bound) for r in rows]

@@ -32,6 +32,7 @@ from onnx_qrewrite.rewriter.splice import (
     splice_replacements,
     spool_unchanged,
 )
+from onnx_qrewrite.rewriter.stamp_runs import RunStamper
 
 __all__ = ["Applied", "apply_matches"]
 
@@ -214,8 +215,10 @@ def _build_scope(
     # A named node's label (Site.label) in the main graph is its name, read here once for the
     # label, the provenance origin and the name prefix (each read out of protobuf is a new string).
     main = scope.path == "main"
-    while pending:
-        m = pending.pop()
+
+    def one(m: Match, cursor: int) -> int:
+        """Build match ``m`` alone (spooling the unchanged nodes from ``cursor`` before it); the
+        new cursor."""
         rule, plan = m.rule, m.plan
         site = Site(nodes[m.index], scope, build.same_shape_ops)
         node = site.node
@@ -263,6 +266,21 @@ def _build_scope(
             plan.bound,
             plan.bound_formula,
         )
+        return cursor
+
+    # Runs of stamps of a spooled main graph are made together (stamp_runs.py), the rest alone.
+    runs = (
+        RunStamper(build, scope, spool, spooled, build.provenance)
+        if RunStamper.usable(build, scope, spool, made)
+        else None
+    )
+    while pending:
+        if runs is not None:
+            run = runs.take(pending, cursor)
+            if run:
+                cursor = runs.write(run, cursor, one)
+                continue
+        cursor = one(pending.pop(), cursor)
     if spool is not None:
         spool_unchanged(spool, container, cursor, len(container.node))
     return replacements if spooled is None else spooled

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Collection, Hashable, Iterator, Mapping, Sequence
@@ -996,6 +997,40 @@ class NameAllocator:
             return False
         self._families[prefix] = family
         return True
+
+    def claim_free_families(
+        self, prefixes: Sequence[str], hints: Sequence[Sequence[str]], eligible: Sequence[bool]
+    ) -> list[bool]:
+        """:meth:`claim_family` for a run of stamps at once, where its answer cannot depend on the
+        others': per (prefix, hints), True when the family is free and now taken; False, with
+        nothing taken, where the caller must ask :meth:`claim_family` itself, in order (a prefix
+        met twice in the run or already drawn under, hints that cannot form a family, a head some
+        model name may have, an allocator that is not frozen or has read the model's names). A
+        family taken here is only ever looked up under its own prefix, which no other stamp of the
+        run has, so taking them all first gives what claiming them in turn would. ``eligible``:
+        False for a stamp the caller does in turn anyway (its prefix still counts)."""
+        n = len(prefixes)
+        if self._exact is not None or not n:
+            return [False] * n
+        counts = collections.Counter(prefixes)
+        families, drawn = self._families, self._used_heads
+        family_of = self._family_of
+        wanted = [family_of(h) for h in hints]
+        free = [
+            ok and f is not None and counts[p] == 1 and p not in families and p not in drawn
+            for p, f, ok in zip(prefixes, wanted, eligible, strict=True)
+        ]
+        values = np.fromiter(map(hash, prefixes), np.int64, n)
+        slots = self._head_slots  # (none on a small model: every head is searched)
+        hit = np.frombuffer(slots, np.uint8)[values & _SLOT_MASK].tolist() if slots else [1] * n
+        heads = self._heads
+        for i in itertools.compress(range(n), hit):
+            if free[i]:
+                value = int(values[i])
+                if any(_hash_in(h, value) for h in heads):
+                    free[i] = False  # some model name may have that head: asked in turn
+        families.update((p, f) for p, f, ok in zip(prefixes, wanted, free, strict=True) if ok and f is not None)
+        return free
 
     def fresh_all(self, prefix: str, hints: Sequence[str]) -> tuple[list[str], bool]:
         """``fresh(prefix + hint)`` for each hint, and whether any name had to differ from that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -240,6 +241,53 @@ class RewriteLog(Sequence[AppliedRewrite]):
         self._ends.append(len(text))
         self._kind_ids.append(kind)
         self._bounds.append(0.0 if bound is None else bound)
+
+    def kind_of(
+        self,
+        rule: str,
+        op_type: str,
+        domain: str,
+        scope: str,
+        hints: tuple[str, ...],
+        created_ops: tuple[str, ...],
+        notes: tuple[str, ...],
+        exactness: str,
+        bound_formula: str | None,
+        no_bound: bool,
+    ) -> int:
+        """The number of the kind :meth:`add` files a rewrite with these fields under (its created
+        names a :class:`CreatedNames` of ``hints`` without clashes), made if new: for
+        :meth:`add_kinds`."""
+        key: tuple[Any, ...] = (rule, op_type, domain, scope, hints, created_ops, notes)
+        key += (exactness, bound_formula, no_bound)
+        kind = self._kinds_of.get(key)
+        if kind is None:
+            kind = self._kinds_of[key] = len(self._kinds)
+            self._kinds.append(key)
+            self._kind_views.append(RewriteKind(rule, op_type, domain, scope, exactness, bound_formula))
+        return kind
+
+    def add_kinds(
+        self, kinds: Sequence[int], nodes: Sequence[bytes], prefixes: Sequence[bytes], bounds: Sequence[float]
+    ) -> None:
+        """:meth:`add` for many rewrites at once, in order: rewrite ``i`` of kind ``kinds[i]``
+        (:meth:`kind_of`), its node named ``nodes[i]`` (UTF-8), its created names' prefix
+        ``prefixes[i]`` (UTF-8), its bound ``bounds[i]`` (0.0 for a kind without one). What a run
+        of stamps appends (``rewriter/stamp_runs.py``): one join of the names instead of a call
+        per rewrite."""
+        n = len(kinds)
+        if not n:
+            return
+        pieces = [b""] * (2 * n)
+        pieces[0::2] = nodes
+        pieces[1::2] = prefixes
+        text = self._text
+        ends = itertools.accumulate(map(len, pieces), initial=len(text))
+        next(ends)  # the text's length so far, not an end
+        self._ends.extend(ends)
+        text += b"".join(pieces)
+        self._kind_ids.extend(kinds)
+        self._bounds.extend(bounds)
 
     def extend(self, rewrites: Iterable[AppliedRewrite]) -> None:
         for r in list(rewrites) if rewrites is self else rewrites:

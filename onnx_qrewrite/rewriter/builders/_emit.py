@@ -345,6 +345,23 @@ class Emitter:
         the node's name, when the caller has read it already."""
         if mode == "none":
             return b"", b""
+        parts = cls.metadata_parts(rule_id, exactness, bound, bound_scale, bound_formula, bound_u8s8)
+        origin = node.name if node_name is None else node_name
+        encoded = parts[0] + _protowire.encode_metadata_entry(cls.ORIGIN_KEY, origin) + parts[1]
+        return encoded, (encoded if mode == "full" else b"")
+
+    @classmethod
+    def metadata_parts(
+        cls,
+        rule_id: str,
+        exactness: str = "exact",
+        bound: float | None = None,
+        bound_scale: tuple[str, float] | None = None,
+        bound_formula: str | None = None,
+        bound_u8s8: float = 0.0,
+    ) -> tuple[bytes, bytes]:
+        """The encoded metadata entries before and after a replacement's origin entry (see
+        :meth:`metadata_for`): the same for every rewrite of one rule and bound."""
         # Only the origin differs from node to node: the entries around it are encoded once per
         # rule and bound (this runs once per rewrite, 40k times on a 20k-block chain).
         around = (rule_id, exactness, bound, bound_scale, bound_formula, bound_u8s8)
@@ -368,9 +385,7 @@ class Emitter:
                 _protowire.encode_metadata([(cls.RULE_KEY, rule_id)]),
                 _protowire.encode_metadata(rest),
             )
-        origin = node.name if node_name is None else node_name
-        encoded = parts[0] + _protowire.encode_metadata_entry(cls.ORIGIN_KEY, origin) + parts[1]
-        return encoded, (encoded if mode == "full" else b"")
+        return parts
 
     def _fresh(self, hint: str) -> str:
         # A hint used twice in one replacement (five Casts) is numbered here, as the allocator

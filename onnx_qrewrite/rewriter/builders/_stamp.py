@@ -234,6 +234,60 @@ class Template:
         pick = operator.itemgetter(*order) if len(order) > 1 else (lambda values: (values[order[0]],))
         return b"".join(out), pick
 
+    @property
+    def family_hints(self) -> tuple[str, ...] | None:
+        """The hints each created node's name is drawn from, when every node name is fresh (what a
+        stamp's :class:`CreatedNames` holds); None otherwise."""
+        return self._node_hints
+
+    @property
+    def hints(self) -> tuple[str, ...]:
+        """Every fresh name's hint, in the order the recording drew them."""
+        return self._hints
+
+    @property
+    def arity(self) -> tuple[int, int]:
+        """How many inputs and outputs the recorded node had (every stamped node has as many)."""
+        return self._n_in, self._n_out
+
+    def layout(
+        self, tag: bytes, lengths: Sequence[int], first_meta: Sequence[bytes | int], rest_meta: Sequence[bytes | int]
+    ) -> tuple[bytes, list[tuple[int, int, int]]]:
+        """A whole framed replacement (what :meth:`stamp_framed` returns) as a record of fixed
+        length with holes: the record's bytes with every dynamic field zero-filled, and per field
+        (offset, value index, length). ``lengths``: the byte lengths of the values a stamp fills
+        in, (prefix, inputs..., outputs..., then any the metadata names); ``first_meta`` and
+        ``rest_meta``: the first node's and the other nodes' metadata, as static bytes and value
+        indices. The same pieces, in the same order, as :meth:`_compile` writes as a format."""
+        fresh, n_dynamic = len(self._hints), len(self._hints) + self._n_in + self._n_out
+        out: list[bytes | int] = []
+        for indices in self._indices:
+            body: list[bytes | int] = []
+            for i in indices:
+                if i < 0:
+                    body.extend(first_meta if i == -2 else rest_meta)
+                elif i < fresh:
+                    hint = self._hints[i].encode()
+                    n = lengths[0] + len(hint)
+                    body += [SMALL_VARINTS[n] if n < 16384 else varint(n), 0, hint]
+                elif i < n_dynamic:
+                    k = 1 + i - fresh
+                    n = lengths[k]
+                    body += [SMALL_VARINTS[n] if n < 16384 else varint(n), k]
+                else:
+                    body.append(self._static[i - n_dynamic])
+            size = sum(lengths[p] if isinstance(p, int) else len(p) for p in body)
+            out += [tag + (SMALL_VARINTS[size] if size < 16384 else varint(size)), *body]
+        record = bytearray()
+        holes = []
+        for p in out:
+            if isinstance(p, int):
+                holes.append((len(record), p, lengths[p]))
+                record += bytes(lengths[p])
+            else:
+                record += p
+        return bytes(record), holes
+
     def stamp(
         self, site: Site, names: NameAllocator, prefix: str, metadata: tuple[bytes, bytes]
     ) -> tuple[list[bytes], Sequence[str]]:
