@@ -998,27 +998,27 @@ class NameAllocator:
         self._families[prefix] = family
         return True
 
-    def claim_free_families(
-        self, prefixes: Sequence[str], hints: Sequence[Sequence[str]], eligible: Sequence[bool]
-    ) -> list[bool]:
+    def claim_free_families(self, prefixes: Sequence[str], hints: Sequence[tuple[str, ...] | None]) -> list[bool]:
         """:meth:`claim_family` for a run of stamps at once, where its answer cannot depend on the
         others': per (prefix, hints), True when the family is free and now taken; False, with
         nothing taken, where the caller must ask :meth:`claim_family` itself, in order (a prefix
         met twice in the run or already drawn under, hints that cannot form a family, a head some
         model name may have, an allocator that is not frozen or has read the model's names). A
         family taken here is only ever looked up under its own prefix, which no other stamp of the
-        run has, so taking them all first gives what claiming them in turn would. ``eligible``:
-        False for a stamp the caller does in turn anyway (its prefix still counts)."""
+        run has, so taking them all first gives what claiming them in turn would. Hints None: a
+        stamp the caller does in turn anyway (its prefix still counts). A run shares a few hints
+        tuples: their families are found once per tuple."""
         n = len(prefixes)
         if self._exact is not None or not n:
             return [False] * n
         counts = collections.Counter(prefixes)
         families, drawn = self._families, self._used_heads
         family_of = self._family_of
-        wanted = [family_of(h) for h in hints]
+        of_tuple = {id(h): (family_of(h) if h is not None else None) for h in {id(h): h for h in hints}.values()}
+        wanted = list(map(of_tuple.__getitem__, map(id, hints)))
         free = [
-            ok and f is not None and counts[p] == 1 and p not in families and p not in drawn
-            for p, f, ok in zip(prefixes, wanted, eligible, strict=True)
+            f is not None and counts[p] == 1 and p not in families and p not in drawn
+            for p, f in zip(prefixes, wanted, strict=True)
         ]
         values = np.fromiter(map(hash, prefixes), np.int64, n)
         slots = self._head_slots  # (none on a small model: every head is searched)

@@ -4,7 +4,9 @@ reads any more removed, and every replacement spliced in place."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
 
 from onnx_qrewrite import _onnx as onnx
 from onnx_qrewrite.errors import InternalError
@@ -42,6 +44,16 @@ class Spooled(Mapping[int, bytes]):
         if not bits[index >> 3] & bit:
             bits[index >> 3] |= bit
             self._count += 1
+
+    def add_all(self, indices: Sequence[int]) -> None:
+        """:meth:`add` of each of ``indices`` (the scope's, in increasing order), in one pass."""
+        if not indices:
+            return
+        at = np.array(indices, np.int64)
+        view = np.frombuffer(self._bits, np.uint8)
+        byte, bit = at >> 3, np.left_shift(1, at & 7).astype(np.uint8)
+        self._count += int(np.count_nonzero((view[byte] & bit) == 0))
+        np.bitwise_or.at(view, byte, bit)
 
     def __contains__(self, index: object) -> bool:
         if not isinstance(index, int) or not 0 <= index < 8 * len(self._bits):

@@ -215,11 +215,11 @@ class RunStamper:
             )
             for name, outs, node in zip(names, outputs, sel, strict=True)
         ]
-        eligible = [
-            bool(name) and len(ins) == k.n_in and len(outs) == k.n_out
+        hints = [
+            k.hints if name and len(ins) == k.n_in and len(outs) == k.n_out else None
             for name, ins, outs, k in zip(names, inputs, outputs, kinds, strict=True)
         ]
-        free = self.build.names.claim_free_families(prefixes, [k.hints for k in kinds], eligible)
+        free = self.build.names.claim_free_families(prefixes, hints)
         start = 0
         n = len(run)
         while start < n:
@@ -269,54 +269,75 @@ class RunStamper:
         prefix_b = [encode(s) for s in prefixes[part]]
         ins = inputs[part]
         outs = outputs[part]
-        values = [
-            [p, *map(encode, i), *map(encode, o), nb] for p, i, o, nb in zip(prefix_b, ins, outs, name_b, strict=True)
-        ]
-        # Group by kind and length signature; make each group's records.
-        groups: dict[tuple[Any, ...], list[int]] = collections.defaultdict(list)
-        for t, ((_, kind), vals) in enumerate(zip(items, values, strict=True)):
-            groups[(kind, *map(len, vals))].append(t)
+        kinds = [k for _, k in items]
         records: list[bytes] = [b""] * len(items)
-        for key, members in groups.items():
-            self._records(key[0], key[1:], [values[t] for t in members], members, records)
-        # The spool's piece: each replacement after the unchanged nodes before it.
-        pieces: list[bytes] = []
+        for kind in dict.fromkeys(kinds):  # (distinct, in order)
+            own = range(len(items)) if len(kinds) == 1 else [t for t, k in enumerate(kinds) if k is kind]
+            # The values a stamp fills in, column by column: (prefix, inputs..., outputs..., name).
+            kind_ins = [ins[t] for t in own]
+            kind_outs = [outs[t] for t in own]
+            columns = [[prefix_b[t] for t in own]]
+            columns += [[encode(i[j]) for i in kind_ins] for j in range(kind.n_in)]
+            columns += [[encode(o[j]) for o in kind_outs] for j in range(kind.n_out)]
+            columns.append([name_b[t] for t in own])
+            # Grouped by length signature (every length of the replacement follows from those).
+            signatures = list(zip(*[list(map(len, column)) for column in columns], strict=True))
+            if len(set(signatures)) == 1:
+                self._records(kind, signatures[0], columns, range(len(own)), own, records)
+                continue
+            groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
+            for i, signature in enumerate(signatures):
+                groups[signature].append(i)
+            for signature, members in groups.items():
+                self._records(kind, signature, columns, members, [own[i] for i in members], records)
+        # The spool's piece: the nodes from the cursor on, each replaced one as its record and
+        # the others serialized and framed, all in one pass.
+        stop = items[-1][0].index + 1
+        pieces: list[bytes | None] = [None] * (stop - cursor)
         for (m, _), record in zip(items, records, strict=True):
-            if cursor < m.index:
-                pieces.append(self._framed([chunk[r - base] for r in range(cursor, m.index)]))
-            pieces.append(record)
-            cursor = m.index + 1
-        self.spool.write(b"".join(pieces))
+            pieces[m.index - cursor] = record
+        if stop - cursor > len(items):
+            unchanged = [r for r, p in enumerate(pieces) if p is None]
+            offset = cursor - base
+            tag, small = self.tag, SMALL_VARINTS
+            bodies = [chunk[offset + r].SerializeToString() for r in unchanged]
+            framed = [tag + (small[len(b)] if len(b) < 16384 else varint(len(b))) + b for b in bodies]
+            for r, piece in zip(unchanged, framed, strict=True):
+                pieces[r] = piece
+        self.spool.write(b"".join(pieces))  # type: ignore[arg-type]  # (every slot filled)
         self._account(items, ins, name_b, prefix_b)
-        return cursor
+        return stop
 
     def _records(
         self,
         kind: _Kind,
         lengths: tuple[int, ...],
-        values: list[list[bytes]],
-        members: list[int],
+        columns: list[list[bytes]],
+        members: Sequence[int],
+        places: Sequence[int],
         records: list[bytes],
     ) -> None:
-        """The framed replacements of one group (one kind, one length signature) into
-        ``records[members[i]]``."""
+        """The framed replacements of one group (one kind, one length signature): of rows
+        ``members`` of ``columns``, into ``records[places[i]]``."""
+        whole = len(members) == len(columns[0])
         if len(members) < _NUMPY_AT:
             fmt, pick = self._format(kind, lengths)
-            for t, vals in zip(members, values, strict=True):
-                records[t] = fmt % pick(vals)
+            for i, t in zip(members, places, strict=True):
+                records[t] = fmt % pick([column[i] for column in columns])
             return
         record, holes, size = self._layout(kind, lengths)
         count = len(members)
         table = np.empty((count, size), np.uint8)
         table[:] = record
-        columns: dict[int, np.ndarray] = {}
+        filled: dict[int, np.ndarray] = {}
         for offset, k, n in holes:
-            column = columns.get(k)
-            if column is None:
-                column = columns[k] = np.frombuffer(b"".join([v[k] for v in values]), np.uint8).reshape(count, n)
-            table[:, offset : offset + n] = column
+            values = filled.get(k)
+            if values is None:
+                column = columns[k] if whole else [columns[k][i] for i in members]
+                values = filled[k] = np.frombuffer(b"".join(column), np.uint8).reshape(count, n)
+            table[:, offset : offset + n] = values
         blob = table.tobytes()
-        for i, t in enumerate(members):
+        for i, t in enumerate(places):
             records[t] = blob[i * size : (i + 1) * size]
 
     def _meta(self, kind: _Kind, name_length: int, k: int) -> tuple[list[bytes | int], list[bytes | int]]:
@@ -360,20 +381,17 @@ class RunStamper:
         build = self.build
         kinds = [k for _, k in items]
         codes = self.codes
-        for kind, count in collections.Counter(kinds).items():
+        counts = collections.Counter(kinds)
+        for kind, count in counts.items():
             build.created_counts[kind.ops] += count
             build.replaced_ops[self.keys[kind.code]] += count
-        if any(codes[m.index] != k.code for m, k in items):
+        indices = [m.index for m, _ in items]
+        if [codes[i] for i in indices] != [k.code for k in kinds]:
             raise InternalError("a node structure shared by nodes of different ops")
-        by_kind: dict[_Kind, list[int]] = collections.defaultdict(list)
-        for t, kind in enumerate(kinds):
-            by_kind[kind].append(t)
-        for kind, members in by_kind.items():
-            self._input_use(kind, [inputs[t] for t in members])
+        for kind in counts:
+            self._input_use(kind, [ins for ins, k in zip(inputs, kinds, strict=True) if k is kind])
         build.report.rewrites.add_kinds([k.report_kind for k in kinds], name_b, prefix_b, [k.bound for k in kinds])
-        add = self.spooled.add
-        for m, _ in items:
-            add(m.index)
+        self.spooled.add_all(indices)
         done = build.done
         build.done += len(items)
         progress = build.progress
