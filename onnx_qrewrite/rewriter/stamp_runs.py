@@ -39,8 +39,8 @@ __all__ = ["RunStamper"]
 
 #: Matches per run at most, and nodes a run spans at most (its nodes' wrappers and bytes are held
 #: together: bounded, so a long unchanged stretch is never read at once, and what a run holds adds
-#: little to the peak memory: at 1024 matches a run the chain's peak was ~4 MB higher).
-_RUN = 256
+#: little to the peak memory: at 1024 matches a run the chain's peak was ~4 MB higher, at 256 ~1 MB).
+_RUN = 128
 _SPAN = 4096
 #: Unchanged nodes before a run beyond this many are spooled first, as a build alone spools them.
 _GAP = 1024
