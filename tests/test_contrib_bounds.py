@@ -321,3 +321,22 @@ def test_a_bert_fused_by_onnxruntimes_optimizer_passes_rewrite_verify(optimizer_
     assert "12 bounded replacements within their bounds" in proc.stdout
     again = cli_in_process("verify", optimizer_fused_bert, out)
     assert again.returncode == 0, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("fill", [-10000.0, float(np.finfo(np.float32).min)])
+def test_an_additive_padding_mask_in_attention_bias_does_not_blind_the_bound(fill):
+    """Review 5 R6: a padding mask added through attention_bias (-10000, or float32's lowest as
+    exports write it) made S the bias's size for the whole node, and a 1% scale error passed. Keys
+    whose biased score is far below their row's largest weigh 0 in float32 and no longer count."""
+    b, s, t, h, hv, n = 2, 16, 16, 64, 64, 4
+    original = mha_model(b, s, t, h, hv, n)
+    node = original.graph.node[0]
+    while len(node.input) < 5:
+        node.input.append("")
+    node.input.append("ab")
+    original.graph.input.append(onnx.helper.make_tensor_value_info("ab", onnx.TensorProto.FLOAT, [b, 1, s, t]))
+    feeds = mha_feeds(b, s, t, h, hv)
+    feeds["ab"] = np.zeros((b, 1, s, t), np.float32)
+    feeds["ab"][..., -3:] = fill  # the last 3 keys padded out; every row keeps 13
+    rewritten = _assert_within(original, feeds, "unfuse-multi-head-attention")
+    _assert_caught(original, _scale_off(rewritten), feeds, "unfuse-multi-head-attention")

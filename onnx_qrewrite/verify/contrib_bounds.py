@@ -20,7 +20,9 @@ contract, ``docs/lowerings.md``), from the original node and the values it reads
     ``u8s8-attention`` bounds), MultiHeadAttention, GroupQueryAttention: every output element within
     ``2^-20·(1 + S)·max|V|``, ``S`` the node's largest ``|score|`` and ``max|V|`` over every value
     it attends (past included), in float64 from the node's inputs: ``S = max|scale·Q·Kᵀ|`` over its
-    heads and keys (past included) plus ``max|attention_bias|``, and at the query rows whose every key
+    heads and keys (past included) plus ``max|attention_bias|`` (Attention's and MultiHeadAttention's
+    output: per query row, ``|score| + |attention_bias|`` over the keys within 104 of the row's largest
+    biased score, whose softmax weights are not 0 in float32), and at the query rows whose every key
     is masked (Attention, MultiHeadAttention) plus ``|mask_filter_value|`` there only; GroupQueryAttention: its head
     sinks count as scores, and with do_rotary ``S`` is ``scale·r²·max‖q‖·max‖k‖`` per head
     (Cauchy-Schwarz; r = max|cos| + max|sin|, at least 1: what the rotation can stretch a pair by),
@@ -194,6 +196,27 @@ def _scores_top(q: np.ndarray, k: np.ndarray, scale: float) -> float:
     return float(np.max(np.abs(scale * (q @ np.swapaxes(k, -1, -2)))))
 
 
+#: Below the row's largest score by more than this, a key's softmax weight is 0 in float32 on both
+#: sides (exp(-104) is below the smallest subnormal): its score's size does not reach the output.
+_DEAD_SCORE = 104.0
+
+
+def _live_scores_top(q: np.ndarray, k: np.ndarray, scale: float, bias: np.ndarray | None) -> np.ndarray | float:
+    """(B, S, 1): per query row and over the heads, the largest ``|scale·q·kᵀ| + |bias|`` among the
+    keys whose biased score is within :data:`_DEAD_SCORE` of the row's largest; without a bias, the
+    node's ``max|scale·q·kᵀ|``. An additive padding mask in the bias (-10000, or float32's lowest)
+    then widens no row by its size (review 5 R6: it made the bound blind to a 1% scale error); a
+    row whose every key it masks keeps the bias's size."""
+    if bias is None or not q.size or not k.size:
+        return _scores_top(q, k, scale)
+    with np.errstate(invalid="ignore", over="ignore"):  # -inf biases: such keys are dead, NaN stays NaN
+        scores = scale * (q @ np.swapaxes(k, -1, -2))
+        biased = scores + bias
+        live = biased >= np.max(biased, axis=-1, keepdims=True) - _DEAD_SCORE
+        size = np.where(live, np.abs(scores) + np.abs(np.broadcast_to(bias, biased.shape)), 0.0)
+        return np.max(size, axis=(1, -1))[..., None]
+
+
 def _masked_rows(
     mask: np.ndarray | None, batch: int, seq: int, keys: int, past: int, causal: bool
 ) -> np.ndarray | None:
@@ -272,7 +295,7 @@ def _attention(node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected:
         k, v = np.concatenate([past[0], k], axis=2), np.concatenate([past[1], v], axis=2)
     scale = float(attrs.get("scale", 0.0)) or 1 / np.sqrt(q.shape[-1])
     attention_bias = _get(node, values, 5) if node.op_type == "Attention" else None  # QAttention has none
-    top = _scores_top(q, k, scale) + _top(attention_bias)
+    top = _live_scores_top(q, k, scale, attention_bias)
     mask = _get(node, values, 3 if node.op_type == "Attention" else 5)
     past_length = 0 if past is None else past.shape[3]
     rows = _masked_rows(mask, q.shape[0], q.shape[2], k.shape[2], past_length, bool(attrs.get("unidirectional", 0)))
@@ -307,14 +330,15 @@ def _multi_head_attention(
         kh, vh = np.concatenate([past_key, kh], axis=2), np.concatenate([past_value, vh], axis=2)
         past_length = past_key.shape[2]
     scale = float(attrs.get("scale", 0.0)) or 1 / np.sqrt(qh.shape[-1])
-    top = _scores_top(qh, kh, scale) + _top(_get(node, values, 5))
+    attention_bias = _get(node, values, 5)
     mask = _get(node, values, 4)
     batch, seq, keys = qh.shape[0], qh.shape[2], kh.shape[2]
     rows = _masked_rows(mask, batch, seq, keys, past_length, bool(attrs.get("unidirectional", 0)))
-    per_row = 1 + top + _filter_term(attrs, rows)  # (B, S, 1), or a number without such rows
     if output == 3:  # qk (B, N, S, T): the scores, rounded differently only at one query (MLAS's GEMV)
+        per_row = 1 + _scores_top(qh, kh, scale) + _top(attention_bias) + _filter_term(attrs, rows)
         rows_first = per_row[:, None] if isinstance(per_row, np.ndarray) else per_row
         return _ATTENTION_ROUNDING * rows_first if seq == 1 else np.zeros(1)
+    per_row = 1 + _live_scores_top(qh, kh, scale, attention_bias) + _filter_term(attrs, rows)  # (B, S, 1)
     return _ATTENTION_ROUNDING * per_row * _top(vh)
 
 

@@ -534,7 +534,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "at each output, score = scale·Q·Kᵀ plus attention_bias, past keys and values included (asserted on "
             "the tests' battery; worst measured 2^-22.6); present: its past part copied bit for bit, its new K and "
             "V within 2·(K + 1)·2^-24·(|x|·|W| + |b|), K the input hidden size; max|score| and max|V| the node's "
-            "largest, plus |mask_filter_value| at the rows whose every key is masked; every output checked per "
+            "largest (with attention_bias, max|score| per query row over the keys within 104 of its largest "
+            "biased score: the others weigh 0 in float32), plus |mask_filter_value| at the rows whose every key "
+            "is masked; every output checked per "
             "element by verify (formula attention-scores)",
             opset=lambda options, dtypes: _attention_opset("mask_index"),
         ),
@@ -553,7 +555,9 @@ _DECLARED: dict[str, tuple[str, Contract]] = {
             "output, score = scale·Q·Kᵀ over the past and new keys plus attention_bias, and plus the filter value "
             "in rows whose every key is masked (asserted on the tests' battery; worst measured 0.091 of it, a fully "
             "masked decoder step); the qk output within 2^-20·(1 + max|score|) at sequence 1, bit-exact otherwise; "
-            "present_key / present_value bit-exact (copies); max|score| and max|V| the node's largest; every "
+            "present_key / present_value bit-exact (copies); max|score| and max|V| the node's largest (the output's "
+            "max|score| with attention_bias per query row, over the keys within 104 of its largest biased score: "
+            "the others weigh 0 in float32); every "
             "output checked per element by verify (formula attention-scores)",
             opset=lambda options, dtypes: _attention_opset("key_padding_mask"),
         ),
