@@ -192,7 +192,9 @@ def test_16_bit_with_the_opset_kept_decomposes_with_onnxruntimes_saturation(dtyp
             original, keep_opset=True, allow_unlowered=True, only=["ms-q-standard"]
         ).report.unlowered
     }
-    assert reasons == {"q": ("ms-q-standard: needs opset 21, model has 17 and the opset is kept",)}
+    assert reasons["q"] == ("ms-q-standard: needs opset 21, model has 17 and the opset is kept",)
+    # The DequantizeLinear no rule of `only` names is said too, not kept silently.
+    assert set(reasons) == {"q", "dq"} and "no rule of the catalogue lowers" in reasons["dq"][0], reasons
 
 
 @rule_marker("ms-q-decompose", "negative")

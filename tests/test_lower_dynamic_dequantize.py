@@ -157,8 +157,12 @@ def test_a_rule_file_can_narrow_the_domain(tmp_path):
     result = onnx_qrewrite.rewrite(mine, rules=[rules], skip=skip)
     assert result.report.by_rule() == {"my-dd": 1} and op_types(result.model) == ["Cast", "Cast", "Sub", "Cast", "Mul"]
     other, *_ = dd_model("int8", "int8", domain="other.domain")
-    untouched = onnx_qrewrite.rewrite(other, rules=[rules], skip=skip)
+    # A quantization op no active rule names is said (exit 4), and kept when unlowered ops are allowed.
+    with pytest.raises(onnx_qrewrite.LoweringError, match=r"no rule of the catalogue lowers other\.domain::Dyn"):
+        onnx_qrewrite.rewrite(other, rules=[rules], skip=skip)
+    untouched = onnx_qrewrite.rewrite(other, rules=[rules], skip=skip, allow_unlowered=True)
     assert op_types(untouched.model) == ["DynamicDequantize"] and not untouched.report.changed
+    assert [u.node for u in untouched.report.unlowered] == ["dd"]
 
 
 def test_bfloat16_scales_compute_in_float_and_cast():
