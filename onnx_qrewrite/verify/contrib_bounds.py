@@ -71,8 +71,9 @@ __all__ = ["READS", "evaluate"]
 _U = 2.0**-24
 
 
-def _gamma(k: int) -> float:
-    """The standard float32 summation error factor of k terms, ``k·u / (1 - k·u)``."""
+def summation_gamma(k: int) -> float:
+    """Higham's float32 summation error factor of k terms, ``k·u / (1 - k·u)``, u = 2^-24 (one
+    definition for this module and :mod:`.element_bounds`)."""
     return k * _U / (1 - k * _U)
 
 
@@ -153,7 +154,7 @@ def _layer_norm(node: onnx.NodeProto, values: Mapping[str, np.ndarray], expected
     # The simplified forms sum h squares of one sign: two summation orders of rows of large, alike
     # values differ by up to gamma(h) of the sum (h/16 was exceeded 1.67x at h 2048, rows ~1e7: review
     # 5 R8), halved by the square root; the centred forms' squares are of spread-sized deviations.
-    c = (8 * _U + _gamma(h)) if simplified else (8 + h / 16) * _U
+    c = (8 * _U + summation_gamma(h)) if simplified else (8 + h / 16) * _U
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # non-finite rows: NaN bounds there
         mean = np.zeros((*v.shape[:-1], 1)) if simplified else v.mean(-1, keepdims=True)
         spread = v * v if simplified else (v - mean) ** 2
@@ -405,10 +406,9 @@ def _fused_matmul(
         perm = matmul_operand_perm(t.ndim, bool(attrs.get(trans, 0)), bool(attrs.get(batch, 0)))
         operands.append(np.abs(np.transpose(t, perm)))
     k = operands[0].shape[-1]
-    gamma = k * _U / (1 - k * _U)
     alpha = abs(float(attrs.get("alpha", 1.0)))
     with np.errstate(invalid="ignore", over="ignore"):  # non-finite inputs: NaN or infinite bounds there
-        return 2 * gamma * alpha * (operands[0] @ operands[1]) + 2 * _U * _larger(expected, actual)
+        return 2 * summation_gamma(k) * alpha * (operands[0] @ operands[1]) + 2 * _U * _larger(expected, actual)
 
 
 # --- embed-layer-norm ------------------------------------------------------------------------------

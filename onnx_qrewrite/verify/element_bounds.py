@@ -255,13 +255,11 @@ def _float32_sum_order(
     assert a is not None
     weights = _weight_magnitudes(node, values) if prepared is None else prepared
     k = weights.magnitudes.shape[0]
-    n = (k + 1) * _U
-    gamma = n / (1 - n)
     total = weights.product(a)
     bias = _input(node, values, 5)
     if bias is not None:
         total = total + np.abs(bias.astype(np.float64))
-    bound = 2 * gamma * total
+    bound = 2 * contrib_bounds.summation_gamma(k + 1) * total
     if expected.dtype == np.float16:
         larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
         with np.errstate(invalid="ignore"):  # an infinite output: a NaN bound (only equal values pass)
@@ -337,7 +335,7 @@ def _u8s8_attention(
     spread = np.max(v, axis=-2, keepdims=True) - np.min(v, axis=-2, keepdims=True)  # (B, H, 1, size)
     bound = np.tanh(largest / 2) * spread + np.max(ev, axis=-2, keepdims=True)
     keys = 2 * k.shape[-2] + 4  # each side's softmax weights and weighted sum of T values, in float32
-    rounding = _ROUNDING * (1 + scores) + 2 * keys * _U / (1 - keys * _U)
+    rounding = _ROUNDING * (1 + scores) + 2 * contrib_bounds.summation_gamma(keys)
     bound = bound + rounding * np.max(np.abs(v), axis=(-1, -2), keepdims=True)
     bound = np.moveaxis(bound, -3, -2).reshape(expected.shape)
     larger = np.maximum(np.abs(expected.astype(np.float64)), np.abs(actual.astype(np.float64)))
